@@ -1,0 +1,59 @@
+"""Paged self-attention, pure-PyTorch reference (prefill and decode, any mix in one step).
+
+What it does: projects q/k/v, applies qk-norm and RoPE, writes the step's keys/values into the
+paged KV cache, then for each sequence gathers its keys/values through its block table and
+attends causally (query at position p sees keys 0..p) with GQA. This is the reference twin of
+the Triton paged-decode kernel of a later stage. It does not allocate blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pwrun.kv.cache import PagedKVCache
+from pwrun.model.ops import apply_rope, rms_norm, rope_cos_sin
+from pwrun.model.spec import AttentionSpec
+from pwrun.model.step import StepTensors
+from pwrun.model.weights import AttentionWeights
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec, eps: float, layer: int,
+                      step: StepTensors, cache: PagedKVCache) -> torch.Tensor:
+    """Self-attention output [T, H] for normalised hidden states x [T, H] of one step.
+
+    The step's keys/values are written to ``cache`` at ``step.slots`` before attending.
+    """
+    t = x.shape[0]
+    hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q, k, v = _linear(x, w.q, w.q_bias), _linear(x, w.k, w.k_bias), _linear(x, w.v, w.v_bias)
+    if spec.qk_norm == "full":
+        assert w.q_norm is not None and w.k_norm is not None
+        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+    if spec.clip_qkv is not None:
+        q, k, v = (z.clamp(-spec.clip_qkv, spec.clip_qkv) for z in (q, k, v))
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    if spec.qk_norm == "per_head":
+        assert w.q_norm is not None and w.k_norm is not None
+        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+    cos, sin = rope_cos_sin(step.positions, d, spec.rope_theta, x.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache.write(layer, step.slots, k, v)
+
+    out = torch.empty_like(q)
+    groups = hq // hkv
+    for s in range(step.num_seqs):
+        lo, hi = step.query_start[s], step.query_start[s + 1]
+        ctx = step.context_lens[s]
+        ks, vs = cache.gather(layer, step.block_tables[s], ctx)
+        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        qpos = step.positions[lo:hi]
+        mask = torch.arange(ctx, device=x.device)[None, :] <= qpos[:, None]  # [n, ctx]
+        o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                           attn_mask=mask, scale=d**-0.5)
+        out[lo:hi] = o.transpose(0, 1)
+    return F.linear(out.reshape(t, hq * d), w.o)

@@ -1,0 +1,150 @@
+"""Read a local Hugging Face MoE checkpoint into ``ModelWeights`` (safetensors only, never pickle).
+
+What it does: finds ``*.safetensors`` (single file or sharded with an index), maps the
+family's tensor names to the canonical layout (``CheckpointNames``), stacks per-expert
+projections into [E, 2I, H] / [E, H, I] (or takes transformers-5 fused ``gate_up_proj`` /
+``down_proj`` tensors as they are), checks every shape against the spec, and casts to the
+requested dtype and device. Errors name the missing tensor or the mismatched shape.
+It does not parse configs (``families.py``) or run anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pwrun.errors import PagedWeightError
+from pwrun.model.families import CheckpointNames
+from pwrun.model.spec import LayerSpec, ModelSpec
+from pwrun.model.weights import AttentionWeights, LayerWeights, MLPWeights, ModelWeights, MoEWeights
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files; raises ``PagedWeightError`` if there are none."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise PagedWeightError(f"{model_dir}: shard(s) {', '.join(missing)} listed in the index are missing: "
+                                   "copy the complete checkpoint")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickled = list(model_dir.glob("*.bin")) + list(model_dir.glob("*.pt"))
+        hint = " (only pickle *.bin files found: convert them to safetensors)" if pickled else ""
+        raise PagedWeightError(f"no *.safetensors weights in {model_dir}{hint}")
+    return files
+
+
+class TensorReader:
+    """Lazy name -> tensor access over a set of safetensors files."""
+
+    def __init__(self, files: list[Path], dtype: torch.dtype, device: torch.device | str) -> None:
+        self.dtype, self.device = dtype, device
+        self._where: dict[str, Path] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    self._where[k] = f
+        self._handles: dict[Path, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if name not in self._where:
+            raise PagedWeightError(f"tensor '{name}' is missing from the checkpoint: the weights do not match "
+                                   "config.json (wrong or partial checkpoint)")
+        f = self._where[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt")
+        t = self._handles[f].get_tensor(name)  # type: ignore[attr-defined]
+        if shape is not None and tuple(t.shape) != shape:
+            raise PagedWeightError(f"tensor '{name}' has shape {tuple(t.shape)} but config.json implies {shape}: "
+                                   "the weights belong to another config")
+        if not t.is_floating_point():
+            raise PagedWeightError(f"tensor '{name}' has dtype {t.dtype}: only float checkpoints are supported")
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def maybe(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.get(name, shape) if self.has(name) else None
+
+
+def _attention(r: TensorReader, p: str, spec: ModelSpec, layer: LayerSpec) -> AttentionWeights:
+    a, h = layer.attention, spec.hidden_size
+    qd, kd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    w = AttentionWeights(
+        q=r.get(p + "q_proj.weight", (qd, h)), k=r.get(p + "k_proj.weight", (kd, h)),
+        v=r.get(p + "v_proj.weight", (kd, h)), o=r.get(p + "o_proj.weight", (h, qd)),
+    )
+    if a.qkv_bias:
+        w.q_bias, w.k_bias, w.v_bias = (r.get(p + f"{n}_proj.bias", (d,)) for n, d in (("q", qd), ("k", kd), ("v", kd)))
+    if a.qk_norm == "per_head":
+        w.q_norm, w.k_norm = r.get(p + "q_norm.weight", (a.head_dim,)), r.get(p + "k_norm.weight", (a.head_dim,))
+    elif a.qk_norm == "full":
+        w.q_norm, w.k_norm = r.get(p + "q_norm.weight", (qd,)), r.get(p + "k_norm.weight", (kd,))
+    return w
+
+
+def _mlp(r: TensorReader, p: str, names: tuple[str, str, str], inter: int, h: int) -> MLPWeights:
+    gate = r.get(p + names[0] + ".weight", (inter, h))
+    up = r.get(p + names[1] + ".weight", (inter, h))
+    return MLPWeights(gate_up=torch.cat([gate, up], 0), down=r.get(p + names[2] + ".weight", (h, inter)))
+
+
+def _moe(r: TensorReader, p: str, spec: ModelSpec, layer: LayerSpec, names: CheckpointNames) -> MoEWeights:
+    m, h = layer.moe, spec.hidden_size
+    assert m is not None
+    e, i = m.num_experts, m.expert_intermediate
+    mp = p + names.moe_prefix + "."
+    router = r.get(mp + "gate.weight", (e, h))
+    if r.has(mp + "experts.gate_up_proj"):  # transformers-5 fused layout
+        gate_up = r.get(mp + "experts.gate_up_proj", (e, 2 * i, h))
+        down = r.get(mp + "experts.down_proj", (e, h, i))
+    else:
+        units = (names.expert_gate, names.expert_up, names.expert_down)
+        experts = [_mlp(r, mp + f"experts.{x}.", units, i, h) for x in range(e)]
+        gate_up = torch.stack([x.gate_up for x in experts])
+        down = torch.stack([x.down for x in experts])
+    w = MoEWeights(router=router, gate_up=gate_up, down=down)
+    if m.shared_intermediate:
+        w.shared = _mlp(r, mp + "shared_expert.", ("gate_proj", "up_proj", "down_proj"), m.shared_intermediate, h)
+    if m.shared_gate:
+        w.shared_gate = r.get(mp + "shared_expert_gate.weight", (1, h))
+    return w
+
+
+def load_weights(model_dir: Path, spec: ModelSpec, names: CheckpointNames, dtype: torch.dtype,
+                 device: torch.device | str) -> ModelWeights:
+    """Load every tensor the lean model needs, as ``dtype`` on ``device``.
+
+    Raises ``PagedWeightError`` when files or tensors are missing or shapes disagree with ``spec``.
+    """
+    r = TensorReader(safetensors_files(model_dir), dtype, device)
+    h, v = spec.hidden_size, spec.vocab_size
+    embed = r.get("model.embed_tokens.weight", (v, h))
+    if r.has("lm_head.weight") and not spec.tie_word_embeddings:
+        lm_head = r.get("lm_head.weight", (v, h))
+    elif spec.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = r.get("lm_head.weight", (v, h))
+    layers = []
+    for layer in spec.layers:
+        p = f"model.layers.{layer.index}."
+        lw = LayerWeights(
+            attn_norm=r.get(p + "input_layernorm.weight", (h,)),
+            ffn_norm=r.get(p + "post_attention_layernorm.weight", (h,)),
+            attn=_attention(r, p + "self_attn.", spec, layer),
+        )
+        if layer.moe is not None:
+            lw.moe = _moe(r, p, spec, layer, names)
+        else:
+            lw.mlp = _mlp(r, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), layer.dense_intermediate, h)
+        layers.append(lw)
+    return ModelWeights(embed=embed, lm_head=lm_head, final_norm=r.get("model.norm.weight", (h,)), layers=layers)

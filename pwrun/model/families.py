@@ -1,0 +1,178 @@
+"""Model families: turn a Hugging Face config into the canonical ``ModelSpec``.
+
+What it does: one adapter per supported family (``qwen2_moe``, ``mixtral``, ``qwen3_moe``,
+``olmoe``) reads the family's config fields and says where its tensors live in a checkpoint
+(``CheckpointNames``). Families that we cannot run yet (``gemma4``) get a clear error naming
+the missing pieces. It does not read tensors (``checkpoint.py`` does) and imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pwrun.errors import PagedWeightError
+from pwrun.model.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, QKNorm
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """Where a family keeps its MoE tensors, relative to ``model.layers.{l}.``.
+
+    ``moe_prefix``: the MoE block's module name; ``expert_*``: the per-expert projection names
+    (hub checkpoints store ``experts.{e}.{name}.weight``); gate/up are concatenated into our
+    ``gate_up`` [2I, H] with gate rows first.
+    """
+
+    moe_prefix: str = "mlp"
+    expert_gate: str = "gate_proj"
+    expert_up: str = "up_proj"
+    expert_down: str = "down_proj"
+
+
+QWEN_NAMES = CheckpointNames()
+MIXTRAL_NAMES = CheckpointNames(moe_prefix="block_sparse_moe", expert_gate="w1", expert_up="w3", expert_down="w2")
+
+UNSUPPORTED = {
+    "gemma4": (
+        "gemma4 (Gemma-4 MoE) is not supported yet: it needs sliding-window + global attention with "
+        "attention_k_eq_v and proportional partial RoPE, a dense MLP summed beside the MoE block with "
+        "post-feedforward norms, GELU-tanh experts and final logit softcapping"
+    ),
+}
+UNSUPPORTED["gemma4_text"] = UNSUPPORTED["gemma4"]
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    return getattr(cfg, name, default)
+
+
+def _rope_theta(cfg: Any) -> float:
+    params = _get(cfg, "rope_parameters") or {}
+    if isinstance(params, dict) and params:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise PagedWeightError(f"RoPE scaling '{rope_type}' is not supported yet: use a checkpoint with default RoPE")
+        if "rope_theta" in params:
+            return float(params["rope_theta"])
+    theta = _get(cfg, "rope_theta")
+    if theta is None:
+        raise PagedWeightError("config.json has no rope_theta: add it (10000.0 is the usual default)")
+    return float(theta)
+
+
+def _check_common(cfg: Any) -> None:
+    act = _get(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise PagedWeightError(f"hidden_act '{act}' is not supported: PagedWeight runs SwiGLU (silu) experts")
+    use_sw = _get(cfg, "use_sliding_window", None)
+    window = _get(cfg, "sliding_window", None)
+    if (use_sw is None and window) or use_sw:
+        raise PagedWeightError("sliding-window attention is not supported yet: set use_sliding_window false "
+                               "or sliding_window null in config.json if the model does not need it")
+
+
+def _attention(cfg: Any, qkv_bias: bool, qk_norm: QKNorm) -> AttentionSpec:
+    heads = int(cfg.num_attention_heads)
+    head_dim = _get(cfg, "head_dim") or cfg.hidden_size // heads
+    return AttentionSpec(
+        num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        clip_qkv=_get(cfg, "clip_qkv"),
+        rope_theta=_rope_theta(cfg),
+    )
+
+
+def _eos(cfg: Any) -> tuple[int, ...]:
+    eos = _get(cfg, "eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list | tuple) else (int(eos),)
+
+
+def _model(cfg: Any, family: str, layers: list[LayerSpec]) -> ModelSpec:
+    return ModelSpec(
+        family=family,
+        vocab_size=int(cfg.vocab_size),
+        hidden_size=int(cfg.hidden_size),
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        max_position_embeddings=int(cfg.max_position_embeddings),
+        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
+        layers=tuple(layers),
+        eos_token_ids=_eos(cfg),
+    )
+
+
+def _qwen_layers(cfg: Any, attn: AttentionSpec, moe: MoESpec) -> list[LayerSpec]:
+    sparse_step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
+    mlp_only = set(_get(cfg, "mlp_only_layers", None) or [])
+    out = []
+    for i in range(int(cfg.num_hidden_layers)):
+        if i not in mlp_only and moe.num_experts > 0 and (i + 1) % sparse_step == 0:
+            out.append(LayerSpec(i, attn, moe))
+        else:
+            out.append(LayerSpec(i, attn, None, dense_intermediate=int(cfg.intermediate_size)))
+    return out
+
+
+def qwen2_moe(cfg: Any) -> ModelSpec:
+    _check_common(cfg)
+    attn = _attention(cfg, qkv_bias=bool(_get(cfg, "qkv_bias", True)), qk_norm="none")
+    shared = int(_get(cfg, "shared_expert_intermediate_size", 0) or 0)
+    moe = MoESpec(int(cfg.num_experts), int(cfg.num_experts_per_tok), int(cfg.moe_intermediate_size),
+                  bool(cfg.norm_topk_prob), shared_intermediate=shared, shared_gate=shared > 0)
+    return _model(cfg, "qwen2_moe", _qwen_layers(cfg, attn, moe))
+
+
+def qwen3_moe(cfg: Any) -> ModelSpec:
+    _check_common(cfg)
+    attn = _attention(cfg, qkv_bias=bool(_get(cfg, "attention_bias", False)), qk_norm="per_head")
+    moe = MoESpec(int(cfg.num_experts), int(cfg.num_experts_per_tok), int(cfg.moe_intermediate_size),
+                  bool(cfg.norm_topk_prob))
+    return _model(cfg, "qwen3_moe", _qwen_layers(cfg, attn, moe))
+
+
+def mixtral(cfg: Any) -> ModelSpec:
+    _check_common(cfg)
+    attn = _attention(cfg, qkv_bias=False, qk_norm="none")
+    moe = MoESpec(int(cfg.num_local_experts), int(cfg.num_experts_per_tok), int(cfg.intermediate_size),
+                  norm_topk_prob=True)
+    return _model(cfg, "mixtral", [LayerSpec(i, attn, moe) for i in range(int(cfg.num_hidden_layers))])
+
+
+def olmoe(cfg: Any) -> ModelSpec:
+    _check_common(cfg)
+    attn = _attention(cfg, qkv_bias=bool(_get(cfg, "attention_bias", False)), qk_norm="full")
+    moe = MoESpec(int(cfg.num_experts), int(cfg.num_experts_per_tok), int(cfg.intermediate_size),
+                  bool(_get(cfg, "norm_topk_prob", False)))
+    return _model(cfg, "olmoe", [LayerSpec(i, attn, moe) for i in range(int(cfg.num_hidden_layers))])
+
+
+FAMILIES: dict[str, tuple[Callable[[Any], ModelSpec], CheckpointNames]] = {
+    "qwen2_moe": (qwen2_moe, QWEN_NAMES),
+    "qwen3_moe": (qwen3_moe, QWEN_NAMES),
+    "mixtral": (mixtral, MIXTRAL_NAMES),
+    "olmoe": (olmoe, QWEN_NAMES),
+}
+
+
+def spec_from_config(cfg: Any) -> tuple[ModelSpec, CheckpointNames]:
+    """Canonical spec and checkpoint names for a transformers ``PretrainedConfig``.
+
+    Raises ``PagedWeightError`` for unsupported families or features, naming what is missing.
+    """
+    model_type = str(_get(cfg, "model_type", ""))
+    if model_type in UNSUPPORTED:
+        raise PagedWeightError(UNSUPPORTED[model_type])
+    if model_type not in FAMILIES:
+        raise PagedWeightError(f"unknown architecture '{model_type}' in config.json: supported families are "
+                               f"{', '.join(sorted(FAMILIES))}")
+    parse, names = FAMILIES[model_type]
+    try:
+        return parse(cfg), names
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise PagedWeightError(f"config.json of family {model_type} is incomplete or inconsistent: {exc}") from exc

@@ -1,0 +1,74 @@
+"""The lean reference MoE model: its own forward pass over a paged KV cache (plain PyTorch).
+
+What it does: embeddings -> per layer [RMSNorm -> paged GQA attention (RoPE, optional qkv bias
+/ qk-norm) -> residual -> RMSNorm -> MoE block or dense MLP -> residual] -> final RMSNorm ->
+lm_head, for any family described by a ``ModelSpec``. Runs on CPU and CUDA in the dtype of its
+weights. One ``forward`` call runs one step: any mix of prefill chunks and decode tokens of many
+sequences. It does not schedule, allocate KV blocks or sample (``generate.py`` does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pwrun.kv.cache import PagedKVCache
+from pwrun.model.attention import attention_forward
+from pwrun.model.moe import MoEObserver, mlp_forward, moe_forward
+from pwrun.model.ops import rms_norm
+from pwrun.model.spec import ModelSpec
+from pwrun.model.step import StepTensors
+from pwrun.model.weights import ModelWeights
+
+
+class LeanMoEModel:
+    """A loaded model: ``spec`` (what it is) + ``weights`` (its tensors, one dtype/device)."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+        self.spec, self.weights = spec, weights
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embed.device
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A KV cache of ``num_blocks`` blocks of ``block_size`` tokens, in the model's dtype/device."""
+        a = self.spec.layers[0].attention
+        return PagedKVCache(self.spec.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim,
+                            self.dtype, self.device)
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """B_KV: bytes of one KV block over all layers (SPEC Eq. 7)."""
+        a = self.spec.layers[0].attention
+        return PagedKVCache.block_bytes(self.spec.num_layers, block_size, a.num_kv_heads, a.head_dim, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, step: StepTensors, cache: PagedKVCache, logits_for: str = "last",
+                observer: MoEObserver | None = None) -> torch.Tensor:
+        """Run one step; writes its keys/values into ``cache``.
+
+        Returns fp32 logits: [S, V] for each sequence's last token (``logits_for="last"``) or
+        [T, V] for every token (``"all"``, used by perplexity and parity tests).
+        """
+        spec, w = self.spec, self.weights
+        h = F.embedding(step.tokens, w.embed)
+        for ls, lw in zip(spec.layers, w.layers, strict=True):
+            x = rms_norm(h, lw.attn_norm, spec.rms_norm_eps)
+            h = h + attention_forward(x, lw.attn, ls.attention, spec.rms_norm_eps, ls.index, step, cache)
+            x = rms_norm(h, lw.ffn_norm, spec.rms_norm_eps)
+            if lw.moe is not None:
+                assert ls.moe is not None
+                h = h + moe_forward(x, lw.moe, ls.moe, ls.index, observer)
+            else:
+                assert lw.mlp is not None
+                h = h + mlp_forward(x, lw.mlp)
+        if logits_for == "last":
+            h = h.index_select(0, step.last_token_index)
+        elif logits_for != "all":
+            raise ValueError(f"logits_for must be 'last' or 'all', got {logits_for!r}")
+        h = rms_norm(h, w.final_norm, spec.rms_norm_eps)
+        return F.linear(h, w.lm_head).float()

@@ -1,0 +1,104 @@
+"""Load a local Hugging Face MoE checkpoint directory into a ``LeanMoEModel`` and its tokenizer.
+
+What it does: validates the directory (config.json, safetensors weights, tokenizer files),
+parses the config with ``transformers.AutoConfig`` (offline: ``local_files_only``), maps it to
+the canonical spec, loads the tensors, and picks device/dtype defaults (CUDA + bf16 when a GPU is
+present, CPU + fp32 otherwise). Every bad input raises ``PagedWeightError`` with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pwrun.errors import PagedWeightError
+from pwrun.model.checkpoint import load_weights
+from pwrun.model.families import CheckpointNames, spec_from_config
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> cuda if available else cpu; raises ``PagedWeightError`` for an unusable device."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise PagedWeightError(f"unknown device '{device}': use auto, cpu or cuda[:N]") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PagedWeightError("--device cuda was asked for but no CUDA GPU is visible: use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` -> bf16 on CUDA, fp32 on CPU; else one of ``DTYPES``."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise PagedWeightError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_config(model_dir: Path) -> Any:
+    """The transformers config of ``model_dir`` (offline)."""
+    if not model_dir.is_dir():
+        raise PagedWeightError(f"model directory {model_dir} does not exist: pass a local Hugging Face checkpoint "
+                               "directory (config.json + *.safetensors + tokenizer files)")
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise PagedWeightError(f"{model_dir} has no config.json: it is not a Hugging Face checkpoint directory")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PagedWeightError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    model_type = raw.get("model_type")
+    from pwrun.model.families import FAMILIES, UNSUPPORTED
+
+    if model_type in UNSUPPORTED or model_type not in FAMILIES:
+        # fail before transformers, which may not know the type at all
+        spec_from_config(type("Cfg", (), {"model_type": model_type})())
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise PagedWeightError(f"transformers cannot read {cfg_path}: {str(exc).splitlines()[0]}") from exc
+
+
+def load_spec(model_dir: Path) -> tuple[ModelSpec, CheckpointNames]:
+    """Canonical spec of the checkpoint in ``model_dir`` without loading tensors."""
+    return spec_from_config(read_config(model_dir))
+
+
+def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> LeanMoEModel:
+    """Load the checkpoint in ``model_dir`` as a ``LeanMoEModel`` on ``device`` in ``dtype``.
+
+    Raises ``PagedWeightError`` for a missing directory/config/weights, an unsupported family, or
+    tensors that do not match the config.
+    """
+    path = Path(model_dir)
+    spec, names = load_spec(path)
+    dev = resolve_device(device)
+    weights = load_weights(path, spec, names, resolve_dtype(dtype, dev), dev)
+    return LeanMoEModel(spec, weights)
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The checkpoint's tokenizer (``transformers.AutoTokenizer``, offline)."""
+    path = Path(model_dir)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise PagedWeightError(f"no tokenizer in {path} (tokenizer.json, tokenizer.model or vocab.json): copy the "
+                               "model's tokenizer files into the checkpoint directory")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, OSError) as exc:
+        raise PagedWeightError(f"cannot load the tokenizer in {path}: {str(exc).splitlines()[0]}") from exc

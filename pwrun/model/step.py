@@ -1,0 +1,76 @@
+"""What one forward step computes: typed boundary between the scheduler and the model runner.
+
+What it does: ``SeqChunk`` (control plane, plain ints) says which new tokens of which sequence
+run in this step and where they go in the KV cache; ``StepTensors.build`` turns a list of
+chunks into the device tensors the model reads (flattened tokens [T], positions [T], slots [T],
+per-sequence query offsets, context lengths and block tables). A chunk of many tokens is a
+prefill, a chunk of one token a decode; one step may mix both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """New tokens ``token_ids`` of sequence ``seq_id`` at positions ``start .. start+len-1``.
+
+    ``slots``: their physical KV slots; ``block_table``: the sequence's whole block table.
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start: int
+    slots: tuple[int, ...]
+    block_table: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a chunk needs at least one token")
+        if len(self.slots) != len(self.token_ids):
+            raise ValueError("one slot per token")
+
+
+@dataclass
+class StepTensors:
+    """Device tensors of one step: tokens/positions/slots [T] int64; ``query_start`` has S+1 offsets."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    query_start: list[int]
+    context_lens: list[int]
+    block_tables: list[torch.Tensor]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """[S] index into the T tokens of each sequence's last token (whose logits sample the next)."""
+        return torch.tensor([e - 1 for e in self.query_start[1:]], device=self.tokens.device)
+
+    @staticmethod
+    def build(chunks: list[SeqChunk], device: torch.device | str) -> StepTensors:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        for c in chunks:
+            tokens.extend(c.token_ids)
+            positions.extend(range(c.start, c.start + len(c.token_ids)))
+            slots.extend(c.slots)
+            starts.append(len(tokens))
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return StepTensors(
+            tokens=t(tokens), positions=t(positions), slots=t(slots), query_start=starts,
+            context_lens=[c.start + len(c.token_ids) for c in chunks],
+            block_tables=[t(list(c.block_table)) for c in chunks],
+        )

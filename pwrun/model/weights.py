@@ -1,0 +1,92 @@
+"""Tensors of a loaded model, in the canonical layout of ``spec.py``.
+
+What it does: typed containers for the weights the lean model reads. Expert linears are
+stacked per layer: ``gate_up`` [E, 2I, H] (gate rows first, then up) and ``down`` [E, H, I],
+so that a later stage can swap them for Any-Precision bit-planes block by block (SPEC
+section 3: a linear block is (layer, expert, unit)). It does not load or compute anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionWeights:
+    """q [Hq*D, H], k/v [Hkv*D, H], o [H, Hq*D]; biases [out] or None; q_norm/k_norm [D] or [Hq*D]/[Hkv*D]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class MLPWeights:
+    """One SwiGLU MLP: gate_up [2I, H] (gate rows first), down [H, I]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class MoEWeights:
+    """router [E, H]; gate_up [E, 2I, H]; down [E, H, I]; shared expert and its gate [1, H] optional."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    shared: MLPWeights | None = None
+    shared_gate: torch.Tensor | None = None
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    attn: AttentionWeights
+    moe: MoEWeights | None = None
+    mlp: MLPWeights | None = None
+
+
+@dataclass
+class ModelWeights:
+    """embed [V, H]; lm_head [V, H] (the same tensor when tied); final_norm [H]."""
+
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    final_norm: torch.Tensor
+    layers: list[LayerWeights]
+
+    def num_bytes(self) -> int:
+        """Bytes of all distinct tensors (a tied lm_head counts once)."""
+        seen: dict[int, int] = {}
+
+        def add(t: torch.Tensor | None) -> None:
+            if t is not None:
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+
+        for t in (self.embed, self.lm_head, self.final_norm):
+            add(t)
+        for layer in self.layers:
+            for t in vars(layer.attn).values():
+                add(t)
+            add(layer.attn_norm)
+            add(layer.ffn_norm)
+            for block in (layer.moe, layer.mlp):
+                if block is None:
+                    continue
+                for t in vars(block).values():
+                    if isinstance(t, MLPWeights):
+                        add(t.gate_up)
+                        add(t.down)
+                    else:
+                        add(t)
+        return sum(seen.values())
