@@ -56,7 +56,7 @@ def test_prefill_and_decode_match_transformers(tmp_path, name: str) -> None:
     ours = load_model(path, device="cpu", dtype="float32")
     runner = ModelRunner(ours, num_blocks=32, block_size=4)
     gen = torch.Generator().manual_seed(1)
-    prompts = {0: torch.randint(0, 97, (11,), generator=gen).tolist(), 1: torch.randint(0, 97, (6,), generator=gen).tolist()}
+    prompts = {s: torch.randint(0, 97, (n,), generator=gen).tolist() for s, n in ((0, 11), (1, 6))}
 
     logits = runner.run(prompts, logits_for="all")
     offset = 0

@@ -93,7 +93,7 @@ def main() -> None:
     texts = [t for _, t in articles]
     encs = tok.encode_batch(texts)
     for (path, _), enc in zip(articles, encs, strict=True):
-        ids = np.asarray(enc.ids + [eos_id], dtype=np.uint16)
+        ids = np.asarray([*enc.ids, eos_id], dtype=np.uint16)
         splits["heldout" if is_heldout(path, args.heldout_fraction) else "train"].append(ids)
     stats = {}
     for name, parts in splits.items():

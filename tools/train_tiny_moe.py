@@ -113,7 +113,7 @@ def pick_experts_implementation(model, it, device: str) -> str:
             print(f"probe {impl}: {dt / 4 * 1e3:.1f} ms/step", flush=True)
             if dt < best_t:
                 best, best_t = impl, dt
-        except Exception as exc:  # noqa: BLE001 - an implementation may not run on this GPU/dtype
+        except Exception as exc:  # an implementation may not run on this GPU/dtype
             print(f"probe {impl} failed: {exc!r}", flush=True)
     model.zero_grad(set_to_none=True)
     model.set_experts_implementation(best)
@@ -169,7 +169,8 @@ def main() -> None:
         frac = (time.time() - t0) / args.time_budget
         if frac >= 1.0:
             break
-        lr_scale = frac / warmup if frac < warmup else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (frac - warmup) / (1 - warmup)))
+        cosine = 0.5 * (1 + math.cos(math.pi * (frac - warmup) / (1 - warmup)))
+        lr_scale = frac / warmup if frac < warmup else 0.1 + 0.9 * cosine
         for g in opt.param_groups:
             g["lr"] = args.lr * lr_scale
         x, y = next(it)

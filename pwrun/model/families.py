@@ -53,7 +53,8 @@ def _rope_theta(cfg: Any) -> float:
     if isinstance(params, dict) and params:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in (None, "default"):
-            raise PagedWeightError(f"RoPE scaling '{rope_type}' is not supported yet: use a checkpoint with default RoPE")
+            raise PagedWeightError(f"RoPE scaling '{rope_type}' is not supported yet: "
+                                   "use a checkpoint with default RoPE")
         if "rope_theta" in params:
             return float(params["rope_theta"])
     theta = _get(cfg, "rope_theta")

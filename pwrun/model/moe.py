@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.spec import MoESpec
 from pwrun.model.weights import MLPWeights, MoEWeights
 
@@ -24,7 +25,11 @@ class MoEObserver(Protocol):
 
     def routing(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None: ...
 
-    def expert_inputs(self, layer: int, expert: int, x: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None: ...
+    def expert_inputs(self, layer: int, expert: int, x: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
+        """x [n, H]: tokens routed to ``expert`` (gate_up input); h [n, I]: down input; w [n]: routing weights.
+
+        ``expert`` is ``SHARED_EXPERT`` (-1) for the shared expert, which sees every token (w = 1).
+        """
 
 
 def route(x: torch.Tensor, router: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +74,11 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, spec: MoESpec, layer: int = 0,
         out.index_add_(0, idx, y)
         start += n
     if w.shared is not None:
-        s = mlp_forward(x, w.shared)
+        gate, up = F.linear(x, w.shared.gate_up).chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        if observer is not None:
+            observer.expert_inputs(layer, SHARED_EXPERT, x, h, torch.ones(x.shape[0], dtype=x.dtype, device=x.device))
+        s = F.linear(h, w.shared.down)
         if w.shared_gate is not None:
             s = torch.sigmoid(F.linear(x, w.shared_gate)) * s
         out = out + s

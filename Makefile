@@ -1,0 +1,37 @@
+# PagedWeight: `make demo` runs the main job on the bundled model, `make test` runs lint, types and tests.
+# Both create .venv and install what they need (CPU PyTorch) on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= The history of the city begins
+
+.PHONY: setup demo test lint typecheck unit clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(BIN)/pwcal inspect artifacts/models/tiny-qwen2moe-wiki
+	$(BIN)/pwrun generate --prompt "$(PROMPT)" --max-new-tokens 60
+	$(BIN)/pwrun generate --prompt "$(PROMPT)" --max-new-tokens 60 --temperature 0.8 --top-p 0.95 --seed 1
+	$(BIN)/pwrun ppl --dataset wikitext2 --max-windows 64
+
+lint: setup
+	$(BIN)/ruff check pwrun pwcal kernels tests tools
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

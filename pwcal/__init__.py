@@ -1,0 +1,1 @@
+"""pwcal: offline calibration of PagedWeight (quantization, sensitivity, residual heads, buckets)."""

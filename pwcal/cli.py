@@ -1,0 +1,62 @@
+"""``pwcal``: the offline calibration command line (Typer). Wiring only.
+
+Pipeline order (later stages arrive with their issues): quantize -> sensitivity ->
+fit-residual -> search-buckets. ``inspect`` describes a checkpoint as PagedWeight sees it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pwcal import cli_quant
+from pwrun.cli_common import user_errors
+
+app = typer.Typer(help="PagedWeight offline calibration. Pipeline: quantize -> sensitivity -> fit-residual -> "
+                  "search-buckets (each writes artifacts with a manifest).", no_args_is_help=True,
+                  add_completion=False)
+
+
+app.command("quantize")(cli_quant.quantize)
+app.command("eval-uniform")(cli_quant.eval_uniform)
+
+
+@app.callback()
+def _root() -> None:
+    """PagedWeight offline calibration."""
+
+
+@app.command()
+def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]) -> None:
+    """Describe a checkpoint: family, MoE layers, expert linear blocks and parameters by kind (16-bit bytes)."""
+    from pwrun.model.inventory import expert_blocks, parameter_counts
+    from pwrun.model.loader import load_spec
+
+    with user_errors():
+        spec, _ = load_spec(model)
+        counts = parameter_counts(spec)
+        total = sum(counts.values())
+        moe = [layer for layer in spec.layers if layer.moe is not None]
+        console = Console()
+        console.print(f"[bold]{model}[/bold]: family {spec.family}, {spec.num_layers} layers "
+                      f"({len(moe)} MoE), hidden {spec.hidden_size}, vocab {spec.vocab_size}, "
+                      f"context {spec.max_position_embeddings}")
+        if moe:
+            m = moe[0].moe
+            assert m is not None
+            console.print(f"experts {m.num_experts} x {m.expert_intermediate} (top-{m.top_k}, norm_topk_prob "
+                          f"{m.norm_topk_prob}), shared expert {m.shared_intermediate or 'none'}; "
+                          f"{len(expert_blocks(spec))} expert linear blocks")
+        table = Table("kind", "parameters", "share", "bytes at 16-bit")
+        for kind, n in counts.items():
+            table.add_row(kind, f"{n:,}", f"{n / total:.1%}", f"{2 * n / 2**20:,.1f} MiB")
+        table.add_row("total", f"{total:,}", "100%", f"{2 * total / 2**20:,.1f} MiB")
+        console.print(table)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,91 @@
+"""``pwcal quantize`` and ``pwcal eval-uniform``: thin wrappers over ``pwcal.quant``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from pwrun.cli_common import DeviceOpt, user_errors
+
+console = Console(stderr=True)
+ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
+
+
+def quantize(
+    model: ModelArg,
+    out: Annotated[Path, typer.Option(help="Artifact directory to write (created; atomic).")],
+    calib: Annotated[str, typer.Option(help="Calibration text: bundled c4-calib, a local .json/.jsonl/.json.gz/"
+                                       ".parquet/.txt file, or allenai/c4 (online, needs `datasets`).")] = "c4-calib",
+    samples: Annotated[int, typer.Option(help="Calibration windows (sequences).")] = 64,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 512,
+    seed_bits: Annotated[int, typer.Option(help="Seed bitwidth of the nested k-means (3 as in AP; 2 lets cold "
+                                           "experts drop to 2 bits).")] = 3,
+    min_tokens: Annotated[int, typer.Option(help="Experts seeing fewer calibration tokens use uniform k-means "
+                                            "weights.")] = 16,
+    calib_seed: Annotated[int, typer.Option(help="Seed of the calibration document order.")] = 0,
+    device: DeviceOpt = "auto",
+    force: Annotated[bool, typer.Option(help="Overwrite an existing artifact.")] = False,
+) -> None:
+    """Quantize every expert linear block to Any-Precision bit-planes + per-row LUTs (seed..8 bits)."""
+    from pwcal.quant.quantize import QuantizeConfig
+    from pwcal.quant.quantize import quantize as run
+
+    with user_errors():
+        cfg = QuantizeConfig(seed_bits=seed_bits, calib=calib, samples=samples, seq_len=seq_len,
+                             calib_seed=calib_seed, min_tokens=min_tokens)
+        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*cols, console=console) as bar:
+            tasks: dict[str, TaskID] = {}
+
+            def progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    label = "calibration windows" if stage == "calibrate" else "layers quantized"
+                    tasks[stage] = bar.add_task(label, total=total)
+                bar.update(tasks[stage], completed=done)
+
+            m = run(model, out, cfg, device=device, force=force, progress=progress)
+        if m.get("skipped"):
+            console.print(f"{out} is already complete for this model and these parameters: nothing to do "
+                          "(--force to redo)")
+            return
+        q = m["stages"]["quantize"]
+        console.print(f"wrote {out}: {q['blocks']} expert blocks at {m['bits'][0]}..8 bits from "
+                      f"{q['calibration_tokens']} calibration tokens in {q['seconds']:.1f} s")
+        if q["fallback_blocks"]:
+            console.print(f"[yellow]warning:[/yellow] {len(q['fallback_blocks'])} blocks saw fewer than "
+                          f"{min_tokens} calibration tokens and used uniform k-means weights")
+
+
+def eval_uniform(
+    model: ModelArg,
+    artifacts: Annotated[Path, typer.Option(help="AP artifact directory from `pwcal quantize`.")],
+    dataset: Annotated[list[str] | None, typer.Option(help="Datasets (repeatable): bundled names or files.")] = None,
+    seq_len: Annotated[int, typer.Option(help="Perplexity window in tokens.")] = 512,
+    max_windows: Annotated[int | None, typer.Option(help="At most this many windows per dataset.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Write the table as markdown (+ .json beside it).")] = None,
+    device: DeviceOpt = "auto",
+) -> None:
+    """Perplexity with ALL expert blocks at each bitwidth (and 16-bit), with expert-weight memory."""
+    from pwcal.quant.eval_uniform import eval_uniform as run
+    from pwcal.quant.eval_uniform import markdown_table
+
+    with user_errors():
+        datasets = tuple(dataset or ["wikitext2", "c4"])
+        t0 = time.time()
+        rows = run(model, artifacts, datasets, seq_len, max_windows, device,
+                   on_row=lambda r: console.print(f"{r['bits']:>2} bits: " + ", ".join(
+                       f"{d} {r[f'ppl_{d}']:.3f}" for d in datasets)))
+        table = markdown_table(rows, datasets)
+        sys.stdout.write(table)
+        if out is not None:
+            cmd = "pwcal " + " ".join(sys.argv[1:])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s)\n\n{table}")
+            out.with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))

@@ -1,0 +1,86 @@
+"""Artifact manifests and atomic writes (STYLE.md rule 4: artifacts carry their own meaning).
+
+What it does: fingerprints a model checkpoint (sha256 of config.json; sha256 of the weight
+files, and a quick fingerprint from their names and sizes that the runtime can check without
+reading gigabytes), reads/writes ``manifest.json``, and writes files atomically (``.tmp`` then
+rename). It imports no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pwrun.errors import PagedWeightError
+
+MANIFEST = "manifest.json"
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("pagedweight")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_fingerprint(model_dir: Path, full: bool = True) -> dict[str, str]:
+    """{config_sha256, weights_quick, weights_sha256 (if ``full``)} of a checkpoint directory."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    quick = hashlib.sha256("".join(f"{f.name}:{f.stat().st_size};" for f in files).encode()).hexdigest()
+    out = {"config_sha256": _sha256(model_dir / "config.json"), "weights_quick": quick}
+    if full:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(_sha256(f).encode())
+        out["weights_sha256"] = h.hexdigest()
+    return out
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via ``path.tmp`` + rename, so readers never see a partial file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def write_manifest(artifact_dir: Path, manifest: dict[str, Any]) -> None:
+    manifest = {**manifest, "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_atomic(artifact_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+
+
+def read_manifest(artifact_dir: Path) -> dict[str, Any]:
+    """The manifest of ``artifact_dir``; raises ``PagedWeightError`` if missing or unreadable."""
+    p = artifact_dir / MANIFEST
+    if not p.is_file():
+        raise PagedWeightError(f"{artifact_dir} is not a PagedWeight artifact (no {MANIFEST}): run "
+                               "`pwcal quantize MODEL --out DIR` first")
+    try:
+        out: dict[str, Any] = json.loads(p.read_text())
+        return out
+    except json.JSONDecodeError as exc:
+        raise PagedWeightError(f"{p} is corrupt ({exc.msg}): rerun the stage that wrote it with --force") from exc
+
+
+def check_same_model(manifest: dict[str, Any], model_dir: Path, artifact_dir: Path) -> None:
+    """Raise ``PagedWeightError`` unless the artifact was made from the checkpoint in ``model_dir``."""
+    fp = model_fingerprint(model_dir, full=False)
+    want = manifest.get("model", {})
+    if want.get("config_sha256") != fp["config_sha256"] or want.get("weights_quick") != fp["weights_quick"]:
+        raise PagedWeightError(f"artifact {artifact_dir} was made for another model ({want.get('path', '?')}), not "
+                               f"{model_dir}: pass the matching --model or re-run pwcal quantize")

@@ -1,0 +1,1 @@
+"""Any-Precision quantization of expert weights (SqueezeLLM seed + AP nested upscaling)."""

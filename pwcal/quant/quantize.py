@@ -1,0 +1,215 @@
+"""``pwcal quantize``: calibrate, quantize every expert linear block to nested AP codes, write the artifact.
+
+What it does: (1) runs the lean model over calibration windows with a ``HessianDiag`` observer;
+(2) for every MoE layer, quantizes all routed experts' ``gate_up`` / ``down`` rows (and the shared
+expert, an always-active block) with ``nested_kmeans`` weighted by each block's Hessian diagonal
+(uniform weights for experts that saw fewer than ``min_tokens`` tokens: reported); (3) packs
+bit-planes and writes one safetensors file per layer plus ``manifest.json``, all inside
+``OUT.partial/`` that is renamed to ``OUT`` only when complete. A rerun on a complete artifact
+with the same model and parameters is a no-op unless ``force``.
+
+Tensor names in ``layer_LLL.safetensors``: ``{e}.{unit}.planes`` int32 [8, N, Kw] and
+``{e}.{unit}.lut{b}`` float16 [N, 2^b], e = expert id or ``shared``; format in ``pwrun.ap.format``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from pwcal.calib_data import calibration_windows
+from pwcal.manifest import MANIFEST, model_fingerprint, package_version, read_manifest, write_manifest
+from pwcal.quant.kmeans1d import nested_kmeans
+from pwcal.stats.hessian import HessianDiag
+from pwrun.ap.format import FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS, pack_planes
+from pwrun.errors import PagedWeightError
+from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.loader import load_model, load_tokenizer
+from pwrun.ppl import perplexity
+
+FORMAT = "pagedweight-ap"
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """Parameters of one quantization run (all recorded in the manifest).
+
+    ``min_tokens``: experts that saw fewer calibration tokens get uniform k-means weights.
+    ``max_rows``: rows per k-means call (bounds memory: ~60 bytes x rows x K).
+    """
+
+    seed_bits: int = 3
+    calib: str = "c4-calib"
+    samples: int = 64
+    seq_len: int = 512
+    calib_seed: int = 0
+    min_tokens: int = 16
+    kmeans_iters: int = 50
+    max_rows: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.seed_bits not in SUPPORTED_SEEDS:
+            raise PagedWeightError(f"--seed-bits {self.seed_bits} is not supported: use 2 or 3")
+        if self.samples < 1 or self.seq_len < 2:
+            raise PagedWeightError("--samples must be >= 1 and --seq-len >= 2")
+
+    @property
+    def bits(self) -> list[int]:
+        return list(range(self.seed_bits, PARENT_BITS + 1))
+
+
+def block_key(block: LinearBlock) -> str:
+    e = "shared" if block.expert == SHARED_EXPERT else str(block.expert)
+    return f"{e}.{block.unit}"
+
+
+def layer_file(layer: int) -> str:
+    return f"layer_{layer:03d}.safetensors"
+
+
+def collect_hessian(model: LeanMoEModel, windows: list[list[int]], batch: int = 8,
+                    on_window: Callable[[int], None] | None = None) -> HessianDiag:
+    """Diagonal Hessians of every expert block's inputs over ``windows`` (SPEC section 2)."""
+    obs = HessianDiag()
+    flat = [t for w in windows for t in w]
+    perplexity(model, flat, seq_len=len(windows[0]), batch=batch, observer=obs, on_window=on_window)
+    return obs
+
+
+def _dense(model: LeanMoEModel, block: LinearBlock) -> torch.Tensor:
+    m = model.weights.layers[block.layer].moe
+    assert m is not None
+    if block.expert == SHARED_EXPERT:
+        assert m.shared is not None
+        return m.shared.gate_up if block.unit == "gate_up" else m.shared.down
+    return m.gate_up[block.expert] if block.unit == "gate_up" else m.down[block.expert]
+
+
+def quantize_rows(w: torch.Tensor, row_weights: torch.Tensor, cfg: QuantizeConfig) -> tuple[torch.Tensor, dict]:
+    """codes [R, K] uint8 and luts {b: [R, 2^b] fp16} for w [R, K] with k-means weights [R, K]."""
+    codes, luts = [], []
+    for lo in range(0, w.shape[0], cfg.max_rows):
+        nc = nested_kmeans(w[lo:lo + cfg.max_rows], row_weights[lo:lo + cfg.max_rows], cfg.seed_bits,
+                           cfg.kmeans_iters)
+        codes.append(nc.codes)
+        luts.append(nc.luts)
+    return torch.cat(codes), {b: torch.cat([x[b] for x in luts]) for b in cfg.bits}
+
+
+def quantize_layer(model: LeanMoEModel, layer: int, blocks: list[LinearBlock], hess: HessianDiag,
+                   cfg: QuantizeConfig) -> tuple[dict[str, torch.Tensor], list[LinearBlock]]:
+    """All AP tensors of one layer's expert blocks, and the blocks that used the uniform fallback.
+
+    Blocks of the same unit and shape are quantized together (rows stacked) for speed.
+    Raises ``PagedWeightError`` if a weight holds NaN or Inf.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    fallback: list[LinearBlock] = []
+    groups: dict[tuple[str, int, int], list[LinearBlock]] = {}
+    for b in blocks:
+        groups.setdefault((b.unit, b.n, b.k), []).append(b)
+    for group in groups.values():
+        ws, rw = [], []
+        for b in group:
+            w = _dense(model, b).float()
+            if not torch.isfinite(w).all():
+                raise PagedWeightError(f"the checkpoint's weight of layer {b.layer}, expert {b.expert}, unit {b.unit} "
+                                       "holds NaN or Inf: fix or re-export the checkpoint before quantizing")
+            h, _ = hess.weights_for(b, cfg.min_tokens)
+            if h is None:
+                fallback.append(b)
+                h = torch.ones(b.k, dtype=torch.float64, device=w.device)
+            ws.append(w)
+            rw.append(h.to(w.device).float().expand(b.n, b.k))
+        codes, luts = quantize_rows(torch.cat(ws), torch.cat(rw), cfg)
+        for i, b in enumerate(group):
+            rows = slice(i * b.n, (i + 1) * b.n)
+            key = block_key(b)
+            tensors[f"{key}.planes"] = pack_planes(codes[rows]).cpu().contiguous()
+            for bits, lut in luts.items():
+                tensors[f"{key}.lut{bits}"] = lut[rows].cpu().contiguous()
+    return tensors, fallback
+
+
+def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConfig) -> bool:
+    if not (out / MANIFEST).is_file():
+        return False
+    m = read_manifest(out)
+    q = m.get("stages", {}).get("quantize", {})
+    same_model = m.get("model", {}).get("weights_sha256") == model_fp["weights_sha256"]
+    if q.get("complete") and same_model and q.get("config") == asdict(cfg):
+        return True
+    raise PagedWeightError(f"{out} already holds an artifact of another model or other parameters: pass --force "
+                           "to overwrite it or choose another --out")
+
+
+def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "auto", force: bool = False,
+             progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Run the whole quantize stage; returns the manifest (written to ``out``).
+
+    ``progress(stage, done, total)`` is called as calibration windows and layers complete.
+    Raises ``PagedWeightError`` for bad input; nothing is left at ``out`` unless complete.
+    """
+    t0 = time.time()
+    model_fp = model_fingerprint(model_dir)
+    if out.exists() and not force and _existing_is_complete(out, model_fp, cfg):
+        return {**read_manifest(out), "skipped": True}
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, device=device, dtype="float32")
+    windows = calibration_windows(tok, cfg.calib, cfg.samples, min(cfg.seq_len, model.spec.max_position_embeddings),
+                                  cfg.calib_seed)
+    done = 0
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress("calibrate", done, len(windows))
+
+    hess = collect_hessian(model, windows, on_window=step)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    blocks = expert_blocks(model.spec)
+    layers = sorted({b.layer for b in blocks})
+    fallback: list[LinearBlock] = []
+    for i, layer in enumerate(layers):
+        tensors, fb = quantize_layer(model, layer, [b for b in blocks if b.layer == layer], hess, cfg)
+        fallback += fb
+        save_file(tensors, str(partial / layer_file(layer)), metadata={"format": FORMAT,
+                                                                      "format_version": str(FORMAT_VERSION)})
+        if progress:
+            progress("quantize", i + 1, len(layers))
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "parent_bits": PARENT_BITS,
+        "seed_bits": cfg.seed_bits,
+        "bits": cfg.bits,
+        "lut_dtype": "float16",
+        "packing": "planes int32 [8, N, ceil(K/32)], plane p = bit 7-p, column k at word k//32 bit k%32",
+        "model": {"path": str(model_dir), "family": model.spec.family, **model_fp},
+        "package_version": package_version(),
+        "files": {str(layer): layer_file(layer) for layer in layers},
+        "stages": {"quantize": {
+            "complete": True,
+            "config": asdict(cfg),
+            "calibration_tokens": len(windows) * len(windows[0]),
+            "blocks": len(blocks),
+            "fallback_blocks": [[b.layer, b.expert, b.unit] for b in fallback],
+            "seconds": round(time.time() - t0, 2),
+        }},
+    }
+    write_manifest(partial, manifest)
+    if out.exists():
+        shutil.rmtree(out)
+    partial.replace(out)
+    return manifest

@@ -1,0 +1,1 @@
+"""Any-Precision (AP) expert weights: bit-plane packing, memory accounting, artifact reading."""

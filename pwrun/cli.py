@@ -1,0 +1,138 @@
+"""``pwrun``: the lean runtime's command line (Typer). Wiring only: each command parses its
+options and calls a plain function of the package.
+
+Commands: ``generate`` (text from prompts), ``ppl`` (perplexity on bundled or local text).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+
+from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, default_model, user_errors
+from pwrun.errors import PagedWeightError
+
+app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
+                  add_completion=False)
+console = Console(stderr=True)
+
+
+def _read_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise PagedWeightError(f"prompts file {path} does not exist")
+    prompts = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PagedWeightError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise PagedWeightError(f"{path}:{lineno} needs a string field 'prompt'")
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise PagedWeightError(f"{path} holds no prompts (one JSON object with a 'prompt' field per line)")
+    return prompts
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str | None, typer.Option(help="One prompt; its continuation is streamed to stdout.")] = None,
+    prompts: Annotated[Path | None, typer.Option(help="JSONL file, one {\"prompt\": ...} per line; all run "
+                                                 "concurrently.")] = None,
+    output: Annotated[Path | None, typer.Option(help="Write results as JSONL here (default: stdout).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Generate text with the full-precision model."""
+    from pwrun.generate import generate as run_generate
+    from pwrun.model.loader import load_model, load_tokenizer
+    from pwrun.sampling import SamplingParams
+
+    with user_errors():
+        if (prompt is None) == (prompts is None):
+            raise PagedWeightError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
+        if top_p <= 0:
+            raise PagedWeightError("--top-p must be in (0, 1]")
+        texts = [prompt] if prompt is not None else _read_prompts(prompts)  # type: ignore[arg-type]
+        model_dir = model or default_model()
+        tok = load_tokenizer(model_dir)
+        lm = load_model(model_dir, device=device, dtype=dtype)
+        params = SamplingParams(max_new_tokens, temperature, top_p, seed)
+        stream = len(texts) == 1 and output is None
+        if stream:
+            sys.stdout.write(texts[0])
+            sys.stdout.flush()
+
+        def on_text(_i: int, s: str) -> None:
+            sys.stdout.write(s)
+            sys.stdout.flush()
+
+        results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None)
+        if stream:
+            sys.stdout.write("\n")
+        else:
+            lines = "".join(json.dumps({"prompt": r.prompt, "text": r.text, "prompt_tokens": r.prompt_tokens,
+                                        "new_tokens": r.new_tokens, "finish_reason": r.finish_reason}) + "\n"
+                            for r in results)
+            if output is not None:
+                tmp = output.with_name(output.name + ".tmp")
+                tmp.write_text(lines)
+                tmp.replace(output)
+            else:
+                sys.stdout.write(lines)
+        console.print(f"[dim]{len(texts)} request(s) on {lm.device} ({lm.dtype}); prefill "
+                      f"{stats.prefill_seconds:.2f} s; decode {stats.decode_tokens} tokens in "
+                      f"{stats.decode_seconds:.2f} s = {stats.decode_tokens_per_second:.1f} tokens/s[/dim]")
+
+
+@app.command()
+def ppl(
+    dataset: Annotated[str, typer.Option(help="Bundled name (wikitext2, wikitext2-val, c4, c4-calib) or a local "
+                                         ".txt/.json/.jsonl/.json.gz/.parquet file with text.")] = "wikitext2",
+    seq_len: Annotated[int, typer.Option(help="Window length in tokens (non-overlapping windows).")] = 512,
+    max_windows: Annotated[int | None, typer.Option(help="Score at most this many windows (default: all).")] = None,
+    batch: Annotated[int, typer.Option(min=1, help="Windows per forward step.")] = 8,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+) -> None:
+    """Perplexity (teacher-forced, exp of mean NLL per token) on real text."""
+    from pwrun.data import read_text
+    from pwrun.model.loader import load_model, load_tokenizer
+    from pwrun.ppl import perplexity
+
+    with user_errors():
+        model_dir = model or default_model()
+        tok = load_tokenizer(model_dir)
+        lm = load_model(model_dir, device=device, dtype=dtype)
+        ids = tok(read_text(dataset), add_special_tokens=False, verbose=False).input_ids
+        total = min(len(ids) // seq_len, max_windows) if max_windows else len(ids) // seq_len
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(f"ppl {dataset}", total=total)
+            res = perplexity(lm, ids, seq_len=seq_len, max_windows=max_windows, batch=batch,
+                             on_window=lambda k: bar.advance(task, k))
+        row = {"dataset": dataset, "model": str(model_dir), "seq_len": seq_len, "windows": res.windows,
+               "tokens": res.tokens, "nll": round(res.nll, 5), "ppl": round(res.ppl, 3)}
+        if json_out:
+            typer.echo(json.dumps(row))
+        else:
+            typer.echo(f"{dataset}: perplexity {res.ppl:.3f} over {res.tokens} tokens ({res.windows} windows of "
+                       f"{seq_len})")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,39 @@
+"""Options and error handling shared by the ``pwrun`` and ``pwcal`` command lines.
+
+What it does: the ``Annotated`` option aliases used by several commands (defined once), and
+``user_errors``, which turns a ``PagedWeightError`` into ``error: <one line>`` on stderr with
+exit code 2. It does no work of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pwrun.data import default_model_dir
+from pwrun.errors import PagedWeightError
+
+ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugging Face checkpoint directory "
+                                        "(config.json, *.safetensors, tokenizer). Default: the bundled tiny MoE.")]
+DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, fp32 on "
+                                       "CPU), float32, bfloat16 or float16.")]
+
+
+def default_model() -> Path:
+    return default_model_dir()
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Print ``PagedWeightError`` as one line and exit 2 instead of a traceback."""
+    try:
+        yield
+    except PagedWeightError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)

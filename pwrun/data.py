@@ -1,0 +1,86 @@
+"""Bundled real text and local text files, for perplexity and calibration (offline).
+
+What it does: names the bundled datasets (``wikitext2``, ``wikitext2-val``, ``c4`` for
+evaluation, ``c4-calib`` for calibration; see ``artifacts/data/SOURCES.md``) and reads text from
+them or from a local ``.txt``, ``.json``/``.jsonl``/``.json.gz`` (``text`` field per row) or
+``.parquet`` (``text`` column) file. It never reaches a hub: online datasets are the
+calibration stage's business.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+from pwrun.errors import PagedWeightError
+
+
+def artifacts_dir() -> Path:
+    """The project's ``artifacts/`` folder (override with ``PAGEDWEIGHT_ARTIFACTS``)."""
+    env = os.environ.get("PAGEDWEIGHT_ARTIFACTS")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "artifacts"
+
+
+def default_model_dir() -> Path:
+    """The bundled tiny Qwen2-MoE trained by the project."""
+    return artifacts_dir() / "models" / "tiny-qwen2moe-wiki"
+
+
+BUNDLED = {
+    "wikitext2": "data/wikitext-2-raw-v1/test.json",
+    "wikitext2-val": "data/wikitext-2-raw-v1/validation.json",
+    "c4": "data/c4/c4_sample.json",
+    "c4-calib": "data/c4/c4-sample.00000-of-00001.json.gz",
+}
+
+
+def resolve_dataset(name_or_path: str) -> Path:
+    """Path of a bundled dataset name or an existing local file."""
+    if name_or_path in BUNDLED:
+        return artifacts_dir() / BUNDLED[name_or_path]
+    p = Path(name_or_path)
+    if not p.is_file():
+        raise PagedWeightError(f"dataset '{name_or_path}' is neither a bundled name ({', '.join(BUNDLED)}) "
+                               "nor an existing file")
+    return p
+
+
+def read_documents(name_or_path: str) -> list[str]:
+    """The documents of a dataset, in file order (a ``.txt`` file is one document)."""
+    p = resolve_dataset(name_or_path)
+    name = p.name.lower()
+    try:
+        if name.endswith(".txt"):
+            return [p.read_text(encoding="utf-8")]
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(p)
+            if "text" not in table.column_names:
+                raise PagedWeightError(f"{p} has no 'text' column (columns: {', '.join(table.column_names)})")
+            return [str(t) for t in table.column("text").to_pylist()]
+        if name.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")):
+            opener = gzip.open if name.endswith(".gz") else open
+            docs = []
+            with opener(p, "rt", encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise PagedWeightError(f"{p}:{lineno} is not a JSON line ({exc.msg})") from exc
+                    if not isinstance(row, dict) or "text" not in row:
+                        raise PagedWeightError(f"{p}:{lineno} has no 'text' field")
+                    docs.append(str(row["text"]))
+            return docs
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PagedWeightError(f"cannot read {p}: {exc}") from exc
+    raise PagedWeightError(f"unsupported file type {p.name}: use .txt, .json, .jsonl, .json.gz or .parquet")
+
+
+def read_text(name_or_path: str) -> str:
+    """All documents joined by a blank line (the GPTQ perplexity convention for WikiText-2)."""
+    return "\n\n".join(read_documents(name_or_path))

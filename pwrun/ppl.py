@@ -1,0 +1,68 @@
+"""Perplexity of the lean model on a token stream (teacher-forced, non-overlapping windows).
+
+What it does: splits the tokens into windows of ``seq_len`` (the GPTQ convention: every window
+starts fresh, the first token of a window is context only), runs ``batch`` windows per step
+through the paged KV cache and returns exp(mean NLL) over all predicted tokens. It does not
+tokenize (the caller does) and does not change weight precision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pwrun.errors import PagedWeightError
+from pwrun.kv.blocks import blocks_needed
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.moe import MoEObserver
+from pwrun.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """``nll``: mean negative log-likelihood (nats/token) over ``tokens`` predicted tokens."""
+
+    nll: float
+    tokens: int
+    windows: int
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+
+def perplexity(model: LeanMoEModel, token_ids: list[int], seq_len: int = 512, max_windows: int | None = None,
+               batch: int = 8, block_size: int = 16, on_window: Callable[[int], None] | None = None,
+               observer: MoEObserver | None = None) -> PerplexityResult:
+    """Perplexity over ``len(token_ids) // seq_len`` windows (at most ``max_windows``).
+
+    Raises ``PagedWeightError`` if ``seq_len`` exceeds the model's context or the text is shorter
+    than one window.
+    """
+    if not 2 <= seq_len <= model.spec.max_position_embeddings:
+        raise PagedWeightError(f"--seq-len {seq_len} must be in [2, {model.spec.max_position_embeddings}] "
+                               "(the model's context)")
+    n = len(token_ids) // seq_len
+    if max_windows is not None:
+        n = min(n, max_windows)
+    if n == 0:
+        raise PagedWeightError(f"the text has {len(token_ids)} tokens, fewer than one window of {seq_len}: "
+                               "lower --seq-len or give more text")
+    runner = ModelRunner(model, num_blocks=batch * blocks_needed(seq_len, block_size), block_size=block_size)
+    ids = torch.tensor(token_ids[: n * seq_len], dtype=torch.int64).view(n, seq_len)
+    total = 0.0
+    for lo in range(0, n, batch):
+        rows = range(lo, min(n, lo + batch))
+        logits = runner.run({r: ids[r].tolist() for r in rows}, logits_for="all", observer=observer)
+        logits = logits.view(len(rows), seq_len, -1)[:, :-1]
+        target = ids[lo:lo + len(rows), 1:].to(logits.device)
+        total += F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum").item()
+        for r in rows:
+            runner.release(r)
+        if on_window is not None:
+            on_window(len(rows))
+    return PerplexityResult(nll=total / (n * (seq_len - 1)), tokens=n * (seq_len - 1), windows=n)

@@ -1,0 +1,34 @@
+"""Sampling: greedy, top-p support and seeded reproducibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pwrun.sampling import SamplingParams, sample
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(5, 50)
+    assert torch.equal(sample(logits, SamplingParams(), None), logits.argmax(-1))
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    params = SamplingParams(temperature=1.0, top_p=0.7)
+    gen = torch.Generator().manual_seed(0)
+    seen = {int(sample(logits, params, gen)) for _ in range(300)}
+    assert seen == {0, 1}  # 0.5 + 0.3 >= 0.7; tokens 2 and 3 are outside the nucleus
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    logits = torch.randn(3, 100)
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=3)
+    a = [sample(logits, p, torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
+    assert a[0] == a[1]
+
+
+@pytest.mark.parametrize("kw", [{"max_new_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}])
+def test_bad_params(kw: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
