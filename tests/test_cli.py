@@ -18,7 +18,9 @@ runner = CliRunner()
 
 
 def run(*args: str) -> tuple[int, str, str]:
-    r = runner.invoke(app, list(args))
+    """Invoke pwrun; on CPU in fp32 unless the test names a device (bit-exact comparisons need it)."""
+    extra = [] if "--device" in args or args[0] not in ("generate", "ppl") else ["--device", "cpu"]
+    r = runner.invoke(app, [*args, *extra])
     return r.exit_code, r.stdout, r.stderr
 
 

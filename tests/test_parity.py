@@ -50,10 +50,15 @@ def _save(tmp_path, name: str) -> tuple[torch.nn.Module, str]:
     return model, str(tmp_path)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_prefill_and_decode_match_transformers(tmp_path, name: str) -> None:
+def test_prefill_and_decode_match_transformers(tmp_path, name: str, device: str) -> None:
     hf, path = _save(tmp_path, name)
-    ours = load_model(path, device="cpu", dtype="float32")
+    hf = hf.to(device)
+    ours = load_model(path, device=device, dtype="float32")
     runner = ModelRunner(ours, num_blocks=32, block_size=4)
     gen = torch.Generator().manual_seed(1)
     prompts = {s: torch.randint(0, 97, (n,), generator=gen).tolist() for s, n in ((0, 11), (1, 6))}
@@ -62,7 +67,7 @@ def test_prefill_and_decode_match_transformers(tmp_path, name: str) -> None:
     offset = 0
     for sid, toks in prompts.items():
         with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([toks])).logits[0]
+            ref = hf(input_ids=torch.tensor([toks], device=device)).logits[0]
         got = logits[offset:offset + len(toks)]
         offset += len(toks)
         assert (got - ref).abs().max().item() <= ATOL, f"{name} prefill seq {sid}"
@@ -74,5 +79,5 @@ def test_prefill_and_decode_match_transformers(tmp_path, name: str) -> None:
         for row, sid in enumerate(seqs):
             seqs[sid] += new[sid]
             with torch.no_grad():
-                ref = hf(input_ids=torch.tensor([seqs[sid]])).logits[0, -1]
+                ref = hf(input_ids=torch.tensor([seqs[sid]], device=device)).logits[0, -1]
             assert (last[row] - ref).abs().max().item() <= ATOL, f"{name} decode step {step} seq {sid}"

@@ -43,7 +43,6 @@ class QuantizeConfig:
     """Parameters of one quantization run (all recorded in the manifest).
 
     ``min_tokens``: experts that saw fewer calibration tokens get uniform k-means weights.
-    ``max_rows``: rows per k-means call (bounds memory: ~60 bytes x rows x K).
     """
 
     seed_bits: int = 3
@@ -53,7 +52,6 @@ class QuantizeConfig:
     calib_seed: int = 0
     min_tokens: int = 16
     kmeans_iters: int = 50
-    max_rows: int = 8192
 
     def __post_init__(self) -> None:
         if self.seed_bits not in SUPPORTED_SEEDS:
@@ -93,23 +91,30 @@ def _dense(model: LeanMoEModel, block: LinearBlock) -> torch.Tensor:
     return m.gate_up[block.expert] if block.unit == "gate_up" else m.down[block.expert]
 
 
-def quantize_rows(w: torch.Tensor, row_weights: torch.Tensor, cfg: QuantizeConfig) -> tuple[torch.Tensor, dict]:
-    """codes [R, K] uint8 and luts {b: [R, 2^b] fp16} for w [R, K] with k-means weights [R, K]."""
+def quantize_rows(w: torch.Tensor, row_weights: torch.Tensor, cfg: QuantizeConfig,
+                  max_elements: int = 1 << 24) -> tuple[torch.Tensor, dict]:
+    """codes [R, K] uint8 and luts {b: [R, 2^b] fp16} for w [R, K] with k-means weights [R, K].
+
+    Rows are processed in chunks of ``max_elements`` (memory ~130 bytes per element); results do
+    not depend on the chunking.
+    """
     codes, luts = [], []
-    for lo in range(0, w.shape[0], cfg.max_rows):
-        nc = nested_kmeans(w[lo:lo + cfg.max_rows], row_weights[lo:lo + cfg.max_rows], cfg.seed_bits,
-                           cfg.kmeans_iters)
+    rows = max(1, max_elements // w.shape[1])
+    for lo in range(0, w.shape[0], rows):
+        nc = nested_kmeans(w[lo:lo + rows], row_weights[lo:lo + rows], cfg.seed_bits, cfg.kmeans_iters)
         codes.append(nc.codes)
         luts.append(nc.luts)
     return torch.cat(codes), {b: torch.cat([x[b] for x in luts]) for b in cfg.bits}
 
 
-def quantize_layer(model: LeanMoEModel, layer: int, blocks: list[LinearBlock], hess: HessianDiag,
-                   cfg: QuantizeConfig) -> tuple[dict[str, torch.Tensor], list[LinearBlock]]:
-    """All AP tensors of one layer's expert blocks, and the blocks that used the uniform fallback.
+def quantize_layer(blocks: list[LinearBlock], weight_of: Callable[[LinearBlock], torch.Tensor],
+                   hessian_of: Callable[[LinearBlock], torch.Tensor | None], cfg: QuantizeConfig,
+                   max_elements: int = 1 << 24) -> tuple[dict[str, torch.Tensor], list[LinearBlock]]:
+    """All AP tensors (on CPU) of one layer's expert blocks, and the blocks that used uniform weights.
 
-    Blocks of the same unit and shape are quantized together (rows stacked) for speed.
-    Raises ``PagedWeightError`` if a weight holds NaN or Inf.
+    ``weight_of(block)``: the dense weight [N, K]; ``hessian_of(block)``: k-means weights [K] or
+    ``None`` for the uniform fallback. Blocks of the same unit and shape are quantized together
+    (rows stacked) for speed. Raises ``PagedWeightError`` if a weight holds NaN or Inf.
     """
     tensors: dict[str, torch.Tensor] = {}
     fallback: list[LinearBlock] = []
@@ -119,17 +124,17 @@ def quantize_layer(model: LeanMoEModel, layer: int, blocks: list[LinearBlock], h
     for group in groups.values():
         ws, rw = [], []
         for b in group:
-            w = _dense(model, b).float()
+            w = weight_of(b).float()
             if not torch.isfinite(w).all():
                 raise PagedWeightError(f"the checkpoint's weight of layer {b.layer}, expert {b.expert}, unit {b.unit} "
                                        "holds NaN or Inf: fix or re-export the checkpoint before quantizing")
-            h, _ = hess.weights_for(b, cfg.min_tokens)
+            h = hessian_of(b)
             if h is None:
                 fallback.append(b)
                 h = torch.ones(b.k, dtype=torch.float64, device=w.device)
             ws.append(w)
             rw.append(h.to(w.device).float().expand(b.n, b.k))
-        codes, luts = quantize_rows(torch.cat(ws), torch.cat(rw), cfg)
+        codes, luts = quantize_rows(torch.cat(ws), torch.cat(rw), cfg, max_elements)
         for i, b in enumerate(group):
             rows = slice(i * b.n, (i + 1) * b.n)
             key = block_key(b)
@@ -181,13 +186,18 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
     blocks = expert_blocks(model.spec)
     layers = sorted({b.layer for b in blocks})
     fallback: list[LinearBlock] = []
-    for i, layer in enumerate(layers):
-        tensors, fb = quantize_layer(model, layer, [b for b in blocks if b.layer == layer], hess, cfg)
-        fallback += fb
-        save_file(tensors, str(partial / layer_file(layer)), metadata={"format": FORMAT,
-                                                                      "format_version": str(FORMAT_VERSION)})
-        if progress:
-            progress("quantize", i + 1, len(layers))
+    try:
+        for i, layer in enumerate(layers):
+            tensors, fb = quantize_layer([b for b in blocks if b.layer == layer], lambda b: _dense(model, b),
+                                         lambda b: hess.weights_for(b, cfg.min_tokens)[0], cfg)
+            fallback += fb
+            save_file(tensors, str(partial / layer_file(layer)),
+                      metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+            if progress:
+                progress("quantize", i + 1, len(layers))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # never leave a half-written artifact behind
+        raise
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

@@ -1,0 +1,3 @@
+from pwcal.cli import main
+
+main()

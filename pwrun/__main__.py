@@ -1,0 +1,3 @@
+from pwrun.cli import main
+
+main()

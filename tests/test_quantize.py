@@ -1,0 +1,100 @@
+"""`pwcal quantize` on the bundled real tiny MoE: artifact contents, quality, idempotence, bad input.
+
+One quantization (small calibration) is shared by the module's tests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from pwcal.cli import app
+from pwrun.ap.artifact import APArtifact
+from pwrun.ap.format import block_bytes, unpack_codes
+from pwrun.data import default_model_dir, read_text
+from pwrun.errors import PagedWeightError
+from pwrun.model.inventory import expert_blocks
+from pwrun.model.loader import load_model, load_tokenizer
+from pwrun.ppl import perplexity
+
+MODEL = default_model_dir()
+runner = CliRunner()
+ARGS = ["--samples", "8", "--seq-len", "256", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ap") / "tiny-ap"
+    r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(out), *ARGS])
+    assert r.exit_code == 0, r.stderr
+    return out
+
+
+def test_manifest_and_files(artifact: Path) -> None:
+    m = json.loads((artifact / "manifest.json").read_text())
+    assert m["format"] == "pagedweight-ap" and m["bits"] == [3, 4, 5, 6, 7, 8]
+    assert m["model"]["family"] == "qwen2_moe" and len(m["model"]["weights_sha256"]) == 64
+    q = m["stages"]["quantize"]
+    assert q["complete"] and q["calibration_tokens"] == 8 * 256 and q["config"]["samples"] == 8
+    assert not (artifact.parent / "tiny-ap.partial").exists()
+
+
+def test_artifact_is_nested_and_sizes_match(artifact: Path) -> None:
+    art = APArtifact(artifact)
+    spec = load_model(MODEL, device="cpu").spec
+    blocks = [b for b in expert_blocks(spec) if b.layer == 1]
+    t = art.layer_tensors(1)
+    for b in blocks[:6]:
+        key = art.key(b)
+        planes = t[f"{key}.planes"]
+        full = unpack_codes(planes, b.k, 8)
+        for bits in art.bits:
+            lut = t[f"{key}.lut{bits}"]
+            assert torch.equal(unpack_codes(planes, b.k, bits), full >> (8 - bits))
+            assert block_bytes(b.n, b.k, bits) == bits * planes[0].numel() * 4 + lut.numel() * 2
+
+
+def test_8bit_is_within_half_a_percent_and_3bit_is_worse(artifact: Path) -> None:
+    tok = load_tokenizer(MODEL)
+    base = load_model(MODEL, device="cpu")
+    ids = tok(read_text("wikitext2"), add_special_tokens=False, verbose=False).input_ids
+    art = APArtifact(artifact)
+    p16 = perplexity(base, ids, 512, max_windows=24).ppl
+    p8 = perplexity(art.dense_model(base, 8), ids, 512, max_windows=24).ppl
+    p3 = perplexity(art.dense_model(base, 3), ids, 512, max_windows=24).ppl
+    assert abs(p8 / p16 - 1) < 0.005
+    assert p3 > p8 * 1.005
+
+
+def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Path) -> None:
+    before = (artifact / "manifest.json").read_text()
+    r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(artifact), *ARGS])
+    assert r.exit_code == 0 and "nothing to do" in r.stderr
+    assert (artifact / "manifest.json").read_text() == before
+    r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(artifact), *ARGS[:1], "9", *ARGS[2:]])
+    assert r.exit_code == 2 and "--force" in r.stderr
+    other = tmp_path / "other"
+    shutil.copytree(MODEL, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+    with pytest.raises(PagedWeightError, match="made for another model"):
+        APArtifact(artifact).check_model(other)
+
+
+def test_nan_in_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(MODEL, bad)
+    shard = sorted(bad.glob("model-*.safetensors"))[0]
+    tensors = load_file(shard)
+    name = next(k for k in tensors if ".experts.3.down_proj" in k)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    r = runner.invoke(app, ["quantize", str(bad), "--out", str(tmp_path / "o"), *ARGS])
+    assert r.exit_code == 2 and "NaN or Inf" in r.stderr and "expert 3" in r.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
