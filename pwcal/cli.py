@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pwcal import cli_quant
+from pwcal import cli_calib, cli_quant
 from pwrun.cli_common import user_errors
 
 app = typer.Typer(help="PagedWeight offline calibration. Pipeline: quantize -> sensitivity -> fit-residual -> "
@@ -23,6 +23,8 @@ app = typer.Typer(help="PagedWeight offline calibration. Pipeline: quantize -> s
 
 app.command("quantize")(cli_quant.quantize)
 app.command("eval-uniform")(cli_quant.eval_uniform)
+app.command("sensitivity")(cli_calib.sensitivity)
+app.command("fit-residual")(cli_calib.fit_residual)
 
 
 @app.callback()

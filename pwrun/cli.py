@@ -109,8 +109,12 @@ def ppl(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    artifacts: Annotated[Path | None, typer.Option(help="AP artifact directory (from `pwcal quantize`) to read "
+                                                   "expert weights from.")] = None,
+    uniform_bits: Annotated[int | None, typer.Option(help="With --artifacts: every expert block at this many "
+                                                     "bits (seed..8).")] = None,
 ) -> None:
-    """Perplexity (teacher-forced, exp of mean NLL per token) on real text."""
+    """Perplexity (teacher-forced, exp of mean NLL per token) on real text, at 16-bit or uniform AP bits."""
     from pwrun.data import read_text
     from pwrun.model.loader import load_model, load_tokenizer
     from pwrun.ppl import perplexity
@@ -119,19 +123,28 @@ def ppl(
         model_dir = model or default_model()
         tok = load_tokenizer(model_dir)
         lm = load_model(model_dir, device=device, dtype=dtype)
+        if (artifacts is None) != (uniform_bits is None):
+            raise PagedWeightError("--artifacts and --uniform-bits go together")
+        if artifacts is not None and uniform_bits is not None:
+            from pwrun.ap.artifact import APArtifact
+
+            art = APArtifact(artifacts)
+            art.check_model(model_dir)
+            lm = art.dense_model(lm, uniform_bits)
         ids = tok(read_text(dataset), add_special_tokens=False, verbose=False).input_ids
         total = min(len(ids) // seq_len, max_windows) if max_windows else len(ids) // seq_len
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"ppl {dataset}", total=total)
             res = perplexity(lm, ids, seq_len=seq_len, max_windows=max_windows, batch=batch,
                              on_window=lambda k: bar.advance(task, k))
-        row = {"dataset": dataset, "model": str(model_dir), "seq_len": seq_len, "windows": res.windows,
-               "tokens": res.tokens, "nll": round(res.nll, 5), "ppl": round(res.ppl, 3)}
+        bits = uniform_bits or 16
+        row = {"dataset": dataset, "model": str(model_dir), "expert_bits": bits, "seq_len": seq_len,
+               "windows": res.windows, "tokens": res.tokens, "nll": round(res.nll, 5), "ppl": round(res.ppl, 3)}
         if json_out:
             typer.echo(json.dumps(row))
         else:
-            typer.echo(f"{dataset}: perplexity {res.ppl:.3f} over {res.tokens} tokens ({res.windows} windows of "
-                       f"{seq_len})")
+            typer.echo(f"{dataset} (experts at {bits} bits): perplexity {res.ppl:.3f} over {res.tokens} tokens "
+                       f"({res.windows} windows of {seq_len})")
 
 
 def main() -> None:

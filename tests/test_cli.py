@@ -82,7 +82,8 @@ def test_bad_input_is_one_clear_line(args: list[str], message: str | None) -> No
         assert code == 0 or "no CUDA GPU" in err
         return
     assert code == 2, (out, err)
-    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
 
 
 def test_bad_prompts_file_names_the_line(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def test_mixtral_8x7b_shape(tmp_path: Path) -> None:
 
 
 def test_gemma4_is_refused_with_the_missing_pieces(tmp_path: Path) -> None:
-    with pytest.raises(PagedWeightError, match="not supported yet.*attention_k_eq_v"):
+    with pytest.raises(PagedWeightError, match=r"not supported yet.*attention_k_eq_v"):
         load_spec(_dir_with(tmp_path, "google__gemma-4-26B-A4B"))
 
 
@@ -57,14 +57,14 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(PagedWeightError, match="unknown architecture 'llama'.*supported families"):
+    with pytest.raises(PagedWeightError, match=r"unknown architecture .llama.*supported families"):
         load_spec(d)
 
 
 def test_missing_dir_config_and_weights(tmp_path: Path) -> None:
     with pytest.raises(PagedWeightError, match="does not exist"):
         load_model(tmp_path / "nope")
-    with pytest.raises(PagedWeightError, match="no config.json"):
+    with pytest.raises(PagedWeightError, match=r"no config\.json"):
         load_model(tmp_path)
     d = _dir_with(tmp_path, "Qwen__Qwen1.5-MoE-A2.7B")
     with pytest.raises(PagedWeightError, match=r"no \*.safetensors"):
@@ -81,5 +81,5 @@ def test_sliding_window_and_rope_scaling_are_refused(tmp_path: Path) -> None:
     with pytest.raises(PagedWeightError, match="sliding-window"):
         load_spec(d)
     (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(PagedWeightError, match="RoPE scaling 'yarn'"):
+    with pytest.raises(PagedWeightError, match=r"RoPE scaling .yarn."):
         load_spec(d)

@@ -27,13 +27,13 @@ from safetensors.torch import save_file
 from pwcal.calib_data import calibration_windows
 from pwcal.manifest import MANIFEST, model_fingerprint, package_version, read_manifest, write_manifest
 from pwcal.quant.kmeans1d import nested_kmeans
+from pwcal.stats.collect import observe
 from pwcal.stats.hessian import HessianDiag
 from pwrun.ap.format import FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS, pack_planes
 from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
-from pwrun.ppl import perplexity
 
 FORMAT = "pagedweight-ap"
 
@@ -77,8 +77,7 @@ def collect_hessian(model: LeanMoEModel, windows: list[list[int]], batch: int = 
                     on_window: Callable[[int], None] | None = None) -> HessianDiag:
     """Diagonal Hessians of every expert block's inputs over ``windows`` (SPEC section 2)."""
     obs = HessianDiag()
-    flat = [t for w in windows for t in w]
-    perplexity(model, flat, seq_len=len(windows[0]), batch=batch, observer=obs, on_window=on_window)
+    observe(model, windows, obs, batch=batch, on_window=on_window)
     return obs
 
 

@@ -1,0 +1,88 @@
+"""``pwcal sensitivity``, ``pwcal fit-residual``, ``pwcal search-buckets``, ``pwcal run-all``: thin wrappers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from pwrun.cli_common import DeviceOpt, user_errors
+
+console = Console(stderr=True)
+ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
+ArtifactsOpt = Annotated[Path, typer.Option(help="Artifact directory made by `pwcal quantize`.")]
+ForceOpt = Annotated[bool, typer.Option(help="Redo the stage even if it is complete.")]
+
+
+class Bars:
+    """One rich progress bar per stage label."""
+
+    def __init__(self) -> None:
+        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        self.progress = Progress(*cols, console=console)
+        self.tasks: dict[str, TaskID] = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(stage, total=total)
+        self.progress.update(self.tasks[stage], completed=done)
+
+
+def _report(stage: str, info: dict[str, Any], extra: str = "") -> None:
+    if info.get("skipped"):
+        console.print(f"{stage}: already complete with these parameters, nothing to do (--force to redo)")
+    else:
+        console.print(f"{stage}: wrote {', '.join(info['files'])} in {info['seconds']:.1f} s{extra}")
+
+
+def sensitivity(
+    model: ModelArg,
+    artifacts: ArtifactsOpt,
+    dataset: Annotated[str, typer.Option(help="Calibration text: bundled c4-calib, a local .json/.jsonl/.json.gz/"
+                                         ".parquet/.txt file, or allenai/c4 (online, needs `datasets`).")] = "c4-calib",
+    samples: Annotated[int, typer.Option(help="Calibration windows.")] = 64,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 512,
+    seed: Annotated[int, typer.Option(help="Seed of the document order (reproducible sampling).")] = 1,
+    min_tokens: Annotated[int, typer.Option(help="Experts with fewer routed tokens use the documented "
+                                            "fallback Hessian.")] = 16,
+    device: DeviceOpt = "auto",
+    force: ForceOpt = False,
+) -> None:
+    """Hessian sensitivity s_i^b and bytes M_i^b per block and bitwidth; routing mass per expert (Eq. 1-3)."""
+    from pwcal.sensitivity import SensitivityConfig, run_sensitivity
+
+    with user_errors():
+        bars = Bars()
+        with bars.progress:
+            info = run_sensitivity(model, artifacts, SensitivityConfig(dataset, samples, seq_len, seed, min_tokens),
+                                   device, force, bars)
+        warn = ""
+        if info.get("fallback_experts"):
+            warn = (f"; warning: {len(info['fallback_experts'])} experts saw fewer than {min_tokens} tokens and use "
+                    "the fallback Hessian")
+        _report("sensitivity", info, warn)
+
+
+def fit_residual(
+    model: ModelArg,
+    artifacts: ArtifactsOpt,
+    prompts: Annotated[int, typer.Option(help="Held-apart calibration prompts (windows after the sensitivity "
+                                         "ones).")] = 32,
+    heldout_fraction: Annotated[float, typer.Option(help="Share of prompts kept to score the heads (R^2).")] = 0.25,
+    device: DeviceOpt = "auto",
+    force: ForceOpt = False,
+) -> None:
+    """Fit the prompt-residual heads (one linear regression per unit and transition, Eq. 5-6)."""
+    from pwcal.residual import ResidualConfig, run_fit_residual
+
+    with user_errors():
+        bars = Bars()
+        with bars.progress:
+            info = run_fit_residual(model, artifacts, ResidualConfig(prompts, heldout_fraction), device, force, bars)
+        extra = "" if info.get("skipped") else (
+            f"; {info['heads']} heads, held-out R^2 mean {info['mean_r2_heldout']:.3f}, "
+            f"{info['heads_r2_positive']} of {info['heads']} above 0")
+        _report("fit-residual", info, extra)

@@ -1,0 +1,137 @@
+"""``pwcal fit-residual``: prompt-residual heads (SPEC Eq. 4-6), one linear head per (unit, transition).
+
+What it does: on calibration prompts held apart from the sensitivity windows (the next windows
+of the same seeded document order), runs each prompt alone through the lean model and records,
+for every block i = (layer, expert, unit) the prompt routes tokens to: the prompt's Hessian
+diagonal h_i(p), its routed-token count n_i(p) and its input-norm features. Then, for every
+transition b -> b' (b > b'):
+
+* prompt damage per routed token:  g_i(p) = max(h_i(p) . (e_i^{b'} - e_i^b), 0) / n_i(p)
+* global damage per routed token:  g_i    = max(s_i^{b'} - s_i^b, 0) / n_i            (Eq. 4 / tokens)
+* **target**:  rho = log(g_i(p) / g_i)  -- how much more (rho > 0) or less this prompt is hurt
+  than the calibration average, per routed token (routing frequency is the planner's online
+  statistics' business, not the residual's).
+* **features** phi: log of the prompt's (routing-weighted mean, routing-weighted RMS, max) input
+  norm over the same quantities on the sensitivity calibration set (``block_features.parquet``),
+  so one head serves all layers.
+
+A scikit-learn ``LinearRegression`` per (unit, b, b') is fit on 75% of the prompts; its R^2 on
+the other 25% is the confidence c = clip(R^2, 0, 1) of Eq. 6 and [rho_min, rho_max] are the 1st
+and 99th percentiles of the training targets. Rows with zero damage (no log) and experts with
+the sensitivity fallback are left out. Writes ``residual_heads.parquet``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pwcal.calib_data import calibration_windows
+from pwcal.manifest import read_manifest
+from pwcal.sensitivity import column_errors
+from pwcal.stages import begin_stage, finish_stage
+from pwcal.stats.collect import Tee, observe
+from pwcal.stats.features import FEATURES, NormFeatures
+from pwcal.stats.hessian import HessianDiag
+from pwcal.tables import read_table, write_table
+from pwrun.ap.artifact import APArtifact
+from pwrun.model.inventory import expert_blocks
+from pwrun.model.loader import load_model, load_tokenizer
+
+
+@dataclass(frozen=True)
+class ResidualConfig:
+    prompts: int = 32
+    heldout_fraction: float = 0.25
+    min_prompt_tokens: int = 4
+
+
+def prompt_rows(errors: dict, sens: pd.DataFrame, ref: pd.DataFrame, per_prompt: list[tuple[HessianDiag,
+                NormFeatures]], bits: list[int], min_prompt_tokens: int) -> pd.DataFrame:
+    """One row per (prompt, block, transition) with features f0..f2 and target rho (see module doc)."""
+    s = sens.set_index(["layer", "expert", "unit", "bits"])["sensitivity"]
+    meta = sens[sens.bits == bits[0]].set_index(["layer", "expert", "unit"])
+    refs = ref.set_index(["layer", "expert", "unit"])[list(FEATURES)]
+    rows = []
+    pairs = [(b, b2) for b in bits for b2 in bits if b2 < b]
+    for p, (hess, feats) in enumerate(per_prompt):
+        phi = feats.features()
+        for key, e in errors.items():
+            layer, expert, unit = key
+            n_p = hess.tokens.get((layer, expert), 0)
+            if n_p < min_prompt_tokens or key not in phi or meta.loc[key, "fallback"]:
+                continue
+            n = meta.loc[key, "tokens"]
+            x = np.log(phi[key] / refs.loc[key].to_numpy())
+            h_p = hess.diag[key].to(e.device)
+            s_p = (e @ h_p).cpu().numpy()  # [len(bits)]
+            for b, b2 in pairs:
+                g_p = max(s_p[bits.index(b2)] - s_p[bits.index(b)], 0.0) / n_p
+                g = max(s[(layer, expert, unit, b2)] - s[(layer, expert, unit, b)], 0.0) / n
+                if g_p > 0 and g > 0:
+                    rows.append({"prompt": p, "layer": layer, "expert": expert, "unit": unit, "bits_from": b,
+                                 "bits_to": b2, "f0": x[0], "f1": x[1], "f2": x[2], "rho": np.log(g_p / g)})
+    return pd.DataFrame(rows)
+
+
+def fit_heads(rows: pd.DataFrame, prompts: int, heldout_fraction: float) -> pd.DataFrame:
+    """One LinearRegression head per (unit, bits_from, bits_to), scored on held-out prompts."""
+    from sklearn.linear_model import LinearRegression
+    from sklearn.metrics import r2_score
+
+    n_held = max(1, round(prompts * heldout_fraction))
+    held = rows.prompt >= prompts - n_held
+    heads = []
+    for (unit, b, b2), g in rows.groupby(["unit", "bits_from", "bits_to"]):
+        tr, te = g[~held.loc[g.index]], g[held.loc[g.index]]
+        if len(tr) < 8 or len(te) < 2:
+            continue
+        x_tr, x_te = tr[["f0", "f1", "f2"]].to_numpy(), te[["f0", "f1", "f2"]].to_numpy()
+        reg = LinearRegression().fit(x_tr, tr.rho.to_numpy())
+        r2 = float(r2_score(te.rho.to_numpy(), reg.predict(x_te)))
+        lo, hi = np.percentile(tr.rho.to_numpy(), [1, 99])
+        heads.append({"unit": unit, "bits_from": int(b), "bits_to": int(b2), "w_mean_norm": float(reg.coef_[0]),
+                      "w_rms_norm": float(reg.coef_[1]), "w_max_norm": float(reg.coef_[2]),
+                      "intercept": float(reg.intercept_), "r2_heldout": r2, "confidence": float(np.clip(r2, 0, 1)),
+                      "rho_min": float(lo), "rho_max": float(hi), "n_train": len(tr), "n_heldout": len(te)})
+    return pd.DataFrame(heads)
+
+
+def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, device: str = "auto",
+                     force: bool = False, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """The whole stage; returns its manifest entry (``{"skipped": True}`` if already complete)."""
+    if not begin_stage(artifact_dir, model_dir, "fit-residual", asdict(cfg), force):
+        return {"skipped": True}
+    t0 = time.time()
+    sens_cfg = read_manifest(artifact_dir)["stages"]["sensitivity"]["config"]
+    sens = read_table(artifact_dir / "sensitivity.parquet", "sensitivity")
+    ref = read_table(artifact_dir / "block_features.parquet", "block_features")
+    art = APArtifact(artifact_dir)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, device=device, dtype="float32")
+    windows = calibration_windows(tok, sens_cfg["dataset"], cfg.prompts, sens_cfg["seq_len"], sens_cfg["seed"],
+                                  skip=sens_cfg["samples"])
+    per_prompt = []
+    for i, w in enumerate(windows):
+        hess, feats = HessianDiag(), NormFeatures()
+        observe(model, [w], Tee(hess, feats))
+        per_prompt.append((hess, feats))
+        if progress:
+            progress("prompts", i + 1, len(windows))
+    errors = column_errors(model, art, expert_blocks(model.spec))
+    rows = prompt_rows(errors, sens, ref, per_prompt, art.bits, cfg.min_prompt_tokens)
+    heads = fit_heads(rows, cfg.prompts, cfg.heldout_fraction)
+    if heads.empty:
+        raise ValueError("no residual head could be fit: use more --prompts")
+    write_table(heads, artifact_dir / "residual_heads.parquet", "residual_heads")
+    info = {"config": asdict(cfg), "files": ["residual_heads.parquet"], "rows": len(rows), "heads": len(heads),
+            "mean_r2_heldout": float(heads.r2_heldout.mean()), "heads_r2_positive": int((heads.r2_heldout > 0).sum()),
+            "seconds": round(time.time() - t0, 2)}
+    finish_stage(artifact_dir, "fit-residual", info)
+    return info

@@ -1,0 +1,158 @@
+"""``pwcal sensitivity``: Hessian sensitivity s_i^b (SPEC Eq. 2), bytes M_i^b (Eq. 3), routing mass (Eq. 1).
+
+What it does: one calibration pass of the lean model over C4 windows collects, per linear block
+i = (layer, expert, unit), the Hessian diagonal h_i of its inputs over the tokens routed to it
+(gate_up: the layer input; down: silu(gate) * up; the shared expert: every token) and the token
+count, and per expert the routing mass. Then, with the column errors of the artifact's AP weights
+``e_i^b[j] = sum_r (W_rj - W^b_rj)^2``, ``s_i^b = h_i . e_i^b``. Writes ``sensitivity.parquet``,
+``routing.parquet`` and ``block_features.parquet`` (each block's reference input-norm features,
+the normaliser of the prompt-residual features; schemas in ``pwcal.tables``) and a manifest entry.
+
+Fallback (never a silent zero): an expert that saw fewer than ``min_tokens`` tokens gets
+``h = max(n, 1) x`` the mean per-token Hessian diagonal of the well-observed experts of its layer and
+unit, i.e. typical inputs counted at its (tiny) frequency; those rows have ``fallback = True``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from pwcal.calib_data import calibration_windows
+from pwcal.stages import begin_stage, finish_stage
+from pwcal.stats.collect import Tee, observe
+from pwcal.stats.features import FEATURES, NormFeatures
+from pwcal.stats.hessian import HessianDiag
+from pwcal.stats.routing import RoutingMass
+from pwcal.tables import write_table
+from pwrun.ap.artifact import APArtifact
+from pwrun.ap.format import block_bytes, dequantize
+from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.loader import load_model, load_tokenizer
+
+
+@dataclass(frozen=True)
+class SensitivityConfig:
+    """``seed`` orders the calibration documents; windows 0..samples-1 of that order are used."""
+
+    dataset: str = "c4-calib"
+    samples: int = 64
+    seq_len: int = 512
+    seed: int = 1
+    min_tokens: int = 16
+
+
+def dense_weight(model: LeanMoEModel, b: LinearBlock) -> torch.Tensor:
+    """The 16-bit weight [N, K] of block ``b``."""
+    m = model.weights.layers[b.layer].moe
+    assert m is not None
+    if b.expert == SHARED_EXPERT:
+        assert m.shared is not None
+        return getattr(m.shared, b.unit)
+    return getattr(m, b.unit)[b.expert]
+
+
+def column_errors(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBlock]
+                  ) -> dict[tuple[int, int, str], torch.Tensor]:
+    """e_i [len(bits), K] float64: per input column, the squared AP error summed over rows, per bitwidth."""
+    out = {}
+    for layer in sorted({b.layer for b in blocks}):
+        t = art.layer_tensors(layer, model.device)
+        for b in (x for x in blocks if x.layer == layer):
+            w = dense_weight(model, b).double()
+            key = art.key(b)
+            out[(b.layer, b.expert, b.unit)] = torch.stack([
+                (w - dequantize(t[f"{key}.planes"], t[f"{key}.lut{q}"], b.k, q, torch.float64)).pow(2).sum(0)
+                for q in art.bits])
+    return out
+
+
+def block_hessians(hess: HessianDiag, blocks: list[LinearBlock], min_tokens: int
+                   ) -> dict[tuple[int, int, str], tuple[torch.Tensor, int, bool]]:
+    """(h_i [K] float64, tokens, fallback) per block, with the documented fallback for rare experts."""
+    typical: dict[tuple[int, str, int], torch.Tensor] = {}
+    for layer, unit, k in {(b.layer, b.unit, b.k) for b in blocks}:
+        per_token = [hess.diag[(b.layer, b.expert, b.unit)] / hess.tokens[(b.layer, b.expert)]
+                     for b in blocks if (b.layer, b.unit, b.k) == (layer, unit, k)
+                     and hess.tokens.get((b.layer, b.expert), 0) >= min_tokens]
+        if per_token:
+            typical[(layer, unit, k)] = torch.stack(per_token).mean(0)
+    out = {}
+    for b in blocks:
+        n = hess.tokens.get((b.layer, b.expert), 0)
+        key = (b.layer, b.expert, b.unit)
+        if n >= min_tokens:
+            out[key] = (hess.diag[key], n, False)
+        else:
+            base = typical.get((b.layer, b.unit, b.k))
+            if base is None:
+                raise ValueError(f"layer {b.layer} has no expert with >= {min_tokens} calibration tokens: use more "
+                                 "--samples")
+            out[key] = (base * max(n, 1), n, True)
+    return out
+
+
+def sensitivity_table(blocks: list[LinearBlock], hess: dict[tuple[int, int, str], tuple[torch.Tensor, int, bool]],
+                      errors: dict[tuple[int, int, str], torch.Tensor], bits: list[int], seed_bits: int
+                      ) -> pd.DataFrame:
+    """One row per (block, bits): s_i^b = h_i . e_i^b (Eq. 2) and M_i^b (Eq. 3)."""
+    rows = []
+    for b in blocks:
+        key = (b.layer, b.expert, b.unit)
+        h, n, fb = hess[key]
+        s = (errors[key] @ h.to(errors[key].device)).tolist()
+        for q, sq in zip(bits, s, strict=True):
+            rows.append({"layer": b.layer, "expert": b.expert, "unit": b.unit, "bits": q, "sensitivity": sq,
+                         "bytes": block_bytes(b.n, b.k, q, seed_bits), "tokens": n, "fallback": fb})
+    return pd.DataFrame(rows)
+
+
+def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig, device: str = "auto",
+                    force: bool = False, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """The whole stage; returns its manifest entry (``{"skipped": True}`` if already complete)."""
+    if not begin_stage(artifact_dir, model_dir, "sensitivity", asdict(cfg), force):
+        return {"skipped": True}
+    t0 = time.time()
+    art = APArtifact(artifact_dir)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, device=device, dtype="float32")
+    windows = calibration_windows(tok, cfg.dataset, cfg.samples, cfg.seq_len, cfg.seed)
+    blocks = expert_blocks(model.spec)
+    moe = next(layer.moe for layer in model.spec.layers if layer.moe is not None)
+    assert moe is not None
+    hess, mass, feats = HessianDiag(), RoutingMass(model.spec.num_layers, moe.num_experts), NormFeatures()
+    done = 0
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress("calibrate", done, len(windows))
+
+    observe(model, windows, Tee(hess, mass, feats), on_window=step)
+    h = block_hessians(hess, blocks, cfg.min_tokens)
+    errors = column_errors(model, art, blocks)
+    table = sensitivity_table(blocks, h, errors, art.bits, art.seed_bits)
+    write_table(table, artifact_dir / "sensitivity.parquet", "sensitivity")
+    m = mass.mass()
+    routing = pd.DataFrame([{"layer": layer, "expert": e, "mass": float(m[layer, e]),
+                             "tokens": int(mass.tokens[layer, e])}
+                            for layer in model.spec.moe_layers for e in range(moe.num_experts)])
+    write_table(routing, artifact_dir / "routing.parquet", "routing")
+    phi = feats.features()
+    write_table(pd.DataFrame([{"layer": k[0], "expert": k[1], "unit": k[2], **dict(zip(FEATURES, v, strict=True))}
+                              for k, v in sorted(phi.items())]), artifact_dir / "block_features.parquet",
+                "block_features")
+    fallback = sorted({(b[0], b[1]) for b, v in h.items() if v[2]})
+    info = {"config": asdict(cfg), "files": ["sensitivity.parquet", "routing.parquet", "block_features.parquet"],
+            "calibration_tokens": len(windows) * cfg.seq_len, "fallback_experts": [list(x) for x in fallback],
+            "seconds": round(time.time() - t0, 2)}
+    finish_stage(artifact_dir, "sensitivity", info)
+    return info

@@ -1,0 +1,51 @@
+"""Pipeline stages recorded in an artifact's manifest: skip a completed stage, require earlier ones.
+
+What it does: ``begin_stage`` decides whether a stage must run (not done, or ``force``), refuses
+to silently redo a completed stage with other parameters, and checks that the previous stage is
+complete and that the artifact belongs to the given model; ``finish_stage`` records the stage
+(config, outputs, timing, warnings) in ``manifest.json`` atomically. It imports no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pwcal.manifest import check_same_model, read_manifest, write_manifest
+from pwrun.errors import PagedWeightError
+
+ORDER = ("quantize", "sensitivity", "fit-residual", "search-buckets")
+
+
+def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[str, Any], force: bool) -> bool:
+    """True if ``stage`` must run; False if it is complete with the same ``config`` (skip).
+
+    Raises ``PagedWeightError`` if a previous stage is missing, the artifact is another model's, or
+    the stage is complete with other parameters and ``force`` is not set.
+    """
+    manifest = read_manifest(artifact_dir)
+    check_same_model(manifest, model_dir, artifact_dir)
+    stages = manifest.get("stages", {})
+    for prev in ORDER[: ORDER.index(stage)]:
+        if not stages.get(prev, {}).get("complete"):
+            raise PagedWeightError(f"{artifact_dir}: stage '{prev}' has not completed; run `pwcal {prev}` before "
+                                   f"`pwcal {stage}`")
+    done = stages.get(stage, {})
+    if done.get("complete") and not force:
+        if done.get("config") == config:
+            return False
+        raise PagedWeightError(f"{artifact_dir}: '{stage}' already ran with other parameters; pass --force to redo it")
+    return True
+
+
+def finish_stage(artifact_dir: Path, stage: str, info: dict[str, Any]) -> dict[str, Any]:
+    """Record ``stage`` as complete with ``info``; later stages are marked stale (incomplete)."""
+    manifest = read_manifest(artifact_dir)
+    stages = manifest.setdefault("stages", {})
+    for later in ORDER[ORDER.index(stage) + 1:]:
+        if later in stages:
+            stages[later]["complete"] = False
+            stages[later]["stale_because"] = f"{stage} was re-run"
+    stages[stage] = {"complete": True, **info}
+    write_manifest(artifact_dir, manifest)
+    return manifest

@@ -1,0 +1,84 @@
+"""Parquet tables of the calibration pipeline: declared schemas, atomic zstd writes, validated reads.
+
+What it does: one ``pyarrow`` schema per table (``sensitivity``, ``routing``, ``block_features``,
+``residual_heads``,
+``buckets``, ``bucket_search``), ``write_table`` (validate against the schema, zstd, ``.tmp`` then
+rename) and ``read_table`` (clear error for a missing, truncated or corrupted file, or a schema
+mismatch). The pandas DataFrames that go in and out are what notebooks and the planner read.
+It imports no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pwrun.errors import PagedWeightError
+
+SCHEMAS: dict[str, pa.Schema] = {
+    # one row per linear block i = (layer, expert, unit) and bitwidth b (SPEC Eq. 2, 3)
+    "sensitivity": pa.schema([
+        ("layer", pa.int32()), ("expert", pa.int32()), ("unit", pa.string()), ("bits", pa.int32()),
+        ("sensitivity", pa.float64()),  # s_i^b = sum_j h_ij (W_ij - W_ij^b)^2
+        ("bytes", pa.int64()),  # M_i^b
+        ("tokens", pa.int64()),  # calibration tokens routed to the expert
+        ("fallback", pa.bool_()),  # True: too few tokens, h is the layer's typical per-token Hessian
+    ]),
+    # one row per (layer, expert): routing mass m (Eq. 1) and routed (token, slot) count
+    "routing": pa.schema([
+        ("layer", pa.int32()), ("expert", pa.int32()), ("mass", pa.float64()), ("tokens", pa.int64()),
+    ]),
+    # reference input-norm features of each block on the sensitivity calibration set (Eq. 5 normaliser)
+    "block_features": pa.schema([
+        ("layer", pa.int32()), ("expert", pa.int32()), ("unit", pa.string()),
+        ("mean_norm", pa.float64()), ("rms_norm", pa.float64()), ("max_norm", pa.float64()),
+    ]),
+    # one linear head per (unit, transition b -> b'): rho_hat = w . phi + a (Eq. 5), confidence c (Eq. 6)
+    "residual_heads": pa.schema([
+        ("unit", pa.string()), ("bits_from", pa.int32()), ("bits_to", pa.int32()),
+        ("w_mean_norm", pa.float64()), ("w_rms_norm", pa.float64()), ("w_max_norm", pa.float64()),
+        ("intercept", pa.float64()), ("r2_heldout", pa.float64()), ("confidence", pa.float64()),
+        ("rho_min", pa.float64()), ("rho_max", pa.float64()), ("n_train", pa.int64()), ("n_heldout", pa.int64()),
+    ]),
+    # the chosen routing buckets: mass-quantile upper bound, multiplier mu, floor per stage, depth cap
+    "buckets": pa.schema([
+        ("bucket", pa.int32()), ("mass_quantile_hi", pa.float64()), ("mu", pa.float64()),
+        ("floor_stage0", pa.int32()), ("floor_stage1", pa.int32()), ("depth_cap", pa.int32()),
+    ]),
+    # every candidate the bucket search scored
+    "bucket_search": pa.schema([
+        ("candidate", pa.int32()), ("setting", pa.string()), ("budget_bytes", pa.int64()),
+        ("expert_bytes", pa.int64()), ("ppl", pa.float64()), ("score", pa.float64()),
+    ]),
+}
+
+
+def write_table(df: pd.DataFrame, path: Path, name: str) -> None:
+    """Write ``df`` as ``SCHEMAS[name]`` to ``path`` (zstd, atomic). Raises ``ValueError`` on schema mismatch."""
+    schema = SCHEMAS[name]
+    missing = [f for f in schema.names if f not in df.columns]
+    if missing:
+        raise ValueError(f"table {name} lacks columns {missing}")
+    table = pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    tmp.replace(path)
+
+
+def read_table(path: Path, name: str) -> pd.DataFrame:
+    """Read ``path`` and check it against ``SCHEMAS[name]``; raises ``PagedWeightError`` with the fix."""
+    if not path.is_file():
+        raise PagedWeightError(f"{path} is missing: run the pwcal stage that writes {name} first")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise PagedWeightError(f"{path} is truncated or corrupted ({str(exc).splitlines()[0]}): re-run its pwcal "
+                               "stage with --force") from exc
+    want = SCHEMAS[name]
+    if not table.schema.remove_metadata().equals(want):
+        raise PagedWeightError(f"{path} does not have the {name} schema of this version: re-run its pwcal stage "
+                               "with --force")
+    return table.to_pandas()
