@@ -1,7 +1,7 @@
 """``pwcal``: the offline calibration command line (Typer). Wiring only.
 
-Pipeline order (later stages arrive with their issues): quantize -> sensitivity ->
-fit-residual -> search-buckets. ``inspect`` describes a checkpoint as PagedWeight sees it.
+Pipeline order: quantize -> sensitivity -> fit-residual -> search-buckets (``run-all`` runs them
+in order). ``inspect`` describes a checkpoint; ``eval-uniform`` gives the uniform-bits quality table.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from rich.table import Table
 from pwcal import cli_calib, cli_quant
 from pwrun.cli_common import user_errors
 
-app = typer.Typer(help="PagedWeight offline calibration. Pipeline: quantize -> sensitivity -> fit-residual -> "
-                  "search-buckets (each writes artifacts with a manifest).", no_args_is_help=True,
+app = typer.Typer(help="PagedWeight offline calibration. Pipeline, in this order: quantize (AP bit-planes + "
+                  "LUTs) -> sensitivity (Hessian s_i^b, bytes M_i^b, routing mass) -> fit-residual (prompt-residual "
+                  "heads) -> search-buckets (routing buckets, multipliers, floors); run-all does all four. Each "
+                  "stage writes into one artifact directory with a manifest.json and is skipped when complete "
+                  "(--force redoes it).", no_args_is_help=True,
                   add_completion=False)
 
 
@@ -25,6 +28,8 @@ app.command("quantize")(cli_quant.quantize)
 app.command("eval-uniform")(cli_quant.eval_uniform)
 app.command("sensitivity")(cli_calib.sensitivity)
 app.command("fit-residual")(cli_calib.fit_residual)
+app.command("search-buckets")(cli_calib.search_buckets)
+app.command("run-all")(cli_calib.run_all)
 
 
 @app.callback()

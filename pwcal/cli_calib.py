@@ -86,3 +86,45 @@ def fit_residual(
             f"; {info['heads']} heads, held-out R^2 mean {info['mean_r2_heldout']:.3f}, "
             f"{info['heads_r2_positive']} of {info['heads']} above 0")
         _report("fit-residual", info, extra)
+
+
+def search_buckets(
+    model: ModelArg,
+    artifacts: ArtifactsOpt,
+    budget_bits: Annotated[list[float] | None, typer.Option(help="Memory budgets as uniform-equivalent bits per "
+                                                            "expert weight (repeatable; 3.5 = midway between "
+                                                            "uniform 3 and 4 bits). Default 3.5 and 4.")] = None,
+    candidates: Annotated[int, typer.Option(help="Settings sampled from the grid besides the neutral one.")] = 12,
+    heldout_windows: Annotated[int, typer.Option(help="Held-out calibration windows scored per setting.")] = 16,
+    seed: Annotated[int, typer.Option(help="Seed of the candidate sample.")] = 0,
+    device: DeviceOpt = "auto",
+    force: ForceOpt = False,
+) -> None:
+    """Search routing buckets, multipliers mu, floors and depth caps by held-out perplexity under budgets."""
+    from pwcal.bucket_search import SearchConfig, run_search_buckets
+
+    with user_errors():
+        cfg = SearchConfig(tuple(budget_bits or (3.5, 4.0)), candidates, heldout_windows, seed)
+        bars = Bars()
+        with bars.progress:
+            info = run_search_buckets(model, artifacts, cfg, device, force, bars)
+        extra = "" if info.get("skipped") else (
+            f"; {info['candidates_scored']} of {info['search_space_size']} settings scored; best ppl per budget "
+            f"{[round(p, 2) for p in info['best_ppl_per_budget']]} vs neutral "
+            f"{[round(p, 2) for p in info['neutral_ppl_per_budget']]}")
+        _report("search-buckets", info, extra)
+
+
+def run_all(
+    model: ModelArg,
+    out: Annotated[Path, typer.Option(help="Artifact directory.")],
+    device: DeviceOpt = "auto",
+    force: ForceOpt = False,
+) -> None:
+    """quantize -> sensitivity -> fit-residual -> search-buckets with defaults (completed stages are skipped)."""
+    from pwcal import cli_quant
+
+    cli_quant.quantize(model, out, device=device, force=force)
+    sensitivity(model, out, device=device, force=force)
+    fit_residual(model, out, device=device, force=force)
+    search_buckets(model, out, device=device, force=force)

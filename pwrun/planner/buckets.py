@@ -1,0 +1,61 @@
+"""Routing buckets (SPEC section 4): hot/warm/cold experts by routing mass, with multipliers and floors.
+
+What it does: ``BucketPolicy`` says where the bucket boundaries lie (quantiles of the routed
+experts' mass), each bucket's damage multiplier mu (Eq. 8), its bitwidth floor at each floor
+stage (stage 0 most conservative) and its depth cap (the most bits one planning step may remove
+from a block). ``assign`` maps blocks to buckets; the always-active shared expert is in the
+hottest bucket. Bucket 0 is the coldest. Control plane: numpy only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from pwrun.planner.tables import SHARED_EXPERT, BlockTable
+
+
+@dataclass(frozen=True)
+class BucketPolicy:
+    """``quantiles``: upper mass quantile of buckets 0..n-2 (the last bucket reaches 1.0).
+
+    ``mu``, ``depth_cap``: per bucket; ``floors``: per stage, per bucket (bitwidths).
+    """
+
+    quantiles: tuple[float, ...]
+    mu: tuple[float, ...]
+    floors: tuple[tuple[int, ...], ...]
+    depth_cap: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        nb = len(self.quantiles) + 1
+        if len(self.mu) != nb or len(self.depth_cap) != nb or any(len(f) != nb for f in self.floors):
+            raise ValueError(f"a policy of {nb} buckets needs {nb} mu, depth caps and floors per stage")
+        if list(self.quantiles) != sorted(self.quantiles) or not all(0 < q < 1 for q in self.quantiles):
+            raise ValueError("bucket quantiles must be increasing and inside (0, 1)")
+        if not self.floors:
+            raise ValueError("at least one floor stage is needed")
+        if any(m <= 0 for m in self.mu) or any(c < 1 for c in self.depth_cap):
+            raise ValueError("mu must be > 0 and depth caps >= 1")
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.quantiles) + 1
+
+    def assign(self, table: BlockTable) -> np.ndarray:
+        """Bucket [n] int of every block: mass quantile among routed experts; shared -> hottest."""
+        routed = table.expert != SHARED_EXPERT
+        bounds = np.quantile(table.mass[routed], self.quantiles) if routed.any() else np.array([])
+        bucket = np.searchsorted(bounds, table.mass, side="left")
+        bucket[~routed] = self.num_buckets - 1
+        return bucket.astype(np.int64)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def neutral(seed_bits: int) -> BucketPolicy:
+        """One bucket, mu 1, floor at the seed, depth cap 1: the plain greedy planner."""
+        return BucketPolicy(quantiles=(), mu=(1.0,), floors=((seed_bits,),), depth_cap=(1,))

@@ -1,0 +1,125 @@
+"""Greedy precision planning over all blocks at once (SPEC Algorithm 1, Eq. 3-8), vectorized with numpy.
+
+What it does: ``predicted_damage`` forms d_hat_i^{b->b'} = max(eps, mu_beta(i) * g_i^{b->b'} * eta_i^{b->b'})
+(Eq. 8); ``lower_step`` picks, under one floor stage, each block's best demotion (lowest
+d_hat / Delta, within its floor and depth cap) and takes blocks in that order until the freed bytes
+reach D; ``raise_step`` does the reverse (highest damage avoided per byte) within a byte
+allowance; ``fit_budget`` repeats lowering steps, escalating floor stages only when a stage can
+free nothing more, until the blocks fit a byte budget (the offline use of the same planner, by
+``pwcal search-buckets``). No Python loop runs over blocks. Bitwidths are handled as indices into
+``BlockTable.bits``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pwrun.planner.buckets import BucketPolicy
+from pwrun.planner.tables import BlockTable
+
+EPS_DAMAGE = 1e-12
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Blocks to move: ``blocks`` [k] and their new bit indices ``to_idx`` [k]; bytes freed (< 0: used)."""
+
+    blocks: np.ndarray
+    to_idx: np.ndarray
+    freed: int
+    damage: float
+    stage: int
+
+    @property
+    def empty(self) -> bool:
+        return self.blocks.size == 0
+
+
+def predicted_damage(table: BlockTable, bucket: np.ndarray, policy: BucketPolicy,
+                     eta: np.ndarray | None = None) -> np.ndarray:
+    """d_hat [n, nb, nb] (Eq. 8): d_hat[i, a, c] for moving block i from bits[a] to bits[c]."""
+    mu = np.asarray(policy.mu)[bucket][:, None, None]
+    g = table.global_damage()
+    return np.maximum(EPS_DAMAGE, mu * g * (1.0 if eta is None else eta))
+
+
+def floor_index(table: BlockTable, bucket: np.ndarray, policy: BucketPolicy, stage: int) -> np.ndarray:
+    """Per-block floor as a bit index for floor stage ``stage``."""
+    floors = np.asarray(policy.floors[stage])[bucket]
+    return np.searchsorted(table.bits, np.maximum(floors, table.bits[0]))
+
+
+def _take(order: np.ndarray, amount: np.ndarray, need: float) -> np.ndarray:
+    """The shortest prefix of ``order`` whose ``amount`` sums to >= need (all if never)."""
+    cum = np.cumsum(amount[order])
+    k = int(np.searchsorted(cum, need, side="left")) + 1
+    return order[: min(k, order.size)]
+
+
+def lower_step(table: BlockTable, q_idx: np.ndarray, need_bytes: float, d_hat: np.ndarray, bucket: np.ndarray,
+               policy: BucketPolicy, stage: int) -> Plan:
+    """Demotions that free >= ``need_bytes`` at least damage per byte (or as many as the stage allows)."""
+    n, nb = table.n, table.bits.size
+    rows = np.arange(n)
+    c = np.arange(nb)[None, :]
+    cap = np.asarray(policy.depth_cap)[bucket][:, None]
+    floor = floor_index(table, bucket, policy, stage)[:, None]
+    a = q_idx[:, None]
+    valid = (c < a) & (c >= floor) & (c >= a - cap)
+    delta = table.bytes[rows, q_idx][:, None] - table.bytes
+    dmg = d_hat[rows, q_idx]  # [n, nb]: damage of going from the current bits to each c
+    ratio = np.where(valid & (delta > 0), dmg / np.maximum(delta, 1), np.inf)
+    best = ratio.argmin(axis=1)
+    best_ratio = ratio[rows, best]
+    cand = np.flatnonzero(np.isfinite(best_ratio))
+    if cand.size == 0 or need_bytes <= 0:
+        return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, stage)
+    order = cand[np.argsort(best_ratio[cand], kind="stable")]
+    take = _take(order, delta[rows, best], need_bytes)
+    return Plan(take, best[take], int(delta[take, best[take]].sum()), float(dmg[take, best[take]].sum()), stage)
+
+
+def raise_step(table: BlockTable, q_idx: np.ndarray, allowance: float, d_hat: np.ndarray, bucket: np.ndarray,
+               policy: BucketPolicy) -> Plan:
+    """Promotions by damage avoided per byte, using at most ``allowance`` bytes (Algorithm 1, reload)."""
+    n, nb = table.n, table.bits.size
+    rows = np.arange(n)
+    c = np.arange(nb)[None, :]
+    cap = np.asarray(policy.depth_cap)[bucket][:, None]
+    a = q_idx[:, None]
+    valid = (c > a) & (c <= a + cap)
+    cost = table.bytes - table.bytes[rows, q_idx][:, None]  # bytes needed to raise to c
+    avoided = np.take_along_axis(d_hat, np.broadcast_to(q_idx[:, None, None], (n, nb, 1)), axis=2)[..., 0]
+    benefit = np.where(valid & (cost > 0), avoided / np.maximum(cost, 1), -np.inf)
+    best = benefit.argmax(axis=1)
+    best_b = benefit[rows, best]
+    cand = np.flatnonzero(np.isfinite(best_b))
+    if cand.size == 0 or allowance <= 0:
+        return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, 0)
+    order = cand[np.argsort(-best_b[cand], kind="stable")]
+    fits = order[np.cumsum(cost[order, best[order]]) <= allowance]
+    return Plan(fits, best[fits], -int(cost[fits, best[fits]].sum()), -float(avoided[fits, best[fits]].sum()), 0)
+
+
+def fit_budget(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: np.ndarray | None = None,
+               max_steps: int = 1000) -> np.ndarray | None:
+    """Bit indices [n] that fit ``budget_bytes`` starting from the top bitwidth, or None if infeasible."""
+    bucket = policy.assign(table)
+    d_hat = predicted_damage(table, bucket, policy, eta)
+    q = np.full(table.n, table.bits.size - 1, dtype=np.int64)
+    stage = 0
+    for _ in range(max_steps):
+        need = table.total_bytes(q) - budget_bytes
+        if need <= 0:
+            return q
+        plan = lower_step(table, q, need, d_hat, bucket, policy, stage)
+        if plan.empty:
+            if stage + 1 >= len(policy.floors):
+                return None
+            stage += 1
+            continue
+        q = q.copy()
+        q[plan.blocks] = plan.to_idx
+    return None

@@ -1,0 +1,73 @@
+"""Calibration tables as flat numpy arrays indexed by linear block i (control plane, no torch).
+
+What it does: ``BlockTable`` holds, for every expert linear block i = (layer, expert, unit), the
+supported bitwidths B (shared by all blocks), s_i^b (Eq. 2), M_i^b (Eq. 3), calibration tokens
+and the expert's routing mass m (Eq. 1; the always-active shared expert gets mass 1). It is
+built from the ``sensitivity`` and ``routing`` tables written by ``pwcal sensitivity``.
+Global damage g_i^{b->b'} (Eq. 4) and freed bytes Delta (Eq. 3) are derived on demand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+SHARED_EXPERT = -1
+UNITS = ("gate_up", "down")
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """Arrays over blocks: layer/expert/unit [n] int; sens/bytes [n, len(bits)]; tokens/mass [n]."""
+
+    bits: np.ndarray
+    layer: np.ndarray
+    expert: np.ndarray
+    unit: np.ndarray  # index into UNITS
+    sens: np.ndarray
+    bytes: np.ndarray
+    tokens: np.ndarray
+    mass: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return int(self.layer.size)
+
+    def bit_index(self, bits: int) -> int:
+        return int(np.flatnonzero(self.bits == bits)[0])
+
+    def total_bytes(self, q_idx: np.ndarray) -> int:
+        """Sum of M_i^{q_i} for bit indices q_idx [n]."""
+        return int(self.bytes[np.arange(self.n), q_idx].sum())
+
+    def global_damage(self) -> np.ndarray:
+        """g [n, nb, nb]: g[i, a, c] = max(s_i^{bits[c]} - s_i^{bits[a]}, 0) (Eq. 4; only c < a matters)."""
+        return np.maximum(self.sens[:, None, :] - self.sens[:, :, None], 0.0)
+
+    def freed(self) -> np.ndarray:
+        """Delta [n, nb, nb]: Delta[i, a, c] = M_i^{bits[a]} - M_i^{bits[c]} (Eq. 3)."""
+        return self.bytes[:, :, None] - self.bytes[:, None, :]
+
+    @staticmethod
+    def from_frames(sensitivity: pd.DataFrame, routing: pd.DataFrame) -> BlockTable:
+        """Build from the ``sensitivity`` and ``routing`` tables (schemas in ``pwcal.tables``)."""
+        bits = np.sort(sensitivity.bits.unique())
+        wide = sensitivity.pivot_table(index=["layer", "expert", "unit"], columns="bits",
+                                       values=["sensitivity", "bytes"], aggfunc="first").sort_index()
+        idx = wide.index.to_frame(index=False)
+        meta = sensitivity.drop_duplicates(["layer", "expert", "unit"]).set_index(["layer", "expert", "unit"])
+        mass = routing.set_index(["layer", "expert"]).mass
+        keys = list(zip(idx.layer, idx.expert, strict=True))
+        m = np.array([1.0 if e == SHARED_EXPERT else float(mass.get((la, e), 0.0)) for la, e in keys])
+        return BlockTable(
+            bits=bits.astype(np.int64),
+            layer=idx.layer.to_numpy(np.int64),
+            expert=idx.expert.to_numpy(np.int64),
+            unit=np.array([UNITS.index(u) for u in idx.unit], dtype=np.int64),
+            sens=wide["sensitivity"][bits].to_numpy(np.float64),
+            bytes=wide["bytes"][bits].to_numpy(np.int64),
+            tokens=meta.loc[list(wide.index), "tokens"].to_numpy(np.int64),
+            mass=m,
+        )
