@@ -55,29 +55,41 @@ class ResidualConfig:
 def prompt_rows(errors: dict, sens: pd.DataFrame, ref: pd.DataFrame, per_prompt: list[tuple[HessianDiag,
                 NormFeatures]], bits: list[int], min_prompt_tokens: int) -> pd.DataFrame:
     """One row per (prompt, block, transition) with features f0..f2 and target rho (see module doc)."""
-    s = sens.set_index(["layer", "expert", "unit", "bits"])["sensitivity"]
-    meta = sens[sens.bits == bits[0]].set_index(["layer", "expert", "unit"])
-    refs = ref.set_index(["layer", "expert", "unit"])[list(FEATURES)]
-    rows = []
-    pairs = [(b, b2) for b in bits for b2 in bits if b2 < b]
+    nb = len(bits)
+    s_glob: dict[tuple, np.ndarray] = {}
+    for key, g in sens.sort_values("bits").groupby(["layer", "expert", "unit"]):
+        s_glob[key] = g.sensitivity.to_numpy()
+    meta = {k: (int(n), bool(f)) for k, n, f in zip(
+        zip(sens.layer, sens.expert, sens.unit, strict=True), sens.tokens, sens.fallback, strict=True)}
+    refs = {(la, e, u): np.array(v) for la, e, u, *v in ref[["layer", "expert", "unit", *FEATURES]].itertuples(
+        index=False)}
+    lo, hi = np.triu_indices(nb, k=1)  # every transition bits[hi] -> bits[lo], lo < hi
+    out: dict[str, list] = {k: [] for k in ("prompt", "layer", "expert", "unit", "bits_from", "bits_to", "f0", "f1",
+                                            "f2", "rho")}
     for p, (hess, feats) in enumerate(per_prompt):
         phi = feats.features()
         for key, e in errors.items():
             layer, expert, unit = key
             n_p = hess.tokens.get((layer, expert), 0)
-            if n_p < min_prompt_tokens or key not in phi or meta.loc[key, "fallback"]:
+            n, fallback = meta[key]
+            if n_p < min_prompt_tokens or key not in phi or fallback or n == 0:
                 continue
-            n = meta.loc[key, "tokens"]
-            x = np.log(phi[key] / refs.loc[key].to_numpy())
-            h_p = hess.diag[key].to(e.device)
-            s_p = (e @ h_p).cpu().numpy()  # [len(bits)]
-            for b, b2 in pairs:
-                g_p = max(s_p[bits.index(b2)] - s_p[bits.index(b)], 0.0) / n_p
-                g = max(s[(layer, expert, unit, b2)] - s[(layer, expert, unit, b)], 0.0) / n
-                if g_p > 0 and g > 0:
-                    rows.append({"prompt": p, "layer": layer, "expert": expert, "unit": unit, "bits_from": b,
-                                 "bits_to": b2, "f0": x[0], "f1": x[1], "f2": x[2], "rho": np.log(g_p / g)})
-    return pd.DataFrame(rows)
+            x = np.log(phi[key] / refs[key])
+            s_p = (e @ hess.diag[key].to(e.device)).cpu().numpy()
+            g_p = np.maximum(s_p[lo] - s_p[hi], 0.0) / n_p
+            g = np.maximum(s_glob[key][lo] - s_glob[key][hi], 0.0) / n
+            ok = (g_p > 0) & (g > 0)
+            k = int(ok.sum())
+            out["prompt"] += [p] * k
+            out["layer"] += [layer] * k
+            out["expert"] += [expert] * k
+            out["unit"] += [unit] * k
+            out["bits_from"] += [bits[i] for i in hi[ok]]
+            out["bits_to"] += [bits[i] for i in lo[ok]]
+            for j in range(3):
+                out[f"f{j}"] += [x[j]] * k
+            out["rho"] += np.log(g_p[ok] / g[ok]).tolist()
+    return pd.DataFrame(out)
 
 
 def fit_heads(rows: pd.DataFrame, prompts: int, heldout_fraction: float) -> pd.DataFrame:

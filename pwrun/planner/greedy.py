@@ -104,17 +104,22 @@ def raise_step(table: BlockTable, q_idx: np.ndarray, allowance: float, d_hat: np
 
 
 def fit_budget(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: np.ndarray | None = None,
-               max_steps: int = 1000) -> np.ndarray | None:
-    """Bit indices [n] that fit ``budget_bytes`` starting from the top bitwidth, or None if infeasible."""
+               step_fraction: float = 0.01, max_steps: int = 100_000) -> np.ndarray | None:
+    """Bit indices [n] that fit ``budget_bytes`` starting from the top bitwidth, or None if infeasible.
+
+    Each step asks ``lower_step`` for at most ``step_fraction`` of the current bytes, so blocks are
+    lowered in small rounds (close to a global greedy by damage per byte) rather than all at once.
+    """
     bucket = policy.assign(table)
     d_hat = predicted_damage(table, bucket, policy, eta)
     q = np.full(table.n, table.bits.size - 1, dtype=np.int64)
     stage = 0
     for _ in range(max_steps):
-        need = table.total_bytes(q) - budget_bytes
+        total = table.total_bytes(q)
+        need = total - budget_bytes
         if need <= 0:
             return q
-        plan = lower_step(table, q, need, d_hat, bucket, policy, stage)
+        plan = lower_step(table, q, min(need, max(1.0, step_fraction * total)), d_hat, bucket, policy, stage)
         if plan.empty:
             if stage + 1 >= len(policy.floors):
                 return None

@@ -1,0 +1,98 @@
+"""Planner (control plane, numpy): greedy lowering/raising against brute force, floors, caps, budgets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pwrun.planner.buckets import BucketPolicy
+from pwrun.planner.greedy import fit_budget, lower_step, predicted_damage, raise_step
+from pwrun.planner.tables import BlockTable
+
+
+def random_table(n: int = 40, seed: int = 0) -> BlockTable:
+    rng = np.random.default_rng(seed)
+    bits = np.arange(3, 9)
+    s = np.sort(rng.random((n, 6)) * rng.random((n, 1)) * 100, axis=1)[:, ::-1].copy()  # decreasing in b
+    size = rng.integers(1, 5, n)[:, None]
+    byts = (size * (bits * 1000 + 2 ** bits * 10)).astype(np.int64)
+    return BlockTable(bits=bits, layer=np.arange(n) // 10, expert=np.arange(n) % 10 - (np.arange(n) % 10 == 9) * 10,
+                      unit=np.arange(n) % 2, sens=s, bytes=byts, tokens=rng.integers(1, 100, n),
+                      mass=rng.dirichlet(np.ones(n)))
+
+
+def test_lower_step_matches_brute_force_greedy() -> None:
+    t = random_table()
+    pol = BucketPolicy.neutral(3)
+    bucket = pol.assign(t)
+    d_hat = predicted_damage(t, bucket, pol)
+    q = np.random.default_rng(1).integers(1, 6, t.n)
+    need = 20000
+    plan = lower_step(t, q, need, d_hat, bucket, pol, 0)
+    # brute force: per block the best single-bit drop (depth cap 1), blocks by ratio until need is met
+    cands = sorted((d_hat[i, q[i], q[i] - 1] / (t.bytes[i, q[i]] - t.bytes[i, q[i] - 1]), i) for i in range(t.n))
+    freed, chosen = 0, []
+    for _, i in cands:
+        if freed >= need:
+            break
+        chosen.append(i)
+        freed += t.bytes[i, q[i]] - t.bytes[i, q[i] - 1]
+    assert sorted(plan.blocks.tolist()) == sorted(chosen) and plan.freed == freed >= need
+    assert (plan.to_idx == q[plan.blocks] - 1).all()
+
+
+def test_floors_and_depth_caps_are_respected() -> None:
+    t = random_table(seed=2)
+    pol = BucketPolicy((0.5,), (1.0, 3.0), ((3, 6), (3, 5)), (2, 1))
+    bucket = pol.assign(t)
+    d_hat = predicted_damage(t, bucket, pol)
+    q = np.full(t.n, 5)
+    plan = lower_step(t, q, 10**12, d_hat, bucket, pol, 0)  # more than can be freed: take everything allowed
+    floors = np.array([3, 6])[bucket[plan.blocks]]
+    caps = np.array([2, 1])[bucket[plan.blocks]]
+    assert (t.bits[plan.to_idx] >= floors).all() and (q[plan.blocks] - plan.to_idx <= caps).all()
+    assert (t.bits[plan.to_idx][bucket[plan.blocks] == 1] >= 6).all()
+
+
+def test_fit_budget_meets_budget_or_reports_infeasible() -> None:
+    t = random_table(seed=3)
+    pol = BucketPolicy((0.5,), (1.0, 4.0), ((3, 5), (3, 3)), (1, 1))
+    for frac in (0.9, 0.6, 0.3):
+        budget = int(t.bytes[:, 0].sum() + frac * (t.bytes[:, -1].sum() - t.bytes[:, 0].sum()))
+        q = fit_budget(t, pol, budget)
+        assert q is not None and t.total_bytes(q) <= budget
+    assert fit_budget(t, pol, int(t.bytes[:, 0].sum()) - 1) is None
+    q = fit_budget(t, pol, int(t.bytes[:, 0].sum()))
+    assert q is not None and (q == 0).all()
+
+
+def test_hot_multiplier_protects_hot_experts() -> None:
+    t = random_table(n=200, seed=4)
+    budget = int(t.bytes[:, 1].sum())
+    neutral = fit_budget(t, BucketPolicy.neutral(3), budget)
+    hot_pol = BucketPolicy((0.5,), (1.0, 50.0), ((3, 3),), (1, 1))
+    hot = fit_budget(t, hot_pol, budget)
+    assert neutral is not None and hot is not None
+    is_hot = hot_pol.assign(t) == 1
+    assert t.bits[hot][is_hot].mean() > t.bits[neutral][is_hot].mean()
+
+
+def test_raise_step_uses_at_most_the_allowance() -> None:
+    t = random_table(seed=5)
+    pol = BucketPolicy.neutral(3)
+    bucket = pol.assign(t)
+    d_hat = predicted_damage(t, bucket, pol)
+    q = np.zeros(t.n, dtype=np.int64)
+    plan = raise_step(t, q, 15000, d_hat, bucket, pol)
+    used = -plan.freed
+    assert 0 < used <= 15000 and (plan.to_idx == 1).all()
+
+
+@pytest.mark.parametrize("bad", [dict(quantiles=(0.7, 0.3)), dict(mu=(0.0, 1.0)), dict(depth_cap=(0, 1))])
+def test_bad_policies(bad: dict) -> None:
+    kw = dict(quantiles=(0.5,), mu=(1.0, 2.0), floors=((3, 4),), depth_cap=(1, 1))
+    kw.update(bad)
+    if "quantiles" in bad:
+        kw.update(mu=(1.0, 2.0, 3.0), floors=((3, 4, 5),), depth_cap=(1, 1, 1))
+    with pytest.raises(ValueError):
+        BucketPolicy(**kw)
