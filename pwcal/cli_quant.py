@@ -70,6 +70,7 @@ def eval_uniform(
     seq_len: Annotated[int, typer.Option(help="Perplexity window in tokens.")] = 512,
     max_windows: Annotated[int | None, typer.Option(help="At most this many windows per dataset.")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the table as markdown (+ .json beside it).")] = None,
+    bits: Annotated[list[int] | None, typer.Option(help="Only these bitwidths (repeatable; default: all).")] = None,
     device: DeviceOpt = "auto",
 ) -> None:
     """Perplexity with ALL expert blocks at each bitwidth (and 16-bit), with expert-weight memory."""
@@ -79,7 +80,7 @@ def eval_uniform(
     with user_errors():
         datasets = tuple(dataset or ["wikitext2", "c4"])
         t0 = time.time()
-        rows = run(model, artifacts, datasets, seq_len, max_windows, device,
+        rows = run(model, artifacts, datasets, seq_len, max_windows, device, bits,
                    on_row=lambda r: console.print(f"{r['bits']:>2} bits: " + ", ".join(
                        f"{d} {r[f'ppl_{d}']:.3f}" for d in datasets)))
         table = markdown_table(rows, datasets)

@@ -32,7 +32,7 @@ from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.routing import RoutingMass
 from pwcal.tables import write_table
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.format import block_bytes, dequantize
+from pwrun.ap.format import block_bytes, unpack_codes
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
@@ -68,9 +68,9 @@ def column_errors(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBlock
         for b in (x for x in blocks if x.layer == layer):
             w = dense_weight(model, b).double()
             key = art.key(b)
+            code8 = unpack_codes(t[f"{key}.planes"], b.k, 8)  # unpack once; code_b = code8 >> (8 - b)
             out[(b.layer, b.expert, b.unit)] = torch.stack([
-                (w - dequantize(t[f"{key}.planes"], t[f"{key}.lut{q}"], b.k, q, torch.float64)).pow(2).sum(0)
-                for q in art.bits])
+                (w - t[f"{key}.lut{q}"].double().gather(1, code8 >> (8 - q))).pow(2).sum(0) for q in art.bits])
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import block_bytes
 from pwrun.data import read_text
+from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.ppl import perplexity
@@ -22,7 +23,8 @@ from pwrun.ppl import perplexity
 
 def eval_uniform(model_dir: Path, artifact_dir: Path, datasets: tuple[str, ...] = ("wikitext2", "c4"),
                  seq_len: int = 512, max_windows: int | None = None, device: str = "auto",
-                 on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+                 bits_list: list[int] | None = None, on_row: Callable[[dict[str, Any]], None] | None = None
+                 ) -> list[dict[str, Any]]:
     """One row per precision: {bits, expert_bytes, expert_bytes_per_weight, ppl_<dataset>...}.
 
     Raises ``PagedWeightError`` if the artifact belongs to another model.
@@ -35,7 +37,11 @@ def eval_uniform(model_dir: Path, artifact_dir: Path, datasets: tuple[str, ...] 
     blocks = expert_blocks(base.spec)
     weights = sum(b.n * b.k for b in blocks)
     rows = []
-    for bits in [16, *sorted(art.bits, reverse=True)]:
+    chosen = sorted(bits_list or art.bits, reverse=True)
+    unknown = [b for b in chosen if b not in art.bits]
+    if unknown:
+        raise PagedWeightError(f"bits {unknown} are not in this artifact ({art.bits})")
+    for bits in [16, *chosen]:
         model = base if bits == 16 else art.dense_model(base, bits)
         nbytes = 2 * weights if bits == 16 else sum(block_bytes(b.n, b.k, bits, art.seed_bits) for b in blocks)
         row: dict[str, Any] = {"bits": bits, "expert_bytes": nbytes, "expert_bits_per_weight": 8 * nbytes / weights}
