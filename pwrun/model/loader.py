@@ -93,6 +93,9 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The checkpoint's tokenizer (``transformers.AutoTokenizer``, offline)."""
     path = Path(model_dir)
+    if not path.is_dir():
+        raise PagedWeightError(f"model directory {path} does not exist: pass a local Hugging Face checkpoint "
+                               "directory (config.json + *.safetensors + tokenizer files)")
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise PagedWeightError(f"no tokenizer in {path} (tokenizer.json, tokenizer.model or vocab.json): copy the "
                                "model's tokenizer files into the checkpoint directory")
