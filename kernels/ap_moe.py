@@ -212,6 +212,32 @@ def _down_kernel(
     tl.store(out_ptr + pairs[:, None] * H + n[None, :], acc * wt[:, None], mask=pmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _dequant_kernel(
+    out_ptr,  # [num_blocks_listed, N, K] dense weights (x's dtype)
+    blocks_ptr,  # int32 [num_blocks_listed] block ids to dequantize
+    pool_ptr,
+    plane_off_ptr,
+    lut_ptr,
+    lut_off_ptr,
+    bits_ptr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    j = tl.program_id(0)
+    blk = tl.load(blocks_ptr + j)
+    q = tl.load(bits_ptr + blk)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(2) * BLOCK_K
+    KW: tl.constexpr = (K + 31) // 32
+    w = _dequant_tile(pool_ptr, lut_ptr + tl.load(lut_off_ptr + blk), plane_off_ptr + blk * 8, q, n, n < N, k0, K,
+                      KW, BLOCK_K)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + j * N * K + n[:, None] * K + cols[None, :], w, mask=(n[:, None] < N) & (cols[None, :] < K))
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
@@ -278,6 +304,8 @@ def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, expert
     _check(x, topk_ids, topk_w, experts)
     t, k = topk_ids.shape
     cfg = config or pick_config(t)
+    if t * k >= cfg.get("dequant_min_pairs", 1 << 62):
+        return _ap_moe_dequant(x, topk_ids, topk_w, experts)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     ex = experts
     sorted_pairs, tile_expert = align_by_expert(topk_ids, ex.num_experts, bm)
@@ -304,6 +332,50 @@ def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, expert
         ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, num_pairs, H=ex.hidden, I=ex.inter, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=interp, num_warps=warps)
     return out_pairs[:num_pairs].view(t, k, ex.hidden).sum(1).to(x.dtype)
+
+
+def dequant_blocks(experts: APExperts, blocks: torch.Tensor, unit: str, dtype: torch.dtype) -> torch.Tensor:
+    """Dense weights [len(blocks), N, K] of the listed blocks (all gate_up or all down), via Triton."""
+    ex = experts
+    n, kk = (2 * ex.inter, ex.hidden) if unit == "gate_up" else (ex.hidden, ex.inter)
+    out = torch.empty(blocks.numel(), n, kk, dtype=dtype, device=ex.pool.device)
+    bn, bk = 64, 64
+    _dequant_kernel[(blocks.numel(), triton.cdiv(n, bn), triton.cdiv(kk, bk))](
+        out, blocks.to(torch.int32), ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, N=n, K=kk,
+        BLOCK_N=bn, BLOCK_K=bk)
+    return out
+
+
+def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex: APExperts) -> torch.Tensor:
+    """Prefill path: dequantize each used expert once (Triton), then dense tensor-core GEMMs.
+
+    On CUDA the GEMMs are one ``torch._grouped_mm`` per unit over the expert-sorted pairs; elsewhere
+    (or if grouped mm is unavailable) a per-expert loop.
+    """
+    t, k = topk_ids.shape
+    used, local = topk_ids.unique(return_inverse=True)
+    w_gu = dequant_blocks(ex, 2 * used, "gate_up", x.dtype)
+    w_dn = dequant_blocks(ex, 2 * used + 1, "down", x.dtype)
+    if x.is_cuda and hasattr(torch, "_grouped_mm"):
+        flat = local.flatten()
+        order = torch.argsort(flat)
+        offs = torch.cumsum(torch.bincount(flat, minlength=used.numel()), 0).to(torch.int32)
+        try:
+            h = torch._grouped_mm(x[order // k], w_gu.transpose(1, 2), offs=offs)
+            g, u = h.float().chunk(2, dim=-1)
+            y = torch._grouped_mm((F.silu(g) * u).to(x.dtype), w_dn.transpose(1, 2), offs=offs)
+            pairs = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+            pairs[order] = y.float() * topk_w.flatten()[order, None].float()
+            return pairs.view(t, k, -1).sum(1).to(x.dtype)
+        except RuntimeError:
+            pass  # layout or dtype not supported by this build: per-expert loop below
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j, e in enumerate(used.tolist()):
+        rows, slot = (topk_ids == e).nonzero(as_tuple=True)
+        g, u = (x[rows] @ w_gu[j].T).float().chunk(2, dim=-1)
+        h = (F.silu(g) * u).to(x.dtype)
+        out.index_add_(0, rows, (h @ w_dn[j].T).float() * topk_w[rows, slot, None].float())
+    return out.to(x.dtype)
 
 
 def ap_moe_shared(x: torch.Tensor, shared: APExperts, gate: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ap_moe import ap_moe, ap_moe_ref, ap_moe_shared, build_experts
+from kernels.ap_moe import ap_moe, ap_moe_ref, ap_moe_shared, build_experts, dequant_blocks
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -107,3 +107,27 @@ def test_launcher_validates(bad: str, msg: str) -> None:
         ex = type(ex)(**{**ex.__dict__, "bits": torch.tensor([4, 9, 4, 4], dtype=torch.int32, device=DEV)})
     with pytest.raises(ValueError, match=msg):
         ap_moe(x, ids, w, ex)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_dequant_path_matches_reference(dtype: torch.dtype) -> None:
+    ex = make(5, 72, 40, torch.randint(2, 9, (10,)).tolist(), dtype, 21)
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(20, 72, generator=g).to(dtype).to(DEV)
+    ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(20)]).to(DEV)
+    w = torch.rand(20, 2, generator=g).to(DEV)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "dequant_min_pairs": 1}
+    got = ap_moe(x, ids, w, ex, config=cfg).float()
+    ref = ap_moe_ref(x, ids, w, ex).float()
+    tol = (2**-7 if dtype == torch.bfloat16 else 2**-10) * 4
+    assert (got - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_dequant_blocks_match_reference_dequantization() -> None:
+    from pwrun.ap.format import dequantize
+
+    ex = make(3, 100, 36, [2, 5, 8, 3, 4, 6], torch.bfloat16, 4)
+    got = dequant_blocks(ex, torch.tensor([2, 0, 4], device=DEV), "gate_up", torch.bfloat16)
+    for j, b in enumerate([2, 0, 4]):
+        planes, lut, _, k = ex.block(b)
+        assert torch.equal(got[j], dequantize(planes, lut, k, planes.shape[0], torch.bfloat16))
