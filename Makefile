@@ -21,7 +21,7 @@ demo: setup
 	$(BIN)/pwrun generate --prompt "$(PROMPT)" --max-new-tokens 60
 	$(BIN)/pwrun generate --prompt "$(PROMPT)" --max-new-tokens 60 --temperature 0.8 --top-p 0.95 --seed 1
 	$(BIN)/pwrun ppl --dataset wikitext2 --max-windows 64
-	$(BIN)/pwcal quantize artifacts/models/tiny-qwen2moe-wiki --out artifacts/runs/tiny-ap
+	$(BIN)/pwcal run-all artifacts/models/tiny-qwen2moe-wiki --out artifacts/runs/tiny-ap
 	$(BIN)/pwrun ppl --dataset wikitext2 --max-windows 64 --artifacts artifacts/runs/tiny-ap --uniform-bits 4
 	$(BIN)/pwrun ppl --dataset wikitext2 --max-windows 64 --artifacts artifacts/runs/tiny-ap --uniform-bits 3
 

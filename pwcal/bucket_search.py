@@ -43,8 +43,8 @@ class SearchConfig:
     """``budgets_bits``: uniform-equivalent budgets; ``candidates``: sampled settings besides the neutral one."""
 
     budgets_bits: tuple[float, ...] = (3.5, 4.0)
-    candidates: int = 12
-    heldout_windows: int = 16
+    candidates: int = 8
+    heldout_windows: int = 12
     seed: int = 0
 
 

@@ -94,8 +94,8 @@ def search_buckets(
     budget_bits: Annotated[list[float] | None, typer.Option(help="Memory budgets as uniform-equivalent bits per "
                                                             "expert weight (repeatable; 3.5 = midway between "
                                                             "uniform 3 and 4 bits). Default 3.5 and 4.")] = None,
-    candidates: Annotated[int, typer.Option(help="Settings sampled from the grid besides the neutral one.")] = 12,
-    heldout_windows: Annotated[int, typer.Option(help="Held-out calibration windows scored per setting.")] = 16,
+    candidates: Annotated[int, typer.Option(help="Settings sampled from the grid besides the neutral one.")] = 8,
+    heldout_windows: Annotated[int, typer.Option(help="Held-out calibration windows scored per setting.")] = 12,
     seed: Annotated[int, typer.Option(help="Seed of the candidate sample.")] = 0,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
