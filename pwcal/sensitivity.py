@@ -128,15 +128,7 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
     moe = next(layer.moe for layer in model.spec.layers if layer.moe is not None)
     assert moe is not None
     hess, mass, feats = HessianDiag(), RoutingMass(model.spec.num_layers, moe.num_experts), NormFeatures()
-    done = 0
-
-    def step(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress:
-            progress("calibrate", done, len(windows))
-
-    observe(model, windows, Tee(hess, mass, feats), on_window=step)
+    observe(model, windows, Tee(hess, mass, feats), progress=progress)
     h = block_hessians(hess, blocks, cfg.min_tokens)
     errors = column_errors(model, art, blocks)
     table = sensitivity_table(blocks, h, errors, art.bits, art.seed_bits)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, default_model, user_errors
+from pwrun.data import read_jsonl_field
 from pwrun.errors import PagedWeightError
 
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
@@ -26,17 +27,7 @@ console = Console(stderr=True)
 def _read_prompts(path: Path) -> list[str]:
     if not path.is_file():
         raise PagedWeightError(f"prompts file {path} does not exist")
-    prompts = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PagedWeightError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise PagedWeightError(f"{path}:{lineno} needs a string field 'prompt'")
-        prompts.append(row["prompt"])
+    prompts = read_jsonl_field(path, "prompt")
     if not prompts:
         raise PagedWeightError(f"{path} holds no prompts (one JSON object with a 'prompt' field per line)")
     return prompts

@@ -47,6 +47,30 @@ def resolve_dataset(name_or_path: str) -> Path:
     return p
 
 
+def read_jsonl_field(path: Path, field: str) -> list[str]:
+    """The string ``field`` of every non-empty line of a JSON Lines file (``.gz`` ok).
+
+    Raises ``PagedWeightError`` naming the file and line of the first bad row.
+    """
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    out = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise PagedWeightError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
+                if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                    raise PagedWeightError(f"{path}:{lineno} needs a string field '{field}'")
+                out.append(row[field])
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise PagedWeightError(f"cannot read {path}: {exc}") from exc
+    return out
+
+
 def read_documents(name_or_path: str) -> list[str]:
     """The documents of a dataset, in file order (a ``.txt`` file is one document)."""
     p = resolve_dataset(name_or_path)
@@ -62,20 +86,7 @@ def read_documents(name_or_path: str) -> list[str]:
                 raise PagedWeightError(f"{p} has no 'text' column (columns: {', '.join(table.column_names)})")
             return [str(t) for t in table.column("text").to_pylist()]
         if name.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")):
-            opener = gzip.open if name.endswith(".gz") else open
-            docs = []
-            with opener(p, "rt", encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise PagedWeightError(f"{p}:{lineno} is not a JSON line ({exc.msg})") from exc
-                    if not isinstance(row, dict) or "text" not in row:
-                        raise PagedWeightError(f"{p}:{lineno} has no 'text' field")
-                    docs.append(str(row["text"]))
-            return docs
+            return read_jsonl_field(p, "text")
     except (OSError, UnicodeDecodeError) as exc:
         raise PagedWeightError(f"cannot read {p}: {exc}") from exc
     raise PagedWeightError(f"unsupported file type {p.name}: use .txt, .json, .jsonl, .json.gz or .parquet")

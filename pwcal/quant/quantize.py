@@ -74,10 +74,10 @@ def layer_file(layer: int) -> str:
 
 
 def collect_hessian(model: LeanMoEModel, windows: list[list[int]], batch: int = 8,
-                    on_window: Callable[[int], None] | None = None) -> HessianDiag:
+                    progress: Callable[[str, int, int], None] | None = None) -> HessianDiag:
     """Diagonal Hessians of every expert block's inputs over ``windows`` (SPEC section 2)."""
     obs = HessianDiag()
-    observe(model, windows, obs, batch=batch, on_window=on_window)
+    observe(model, windows, obs, batch=batch, progress=progress)
     return obs
 
 
@@ -170,15 +170,7 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
     model = load_model(model_dir, device=device, dtype="float32")
     windows = calibration_windows(tok, cfg.calib, cfg.samples, min(cfg.seq_len, model.spec.max_position_embeddings),
                                   cfg.calib_seed)
-    done = 0
-
-    def step(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress:
-            progress("calibrate", done, len(windows))
-
-    hess = collect_hessian(model, windows, on_window=step)
+    hess = collect_hessian(model, windows, progress=progress)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

@@ -32,7 +32,19 @@ class Tee:
 
 
 def observe(model: LeanMoEModel, windows: list[list[int]], observer: MoEObserver, batch: int = 8,
-            on_window: Callable[[int], None] | None = None) -> PerplexityResult:
-    """Forward every window (all of one length) with ``observer`` attached; returns their perplexity."""
+            progress: Callable[[str, int, int], None] | None = None, label: str = "calibrate"
+            ) -> PerplexityResult:
+    """Forward every window (all of one length) with ``observer`` attached; returns their perplexity.
+
+    ``progress(label, windows_done, windows_total)`` is called after each batch.
+    """
     flat = [t for w in windows for t in w]
-    return perplexity(model, flat, seq_len=len(windows[0]), batch=batch, observer=observer, on_window=on_window)
+    done = 0
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(label, done, len(windows))
+
+    return perplexity(model, flat, seq_len=len(windows[0]), batch=batch, observer=observer, on_window=step)
