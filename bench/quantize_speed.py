@@ -135,7 +135,7 @@ def main() -> None:
         verdict = ("met" if result["total_seconds"] <= target else "MISSED") if full else "n/a (partial model)"
         args.out_md.write_text(
             f"# AP quantization speed, Qwen1.5-MoE-A2.7B shape\n\nCommand: `python bench/quantize_speed.py "
-            f"--device {args.device}{f' --layers {args.layers}' if args.layers else ''}"
+            f"--device {args.device}{f' --layers {args.layers}' if args.layers is not None else ''}"
             f"{f' --experts {args.experts}' if args.experts else ''}"
             f"{f' --flash1dkmeans-rows {args.flash1dkmeans_rows}' if args.flash1dkmeans_rows else ''}`\n\n"
             f"Device: {result['device']}, torch {result['torch']}, {result['date']}\n\n"
