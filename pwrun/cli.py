@@ -7,6 +7,7 @@ Commands: ``generate`` (text from prompts), ``ppl`` (perplexity on bundled or lo
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -58,6 +59,8 @@ def generate(
         if top_p <= 0:
             raise PagedWeightError("--top-p must be in (0, 1]")
         texts = [prompt] if prompt is not None else _read_prompts(prompts)  # type: ignore[arg-type]
+        if output is not None and not (output.parent.is_dir() and os.access(output.parent, os.W_OK)):
+            raise PagedWeightError(f"cannot write --output {output}: {output.parent} is missing or not writable")
         model_dir = model or default_model()
         tok = load_tokenizer(model_dir)
         lm = load_model(model_dir, device=device, dtype=dtype)
@@ -80,8 +83,12 @@ def generate(
                             for r in results)
             if output is not None:
                 tmp = output.with_name(output.name + ".tmp")
-                tmp.write_text(lines)
-                tmp.replace(output)
+                try:
+                    tmp.write_text(lines)
+                    tmp.replace(output)
+                except OSError as exc:
+                    tmp.unlink(missing_ok=True)
+                    raise PagedWeightError(f"cannot write --output {output}: {exc.strerror}") from exc
             else:
                 sys.stdout.write(lines)
         console.print(f"[dim]{len(texts)} request(s) on {lm.device} ({lm.dtype}); prefill "

@@ -107,3 +107,9 @@ def test_missing_tokenizer_and_wrong_weights(tmp_path: Path) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
     code, _, err = run("generate", "--prompt", "x", "--model", str(d))
     assert code == 2 and "belong to another config" in err
+
+
+def test_unwritable_output_is_a_clear_error(tmp_path: Path) -> None:
+    out = tmp_path / "no" / "o.jsonl"
+    code, _, err = run("generate", "--prompt", "x", "--max-new-tokens", "2", "--output", str(out))
+    assert code == 2 and "cannot write --output" in err

@@ -98,3 +98,15 @@ def test_nan_in_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     r = runner.invoke(app, ["quantize", str(bad), "--out", str(tmp_path / "o"), *ARGS])
     assert r.exit_code == 2 and "NaN or Inf" in r.stderr and "expert 3" in r.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_out_that_is_not_an_artifact_is_never_overwritten(tmp_path: Path) -> None:
+    f = tmp_path / "notes.json"
+    f.write_text("{}")
+    d = tmp_path / "mydir"
+    d.mkdir()
+    (d / "keep.txt").write_text("mine")
+    for out in (f, d):
+        r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(out), *ARGS, "--force"])
+        assert r.exit_code == 2 and "not a PagedWeight artifact" in r.stderr
+    assert f.read_text() == "{}" and (d / "keep.txt").read_text() == "mine"

@@ -14,6 +14,7 @@ Tensor names in ``layer_LLL.safetensors``: ``{e}.{unit}.planes`` int32 [8, N, Kw
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -163,6 +164,14 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
     Raises ``PagedWeightError`` for bad input; nothing is left at ``out`` unless complete.
     """
     t0 = time.time()
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
+        raise PagedWeightError(f"--out {out} exists and is not a PagedWeight artifact directory: choose a new or "
+                               "empty directory (it is never overwritten)")
+    if not (out.parent.is_dir() and os.access(out.parent, os.W_OK)):
+        raise PagedWeightError(f"cannot create {out}: {out.parent} is missing or not writable")
+    from pwrun.model.loader import read_config
+
+    read_config(model_dir)  # a clear error for a missing or bad checkpoint before hashing anything
     model_fp = model_fingerprint(model_dir)
     if out.exists() and not force and _existing_is_complete(out, model_fp, cfg):
         return {**read_manifest(out), "skipped": True}
