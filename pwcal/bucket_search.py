@@ -31,6 +31,7 @@ from pwcal.manifest import read_manifest
 from pwcal.stages import begin_stage, finish_stage
 from pwcal.tables import read_table, write_table
 from pwrun.ap.artifact import APArtifact
+from pwrun.errors import PagedWeightError
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.planner.buckets import BucketPolicy
 from pwrun.planner.greedy import fit_budget
@@ -46,6 +47,10 @@ class SearchConfig:
     candidates: int = 8
     heldout_windows: int = 12
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.candidates < 0 or self.heldout_windows < 1 or not self.budgets_bits:
+            raise PagedWeightError("--candidates must be >= 0, --heldout-windows >= 1, and at least one --budget-bits")
 
 
 def search_space(seed_bits: int) -> list[BucketPolicy]:
@@ -97,6 +102,9 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     table = BlockTable.from_frames(read_table(artifact_dir / "sensitivity.parquet", "sensitivity"),
                                    read_table(artifact_dir / "routing.parquet", "routing"))
     art = APArtifact(artifact_dir)
+    bad = [b for b in cfg.budgets_bits if not art.seed_bits <= b <= 8]
+    if bad:
+        raise PagedWeightError(f"--budget-bits {bad} outside [{art.seed_bits}, 8] (the artifact's bitwidths)")
     tok = load_tokenizer(model_dir)
     base = load_model(model_dir, device=device, dtype="float32")
     windows = calibration_windows(tok, sens_cfg["dataset"], cfg.heldout_windows, sens_cfg["seq_len"],

@@ -79,6 +79,9 @@ def read_manifest(artifact_dir: Path) -> dict[str, Any]:
 
 def check_same_model(manifest: dict[str, Any], model_dir: Path, artifact_dir: Path) -> None:
     """Raise ``PagedWeightError`` unless the artifact was made from the checkpoint in ``model_dir``."""
+    if not (model_dir / "config.json").is_file():
+        raise PagedWeightError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json): pass the "
+                               "model the artifact was made from")
     fp = model_fingerprint(model_dir, full=False)
     want = manifest.get("model", {})
     if want.get("config_sha256") != fp["config_sha256"] or want.get("weights_quick") != fp["weights_quick"]:

@@ -41,6 +41,7 @@ from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.hessian import HessianDiag
 from pwcal.tables import read_table, write_table
 from pwrun.ap.artifact import APArtifact
+from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.loader import load_model, load_tokenizer
 
@@ -50,6 +51,10 @@ class ResidualConfig:
     prompts: int = 32
     heldout_fraction: float = 0.25
     min_prompt_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.prompts < 2 or not 0 < self.heldout_fraction < 1:
+            raise PagedWeightError("--prompts must be >= 2 and --heldout-fraction in (0, 1)")
 
 
 def prompt_rows(errors: dict, sens: pd.DataFrame, ref: pd.DataFrame, per_prompt: list[tuple[HessianDiag,
@@ -140,7 +145,8 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
     rows = prompt_rows(errors, sens, ref, per_prompt, art.bits, cfg.min_prompt_tokens)
     heads = fit_heads(rows, cfg.prompts, cfg.heldout_fraction)
     if heads.empty:
-        raise ValueError("no residual head could be fit: use more --prompts")
+        raise PagedWeightError("no residual head could be fit: use more --prompts (and a --heldout-fraction in "
+                               "(0, 1))")
     write_table(heads, artifact_dir / "residual_heads.parquet", "residual_heads")
     info = {"config": asdict(cfg), "files": ["residual_heads.parquet"], "rows": len(rows), "heads": len(heads),
             "mean_r2_heldout": float(heads.r2_heldout.mean()), "heads_r2_positive": int((heads.r2_heldout > 0).sum()),

@@ -33,6 +33,7 @@ from pwcal.stats.routing import RoutingMass
 from pwcal.tables import write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import block_bytes, unpack_codes
+from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
@@ -93,8 +94,8 @@ def block_hessians(hess: HessianDiag, blocks: list[LinearBlock], min_tokens: int
         else:
             base = typical.get((b.layer, b.unit, b.k))
             if base is None:
-                raise ValueError(f"layer {b.layer} has no expert with >= {min_tokens} calibration tokens: use more "
-                                 "--samples")
+                raise PagedWeightError(f"layer {b.layer} has no expert with >= {min_tokens} calibration tokens: "
+                                       "use more --samples or a lower --min-tokens")
             out[key] = (base * max(n, 1), n, True)
     return out
 

@@ -8,6 +8,7 @@ complete and that the artifact belongs to the given model; ``finish_stage`` reco
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,14 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
                                    f"`pwcal {stage}`")
     done = stages.get(stage, {})
     if done.get("complete") and not force:
-        if done.get("config") == config:
+        if done.get("config") == json.loads(json.dumps(config)):  # as stored: tuples become lists
             return False
         raise PagedWeightError(f"{artifact_dir}: '{stage}' already ran with other parameters; pass --force to redo it")
+    # the stage's tables are about to be rewritten: until it finishes, it and later stages are not complete
+    for name in ORDER[ORDER.index(stage):]:
+        if name in stages:
+            stages[name]["complete"] = False
+    write_manifest(artifact_dir, manifest)
     return True
 
 

@@ -59,7 +59,8 @@ def generate(
         if top_p <= 0:
             raise PagedWeightError("--top-p must be in (0, 1]")
         texts = [prompt] if prompt is not None else _read_prompts(prompts)  # type: ignore[arg-type]
-        if output is not None and not (output.parent.is_dir() and os.access(output.parent, os.W_OK)):
+        if output is not None and (output.is_dir() or not (output.parent.is_dir() and os.access(output.parent,
+                                                                                                   os.W_OK))):
             raise PagedWeightError(f"cannot write --output {output}: {output.parent} is missing or not writable")
         model_dir = model or default_model()
         tok = load_tokenizer(model_dir)
@@ -118,6 +119,8 @@ def ppl(
     from pwrun.ppl import perplexity
 
     with user_errors():
+        if seq_len < 2 or (max_windows is not None and max_windows < 1):
+            raise PagedWeightError("--seq-len must be >= 2 and --max-windows >= 1")
         model_dir = model or default_model()
         tok = load_tokenizer(model_dir)
         lm = load_model(model_dir, device=device, dtype=dtype)

@@ -87,8 +87,8 @@ def read_documents(name_or_path: str) -> list[str]:
             return [str(t) for t in table.column("text").to_pylist()]
         if name.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")):
             return read_jsonl_field(p, "text")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PagedWeightError(f"cannot read {p}: {exc}") from exc
+    except (OSError, UnicodeDecodeError, EOFError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise PagedWeightError(f"cannot read {p}: {(str(exc).splitlines() or [''])[0]}") from exc
     raise PagedWeightError(f"unsupported file type {p.name}: use .txt, .json, .jsonl, .json.gz or .parquet")
 
 

@@ -43,6 +43,8 @@ def perplexity(model: LeanMoEModel, token_ids: list[int], seq_len: int = 512, ma
     Raises ``PagedWeightError`` if ``seq_len`` exceeds the model's context or the text is shorter
     than one window.
     """
+    if max_windows is not None and max_windows < 1:
+        raise PagedWeightError(f"--max-windows must be >= 1, got {max_windows}")
     if not 2 <= seq_len <= model.spec.max_position_embeddings:
         raise PagedWeightError(f"--seq-len {seq_len} must be in [2, {model.spec.max_position_embeddings}] "
                                "(the model's context)")

@@ -137,6 +137,9 @@ def test_buckets_written_and_stages_skip(pipeline: Path) -> None:
     assert r.exit_code == 0 and "nothing to do" in r.stderr
     r = runner.invoke(app, ["sensitivity", str(MODEL), "--artifacts", str(pipeline), *SMALL])
     assert r.exit_code == 2 and "--force" in r.stderr
+    r = runner.invoke(app, ["search-buckets", str(MODEL), "--artifacts", str(pipeline), "--candidates", "2",
+                            "--heldout-windows", "4", *SMALL])  # tuple-valued config: still a no-op
+    assert r.exit_code == 0 and "nothing to do" in r.stderr
 
 
 def test_stage_order_is_enforced(tmp_path: Path, pipeline: Path) -> None:

@@ -73,6 +73,8 @@ def test_pwcal_inspect() -> None:
         (["generate"], "exactly one of --prompt"),
         (["ppl", "--dataset", "nonexistent.txt"], "neither a bundled name"),
         (["ppl", "--seq-len", "100000"], "--seq-len 100000"),
+        (["ppl", "--seq-len", "0"], "--seq-len must be >= 2"),
+        (["ppl", "--max-windows", "-3"], "--max-windows >= 1"),
         (["generate", "--prompt", "x", "--device", "cuda:0"], None),
     ],
 )

@@ -149,7 +149,7 @@ def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConf
         return False
     m = read_manifest(out)
     q = m.get("stages", {}).get("quantize", {})
-    same_model = m.get("model", {}).get("weights_sha256") == model_fp["weights_sha256"]
+    same_model = all(m.get("model", {}).get(k) == model_fp[k] for k in ("weights_sha256", "config_sha256"))
     if q.get("complete") and same_model and q.get("config") == asdict(cfg):
         return True
     raise PagedWeightError(f"{out} already holds an artifact of another model or other parameters: pass --force "

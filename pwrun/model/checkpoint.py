@@ -26,7 +26,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's safetensors files; raises ``PagedWeightError`` if there are none."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise PagedWeightError(f"{index} is corrupt (no valid weight_map): re-download the checkpoint") from exc
         files = [model_dir / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -48,9 +51,13 @@ class TensorReader:
         self.dtype, self.device = dtype, device
         self._where: dict[str, Path] = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    self._where[k] = f
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    for k in h.keys():
+                        self._where[k] = f
+            except Exception as exc:  # safetensors raises SafetensorError and others on damaged files
+                raise PagedWeightError(f"{f} is not a readable safetensors file ({str(exc).splitlines()[0]}): "
+                                       "re-download or re-export the checkpoint") from exc
         self._handles: dict[Path, object] = {}
 
     def has(self, name: str) -> bool:

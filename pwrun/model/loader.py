@@ -58,6 +58,8 @@ def read_config(model_dir: Path) -> Any:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise PagedWeightError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    if not isinstance(raw, dict):
+        raise PagedWeightError(f"{cfg_path} must hold a JSON object, not {type(raw).__name__}")
     model_type = raw.get("model_type")
     from pwrun.model.families import FAMILIES, UNSUPPORTED
 
@@ -68,8 +70,8 @@ def read_config(model_dir: Path) -> Any:
 
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (ValueError, KeyError, OSError) as exc:
-        raise PagedWeightError(f"transformers cannot read {cfg_path}: {str(exc).splitlines()[0]}") from exc
+    except Exception as exc:  # transformers raises many types (strict dataclass validation among them)
+        raise PagedWeightError(f"transformers cannot read {cfg_path}: {(str(exc).splitlines() or [''])[0]}") from exc
 
 
 def load_spec(model_dir: Path) -> tuple[ModelSpec, CheckpointNames]:
