@@ -36,9 +36,9 @@ from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.routing import RoutingMass
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import FORMAT_VERSION
-from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
+from pwrun.model.inventory import expert_blocks
 from pwrun.model.lean import LeanMoEModel
-from pwrun.model.weights import AttentionWeights, LayerWeights, MLPWeights, ModelWeights, MoEWeights
+from pwrun.model.weights import AttentionWeights, LayerWeights, MLPWeights, ModelWeights, MoEWeights, dense_weight
 
 
 def random_model(spec, dev: torch.device, dtype: torch.dtype) -> LeanMoEModel:  # type: ignore[no-untyped-def]
@@ -97,15 +97,7 @@ def main() -> None:
         cfg = QuantizeConfig()
         for layer in sorted({b.layer for b in blocks}):
             lb = [b for b in blocks if b.layer == layer]
-            moe = model.weights.layers[layer].moe
-            assert moe is not None
-
-            def weight(b, moe=moe):  # type: ignore[no-untyped-def]
-                if b.expert == SHARED_EXPERT:
-                    return getattr(moe.shared, b.unit)
-                return getattr(moe, b.unit)[b.expert]
-
-            tensors, _ = quantize_layer(lb, weight, lambda b: None, cfg, 1 << 26)
+            tensors, _ = quantize_layer(lb, lambda b: dense_weight(model, b), lambda b: None, cfg, 1 << 26)
             save_file(tensors, str(art_dir / layer_file(layer)))
         (art_dir / "manifest.json").write_text(json.dumps({
             "format": FORMAT, "format_version": FORMAT_VERSION, "bits": cfg.bits, "seed_bits": cfg.seed_bits,

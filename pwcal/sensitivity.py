@@ -34,9 +34,10 @@ from pwcal.tables import write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import block_bytes, unpack_codes
 from pwrun.errors import PagedWeightError
-from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
+from pwrun.model.inventory import LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
+from pwrun.model.weights import dense_weight
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,6 @@ class SensitivityConfig:
     seq_len: int = 512
     seed: int = 1
     min_tokens: int = 16
-
-
-def dense_weight(model: LeanMoEModel, b: LinearBlock) -> torch.Tensor:
-    """The 16-bit weight [N, K] of block ``b``."""
-    m = model.weights.layers[b.layer].moe
-    assert m is not None
-    if b.expert == SHARED_EXPERT:
-        assert m.shared is not None
-        return getattr(m.shared, b.unit)
-    return getattr(m, b.unit)[b.expert]
 
 
 def column_errors(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBlock]

@@ -30,13 +30,13 @@ from pwcal.manifest import MANIFEST, model_fingerprint, package_version, read_ma
 from pwcal.quant.kmeans1d import nested_kmeans
 from pwcal.stats.collect import observe
 from pwcal.stats.hessian import HessianDiag
+from pwrun.ap.artifact import FORMAT
 from pwrun.ap.format import FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS, pack_planes
 from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
-
-FORMAT = "pagedweight-ap"
+from pwrun.model.weights import dense_weight
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,6 @@ def collect_hessian(model: LeanMoEModel, windows: list[list[int]], batch: int = 
     obs = HessianDiag()
     observe(model, windows, obs, batch=batch, progress=progress)
     return obs
-
-
-def _dense(model: LeanMoEModel, block: LinearBlock) -> torch.Tensor:
-    m = model.weights.layers[block.layer].moe
-    assert m is not None
-    if block.expert == SHARED_EXPERT:
-        assert m.shared is not None
-        return m.shared.gate_up if block.unit == "gate_up" else m.shared.down
-    return m.gate_up[block.expert] if block.unit == "gate_up" else m.down[block.expert]
 
 
 def quantize_rows(w: torch.Tensor, row_weights: torch.Tensor, cfg: QuantizeConfig,
@@ -188,7 +179,7 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
     fallback: list[LinearBlock] = []
     try:
         for i, layer in enumerate(layers):
-            tensors, fb = quantize_layer([b for b in blocks if b.layer == layer], lambda b: _dense(model, b),
+            tensors, fb = quantize_layer([b for b in blocks if b.layer == layer], lambda b: dense_weight(model, b),
                                          lambda b: hess.weights_for(b, cfg.min_tokens)[0], cfg)
             fallback += fb
             save_file(tensors, str(partial / layer_file(layer)),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pwrun.model.inventory import SHARED_EXPERT, LinearBlock
+from pwrun.model.inventory import LinearBlock
 
 
 class HessianDiag:
@@ -43,5 +43,3 @@ class HessianDiag:
             return None, n
         return d + eps * d.mean().clamp_min(1e-30), n
 
-
-__all__ = ["SHARED_EXPERT", "HessianDiag"]

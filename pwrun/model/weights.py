@@ -9,8 +9,11 @@ section 3: a linear block is (layer, expert, unit)). It does not load or compute
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from pwrun.model.inventory import SHARED_EXPERT, LinearBlock
 
 
 @dataclass
@@ -90,3 +93,18 @@ class ModelWeights:
                     else:
                         add(t)
         return sum(seen.values())
+
+
+def dense_weight(model: Any, block: LinearBlock) -> torch.Tensor:
+    """The 16-bit weight [N, K] of expert linear ``block`` of a ``LeanMoEModel`` (shared expert: id -1).
+
+    Raises ``ValueError`` if the block's layer has no MoE block (or no shared expert).
+    """
+    m = model.weights.layers[block.layer].moe
+    if m is None:
+        raise ValueError(f"layer {block.layer} has no MoE block")
+    if block.expert == SHARED_EXPERT:
+        if m.shared is None:
+            raise ValueError(f"layer {block.layer} has no shared expert")
+        return getattr(m.shared, block.unit)
+    return getattr(m, block.unit)[block.expert]

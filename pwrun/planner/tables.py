@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-SHARED_EXPERT = -1
+from pwrun.model.inventory import SHARED_EXPERT
+
 UNITS = ("gate_up", "down")
 
 
