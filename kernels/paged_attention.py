@@ -1,0 +1,301 @@
+"""Paged decode attention (Triton), with its PyTorch reference twin.
+
+What it computes: for S sequences with one new (already RoPE'd) query token each,
+``out[s, h] = softmax(scale * q[s, h] . K_s^T) V_s`` over the sequence's first ``context_lens[s]``
+cached positions (the new token's K/V already written), with GQA: query head h reads kv head
+``h // (Hq // Hkv)``. It does not write the cache, apply RoPE, or handle prefill (several query
+tokens per sequence): ``pwrun.model.attention`` does those.
+
+Memory layout (addressed through the block table, never assumed contiguous):
+  * ``k_cache`` / ``v_cache`` [U, block_size, Hkv, D]: U units of block_size rows. The key at
+    position p of sequence s is row ``p % block_size`` of unit ``block_tables[s, p // block_size]
+    + k_offset`` (value: ``+ v_offset``). K and V may be the same tensor: the runtime stores one KV
+    block as a run of 2 * num_layers units (layer l's K at base + 2l, V at base + 2l + 1) and calls
+    with ``k_cache is v_cache, k_offset = 2l, v_offset = 2l + 1``.
+  * ``block_tables`` int32 [S, max_blocks]: entries past a sequence's last block are never read.
+
+Kernels:
+  1. ``_decode_kernel``: one program per (sequence, kv head, context split). The GROUP query heads
+     of the kv head are one [BLOCK_G, D] tile (padded to tl.dot's minimum of 16 rows), so each
+     K/V row is read from memory once per group. Keys are gathered BLOCK_N positions at a time
+     (a tile may span several cache blocks) and folded into an fp32 online softmax (flash
+     decoding, exp2 domain).
+  2. ``_merge_kernel`` (only when the context is split): per (sequence, query head), rescales the
+     splits' partial (max, denominator, unnormalised output) to a common max and normalises.
+Splitting the context keeps the GPU busy when S * Hkv programs are too few (small batches, long
+contexts); the split count comes from host-side ints only (no device->host sync).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Launch constants; not yet tuned on a GPU (move to kernels/configs/ once they are).
+BLOCK_N = 64  # key positions per loop iteration of a program
+MIN_SPLIT_TOKENS = 256  # never split a context into pieces shorter than this
+MAX_SPLITS = 32
+NUM_WARPS = 4
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (pure PyTorch): gather through the block table, one sequence at a time
+# ----------------------------------------------------------------------------------------------
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               k_offset: int = 0, v_offset: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference decode attention out [S, Hq, D] in q's dtype (arguments as ``paged_decode_attention``).
+
+    Softmax and the weighted sum of values in fp32. Reads context lengths to the host (a sync), so
+    it can also check them: raises ``ValueError`` if a length is < 1 or exceeds the block table.
+    """
+    _check(q, k_cache, v_cache, block_tables, context_lens, k_offset, v_offset, out)
+    hq = q.shape[1]
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    res = torch.empty_like(q) if out is None else out
+    for s, ctx in enumerate(context_lens.tolist()):
+        if not 1 <= ctx <= block_tables.shape[1] * block_size:
+            raise ValueError(f"context_lens[{s}] = {ctx} outside [1, max_blocks * block_size]")
+        num_blocks = -(-ctx // block_size)
+        units = block_tables[s, :num_blocks].long()
+        k = k_cache[units + k_offset].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
+        v = v_cache[units + v_offset].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[s].float(), k) * scale, dim=-1)  # [Hq, ctx]
+        res[s] = torch.einsum("ht,thd->hd", p, v).to(q.dtype)
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [S, Hq, D] queries (bf16/fp16)
+    k_ptr,  # [U, BLOCK_SIZE, Hkv, D] key units
+    v_ptr,  # [U, BLOCK_SIZE, Hkv, D] value units (may be the same tensor as k_ptr)
+    bt_ptr,  # int32 [S, max_blocks] base unit of each logical block
+    ctx_ptr,  # int32 [S] positions to attend over
+    out_ptr,  # [S, Hq, D] output in q's dtype; written only when NUM_SPLITS == 1
+    m_ptr,  # fp32 [S, Hq, NUM_SPLITS] running max of each split (log2 domain); NUM_SPLITS > 1 only
+    l_ptr,  # fp32 [S, Hq, NUM_SPLITS] softmax denominator of each split
+    acc_ptr,  # fp32 [S, Hq, NUM_SPLITS, D] unnormalised output of each split
+    k_offset,  # units added to a table entry to reach the K unit
+    v_offset,  # units added to a table entry to reach the V unit
+    qk_scale,  # softmax scale * log2(e)
+    max_tokens,  # max_blocks * BLOCK_SIZE: lengths are clamped to it, so no read past a table row
+    split_len,  # positions per split (a multiple of BLOCK_N)
+    num_heads,  # Hq
+    stride_qs, stride_qh,
+    stride_ku, stride_kb, stride_kh,
+    stride_vu, stride_vb, stride_vh,
+    stride_bts,
+    stride_os, stride_oh,
+    GROUP: tl.constexpr,  # Hq // Hkv: query heads per kv head
+    BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # rows per cache unit (power of two)
+    BLOCK_N: tl.constexpr,  # positions per iteration (power of two >= 16)
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong (Triton 3.9), fp32 is exact
+):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.minimum(tl.load(ctx_ptr + s), max_tokens)
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < GROUP
+    heads = kvh * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pmask = pos < end
+        # int64: unit * stride_ku overflows int32 once the cache holds more than 2^31 elements
+        unit = tl.load(bt_ptr + s * stride_bts + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+        row = pos % BLOCK_SIZE
+        k = tl.load(k_ptr + (unit + k_offset)[:, None] * stride_ku + row[:, None] * stride_kb + kvh * stride_kh
+                    + d[None, :], mask=pmask[:, None], other=0.0)
+        v = tl.load(v_ptr + (unit + v_offset)[:, None] * stride_vu + row[:, None] * stride_vb + kvh * stride_vh
+                    + d[None, :], mask=pmask[:, None], other=0.0)
+        if DOT_FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        sc = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
+        sc = tl.where(pmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: every iteration has >= 1 valid position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + s * stride_os + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=gmask[:, None])
+    else:
+        # splits past the context store (-inf, 0, 0); the merge never reads them
+        part = (s * num_heads + heads) * NUM_SPLITS + split
+        tl.store(m_ptr + part, m_i, mask=gmask)
+        tl.store(l_ptr + part, l_i, mask=gmask)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr,  # [S, Hq, D] output in q's dtype
+    m_ptr,  # fp32 [S, Hq, NUM_SPLITS] from _decode_kernel
+    l_ptr,  # fp32 [S, Hq, NUM_SPLITS]
+    acc_ptr,  # fp32 [S, Hq, NUM_SPLITS, D]
+    ctx_ptr,  # int32 [S] positions attended over
+    max_tokens,  # as in _decode_kernel
+    split_len,  # as in _decode_kernel
+    stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,  # NUM_SPLITS padded to a power of two
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.minimum(tl.load(ctx_ptr + s), max_tokens)
+    active = (ctx + split_len - 1) // split_len  # splits holding >= 1 position
+    i = tl.arange(0, BLOCK_SPLITS)
+    imask = i < active
+    d = tl.arange(0, HEAD_DIM)
+    part = (s * tl.num_programs(1) + h) * NUM_SPLITS + i
+    m = tl.load(m_ptr + part, mask=imask, other=float("-inf"))
+    w = tl.where(imask, tl.exp2(m - tl.max(m, 0)), 0.0)
+    l_sum = tl.sum(tl.load(l_ptr + part, mask=imask, other=0.0) * w, 0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=imask[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / l_sum
+    tl.store(out_ptr + s * stride_os + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           context_lens: torch.Tensor, k_offset: int, v_offset: int, out: torch.Tensor | None) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [S, Hq, D], got {tuple(q.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
+    num_seqs, hq, d = q.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or c.shape[3] != d:
+            raise ValueError(f"{name} must be [U, block_size, Hkv, {d}], got {tuple(c.shape)}")
+        if c.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {c.dtype} must equal q's dtype {q.dtype}")
+    if k_cache.shape[1:] != v_cache.shape[1:]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in block shape")
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head dim must be a power of two >= 16, got {d}")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of kv heads {hkv}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_blocks], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if block_tables.shape[1] < 1:
+        raise ValueError("block_tables needs at least one column")
+    if context_lens.shape != (num_seqs,) or context_lens.dtype != torch.int32:
+        raise ValueError(f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype} "
+                         f"{tuple(context_lens.shape)}")
+    if not (0 <= k_offset < k_cache.shape[0] and 0 <= v_offset < v_cache.shape[0]):
+        raise ValueError(f"k_offset {k_offset} / v_offset {v_offset} must be unit offsets >= 0 and < U")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    named = [("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+             ("context_lens", context_lens)] + ([("out", out)] if out is not None else [])
+    for name, t in named:
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: all tensors must share q's device")
+    for name, t in [("q", q), *named]:
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)})")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
+    """Context splits so that about 2 * num_sms programs run: 1 when S * Hkv already fills the GPU.
+
+    ``max_tokens``: the positions a block table row can hold (an upper bound of every context, known
+    without a sync); no split is shorter than ``MIN_SPLIT_TOKENS``.
+    """
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    return max(1, min(-(-2 * num_sms // programs), -(-max_tokens // MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, k_offset: int = 0, v_offset: int = 0,
+                           out: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention out [S, Hq, D] in q's dtype, written into ``out`` if given (see module docstring).
+
+    ``q``: [S, Hq, D] bf16/fp16; ``k_cache``, ``v_cache``: [U, block_size, Hkv, D] q's dtype, contiguous;
+    ``block_tables``: int32 [S, max_blocks]; ``context_lens``: int32 [S], each in [1, max_blocks * block_size]
+    (not checked: that would sync; longer lengths are clamped); ``scale``: softmax scale (usually D^-0.5).
+    ``num_splits``: context splits (default: ``pick_num_splits`` on CUDA, 1 elsewhere). A tighter
+    ``block_tables`` (max_blocks = the batch's longest sequence) gives a better default split.
+    Raises ``ValueError`` on bad shapes, dtypes, devices or strides.
+    """
+    _check(q, k_cache, v_cache, block_tables, context_lens, k_offset, v_offset, out)
+    num_seqs, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    res = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return res
+    max_tokens = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = pick_num_splits(num_seqs, hkv, max_tokens, _num_sms(q.device)) if q.is_cuda else 1
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    block_n = max(BLOCK_N, triton.next_power_of_2(block_size))
+    split_len = -(-max_tokens // (num_splits * block_n)) * block_n
+    num_splits = -(-max_tokens // split_len)  # no split that could never hold a position
+    group = hq // hkv
+    if num_splits > 1:
+        m = torch.empty(num_seqs, hq, num_splits, dtype=torch.float32, device=q.device)
+        lsum = torch.empty_like(m)
+        acc = torch.empty(num_seqs, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    else:
+        m = lsum = acc = res  # unused by the kernel when NUM_SPLITS == 1
+    _decode_kernel[(num_seqs, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, res, m, lsum, acc, k_offset, v_offset, scale * LOG2E,
+        max_tokens, split_len, hq,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        res.stride(0), res.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=NUM_WARPS)
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, hq)](
+            res, m, lsum, acc, context_lens, max_tokens, split_len, res.stride(0), res.stride(1), HEAD_DIM=d,
+            NUM_SPLITS=num_splits, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=NUM_WARPS)
+    return res
+
