@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -34,6 +34,22 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+def _write_results(results: list[Any], output: Path | None) -> None:
+    lines = "".join(json.dumps({"prompt": r.prompt, "text": r.text, "prompt_tokens": r.prompt_tokens,
+                                "new_tokens": r.new_tokens, "finish_reason": r.finish_reason}) + "\n"
+                    for r in results)
+    if output is None:
+        sys.stdout.write(lines)
+        return
+    tmp = output.with_name(output.name + ".tmp")
+    try:
+        tmp.write_text(lines)
+        tmp.replace(output)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise PagedWeightError(f"cannot write --output {output}: {exc.strerror}") from exc
+
+
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Option(help="One prompt; its continuation is streamed to stdout.")] = None,
@@ -47,8 +63,24 @@ def generate(
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    artifacts: Annotated[Path | None, typer.Option(help="Artifact directory from `pwcal run-all` (AP weights + "
+                                                   "calibration): serve with the page pool under --gpu-memory. "
+                                                   "Without it: the 16-bit model, no budget.")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="With --artifacts: the device memory budget of the whole "
+                                                   "process, e.g. 10GiB, 48MiB (default 4GiB).")] = None,
+    policy: Annotated[str, typer.Option(help="pagedweight (default), uniform (needs --bits), static, or an ablation: "
+                                        "no-routing, no-residual, no-movement, no-sensitivity.")] = "pagedweight",
+    bits: Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")
+                    ] = None,
+    trace: Annotated[Path | None, typer.Option(help="Write one row per engine step here (Parquet).")] = None,
+    max_batch: Annotated[int, typer.Option(min=1, help="Most requests running at once.")] = 16,
+    max_step_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per engine step (longer prompts are "
+                                                 "prefilled in chunks).")] = 512,
+    debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
+                                               "every step.")] = False,
+    summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
 ) -> None:
-    """Generate text with the full-precision model."""
+    """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
     from pwrun.generate import generate as run_generate
     from pwrun.model.loader import load_model, load_tokenizer
     from pwrun.sampling import SamplingParams
@@ -62,36 +94,54 @@ def generate(
         if output is not None and (output.is_dir() or not (output.parent.is_dir() and os.access(output.parent,
                                                                                                    os.W_OK))):
             raise PagedWeightError(f"cannot write --output {output}: {output.parent} is missing or not writable")
+        if artifacts is None and (gpu_memory or trace or bits is not None or policy != "pagedweight"):
+            raise PagedWeightError("--gpu-memory, --policy, --bits and --trace need --artifacts DIR (from "
+                                   "`pwcal run-all`)")
+        if trace is not None and trace.suffix != ".parquet":
+            raise PagedWeightError(f"--trace {trace} must end in .parquet")
         model_dir = model or default_model()
         tok = load_tokenizer(model_dir)
-        lm = load_model(model_dir, device=device, dtype=dtype)
         params = SamplingParams(max_new_tokens, temperature, top_p, seed)
         stream = len(texts) == 1 and output is None
-        if stream:
-            sys.stdout.write(texts[0])
-            sys.stdout.flush()
+
+        started = [False]
 
         def on_text(_i: int, s: str) -> None:
+            if not started[0]:  # the prompt is echoed only once the request is known to be valid
+                sys.stdout.write(texts[0])
+                started[0] = True
             sys.stdout.write(s)
             sys.stdout.flush()
 
+        def end_stream() -> None:
+            sys.stdout.write(("" if started[0] else texts[0]) + "\n")
+
+        if artifacts is not None:
+            from pwrun.engine.budget import parse_size
+            from pwrun.engine.engine import EngineConfig
+            from pwrun.engine.report import format_summary
+            from pwrun.engine.run import serve_prompts
+            from pwrun.engine.serve import ServeConfig
+
+            cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), policy, bits,
+                              EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
+                                           debug_checks=debug_checks))
+            results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
+                                             on_text=on_text if stream else None, trace=trace)
+            if stream:
+                end_stream()
+            else:
+                _write_results(results, output)
+            console.print(format_summary(summary), style="dim", highlight=False, soft_wrap=True)
+            if summary_json is not None:
+                summary_json.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+            return
+        lm = load_model(model_dir, device=device, dtype=dtype)
         results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None)
         if stream:
-            sys.stdout.write("\n")
+            end_stream()
         else:
-            lines = "".join(json.dumps({"prompt": r.prompt, "text": r.text, "prompt_tokens": r.prompt_tokens,
-                                        "new_tokens": r.new_tokens, "finish_reason": r.finish_reason}) + "\n"
-                            for r in results)
-            if output is not None:
-                tmp = output.with_name(output.name + ".tmp")
-                try:
-                    tmp.write_text(lines)
-                    tmp.replace(output)
-                except OSError as exc:
-                    tmp.unlink(missing_ok=True)
-                    raise PagedWeightError(f"cannot write --output {output}: {exc.strerror}") from exc
-            else:
-                sys.stdout.write(lines)
+            _write_results(results, output)
         console.print(f"[dim]{len(texts)} request(s) on {lm.device} ({lm.dtype}); prefill "
                       f"{stats.prefill_seconds:.2f} s; decode {stats.decode_tokens} tokens in "
                       f"{stats.decode_seconds:.2f} s = {stats.decode_tokens_per_second:.1f} tokens/s[/dim]")

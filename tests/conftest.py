@@ -11,3 +11,33 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
+
+
+def _calibrate(out):  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from pwcal.cli import app
+    from pwrun.data import default_model_dir
+
+    model, small, runner = str(default_model_dir()), ["--device", "cpu"], CliRunner()
+    steps = [
+        ["quantize", model, "--out", str(out), "--samples", "8", "--seq-len", "256", *small],
+        ["sensitivity", model, "--artifacts", str(out), "--samples", "16", "--seq-len", "256", *small],
+        ["fit-residual", model, "--artifacts", str(out), "--prompts", "16", *small],
+        ["search-buckets", model, "--artifacts", str(out), "--candidates", "2", "--heldout-windows", "4", *small],
+    ]
+    for args in steps:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, (args[0], r.stderr)
+    return out
+
+
+try:
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def calibrated_artifacts(tmp_path_factory):  # type: ignore[no-untyped-def]
+        """The whole pwcal pipeline on the bundled tiny MoE with small settings (once per test session)."""
+        return _calibrate(tmp_path_factory.mktemp("cal") / "ap")
+except ImportError:  # pragma: no cover
+    pass

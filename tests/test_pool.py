@@ -36,23 +36,62 @@ def test_pages_for_rounds_up() -> None:
     assert [cfg.pages_for(b) for b in (1, 1000, 1001, 0)] == [1, 1, 2, 0]
 
 
-def test_weight_table_invariant_lower_then_raise() -> None:
-    t = WeightPageTable(bits=[3, 4, 5, 6, 7, 8], plane_pages=[2, 2, 3], q0=np.array([8, 8, 4]))
-    for i in range(3):
-        for p in range(int(t.q[i])):
-            t.set_resident(i, p, [10 * i + p])
+def _table(pool: PagePool) -> WeightPageTable:
+    lut = np.zeros((3, 9), dtype=np.int64)
+    for b in range(3, 9):
+        lut[:, b] = [2 ** (b - 3), 2 ** (b - 3), 1]
+    return WeightPageTable(bits=[3, 4, 5, 6, 7, 8], plane_pages=np.array([2, 1, 3]), lut_pages=lut)
+
+
+def test_weight_table_lower_raise_keeps_invariant_and_conserves_pages() -> None:
+    pool = PagePool(PoolConfig(num_pages=200, page_bytes=64))
+    t = _table(pool)
+    for i, b in enumerate([8, 8, 4]):
+        t.place(pool, i, b)
     t.check()
-    t.commit_lower(np.array([0]), np.array([5]))
-    assert t.surplus_planes(0) == [5, 6, 7]
-    for p in t.surplus_planes(0):
-        t.state[0, p] = CPU  # moved to the host after the commit
+    assert pool.count(WEIGHT) == t.weight_pages() == int(t.pages_at(t.q).sum())
+    free0 = pool.num_free
+    orders = t.lower(pool, 0, 5)
+    assert [(o.what, o.index) for o in orders] == [("lut", 5)]  # the 5-bit LUT is written over the 8-bit one
+    assert pool.num_free - free0 == int(t.pages_at(8)[0] - t.pages_at(5)[0])  # Delta of Eq. 3, in pages
     t.check()
-    with pytest.raises(ValueError, match="before its planes are resident"):
-        t.commit_raise(np.array([0]), np.array([7]))
-    t.state[0, 5] = GPU
-    t.state[0, 6] = GPU
-    t.commit_raise(np.array([0]), np.array([7]))
+    assert (t.state[0, 5:] == CPU).all() and (t.state[0, :5] == GPU).all()
+    orders = t.begin_raise(pool, 0, 7)
+    assert orders is not None and sorted(o.index for o in orders if o.what == "plane") == [5, 6]
+    assert t.q[0] == 5 and t.pending[0] == 7  # not committed before the copies are confirmed
     t.check()
+    with pytest.raises(ValueError, match="pending"):
+        t.lower(pool, 0, 4)
+    t.finish_raise(pool, 0)
+    assert t.q[0] == 7 and t.pending[0] == 0
+    t.check()
+    pool.check()
+    assert pool.count(WEIGHT) == t.weight_pages() == int(t.pages_at(t.q).sum())
     t.state[0, 6] = CPU  # a plane leaving while still committed breaks the invariant
     with pytest.raises(AssertionError):
         t.check()
+
+
+def test_raise_without_room_takes_nothing() -> None:
+    pool = PagePool(PoolConfig(num_pages=60, page_bytes=64))
+    t = _table(pool)
+    t.place(pool, 0, 8)
+    t.lower(pool, 0, 3)
+    pool.allocate(pool.num_free - 1, KV)  # fill the pool but one page
+    before = pool.num_free
+    assert t.begin_raise(pool, 0, 8) is None
+    assert pool.num_free == before and t.pending[0] == 0 and t.q[0] == 3
+
+
+def test_runs_and_top_allocation() -> None:
+    pool = PagePool(PoolConfig(num_pages=16, page_bytes=8))
+    top = pool.allocate_top(3, KV)
+    assert top == [15, 14, 13]
+    start = pool.allocate_run(4, WEIGHT)
+    assert start == 0
+    pool.release([1], WEIGHT)  # a hole of one page inside the run
+    assert pool.find_run(2) == 4
+    assert pool.find_run(9) == 4 and pool.find_run(10) == -1
+    with pytest.raises(OutOfPages):
+        pool.allocate_run(10, WEIGHT)
+    pool.check()

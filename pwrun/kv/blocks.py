@@ -11,6 +11,7 @@ pool with the weight bit-planes (SPEC section 5).
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 
 class OutOfBlocks(RuntimeError):
@@ -63,10 +64,21 @@ class BlockAllocator:
         return self._refs[block]
 
 
-class BlockTables:
-    """Per-sequence block tables over one ``BlockAllocator``."""
+class KVAllocator(Protocol):
+    """What ``BlockTables`` needs from an allocator (``BlockAllocator`` or the pooled one)."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    @property
+    def num_free(self) -> int: ...
+
+    def allocate(self, n: int) -> list[int]: ...
+
+    def release(self, block: int) -> None: ...
+
+
+class BlockTables:
+    """Per-sequence block tables over one allocator (``BlockAllocator`` or ``PooledBlockAllocator``)."""
+
+    def __init__(self, allocator: KVAllocator, block_size: int) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.allocator, self.block_size = allocator, block_size

@@ -9,6 +9,8 @@ sequences. It does not schedule, allocate KV blocks or sample (``generate.py`` d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -48,8 +50,13 @@ class LeanMoEModel:
 
     @torch.inference_mode()
     def forward(self, step: StepTensors, cache: PagedKVCache, logits_for: str = "last",
-                observer: MoEObserver | None = None) -> torch.Tensor:
+                observer: MoEObserver | None = None,
+                moe: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
         """Run one step; writes its keys/values into ``cache``.
+
+        ``moe``: replaces the MoE blocks' reference forward (``moe(x [T, H], layer) -> [T, H]``); the
+        runtime passes its Any-Precision experts here. ``cache`` may be any object with the
+        ``PagedKVCache`` interface (``write``, ``gather``).
 
         Returns fp32 logits: [S, V] for each sequence's last token (``logits_for="last"``) or
         [T, V] for every token (``"all"``, used by perplexity and parity tests).
@@ -62,7 +69,7 @@ class LeanMoEModel:
             x = rms_norm(h, lw.ffn_norm, spec.rms_norm_eps)
             if lw.moe is not None:
                 assert ls.moe is not None
-                h = h + moe_forward(x, lw.moe, ls.moe, ls.index, observer)
+                h = h + (moe(x, ls.index) if moe is not None else moe_forward(x, lw.moe, ls.moe, ls.index, observer))
             else:
                 assert lw.mlp is not None
                 h = h + mlp_forward(x, lw.mlp)

@@ -54,11 +54,22 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, spec: MoESpec, layer: int = 0,
     weights, ids = route(x, w.router, spec)
     if observer is not None:
         observer.routing(layer, ids, weights)
+    return experts_forward(x, w, weights, ids, spec.num_experts, layer, observer)
+
+
+def experts_forward(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                    layer: int = 0, observer: MoEObserver | None = None) -> torch.Tensor:
+    """Routed experts (tokens grouped by expert) plus the shared expert, for given routing weights/ids [T, k].
+
+    ``w.gate_up[e]`` / ``w.down[e]`` may be any indexable of [2I, H] / [H, I] tensors (the runtime
+    passes dense views of its AP blocks).
+    """
+    top_k = ids.shape[1]
     out = torch.zeros_like(x)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
-    token_of = order // spec.top_k
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    token_of = order // top_k
     flat_w = weights.flatten()[order]
     start = 0
     for e, n in enumerate(counts):

@@ -59,8 +59,11 @@ def _take(order: np.ndarray, amount: np.ndarray, need: float) -> np.ndarray:
 
 
 def lower_step(table: BlockTable, q_idx: np.ndarray, need_bytes: float, d_hat: np.ndarray, bucket: np.ndarray,
-               policy: BucketPolicy, stage: int) -> Plan:
-    """Demotions that free >= ``need_bytes`` at least damage per byte (or as many as the stage allows)."""
+               policy: BucketPolicy, stage: int, movable: np.ndarray | None = None) -> Plan:
+    """Demotions that free >= ``need_bytes`` at least damage per byte (or as many as the stage allows).
+
+    ``movable`` [n] bool: blocks that may change now (e.g. not while a reload is in flight).
+    """
     n, nb = table.n, table.bits.size
     rows = np.arange(n)
     c = np.arange(nb)[None, :]
@@ -68,6 +71,8 @@ def lower_step(table: BlockTable, q_idx: np.ndarray, need_bytes: float, d_hat: n
     floor = floor_index(table, bucket, policy, stage)[:, None]
     a = q_idx[:, None]
     valid = (c < a) & (c >= floor) & (c >= a - cap)
+    if movable is not None:
+        valid &= movable[:, None]
     delta = table.bytes[rows, q_idx][:, None] - table.bytes
     dmg = d_hat[rows, q_idx]  # [n, nb]: damage of going from the current bits to each c
     ratio = np.where(valid & (delta > 0), dmg / np.maximum(delta, 1), np.inf)
@@ -82,7 +87,7 @@ def lower_step(table: BlockTable, q_idx: np.ndarray, need_bytes: float, d_hat: n
 
 
 def raise_step(table: BlockTable, q_idx: np.ndarray, allowance: float, d_hat: np.ndarray, bucket: np.ndarray,
-               policy: BucketPolicy) -> Plan:
+               policy: BucketPolicy, movable: np.ndarray | None = None) -> Plan:
     """Promotions by damage avoided per byte, using at most ``allowance`` bytes (Algorithm 1, reload)."""
     n, nb = table.n, table.bits.size
     rows = np.arange(n)
@@ -90,6 +95,8 @@ def raise_step(table: BlockTable, q_idx: np.ndarray, allowance: float, d_hat: np
     cap = np.asarray(policy.depth_cap)[bucket][:, None]
     a = q_idx[:, None]
     valid = (c > a) & (c <= a + cap)
+    if movable is not None:
+        valid &= movable[:, None]
     cost = table.bytes - table.bytes[rows, q_idx][:, None]  # bytes needed to raise to c
     avoided = np.take_along_axis(d_hat, np.broadcast_to(q_idx[:, None, None], (n, nb, 1)), axis=2)[..., 0]
     benefit = np.where(valid & (cost > 0), avoided / np.maximum(cost, 1), -np.inf)

@@ -1,16 +1,26 @@
 """A pool of fixed-size pages shared by KV blocks and weight bit-planes (SPEC sections 3, 5, 6).
 
-What it does: hands out page ids from one free list and remembers each page's owner, a KV
-block or a weight bit-plane, so that a plane freed by a demotion becomes pages the KV
-allocator can take and the reverse. ``check`` verifies conservation (KV + weight + free =
-pool) and that no page has two owners. It owns no memory: the model runner maps page ids to
-byte ranges of one device tensor. Control plane: ints and lists only.
+What it does: hands out page ids and remembers each page's owner, a KV block or a weight
+object (a bit-plane or a LUT), so that a plane freed by a demotion becomes pages the KV
+allocator can take and the reverse. Placement rules, chosen so the two kinds rarely fragment
+each other:
+
+* weight objects take **contiguous runs** (a kernel addresses a plane by one offset), first fit
+  from the bottom of the pool (``allocate_run``);
+* KV takes single pages from the top of the pool (``allocate_top``): a KV block is
+  ``2 * num_layers`` pages (each layer's K page and V page), anywhere, so every page a demotion
+  frees can hold KV and reloads find their runs in the holes at the bottom.
+
+``check`` verifies conservation (KV + weight + free = pool). It owns no memory: the runtime maps
+page ids to byte ranges of one device tensor. Control plane: numpy only, no torch. Every search is
+vectorized over the pool (O(pages) numpy, no Python loop over pages).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 FREE = 0
 KV = 1
@@ -36,45 +46,80 @@ class PoolConfig:
         """Pages that hold ``nbytes`` bytes (ceil)."""
         return -(-nbytes // self.page_bytes)
 
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
 
 class PagePool:
-    """Free list + owner kind per page."""
+    """Owner kind per page (FREE / KV / WEIGHT) as one int8 array."""
 
     def __init__(self, cfg: PoolConfig) -> None:
         self.cfg = cfg
-        self._free: deque[int] = deque(range(cfg.num_pages))
-        self._kind = [FREE] * cfg.num_pages
+        self._kind = np.zeros(cfg.num_pages, dtype=np.int8)
+        self.peak_used = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return int((self._kind == FREE).sum())
 
     def count(self, kind: int) -> int:
-        return sum(1 for k in self._kind if k == kind)
+        return int((self._kind == kind).sum())
+
+    def _take(self, pages: np.ndarray, kind: int) -> None:
+        self._kind[pages] = kind
+        self.peak_used = max(self.peak_used, self.cfg.num_pages - self.num_free)
 
     def allocate(self, n: int, kind: int) -> list[int]:
-        """Take ``n`` pages for ``kind`` (KV or WEIGHT); raises ``OutOfPages`` and takes none if short."""
+        """Take any ``n`` free pages for ``kind`` (lowest ids first); ``OutOfPages`` takes none if short."""
         if kind not in (KV, WEIGHT):
             raise ValueError(f"unknown page owner kind {kind}")
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(n)]
-        for p in pages:
-            self._kind[p] = kind
-        return pages
+        free = np.flatnonzero(self._kind == FREE)
+        if n > free.size:
+            raise OutOfPages(f"need {n} pages, {free.size} free")
+        self._take(free[:n], kind)
+        return free[:n].tolist()
 
-    def release(self, pages: list[int], kind: int) -> None:
+    def find_run(self, n: int) -> int:
+        """Start of the lowest run of ``n`` contiguous free pages, or -1 if there is none."""
+        if n <= 0:
+            raise ValueError("a run needs at least one page")
+        f = (self._kind == FREE).astype(np.int64)
+        if f.size < n:
+            return -1
+        c = np.concatenate(([0], np.cumsum(f)))
+        ok = np.flatnonzero(c[n:] - c[:-n] == n)
+        return int(ok[0]) if ok.size else -1
+
+    def allocate_run(self, n: int, kind: int = WEIGHT) -> int:
+        """Take a contiguous run of ``n`` pages (first fit from the bottom); returns its first page."""
+        start = self.find_run(n)
+        if start < 0:
+            raise OutOfPages(f"no run of {n} contiguous free pages ({self.num_free} free in total)")
+        self._take(np.arange(start, start + n), kind)
+        return start
+
+    def allocate_top(self, n: int, kind: int = KV) -> list[int]:
+        """Take the ``n`` highest free pages (KV), keeping the low holes for weight runs."""
+        free = np.flatnonzero(self._kind == FREE)
+        if n > free.size:
+            raise OutOfPages(f"need {n} pages, {free.size} free")
+        pages = free[free.size - n:][::-1]
+        self._take(pages, kind)
+        return pages.tolist()
+
+    def release(self, pages: list[int] | np.ndarray, kind: int) -> None:
         """Return pages owned by ``kind``; raises ``ValueError`` on a double free or a foreign page."""
-        for p in pages:
-            if self._kind[p] != kind:
-                raise ValueError(f"page {p} is not owned by kind {kind}")
-        for p in pages:
-            self._kind[p] = FREE
-            self._free.append(p)
+        p = np.asarray(pages, dtype=np.int64)
+        if (self._kind[p] != kind).any():
+            bad = p[self._kind[p] != kind][0]
+            raise ValueError(f"page {bad} is not owned by kind {kind}")
+        self._kind[p] = FREE
+
+    def release_run(self, start: int, n: int, kind: int = WEIGHT) -> None:
+        self.release(np.arange(start, start + n), kind)
 
     def check(self) -> None:
-        """Raise ``AssertionError`` unless pages are conserved and the free list matches the owners."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a page is twice on the free list"
-        assert free == {p for p, k in enumerate(self._kind) if k == FREE}, "free list and owners disagree"
-        assert self.count(KV) + self.count(WEIGHT) + len(free) == self.cfg.num_pages
+        """Raise ``AssertionError`` unless pages are conserved (every page has exactly one owner kind)."""
+        assert self.count(KV) + self.count(WEIGHT) + self.num_free == self.cfg.num_pages
+        assert set(np.unique(self._kind).tolist()) <= {FREE, KV, WEIGHT}

@@ -1,67 +1,162 @@
-"""The weight page table (SPEC section 3): per linear block, committed q, desired d and plane states.
+"""The weight page table (SPEC section 3) and where each block's planes and LUT sit in the page pool.
 
-What it does: for every expert linear block i it keeps the supported bitwidths B_i (seed..8),
-the committed bitwidth q_i (what kernels read now), the desired d_i (what the planner chose), the
-state of each bit-plane p (GPU / CPU / IN_TRANSFER) and its pool pages, and M_i^b. Lowering is
-``commit_lower`` (q drops at a step boundary; the surplus planes may then leave the device) and
-raising is ``commit_raise`` (allowed only once the planes are resident). ``check`` asserts the
-invariant q_i <= number of leading GPU-resident planes of i. Control plane: numpy and ints, no torch.
+What it does: for every expert linear block i it keeps the supported bitwidths B_i, the
+committed bitwidth q_i (what kernels read now), the desired d_i (what the planner chose), the
+state of each bit-plane p (GPU / CPU / IN_TRANSFER), the first pool page of each resident plane
+and of the resident LUT, and the pages M_i^b takes at each b. It turns planner actions into pool
+operations and **copy orders** for the data plane (which copies bytes and updates the kernels'
+tables; this module moves no bytes):
+
+* ``lower(i, b')``: q_i drops at a step boundary; the b'-bit LUT is written over the first pages
+  of the b-bit LUT's run (it is at most half its size, so no page is needed), the LUT's tail
+  pages and planes b'..q-1 go back to the pool. Nothing is copied to the host: the pinned host
+  mirror already holds every plane (weights never change), so offloading is a release.
+* ``begin_raise(i, b)``: takes runs for planes q..b-1 and a fresh b-bit LUT (or fails and takes
+  nothing), marks them IN_TRANSFER and returns the host->device copy orders;
+  ``finish_raise(i)`` (once the copies are confirmed) raises q_i and frees the old LUT.
+
+``check`` asserts the invariant q_i <= resident planes (and that the committed LUT is resident).
+Control plane: numpy and ints, no torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from pwrun.pool.pages import WEIGHT, OutOfPages, PagePool
 
 GPU = 0
 CPU = 1
 IN_TRANSFER = 2
+PARENT_BITS = 8
+
+
+@dataclass(frozen=True)
+class CopyOrder:
+    """Copy host mirror object -> pool pages starting at ``page``: plane ``index`` or the LUT of ``index`` bits."""
+
+    block: int
+    what: str  # "plane" or "lut"
+    index: int
+    page: int
 
 
 class WeightPageTable:
-    """Arrays over blocks: q, d [n] int; state [n, 8] (GPU/CPU/IN_TRANSFER); pages[i][p] page ids."""
+    """Arrays over n blocks: q, d [n]; state, plane_start [n, 8]; lut_start, lut_bits, pending [n]."""
 
-    def __init__(self, bits: list[int], plane_pages: list[int], q0: np.ndarray) -> None:
-        """``bits``: supported bitwidths; ``plane_pages[i]``: pool pages per plane of block i; ``q0`` [n]."""
-        self.bits = np.asarray(bits)
-        self.n = len(plane_pages)
+    def __init__(self, bits: list[int], plane_pages: np.ndarray, lut_pages: np.ndarray) -> None:
+        """``plane_pages`` [n]: pages per plane; ``lut_pages`` [n, 9]: pages of the b-bit LUT at column b."""
+        self.bits = np.asarray(bits, dtype=np.int64)
         self.plane_pages = np.asarray(plane_pages, dtype=np.int64)
-        self.q = np.asarray(q0, dtype=np.int64).copy()
-        self.d = self.q.copy()
-        self.state = np.full((self.n, 8), CPU, dtype=np.int8)
-        self.pages: list[list[list[int]]] = [[[] for _ in range(8)] for _ in range(self.n)]
-        if not np.isin(self.q, self.bits).all():
-            raise ValueError(f"initial bitwidths must be in {bits}")
+        self.lut_pages = np.asarray(lut_pages, dtype=np.int64)
+        self.n = self.plane_pages.size
+        self.q = np.zeros(self.n, dtype=np.int64)
+        self.d = np.zeros(self.n, dtype=np.int64)
+        self.state = np.full((self.n, PARENT_BITS), CPU, dtype=np.int8)
+        self.plane_start = np.full((self.n, PARENT_BITS), -1, dtype=np.int64)
+        self.lut_start = np.full(self.n, -1, dtype=np.int64)
+        self.lut_bits = np.zeros(self.n, dtype=np.int64)
+        self.pending = np.zeros(self.n, dtype=np.int64)  # target bits of an in-flight raise, 0 = none
+        self._new_lut = np.full(self.n, -1, dtype=np.int64)
+
+    def pages_at(self, b: int | np.ndarray) -> np.ndarray:
+        """[n] pool pages of every block at bitwidth(s) b (b planes + the b-bit LUT)."""
+        b = np.broadcast_to(np.asarray(b, dtype=np.int64), (self.n,))
+        return b * self.plane_pages + self.lut_pages[np.arange(self.n), b]
 
     def resident_depth(self) -> np.ndarray:
-        """[n] number of leading planes (0, 1, ...) that are on the GPU."""
+        """[n] number of leading planes (0, 1, ...) that are on the device."""
         on = self.state == GPU
-        return np.where(on.all(axis=1), 8, np.argmin(on, axis=1))
+        return np.where(on.all(axis=1), PARENT_BITS, np.argmin(on, axis=1))
 
-    def set_resident(self, i: int, plane: int, pages: list[int]) -> None:
-        self.state[i, plane] = GPU
-        self.pages[i][plane] = pages
+    def _check_bits(self, b: int) -> None:
+        if b not in self.bits:
+            raise ValueError(f"bitwidth {b} is not one of {self.bits.tolist()}")
 
-    def commit_lower(self, blocks: np.ndarray, to_bits: np.ndarray) -> None:
-        """q_i <- b' (< q_i) at a step boundary; planes stay resident until moved off."""
-        if (to_bits >= self.q[blocks]).any() or not np.isin(to_bits, self.bits).all():
-            raise ValueError("commit_lower needs supported bitwidths below the committed ones")
-        self.q[blocks] = to_bits
-        self.d[blocks] = to_bits
+    def place(self, pool: PagePool, i: int, b: int) -> list[CopyOrder]:
+        """Initial placement of block i at b bits (nothing resident yet); ``OutOfPages`` if the pool is short."""
+        self._check_bits(b)
+        if self.q[i] != 0:
+            raise ValueError(f"block {i} is already placed")
+        taken: list[tuple[int, int]] = []
+        try:
+            for _p in range(b):
+                taken.append((pool.allocate_run(int(self.plane_pages[i])), int(self.plane_pages[i])))
+            taken.append((pool.allocate_run(int(self.lut_pages[i, b])), int(self.lut_pages[i, b])))
+        except OutOfPages:
+            for s, n in taken:
+                pool.release_run(s, n, WEIGHT)
+            raise
+        orders = []
+        for p in range(b):
+            self.plane_start[i, p], self.state[i, p] = taken[p][0], GPU
+            orders.append(CopyOrder(i, "plane", p, taken[p][0]))
+        self.lut_start[i], self.lut_bits[i] = taken[b][0], b
+        self.q[i] = self.d[i] = b
+        return [*orders, CopyOrder(i, "lut", b, taken[b][0])]
 
-    def commit_raise(self, blocks: np.ndarray, to_bits: np.ndarray) -> None:
-        """q_i <- b'' (> q_i); raises ``ValueError`` if a needed plane is not resident yet."""
-        if (to_bits <= self.q[blocks]).any() or not np.isin(to_bits, self.bits).all():
-            raise ValueError("commit_raise needs supported bitwidths above the committed ones")
-        if (self.resident_depth()[blocks] < to_bits).any():
-            raise ValueError("cannot raise q before its planes are resident (SPEC section 6)")
-        self.q[blocks] = to_bits
-        self.d[blocks] = to_bits
+    def lower(self, pool: PagePool, i: int, b: int) -> list[CopyOrder]:
+        """q_i <- b (< q_i) now; frees planes b..q-1 and the LUT's tail. Returns the LUT copy order."""
+        self._check_bits(b)
+        q = int(self.q[i])
+        if not b < q or self.pending[i]:
+            raise ValueError(f"block {i}: cannot lower from {q} to {b} bits (pending raise: {self.pending[i]})")
+        for p in range(b, q):
+            pool.release_run(int(self.plane_start[i, p]), int(self.plane_pages[i]), WEIGHT)
+            self.plane_start[i, p], self.state[i, p] = -1, CPU
+        keep, have = int(self.lut_pages[i, b]), int(self.lut_pages[i, q])
+        if have > keep:
+            pool.release_run(int(self.lut_start[i]) + keep, have - keep, WEIGHT)
+        self.lut_bits[i] = b
+        self.q[i] = self.d[i] = b
+        return [CopyOrder(i, "lut", b, int(self.lut_start[i]))]
 
-    def surplus_planes(self, i: int) -> list[int]:
-        """Resident planes of block i above its committed q (candidates to move to the host)."""
-        return [p for p in range(int(self.q[i]), 8) if self.state[i, p] == GPU]
+    def begin_raise(self, pool: PagePool, i: int, b: int) -> list[CopyOrder] | None:
+        """Take pages for raising block i to b bits; None (nothing taken) if the pool has no room."""
+        self._check_bits(b)
+        q = int(self.q[i])
+        if not b > q or self.pending[i]:
+            raise ValueError(f"block {i}: cannot raise from {q} to {b} bits (pending raise: {self.pending[i]})")
+        taken: list[tuple[int, int]] = []
+        try:
+            for _p in range(q, b):
+                taken.append((pool.allocate_run(int(self.plane_pages[i])), int(self.plane_pages[i])))
+            taken.append((pool.allocate_run(int(self.lut_pages[i, b])), int(self.lut_pages[i, b])))
+        except OutOfPages:
+            for s, n in taken:
+                pool.release_run(s, n, WEIGHT)
+            return None
+        orders = []
+        for j, p in enumerate(range(q, b)):
+            self.plane_start[i, p], self.state[i, p] = taken[j][0], IN_TRANSFER
+            orders.append(CopyOrder(i, "plane", p, taken[j][0]))
+        self._new_lut[i] = taken[-1][0]
+        self.pending[i] = self.d[i] = b
+        return [*orders, CopyOrder(i, "lut", b, taken[-1][0])]
+
+    def finish_raise(self, pool: PagePool, i: int) -> None:
+        """The copies of block i's raise are confirmed: q_i <- its target, the old LUT's pages are freed."""
+        b, q = int(self.pending[i]), int(self.q[i])
+        if not b:
+            raise ValueError(f"block {i} has no raise in flight")
+        self.state[i, q:b] = GPU
+        pool.release_run(int(self.lut_start[i]), int(self.lut_pages[i, q]), WEIGHT)
+        self.lut_start[i], self.lut_bits[i] = self._new_lut[i], b
+        self.q[i] = b
+        self.pending[i] = 0
+        self._new_lut[i] = -1
+
+    def weight_pages(self) -> int:
+        """Pages the weight objects hold now (committed + in transfer)."""
+        in_flight = np.where(self.pending > 0, self.lut_pages[np.arange(self.n), self.pending], 0)
+        return int((self.state != CPU).sum(axis=1) @ self.plane_pages
+                   + self.lut_pages[np.arange(self.n), self.lut_bits].sum() + in_flight.sum())
 
     def check(self) -> None:
-        """The invariant of SPEC section 3: q_i <= resident planes, at every moment a kernel can run."""
+        """The invariant of SPEC section 3: q_i <= resident planes and the q_i-bit LUT is resident."""
         bad = np.flatnonzero(self.q > self.resident_depth())
         assert bad.size == 0, f"blocks {bad[:5].tolist()} read planes that are not resident"
+        bad = np.flatnonzero((self.lut_bits != self.q) | (self.lut_start < 0))
+        assert bad.size == 0, f"blocks {bad[:5].tolist()} have no resident LUT at their committed bits"

@@ -1,0 +1,53 @@
+"""The device memory budget: parsing ``--gpu-memory`` and splitting it into fixed parts and the page pool.
+
+What it does: ``parse_size`` reads sizes such as ``10GiB``, ``512MiB``, ``1.5GB`` (bytes);
+``fixed_bytes`` adds what never pages: the 16-bit non-expert weights and an activation workspace
+bound for one step (``workspace_bytes``, from the step's token budget, context and vocabulary).
+The pool gets the rest (SPEC section 5: KV blocks and expert bit-planes share it). Control plane
+arithmetic only.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pwrun.errors import PagedWeightError
+from pwrun.model.spec import ModelSpec
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text`` (e.g. ``10GiB``, ``750MB``, ``123456``); raises ``PagedWeightError`` if unreadable."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise PagedWeightError(f"cannot read the size {text!r}: write e.g. 10GiB, 512MiB or 1.5GB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise PagedWeightError(f"the size {text!r} must be positive")
+    return int(value)
+
+
+def format_size(n: float) -> str:
+    """Human-readable bytes (MiB/GiB, 2 decimals)."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def workspace_bytes(spec: ModelSpec, max_step_tokens: int, max_batch: int, max_context: int, elt: int) -> int:
+    """Upper bound of one step's activations in bytes (reference attention scores, MoE buffers, logits).
+
+    ``elt``: bytes per activation element. Generous on purpose: it is measured against the real peak
+    on the GPU by the serving summary.
+    """
+    h = spec.hidden_size
+    a = spec.layers[0].attention
+    moes = [ls.moe for ls in spec.layers if ls.moe is not None]
+    k = max((m.top_k for m in moes), default=1)
+    inter = max((max(m.expert_intermediate, m.shared_intermediate) for m in moes), default=h)
+    t = max_step_tokens
+    attention = t * max_context * a.num_heads * 4 * 2 + t * max_context
+    moe = t * k * (2 * inter * elt + h * 4) * 2 + t * 2 * inter * 4
+    hidden = t * (8 * h + 3 * a.num_heads * a.head_dim) * 4
+    logits = max_batch * spec.vocab_size * 8
+    return attention + moe + hidden + logits

@@ -1,0 +1,240 @@
+"""The serving loop: scheduler + planner + mover + model, one step at a time (SPEC sections 5 and 6).
+
+What it does: each step (a safe boundary) it (1) commits reloads whose copies completed, (2) asks
+the scheduler for the step's chunks, making KV room by demoting expert blocks when the planner
+allows (``make_room``), else preempting, (3) runs the model over the paged KV cache with the AP
+experts, (4) samples, retires finished requests, (5) feeds the live routing statistics to the
+planner, then acts on KV pressure D (Eq. 7): lower blocks (the prepared plan) when free blocks fall
+to the threshold, start reloads when they stay above the higher threshold (hysteresis), and
+prepares the plan the next steps will need. It records one trace row per step and the totals of
+the summary. With ``debug_checks`` it asserts, after every step, page conservation and
+q_i <= resident planes. It owns no policy of its own: the planner is None for static policies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pwrun.engine.experts import ExpertStore
+from pwrun.engine.kv_store import PooledKVCache
+from pwrun.engine.scheduler import Scheduler, Sequence, StepPlan
+from pwrun.kv.blocks import BlockTables
+from pwrun.kv.pooled import PooledBlockAllocator
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.step import SeqChunk, StepTensors
+from pwrun.planner.runtime import Planner
+from pwrun.pool.pages import KV, WEIGHT, PagePool
+from pwrun.sampling import SamplingParams, sample
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``max_batch`` running requests; ``max_step_tokens`` tokens per step (chunked prefill);
+    ``lookahead_tokens``: tokens per running request the prepared plan provisions for."""
+
+    block_size: int = 16
+    max_batch: int = 16
+    max_step_tokens: int = 512
+    lookahead_tokens: int = 32
+    debug_checks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_batch < 1 or self.max_step_tokens < 1 or self.lookahead_tokens < 0:
+            raise ValueError("block_size, max_batch and max_step_tokens must be >= 1, lookahead_tokens >= 0")
+
+
+@dataclass
+class Totals:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+    preemptions: int = 0
+    planner_seconds: float = 0.0
+    planner_calls: int = 0
+    seconds: float = 0.0
+    trace: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Engine:
+    """Serves ``Sequence``s with ``model`` (non-expert weights) and ``store`` (AP experts in ``pool``)."""
+
+    def __init__(self, model: LeanMoEModel, store: ExpertStore, pool: PagePool, memory: torch.Tensor,
+                 planner: Planner | None, cfg: EngineConfig, params: SamplingParams, eos: set[int]) -> None:
+        self.model, self.store, self.pool, self.planner, self.cfg = model, store, pool, planner, cfg
+        self.params, self.eos = params, eos
+        spec = model.spec
+        a = spec.layers[0].attention
+        self.alloc = PooledBlockAllocator(pool, spec.num_layers)
+        self.tables = BlockTables(self.alloc, cfg.block_size)
+        self.cache = PooledKVCache(memory, self.alloc, cfg.block_size, a.num_kv_heads, a.head_dim, model.dtype)
+        self.kv_block_bytes = 2 * spec.num_layers * pool.cfg.page_bytes
+        self.scheduler = Scheduler(cfg.max_batch, cfg.max_step_tokens)
+        self.seqs: dict[int, Sequence] = {}
+        self.gens: dict[int, torch.Generator] = {}
+        self.totals = Totals()
+        self.on_token: Callable[[Sequence], None] | None = None
+        self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    # ------------------------------------------------------------------ KVCapacity
+    def blocks_needed(self, rid: int, num_tokens: int) -> int:
+        return self.tables.extra_blocks(rid, num_tokens)
+
+    def make_room(self, blocks: int) -> bool:
+        if self.alloc.num_free >= blocks:
+            return True
+        if self.planner is None:
+            return False
+        for _ in range(8):  # freed pages are counted exactly, but a round may stop at a stage boundary
+            need = (blocks - self.alloc.num_free) * self.kv_block_bytes
+            if not self._lower(need):
+                break
+            if self.alloc.num_free >= blocks:
+                return True
+        return self.alloc.num_free >= blocks
+
+    def reserve(self, rid: int, num_tokens: int) -> None:
+        self.tables.reserve(rid, num_tokens)
+
+    def free(self, rid: int) -> None:
+        self.tables.free(rid)
+
+    # ------------------------------------------------------------------ planner actions
+    def q_idx(self) -> np.ndarray:
+        return np.searchsorted(self.store.table.bits, self.store.wpt.q)
+
+    def _lower(self, need_bytes: int) -> bool:
+        assert self.planner is not None
+        t0 = time.perf_counter()
+        plan = self.planner.take(self.q_idx(), need_bytes, self.store.movable())
+        self._planner_time(t0)
+        if plan.empty:
+            return False
+        self.store.lower(plan.blocks, self.store.table.bits[plan.to_idx])
+        self.totals.demoted_blocks += int(plan.blocks.size)
+        self._step_actions["lowered"] += int(plan.blocks.size)
+        return True
+
+    def _planner_time(self, t0: float) -> None:
+        self.totals.planner_seconds += time.perf_counter() - t0
+        self.totals.planner_calls += 1
+
+    def _after_step(self) -> None:
+        """Pressure (Eq. 7) -> lower; sustained slack -> reload; then prepare the next plan."""
+        if self.planner is None:
+            return
+        free = self.alloc.num_free
+        cfgp = self.planner.cfg
+        d = self.planner.pressure(free, self.kv_block_bytes)
+        self._step_actions["D"] = d
+        if d > 0:
+            self._lower(d)
+        elif free > cfgp.reload_threshold and cfgp.movement and not self.scheduler.waiting:
+            t0 = time.perf_counter()
+            allowance = (free - cfgp.reload_threshold) * self.kv_block_bytes
+            plan = self.planner.plan_raise(self.q_idx(), allowance, self.store.movable())
+            self._planner_time(t0)
+            if not plan.empty:
+                started = self.store.begin_raise(plan.blocks, self.store.table.bits[plan.to_idx])
+                self._step_actions["raising"] += len(started)
+        t0 = time.perf_counter()
+        ahead = sum(self.tables.extra_blocks(s.rid, s.computed + self.cfg.lookahead_tokens)
+                    for s in self.scheduler.running)
+        need = max(0, cfgp.free_threshold + 1 + ahead - self.alloc.num_free) * self.kv_block_bytes
+        if need > 0:
+            self.planner.prepare(self.q_idx(), need, self.store.movable())
+        self._planner_time(t0)
+
+    # ------------------------------------------------------------------ requests and steps
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.rid] = seq
+        self.gens[seq.rid] = torch.Generator().manual_seed(self.params.seed + seq.rid)
+        self.scheduler.add(seq)
+
+    def _run(self, plan: StepPlan) -> torch.Tensor:
+        chunks = []
+        for c in plan.chunks:
+            end = c.start + len(c.token_ids)
+            chunks.append(SeqChunk(c.rid, c.token_ids, c.start, tuple(self.tables.slots(c.rid, c.start, end)),
+                                   tuple(self.tables.table(c.rid))))
+            self.seqs[c.rid].computed = end
+        self.cache.map_blocks()
+        step = StepTensors.build(chunks, self.model.device)
+        return self.model.forward(step, self.cache, logits_for="last", moe=self.store.moe)  # type: ignore[arg-type]
+
+    def step(self) -> None:
+        """One engine step (raises ``RuntimeError`` if no progress is possible)."""
+        t_step = time.perf_counter()
+        self._step_actions = {"lowered": 0, "raising": 0, "D": 0}
+        raised = self.store.poll()
+        self.totals.promoted_blocks += len(raised)
+        plan = self.scheduler.schedule(self)
+        if not plan.chunks:
+            raise RuntimeError("no request fits in the KV cache even with every expert at its floor")
+        logits = self._run(plan)
+        if self.planner is not None and self.planner.stats is not None:
+            mass, acc = self.store.take_stats()
+            self.planner.stats.update(mass, acc)
+            self.planner.refresh()
+        for c, row in zip(plan.chunks, logits, strict=True):
+            s = self.seqs[c.rid]
+            if len(c.token_ids) > 1 or s.computed <= len(s.prompt):
+                self.totals.prefill_tokens += len(c.token_ids)
+            else:
+                self.totals.decode_tokens += 1
+            if not c.last:
+                continue
+            tok = int(sample(row[None], self.params, self.gens[c.rid])[0])
+            if tok in self.eos:
+                s.finish = "eos"
+            else:
+                s.out.append(tok)
+                if len(s.out) >= s.max_new_tokens:
+                    s.finish = "length"
+            if self.on_token is not None:
+                self.on_token(s)
+            if s.finish is not None:
+                self.scheduler.finish(s, self)
+        self._after_step()
+        self._sync()
+        if self.cfg.debug_checks:
+            self.check()
+        dt = time.perf_counter() - t_step
+        self.totals.steps += 1
+        self.totals.seconds += dt
+        self.totals.preemptions = self.scheduler.preemptions
+        self._trace(plan, dt, len(raised))
+
+    def _trace(self, plan: StepPlan, dt: float, raised: int) -> None:
+        w = self.store.wpt
+        self.totals.trace.append({
+            "step": self.totals.steps, "seconds": dt, "free_blocks": self.alloc.num_free,
+            "kv_pages": self.pool.count(KV), "weight_pages": self.pool.count(WEIGHT), "free_pages": self.pool.num_free,
+            "pressure_bytes": int(self._step_actions["D"]), "lowered": self._step_actions["lowered"],
+            "raise_started": self._step_actions["raising"], "raised": raised,
+            "mean_bits": float(w.q.mean()), "weight_bytes": int(w.weight_pages() * self.pool.cfg.page_bytes),
+            "committed_weight_bytes": int(w.pages_at(w.q).sum() * self.pool.cfg.page_bytes),
+            "bytes_in_flight": self.store.in_flight_bytes(), "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting), "preempted": len(plan.preempted),
+            "step_tokens": sum(len(c.token_ids) for c in plan.chunks),
+            "bits_hist": np.bincount(w.q, minlength=9).tolist(),
+        })
+
+    def check(self) -> None:
+        """Page conservation, q <= resident planes, KV pages = KV blocks in use (``AssertionError`` if not)."""
+        self.pool.check()
+        self.store.wpt.check()
+        assert self.pool.count(KV) == 2 * self.model.spec.num_layers * self.alloc.num_used
+        assert self.pool.count(WEIGHT) == self.store.wpt.weight_pages()
+
+    def run(self) -> None:
+        """Step until every added request has finished."""
+        while not self.scheduler.idle:
+            self.step()

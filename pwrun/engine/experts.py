@@ -1,0 +1,294 @@
+"""Expert weights in the page pool: host mirror, copy orders, the kernels' tables, the MoE forward.
+
+What it does (data plane of SPEC sections 3 and 6): keeps every block's 8 bit-planes and every
+LUT in host memory (pinned on CUDA; the **host mirror**: weights never change, so a demotion copies
+nothing back), executes the ``CopyOrder`` lists of ``WeightPageTable`` into the pool's bytes, and
+keeps per MoE layer the device tables the fused kernel reads (``APExperts``: plane word offsets,
+LUT offsets, committed bits) in step with the page table. Raises copy host -> device on a side
+CUDA stream and are committed only once their event has completed (``poll``); lowering is
+committed at once (the LUT rewrite is ordered on the compute stream after every kernel that read
+the old one). ``moe`` is the MoE block forward the model calls: the Triton kernel on CUDA, or on
+CPU the reference (dequantize each block from its pages at its committed q, memoized until q
+changes, then the same dense expert loop as the 16-bit model). It also accumulates the live
+routing statistics on the device (no host sync inside the step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from pwrun.ap.artifact import APArtifact
+from pwrun.ap.format import dequantize, words_per_row
+from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.moe import experts_forward, route
+from pwrun.model.weights import MLPWeights, MoEWeights
+from pwrun.planner.tables import UNITS, BlockTable
+from pwrun.pool.pages import PagePool
+from pwrun.pool.weight_table import CopyOrder, WeightPageTable
+
+LUT_BYTES = 2  # LUT entries are stored as 16-bit floats (fp16, or bf16 for a bf16 model)
+
+
+@dataclass
+class _LayerTables:
+    plane_offset: torch.Tensor  # int64 [rows, 8] word offsets into the pool
+    lut_offset: torch.Tensor  # int64 [rows] element offsets (16-bit) into the pool
+    bits: torch.Tensor  # int32 [rows]
+
+
+class ExpertStore:
+    """Every expert linear block of ``model`` (in ``table``'s order) placed in ``pool``/``memory``."""
+
+    def __init__(self, artifact: APArtifact, model: LeanMoEModel, table: BlockTable, pool: PagePool,
+                 memory: torch.Tensor, use_kernel: bool) -> None:
+        self.model, self.table, self.pool, self.memory = model, table, pool, memory
+        self.device = memory.device
+        self.page_bytes = pool.cfg.page_bytes
+        self.use_kernel = use_kernel
+        self.lut_dtype = torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float16
+        self.spec = model.spec
+        shapes = {(b.layer, b.expert, b.unit): (b.n, b.k) for b in expert_blocks(model.spec)}
+        self.n = table.n
+        self.key = [(int(la), int(e), UNITS[u]) for la, e, u in zip(table.layer, table.expert, table.unit,
+                                                                    strict=True)]
+        self.shape = [shapes[k] for k in self.key]
+        self.index = {k: i for i, k in enumerate(self.key)}
+        pin = self.device.type == "cuda"
+        bits = [int(b) for b in table.bits]
+        planes_of: list[torch.Tensor | None] = [None] * self.n
+        luts_of: list[dict[int, torch.Tensor] | None] = [None] * self.n
+        for layer in sorted({k[0] for k in self.key}):
+            t = artifact.layer_tensors(layer)
+            for i in (i for i, k in enumerate(self.key) if k[0] == layer):
+                name = APArtifact.key(LinearBlock(*self.key[i], *self.shape[i]))
+                planes = t[f"{name}.planes"].contiguous()
+                luts = {b: t[f"{name}.lut{b}"].to(self.lut_dtype).contiguous() for b in bits}
+                planes_of[i] = planes.pin_memory() if pin else planes
+                luts_of[i] = {b: x.pin_memory() for b, x in luts.items()} if pin else luts
+        self.host_planes: list[torch.Tensor] = [p for p in planes_of if p is not None]
+        self.host_luts: list[dict[int, torch.Tensor]] = [x for x in luts_of if x is not None]
+        pb = self.page_bytes
+        plane_pages = np.array([-(-n * words_per_row(k) * 4 // pb) for n, k in self.shape])
+        lut_pages = np.zeros((self.n, 9), dtype=np.int64)
+        for b in bits:
+            lut_pages[:, b] = [-(-n * 2**b * LUT_BYTES // pb) for n, _ in self.shape]
+        self.wpt = WeightPageTable(bits, plane_pages, lut_pages)
+        self.words = memory.view(torch.int32)
+        self.lut_view = memory.view(self.lut_dtype)
+        self._dense: dict[int, torch.Tensor] = {}
+        self._tables: dict[tuple[int, str], _LayerTables] = {}
+        self.row = np.array([0 if e == SHARED_EXPERT else 2 * e for _, e, _ in self.key]) + np.array(
+            [UNITS.index(u) for _, _, u in self.key])
+        for layer in sorted({k[0] for k in self.key}):
+            for kind in ("routed", "shared"):
+                rows = sum(1 for k in self.key if k[0] == layer and (k[1] == SHARED_EXPERT) == (kind == "shared"))
+                if rows:
+                    self._tables[(layer, kind)] = _LayerTables(
+                        torch.zeros(rows, 8, dtype=torch.int64, device=self.device),
+                        torch.zeros(rows, dtype=torch.int64, device=self.device),
+                        torch.zeros(rows, dtype=torch.int32, device=self.device))
+        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pending: list[tuple[Any, list[int]]] = []
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        num_layers = self.spec.num_layers
+        e_max = max((ls.moe.num_experts for ls in self.spec.layers if ls.moe is not None), default=1)
+        self.mass_acc = torch.zeros(num_layers, e_max + 1, dtype=torch.float64, device=self.device)
+        self.norm_acc = torch.zeros(num_layers, e_max + 1, 4, dtype=torch.float64, device=self.device)
+
+    # ---------------------------------------------------------------- placement and movement
+    def block_bytes(self) -> np.ndarray:
+        """[n, nb] page-rounded M_i^b in bytes (what the pool really spends; SPEC Eq. 3)."""
+        return np.stack([self.wpt.pages_at(int(b)) for b in self.table.bits], axis=1) * self.page_bytes
+
+    def _copy(self, orders: list[CopyOrder]) -> None:
+        for o in orders:
+            src = self.host_planes[o.block][o.index] if o.what == "plane" else self.host_luts[o.block][o.index]
+            raw = src.reshape(-1).view(torch.uint8)
+            start = o.page * self.page_bytes
+            self.memory[start:start + raw.numel()].copy_(raw, non_blocking=True)
+            self.bytes_h2d += raw.numel()
+
+    def place(self, q_bits: np.ndarray) -> None:
+        """Initial placement at bitwidths ``q_bits`` [n]; raises ``OutOfPages`` if the pool is too small."""
+        orders: list[CopyOrder] = []
+        for i in range(self.n):
+            orders += self.wpt.place(self.pool, i, int(q_bits[i]))
+        self._copy(orders)
+        self._sync_tables(np.arange(self.n))
+
+    def lower(self, blocks: np.ndarray, to_bits: np.ndarray) -> int:
+        """Commit q_i <- to_bits now (step boundary); returns pool pages freed."""
+        before = self.pool.num_free
+        orders: list[CopyOrder] = []
+        for i, b in zip(blocks.tolist(), to_bits.tolist(), strict=True):
+            orders += self.wpt.lower(self.pool, i, b)
+        self._copy(orders)
+        self._sync_tables(blocks)
+        return self.pool.num_free - before
+
+    def begin_raise(self, blocks: np.ndarray, to_bits: np.ndarray) -> list[int]:
+        """Start reloading planes for the listed raises (side stream); returns the blocks that got pages."""
+        started: list[int] = []
+        orders: list[CopyOrder] = []
+        for i, b in zip(blocks.tolist(), to_bits.tolist(), strict=True):
+            o = self.wpt.begin_raise(self.pool, i, b)
+            if o is None:
+                break  # no room for this one: later raises are worth less per byte
+            started.append(i)
+            orders += o
+        if not started:
+            return started
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side):
+                self._copy(orders)
+                event = torch.cuda.Event()
+                event.record(self.side)
+            self._pending.append((event, started))
+        else:
+            self._copy(orders)
+            self._pending.append((None, started))
+        return started
+
+    def in_flight_bytes(self) -> int:
+        return int(sum(self.wpt.pages_at(int(self.wpt.pending[i]))[i] - self.wpt.pages_at(int(self.wpt.q[i]))[i]
+                       for _, bl in self._pending for i in bl)) * self.page_bytes
+
+    def poll(self) -> list[int]:
+        """Commit every raise whose copies have completed (step boundary); returns the blocks raised."""
+        done: list[int] = []
+        keep = []
+        for event, blocks in self._pending:
+            if event is None or event.query():
+                for i in blocks:
+                    self.wpt.finish_raise(self.pool, i)
+                done += blocks
+            else:
+                keep.append((event, blocks))
+        self._pending = keep
+        if done:
+            self._sync_tables(np.asarray(done))
+        return done
+
+    def movable(self) -> np.ndarray:
+        """[n] blocks with no reload in flight (the planner may change them now)."""
+        return self.wpt.pending == 0
+
+    def _sync_tables(self, blocks: np.ndarray) -> None:
+        """Write the kernels' tables (plane/LUT offsets, bits) of ``blocks`` from the page table."""
+        w = self.wpt
+        for i in np.asarray(blocks).tolist():
+            self._dense.pop(i, None)
+        groups: dict[tuple[int, str], list[int]] = {}
+        for i in np.asarray(blocks).tolist():
+            la, e, _ = self.key[i]
+            groups.setdefault((la, "shared" if e == SHARED_EXPERT else "routed"), []).append(i)
+        wpp, epp = self.page_bytes // 4, self.page_bytes // LUT_BYTES
+        for key, idx in groups.items():
+            tabs = self._tables[key]
+            ii = np.asarray(idx)
+            starts = w.plane_start[ii]
+            offs = np.where((np.arange(8)[None, :] < w.q[ii][:, None]) & (starts >= 0), starts * wpp, 0)
+            rows = torch.tensor(self.row[ii], dtype=torch.int64, device=self.device)
+            tabs.plane_offset[rows] = torch.tensor(offs, dtype=torch.int64, device=self.device)
+            tabs.lut_offset[rows] = torch.tensor(w.lut_start[ii] * epp, dtype=torch.int64, device=self.device)
+            tabs.bits[rows] = torch.tensor(w.q[ii], dtype=torch.int32, device=self.device)
+
+    def experts(self, layer: int, kind: str = "routed") -> Any:
+        """The kernel's ``APExperts`` view of one layer's routed (or shared) experts."""
+        from kernels.ap_moe import APExperts
+
+        t = self._tables[(layer, kind)]
+        moe = self.spec.layers[layer].moe
+        assert moe is not None
+        inter = moe.shared_intermediate if kind == "shared" else moe.expert_intermediate
+        return APExperts(self.words, t.plane_offset, self.lut_view, t.lut_offset, t.bits, self.spec.hidden_size,
+                         inter)
+
+    # ---------------------------------------------------------------- reference (CPU) weights
+    def dense(self, i: int) -> torch.Tensor:
+        """Dense weight [N, K] (model dtype) of block i at its committed q, read from its pool pages."""
+        w = self._dense.get(i)
+        if w is None:
+            n, k = self.shape[i]
+            q = int(self.wpt.q[i])
+            kw = words_per_row(k)
+            wpp, epp = self.page_bytes // 4, self.page_bytes // LUT_BYTES
+            planes = torch.stack([self.words[s * wpp: s * wpp + n * kw].view(n, kw)
+                                  for s in self.wpt.plane_start[i, :q].tolist()])
+            ls = int(self.wpt.lut_start[i]) * epp
+            lut = self.lut_view[ls: ls + n * 2**q].view(n, 2**q)
+            w = dequantize(planes, lut, k, q, self.model.dtype)
+            self._dense[i] = w
+        return w
+
+    # ---------------------------------------------------------------- the MoE block forward
+    def moe(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """MoE output [T, H] for normalised hidden states x [T, H] with the committed AP experts."""
+        lw = self.model.weights.layers[layer].moe
+        spec = self.spec.layers[layer].moe
+        assert lw is not None and spec is not None
+        weights, ids = route(x, lw.router, spec)
+        self._observe(layer, x, ids, weights, spec.num_experts, lw.shared is not None)
+        if self.use_kernel:
+            from kernels.ap_moe import ap_moe, ap_moe_shared
+
+            y = ap_moe(x, ids, weights, self.experts(layer))
+            if lw.shared is not None:
+                gate = None if lw.shared_gate is None else torch.nn.functional.linear(x, lw.shared_gate)
+                y = y + ap_moe_shared(x, self.experts(layer, "shared"), gate)
+            return y
+        view = _DenseMoE(self, layer, lw)
+        return experts_forward(x, cast(MoEWeights, view), weights, ids, spec.num_experts, layer)
+
+    def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                 shared: bool) -> None:
+        r = weights.double().flatten()
+        e = ids.flatten()
+        norms = x.double().norm(dim=-1)
+        n = norms.repeat_interleave(ids.shape[1])
+        self.mass_acc[layer].index_add_(0, e, r)
+        acc = self.norm_acc[layer]
+        acc[:, 0].index_add_(0, e, r)
+        acc[:, 1].index_add_(0, e, r * n)
+        acc[:, 2].index_add_(0, e, r * n * n)
+        acc[:, 3].scatter_reduce_(0, e, n, reduce="amax")
+        if shared:
+            col = acc.shape[0] - 1
+            self.mass_acc[layer, col] += x.shape[0]
+            acc[col, 0] += x.shape[0]
+            acc[col, 1] += norms.sum()
+            acc[col, 2] += (norms * norms).sum()
+            acc[col, 3] = torch.maximum(acc[col, 3], norms.max())
+
+    def take_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        """The routing-weight sums [L, E+1] and norm accumulators [L, E+1, 4] since the last call (host)."""
+        m, a = self.mass_acc.cpu().numpy().copy(), self.norm_acc.cpu().numpy().copy()
+        self.mass_acc.zero_()
+        self.norm_acc.zero_()
+        return m, a
+
+
+class _Units:
+    def __init__(self, store: ExpertStore, layer: int, unit: str) -> None:
+        self.store, self.layer, self.unit = store, layer, unit
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.store.dense(self.store.index[(self.layer, e, self.unit)])
+
+
+class _DenseMoE:
+    """Duck-typed ``MoEWeights`` whose expert tensors are the store's dense views (reference path)."""
+
+    def __init__(self, store: ExpertStore, layer: int, lw: MoEWeights) -> None:
+        self.router, self.shared_gate = lw.router, lw.shared_gate
+        self.gate_up, self.down = _Units(store, layer, "gate_up"), _Units(store, layer, "down")
+        self.shared = None if lw.shared is None else MLPWeights(
+            store.dense(store.index[(layer, SHARED_EXPERT, "gate_up")]),
+            store.dense(store.index[(layer, SHARED_EXPERT, "down")]))

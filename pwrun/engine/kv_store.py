@@ -1,0 +1,63 @@
+"""The paged KV cache stored in the shared page pool (data plane; SPEC section 5).
+
+What it does: views the pool's bytes as pages of [block_size, Hkv, D] (one page = one layer's K
+or V of one KV block) and keeps a device table ``unit`` [2L, max_blocks] int64: row 2l holds the
+page of layer l's K of every KV block, row 2l+1 its V. It offers the ``PagedKVCache`` interface
+(``write``, ``gather``), so the reference attention runs unchanged, and ``layer_tables`` for the
+Triton paged-decode kernel.
+Blocks are mapped by ``map_blocks`` when the pooled allocator hands them out; it allocates nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pwrun.kv.pooled import PooledBlockAllocator
+
+
+class PooledKVCache:
+    """KV blocks of ``allocator`` inside ``memory`` (uint8 [num_pages * page_bytes])."""
+
+    def __init__(self, memory: torch.Tensor, allocator: PooledBlockAllocator, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        page_bytes = allocator.pool.cfg.page_bytes
+        elt = torch.empty((), dtype=dtype).element_size()
+        if page_bytes != block_size * num_kv_heads * head_dim * elt:
+            raise ValueError("a pool page must hold exactly one layer's K (or V) of one KV block")
+        self.block_size, self.allocator = block_size, allocator
+        self.pages = memory.view(dtype).view(-1, block_size, num_kv_heads, head_dim)
+        self.rows = self.pages.view(-1, num_kv_heads, head_dim)
+        layers = allocator.num_layers
+        self.unit = torch.zeros(2 * layers, max(allocator.max_blocks, 1), dtype=torch.int64, device=memory.device)
+
+    @staticmethod
+    def page_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one pool page: one layer's K (or V) of one KV block."""
+        return block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def map_blocks(self) -> None:
+        """Point the device table at the pages of the blocks allocated since the last call."""
+        new = self.allocator.new_blocks
+        if not new:
+            return
+        cols = [self.allocator.pages(b) for b in new]
+        idx = torch.tensor(new, dtype=torch.int64, device=self.unit.device)
+        self.unit[:, idx] = torch.tensor(cols, dtype=torch.int64, device=self.unit.device).T
+        new.clear()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at ``slots`` [T] int64 (slot = block * block_size + offset)."""
+        bs = self.block_size
+        blk, off = slots // bs, slots % bs
+        self.rows.index_copy_(0, self.unit[2 * layer][blk] * bs + off, k)
+        self.rows.index_copy_(0, self.unit[2 * layer + 1][blk] * bs + off, v)
+
+    def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..length-1 ([length, Hkv, D] each) through ``block_table`` [nb]."""
+        k = self.pages.index_select(0, self.unit[2 * layer][block_table]).flatten(0, 1)[:length]
+        v = self.pages.index_select(0, self.unit[2 * layer + 1][block_table]).flatten(0, 1)[:length]
+        return k, v
+
+    def layer_tables(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page ids [S, nb] of layer ``layer``'s K and of its V for block tables [S, nb]."""
+        return self.unit[2 * layer][block_tables], self.unit[2 * layer + 1][block_tables]

@@ -1,0 +1,56 @@
+"""``pwrun generate --artifacts``: tokenize prompts, build the engine, serve them all, report.
+
+What it does: the plain function behind the command (and the notebooks/tests): encodes prompts
+(checking each fits the model's context with its generation), builds the engine for the budget
+and policy, streams text through ``on_text`` as tokens are sampled, and returns one
+``Generation`` per prompt plus the summary dict. Nothing is dropped: every request runs to EOS
+or ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pwrun.engine.report import summarize, write_trace
+from pwrun.engine.scheduler import Sequence
+from pwrun.engine.serve import ServeConfig, build_engine
+from pwrun.generate import Generation, encode_prompts
+from pwrun.model.loader import load_spec
+from pwrun.sampling import SamplingParams
+
+
+def serve_prompts(model_dir: Path, artifact_dir: Path, prompts: list[str], tokenizer: Any, cfg: ServeConfig,
+                  params: SamplingParams, device: str = "auto", dtype: str = "auto",
+                  on_text: Callable[[int, str], None] | None = None, trace: Path | None = None
+                  ) -> tuple[list[Generation], dict[str, Any]]:
+    """Serve ``prompts`` under ``cfg``; returns generations (in prompt order) and the run summary."""
+    spec, _ = load_spec(Path(model_dir))
+    ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens)
+    eos = set(spec.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    built = build_engine(Path(model_dir), Path(artifact_dir), cfg, params, ids, eos, device, dtype)
+    engine = built.engine
+    printed = [""] * len(prompts)
+
+    def emit(s: Sequence) -> None:
+        if on_text is None:
+            return
+        text = tokenizer.decode(s.out, skip_special_tokens=True)
+        if len(text) > len(printed[s.rid]) and not text.endswith("\ufffd"):
+            on_text(s.rid, text[len(printed[s.rid]):])
+            printed[s.rid] = text
+
+    engine.on_token = emit
+    engine.run()
+    summary = summarize(engine, built.info)
+    if trace is not None:
+        write_trace(engine, trace)
+    gens = []
+    for rid, p in enumerate(prompts):
+        s = engine.seqs[rid]
+        gens.append(Generation(p, tokenizer.decode(s.out, skip_special_tokens=True), len(s.prompt), len(s.out),
+                               s.finish or "length"))
+    return gens, summary

@@ -1,0 +1,219 @@
+"""Build a serving engine from a model directory, an artifact directory and a memory budget.
+
+What it does: checks the artifact against the model and the policy against the artifact's
+stages; loads the non-expert weights onto the device (16-bit; the 16-bit experts are never kept);
+splits ``--gpu-memory`` into fixed parts and the page pool; places every expert block at its
+initial bitwidth (the planner's fit of the pool, a uniform or a static allocation); refuses a
+budget below what the floors and the longest request need, stating the minimum; and returns an
+``Engine`` ready for requests. ``serve`` runs a list of tokenized requests to completion.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pwrun.ap.artifact import APArtifact
+from pwrun.engine.budget import format_size, workspace_bytes
+from pwrun.engine.engine import Engine, EngineConfig
+from pwrun.engine.experts import ExpertStore
+from pwrun.engine.kv_store import PooledKVCache
+from pwrun.engine.policies import check_policy, planner_config
+from pwrun.engine.scheduler import Sequence
+from pwrun.errors import PagedWeightError
+from pwrun.kv.blocks import blocks_needed
+from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.loader import load_model, resolve_device, resolve_dtype
+from pwrun.planner.buckets import BucketPolicy
+from pwrun.planner.greedy import fit_budget
+from pwrun.planner.online import FEATURES, OnlineStats, ResidualHeads
+from pwrun.planner.runtime import Planner, PlannerConfig
+from pwrun.planner.tables import UNITS, BlockTable
+from pwrun.pool.pages import PagePool, PoolConfig
+from pwrun.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """``gpu_memory``: the whole budget in bytes; ``policy``/``bits``: see ``policies.py``."""
+
+    gpu_memory: int
+    policy: str = "pagedweight"
+    bits: int | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+
+def _read(art: APArtifact, name: str) -> pd.DataFrame | None:
+    from pwcal.tables import read_table
+
+    path = art.path / f"{name}.parquet"
+    return read_table(path, name) if path.is_file() else None
+
+
+def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) -> BlockTable:
+    """Calibration tables as a ``BlockTable``; for a uniform policy without calibration, a neutral one."""
+    sens, routing = _read(art, "sensitivity"), _read(art, "routing")
+    if sens is not None and routing is not None:
+        return BlockTable.from_frames(sens, routing)
+    if need_calibration:
+        raise PagedWeightError(f"{art.path} has no calibration tables (sensitivity/routing): run "
+                               f"`pwcal run-all MODEL --out {art.path}` first, or use --policy uniform --bits B")
+    blocks = sorted(expert_blocks(model.spec), key=lambda b: (b.layer, b.expert, b.unit))
+    bits = np.asarray(art.bits)
+    return BlockTable(bits=bits, layer=np.array([b.layer for b in blocks]), expert=np.array([b.expert for b in blocks]),
+                      unit=np.array([UNITS.index(b.unit) for b in blocks]),
+                      sens=np.zeros((len(blocks), bits.size)), bytes=np.zeros((len(blocks), bits.size), np.int64),
+                      tokens=np.zeros(len(blocks), np.int64), mass=np.ones(len(blocks)))
+
+
+def strip_experts(model: LeanMoEModel, device: torch.device) -> LeanMoEModel:
+    """Move the non-expert weights to ``device`` and drop the 16-bit expert tensors (the pool holds AP ones)."""
+    w = model.weights
+    empty = torch.empty(0, dtype=model.dtype, device=device)
+    tied = w.lm_head is w.embed
+    w.embed = w.embed.to(device)
+    w.lm_head = w.embed if tied else w.lm_head.to(device)
+    w.final_norm = w.final_norm.to(device)
+    for lw in w.layers:
+        lw.attn_norm, lw.ffn_norm = lw.attn_norm.to(device), lw.ffn_norm.to(device)
+        for k, v in vars(lw.attn).items():
+            if v is not None:
+                setattr(lw.attn, k, v.to(device))
+        if lw.mlp is not None:
+            lw.mlp.gate_up, lw.mlp.down = lw.mlp.gate_up.to(device), lw.mlp.down.to(device)
+        if lw.moe is not None:
+            lw.moe.router = lw.moe.router.to(device)
+            lw.moe.gate_up = lw.moe.down = empty
+            if lw.moe.shared is not None:
+                lw.moe.shared.gate_up = lw.moe.shared.down = empty
+            if lw.moe.shared_gate is not None:
+                lw.moe.shared_gate = lw.moe.shared_gate.to(device)
+    return model
+
+
+def _bucket_policy(art: APArtifact) -> BucketPolicy:
+    df = _read(art, "buckets")
+    if df is None:
+        return BucketPolicy.neutral(art.seed_bits)
+    df = df.sort_values("bucket")
+    return BucketPolicy(tuple(float(x) for x in df.mass_quantile_hi.iloc[:-1]), tuple(float(x) for x in df.mu),
+                        (tuple(int(x) for x in df.floor_stage0), tuple(int(x) for x in df.floor_stage1)),
+                        tuple(int(x) for x in df.depth_cap))
+
+
+def _calib_features(art: APArtifact, table: BlockTable) -> np.ndarray | None:
+    """[n, 3] calibration input-norm features; a down block takes its expert's gate_up ones (see online.py)."""
+    df = _read(art, "block_features")
+    if df is None:
+        return None
+    gu = df[df.unit == "gate_up"].set_index(["layer", "expert"])
+    out = np.zeros((table.n, 3))
+    for i, (la, e) in enumerate(zip(table.layer.tolist(), table.expert.tolist(), strict=True)):
+        if (la, e) in gu.index:
+            out[i] = gu.loc[(la, e), list(FEATURES)].to_numpy(np.float64)
+    return out
+
+
+@dataclass
+class Built:
+    engine: Engine
+    info: dict[str, Any]
+
+
+def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: SamplingParams,
+                 requests: list[list[int]], eos: set[int], device: str = "auto", dtype: str = "auto") -> Built:
+    """An ``Engine`` holding ``requests`` (token ids); raises ``PagedWeightError`` on bad input or budget."""
+    art = APArtifact(artifact_dir)
+    art.check_model(model_dir)
+    check_policy(cfg.policy, cfg.bits, art.bits)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    model = strip_experts(load_model(model_dir, device="cpu", dtype=str(dt).removeprefix("torch.")), dev)
+    spec = model.spec
+    table = block_table(art, model, need_calibration=cfg.policy != "uniform")
+    ecfg = cfg.engine
+    a = spec.layers[0].attention
+    page_bytes = PooledKVCache.page_bytes(ecfg.block_size, a.num_kv_heads, a.head_dim, dt)
+    elt = torch.empty((), dtype=dt).element_size()
+    longest = max(len(r) + params.max_new_tokens for r in requests)
+    fixed = model.weights.num_bytes()
+    work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt)
+    pool_bytes = cfg.gpu_memory - fixed - work
+    kv_block_bytes = 2 * spec.num_layers * page_bytes
+    min_kv_pages = blocks_needed(longest, ecfg.block_size) * 2 * spec.num_layers
+    num_pages = max(pool_bytes // page_bytes, 0)
+    if num_pages < 2 * spec.num_layers:
+        raise PagedWeightError(f"--gpu-memory {format_size(cfg.gpu_memory)} leaves no page pool: the non-expert "
+                               f"weights take {format_size(fixed)} and the step workspace {format_size(work)}; "
+                               f"give at least {format_size(fixed + work + min_kv_pages * page_bytes)} more than the "
+                               "expert floors, or lower --max-step-tokens / --max-batch")
+    pool = PagePool(PoolConfig(int(num_pages), page_bytes))
+    memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)
+    store = ExpertStore(art, model, table, pool, memory, use_kernel=dev.type == "cuda")
+    table = replace(table, bytes=store.block_bytes())
+    store.table = table
+    policy = _bucket_policy(art)
+    pcfg = planner_config(cfg.policy, cfg.planner)
+    bits = table.bits
+    # the floor every block can reach (last floor stage), or the uniform bits
+    if cfg.policy == "uniform":
+        assert cfg.bits is not None
+        floor_idx = np.full(table.n, table.bit_index(cfg.bits))
+    elif pcfg is not None and not pcfg.use_routing:
+        floor_idx = np.zeros(table.n, dtype=np.int64)
+    else:
+        bucket = policy.assign(table)
+        floor_idx = np.searchsorted(bits, np.maximum(np.asarray(policy.floors[-1])[bucket], bits[0]))
+    floor_bytes = table.total_bytes(floor_idx)
+    if floor_bytes + min_kv_pages * page_bytes > num_pages * page_bytes:
+        minimum = fixed + work + floor_bytes + min_kv_pages * page_bytes
+        raise PagedWeightError(
+            f"--gpu-memory {format_size(cfg.gpu_memory)} is too small: the experts at their floors need "
+            f"{format_size(floor_bytes)} and the longest request ({longest} tokens) "
+            f"{format_size(min_kv_pages * page_bytes)} of KV, besides {format_size(fixed)} of 16-bit non-expert "
+            f"weights and {format_size(work)} of workspace: give at least --gpu-memory "
+            f"{math.ceil(minimum / 2**20)}MiB")
+    reserve = (cfg.planner.free_threshold + 1) * kv_block_bytes + min_kv_pages * page_bytes
+    if cfg.policy == "uniform":
+        q0 = floor_idx
+    elif cfg.policy == "static":
+        peak = sorted((blocks_needed(len(r) + params.max_new_tokens, ecfg.block_size) for r in requests),
+                      reverse=True)[: ecfg.max_batch]
+        budget = num_pages * page_bytes - max(sum(peak) * kv_block_bytes, min_kv_pages * page_bytes)
+        fit = fit_budget(table, BucketPolicy.neutral(int(bits[0])), budget)
+        q0 = floor_idx if fit is None else np.maximum(fit, floor_idx)
+    else:
+        fit = fit_budget(table, policy if (pcfg and pcfg.use_routing) else BucketPolicy.neutral(int(bits[0])),
+                         num_pages * page_bytes - reserve)
+        q0 = floor_idx if fit is None else fit
+    store.place(bits[q0])
+    planner = None
+    if pcfg is not None:
+        stats = OnlineStats(table.layer, table.expert, spec.num_layers,
+                            max(ls.moe.num_experts for ls in spec.layers if ls.moe is not None), pcfg.decay,
+                            _calib_features(art, table))
+        heads_df = _read(art, "residual_heads")
+        heads = ResidualHeads(heads_df) if heads_df is not None else None
+        planner = Planner(table, policy, pcfg, heads, stats)
+    engine = Engine(model, store, pool, memory, planner, ecfg, params, eos)
+    for rid, ids in enumerate(requests):
+        engine.add(Sequence(rid, list(ids), params.max_new_tokens))
+    placed_bytes = int(store.bytes_h2d)
+    store.bytes_h2d = 0
+    info = {"device": str(dev), "dtype": str(dt).removeprefix("torch."), "policy": cfg.policy, "bits": cfg.bits,
+            "gpu_memory": cfg.gpu_memory, "fixed_bytes": fixed, "workspace_bytes": work,
+            "pool_bytes": num_pages * page_bytes, "page_bytes": page_bytes, "kv_block_bytes": kv_block_bytes,
+            "expert_bytes_16bit": sum(b.n * b.k * 2 for b in expert_blocks(spec)),
+            "initial_expert_bytes": placed_bytes, "initial_mean_bits": float(bits[q0].mean()),
+            "floor_expert_bytes": floor_bytes, "shared_expert": bool((table.expert == SHARED_EXPERT).any())}
+    return Built(engine, info)

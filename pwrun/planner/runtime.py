@@ -1,0 +1,138 @@
+"""The runtime planner (SPEC section 5, Algorithm 1): KV pressure, predicted damage, prepared plans, reload.
+
+What it does: holds the calibration tables of every block (page-rounded M_i^b), the routing-bucket
+policy and the prompt-residual heads, and keeps them current with the live batch's statistics
+(``OnlineStats``). ``pressure`` is D of Eq. 7; ``plan_lower`` runs the floor stages from the most
+conservative on, each as greedy rounds by lowest d_hat / Delta (Eq. 8 / Eq. 3) until the freed
+bytes reach D; ``plan_raise`` spends an allowance of bytes by damage avoided per byte (reload,
+with hysteresis decided by the caller through ``PlannerConfig``). ``prepare`` computes the plan the
+next steps will need ahead of need, so that executing it under pressure is a lookup. Vectorized
+over all blocks (numpy); the only Python loops run over floor stages, rounds and heads.
+Ablations (SPEC section 8) are switches of ``PlannerConfig``. It moves nothing (the mover does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pwrun.planner.buckets import BucketPolicy
+from pwrun.planner.greedy import Plan, lower_step, predicted_damage, raise_step
+from pwrun.planner.online import OnlineStats, ResidualHeads
+from pwrun.planner.tables import BlockTable
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Named planner parameters (SPEC section 5 leaves them to us).
+
+    ``free_threshold``: T_blk of Eq. 7 (KV blocks kept free); ``reload_threshold``: free blocks above
+    which planes are reloaded (hysteresis, > T_blk); ``alpha``: the prompt factor's strength (Eq. 6);
+    ``online_weight``: weight of the live routing mass against the offline mass; ``decay``: per-step
+    decay of the live statistics. ``use_*``/``movement``: the paper's ablations.
+    """
+
+    free_threshold: int = 2
+    reload_threshold: int = 8
+    alpha: float = 1.0
+    online_weight: float = 0.5
+    decay: float = 0.9
+    use_routing: bool = True
+    use_residual: bool = True
+    use_sensitivity: bool = True
+    movement: bool = True
+
+    def __post_init__(self) -> None:
+        if self.free_threshold < 0 or self.reload_threshold <= self.free_threshold:
+            raise ValueError("need 0 <= free_threshold < reload_threshold")
+        if not 0 <= self.online_weight <= 1 or not 0 < self.decay < 1 or self.alpha < 0:
+            raise ValueError("online_weight must be in [0, 1], decay in (0, 1), alpha >= 0")
+
+
+def _empty(stage: int = 0) -> Plan:
+    return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, stage)
+
+
+class Planner:
+    """Plans demotions and reloads over ``table`` (bit indices into ``table.bits``)."""
+
+    def __init__(self, table: BlockTable, policy: BucketPolicy, cfg: PlannerConfig,
+                 heads: ResidualHeads | None = None, stats: OnlineStats | None = None) -> None:
+        self.cfg = cfg
+        self.table = table if cfg.use_sensitivity else replace(table, sens=self._bit_drop_sens(table))
+        self.policy = policy if cfg.use_routing else BucketPolicy.neutral(int(table.bits[0]))
+        self.heads = heads if cfg.use_residual else None
+        self.stats = stats
+        self._d_hat: np.ndarray | None = None
+        self._bucket: np.ndarray | None = None
+        self.prepared: Plan | None = None
+        self._prepared_q: np.ndarray | None = None
+
+    @staticmethod
+    def _bit_drop_sens(table: BlockTable) -> np.ndarray:
+        """Ablation 'without global sensitivity': s_i^b = 8 - b for every block (damage = bits dropped)."""
+        return np.broadcast_to(8.0 - table.bits.astype(np.float64), table.sens.shape).copy()
+
+    def pressure(self, free_blocks: int, kv_block_bytes: int) -> int:
+        """D of SPEC Eq. 7 in bytes: max(0, T_blk + 1 - F_blk) * B_KV."""
+        return max(0, self.cfg.free_threshold + 1 - free_blocks) * kv_block_bytes
+
+    def refresh(self) -> None:
+        """Recompute buckets and d_hat [n, nb, nb] from the offline tables and the live statistics."""
+        table = self.table
+        if self.cfg.use_routing and self.stats is not None and self.stats.steps:
+            w = self.cfg.online_weight
+            table = replace(table, mass=(1 - w) * table.mass + w * self.stats.block_mass())
+        self._bucket = self.policy.assign(table)
+        eta = None
+        if self.heads is not None and self.stats is not None and self.stats.steps:
+            eta = self.heads.eta(self.table.bits, self.table.unit, self.stats.block_log_features(), self.cfg.alpha)
+        self._d_hat = predicted_damage(self.table, self._bucket, self.policy, eta)
+        self.prepared = None
+
+    def _state(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._d_hat is None or self._bucket is None:
+            self.refresh()
+        assert self._d_hat is not None and self._bucket is not None
+        return self._d_hat, self._bucket
+
+    def plan_lower(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
+        """Demotions (final bit index per block) freeing >= ``need_bytes``, or as much as the last stage allows."""
+        if need_bytes <= 0:
+            return _empty()
+        d_hat, bucket = self._state()
+        q = q_idx.copy()
+        freed, damage, stage = 0, 0.0, 0
+        for stage in range(len(self.policy.floors)):
+            while freed < need_bytes:
+                p = lower_step(self.table, q, need_bytes - freed, d_hat, bucket, self.policy, stage, movable)
+                if p.empty:
+                    break
+                q[p.blocks] = p.to_idx
+                freed, damage = freed + p.freed, damage + p.damage
+            if freed >= need_bytes:
+                break
+        blocks = np.flatnonzero(q != q_idx)
+        return Plan(blocks, q[blocks], freed, damage, stage)
+
+    def plan_raise(self, q_idx: np.ndarray, allowance: float, movable: np.ndarray | None = None) -> Plan:
+        """Promotions by damage avoided per byte within ``allowance`` bytes (empty without page movement)."""
+        if allowance <= 0 or not self.cfg.movement:
+            return _empty()
+        d_hat, bucket = self._state()
+        return raise_step(self.table, q_idx, allowance, d_hat, bucket, self.policy, movable)
+
+    def prepare(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> None:
+        """Plan ahead for ``need_bytes`` (the pressure a few steps from now) and queue the plan."""
+        self.prepared = self.plan_lower(q_idx, need_bytes, movable)
+        self._prepared_q = q_idx.copy()
+
+    def take(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
+        """The plan to execute now: the prepared one if still valid and sufficient, else a fresh one."""
+        p, q0 = self.prepared, self._prepared_q
+        self.prepared = None
+        if p is not None and q0 is not None and p.freed >= need_bytes and np.array_equal(q0, q_idx) \
+                and (movable is None or movable[p.blocks].all()):
+            return p
+        return self.plan_lower(q_idx, need_bytes, movable)
