@@ -26,12 +26,31 @@ from pwrun.ap.format import dequantize, words_per_row
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import experts_forward, route
+from pwrun.model.spec import ModelSpec
 from pwrun.model.weights import MLPWeights, MoEWeights
 from pwrun.planner.tables import UNITS, BlockTable
 from pwrun.pool.pages import PagePool
 from pwrun.pool.weight_table import CopyOrder, WeightPageTable
 
 LUT_BYTES = 2  # LUT entries are stored as 16-bit floats (fp16, or bf16 for a bf16 model)
+
+
+def block_pages(shapes: list[tuple[int, int]], bits: list[int], page_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pool pages per plane [n] and per b-bit LUT [n, 9] (column b) of blocks of shapes (N, K)."""
+    plane_pages = np.array([-(-n * words_per_row(k) * 4 // page_bytes) for n, k in shapes], dtype=np.int64)
+    lut_pages = np.zeros((len(shapes), 9), dtype=np.int64)
+    for b in bits:
+        lut_pages[:, b] = [-(-n * 2**b * LUT_BYTES // page_bytes) for n, _ in shapes]
+    return plane_pages, lut_pages
+
+
+def page_rounded_bytes(table: BlockTable, spec: ModelSpec, page_bytes: int) -> np.ndarray:
+    """[n, nb] M_i^b rounded up to whole pool pages (bytes), for ``table``'s blocks and bitwidths."""
+    shapes = {(b.layer, b.expert, b.unit): (b.n, b.k) for b in expert_blocks(spec)}
+    sh = [shapes[(int(la), int(e), UNITS[u])] for la, e, u in zip(table.layer, table.expert, table.unit,
+                                                                      strict=True)]
+    plane_pages, lut_pages = block_pages(sh, [int(b) for b in table.bits], page_bytes)
+    return (table.bits[None, :] * plane_pages[:, None] + lut_pages[:, table.bits]) * page_bytes
 
 
 @dataclass
@@ -72,12 +91,7 @@ class ExpertStore:
                 luts_of[i] = {b: x.pin_memory() for b, x in luts.items()} if pin else luts
         self.host_planes: list[torch.Tensor] = [p for p in planes_of if p is not None]
         self.host_luts: list[dict[int, torch.Tensor]] = [x for x in luts_of if x is not None]
-        pb = self.page_bytes
-        plane_pages = np.array([-(-n * words_per_row(k) * 4 // pb) for n, k in self.shape])
-        lut_pages = np.zeros((self.n, 9), dtype=np.int64)
-        for b in bits:
-            lut_pages[:, b] = [-(-n * 2**b * LUT_BYTES // pb) for n, _ in self.shape]
-        self.wpt = WeightPageTable(bits, plane_pages, lut_pages)
+        self.wpt = WeightPageTable(bits, *block_pages(self.shape, bits, self.page_bytes))
         self.words = memory.view(torch.int32)
         self.lut_view = memory.view(self.lut_dtype)
         self._dense: dict[int, torch.Tensor] = {}

@@ -22,7 +22,7 @@ import torch
 from pwrun.ap.artifact import APArtifact
 from pwrun.engine.budget import format_size, workspace_bytes
 from pwrun.engine.engine import Engine, EngineConfig
-from pwrun.engine.experts import ExpertStore
+from pwrun.engine.experts import ExpertStore, page_rounded_bytes
 from pwrun.engine.kv_store import PooledKVCache
 from pwrun.engine.policies import check_policy, planner_config
 from pwrun.engine.scheduler import Sequence
@@ -36,7 +36,7 @@ from pwrun.planner.greedy import fit_budget
 from pwrun.planner.online import FEATURES, OnlineStats, ResidualHeads
 from pwrun.planner.runtime import Planner, PlannerConfig
 from pwrun.planner.tables import UNITS, BlockTable
-from pwrun.pool.pages import PagePool, PoolConfig
+from pwrun.pool.pages import WEIGHT, PagePool, PoolConfig
 from pwrun.sampling import SamplingParams
 
 
@@ -151,17 +151,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     pool_bytes = cfg.gpu_memory - fixed - work
     kv_block_bytes = 2 * spec.num_layers * page_bytes
     min_kv_pages = blocks_needed(longest, ecfg.block_size) * 2 * spec.num_layers
-    num_pages = max(pool_bytes // page_bytes, 0)
-    if num_pages < 2 * spec.num_layers:
-        raise PagedWeightError(f"--gpu-memory {format_size(cfg.gpu_memory)} leaves no page pool: the non-expert "
-                               f"weights take {format_size(fixed)} and the step workspace {format_size(work)}; "
-                               f"give at least {format_size(fixed + work + min_kv_pages * page_bytes)} more than the "
-                               "expert floors, or lower --max-step-tokens / --max-batch")
-    pool = PagePool(PoolConfig(int(num_pages), page_bytes))
-    memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)
-    store = ExpertStore(art, model, table, pool, memory, use_kernel=dev.type == "cuda")
-    table = replace(table, bytes=store.block_bytes())
-    store.table = table
+    table = replace(table, bytes=page_rounded_bytes(table, spec, page_bytes))
     policy = _bucket_policy(art)
     pcfg = planner_config(cfg.policy, cfg.planner)
     bits = table.bits
@@ -175,14 +165,19 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
         bucket = policy.assign(table)
         floor_idx = np.searchsorted(bits, np.maximum(np.asarray(policy.floors[-1])[bucket], bits[0]))
     floor_bytes = table.total_bytes(floor_idx)
+    num_pages = max(pool_bytes // page_bytes, 0)
     if floor_bytes + min_kv_pages * page_bytes > num_pages * page_bytes:
         minimum = fixed + work + floor_bytes + min_kv_pages * page_bytes
         raise PagedWeightError(
             f"--gpu-memory {format_size(cfg.gpu_memory)} is too small: the experts at their floors need "
             f"{format_size(floor_bytes)} and the longest request ({longest} tokens) "
             f"{format_size(min_kv_pages * page_bytes)} of KV, besides {format_size(fixed)} of 16-bit non-expert "
-            f"weights and {format_size(work)} of workspace: give at least --gpu-memory "
-            f"{math.ceil(minimum / 2**20)}MiB")
+            f"weights and {format_size(work)} of step workspace (lower --max-step-tokens / --max-batch to shrink "
+            f"it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB")
+    pool = PagePool(PoolConfig(int(num_pages), page_bytes))
+    memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)
+    store = ExpertStore(art, model, table, pool, memory, use_kernel=dev.type == "cuda")
+    assert np.array_equal(store.block_bytes(), table.bytes)
     reserve = (cfg.planner.free_threshold + 1) * kv_block_bytes + min_kv_pages * page_bytes
     if cfg.policy == "uniform":
         q0 = floor_idx
@@ -197,6 +192,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
                          num_pages * page_bytes - reserve)
         q0 = floor_idx if fit is None else fit
     store.place(bits[q0])
+    initial_weight_pages = pool.count(WEIGHT)
     planner = None
     if pcfg is not None:
         stats = OnlineStats(table.layer, table.expert, spec.num_layers,
@@ -214,6 +210,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
             "gpu_memory": cfg.gpu_memory, "fixed_bytes": fixed, "workspace_bytes": work,
             "pool_bytes": num_pages * page_bytes, "page_bytes": page_bytes, "kv_block_bytes": kv_block_bytes,
             "expert_bytes_16bit": sum(b.n * b.k * 2 for b in expert_blocks(spec)),
-            "initial_expert_bytes": placed_bytes, "initial_mean_bits": float(bits[q0].mean()),
+            "initial_expert_bytes": placed_bytes,
+            "initial_weight_pages": initial_weight_pages, "initial_mean_bits": float(bits[q0].mean()),
             "floor_expert_bytes": floor_bytes, "shared_expert": bool((table.expert == SHARED_EXPERT).any())}
     return Built(engine, info)
