@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The history of the city begins
+# Whole-process memory budget of the serving demo: tight enough that the planner trades expert bits for KV.
+DEMO_BUDGET ?= 48MiB
 
 .PHONY: setup demo test lint typecheck unit clean
 
@@ -24,6 +26,10 @@ demo: setup
 	$(BIN)/pwcal run-all artifacts/models/tiny-qwen2moe-wiki --out artifacts/runs/tiny-ap
 	$(BIN)/pwrun ppl --dataset wikitext2 --max-windows 64 --artifacts artifacts/runs/tiny-ap --uniform-bits 4
 	$(BIN)/pwrun ppl --dataset wikitext2 --max-windows 64 --artifacts artifacts/runs/tiny-ap --uniform-bits 3
+	$(BIN)/pwrun prompts --dataset c4 --count 24 --out artifacts/runs/demo_prompts.jsonl
+	$(BIN)/pwrun generate --prompts artifacts/runs/demo_prompts.jsonl --artifacts artifacts/runs/tiny-ap \
+		--gpu-memory $(DEMO_BUDGET) --max-new-tokens 64 --output artifacts/runs/demo_outputs.jsonl \
+		--trace artifacts/runs/demo_trace.parquet --summary-json artifacts/runs/demo_summary.json
 
 lint: setup
 	$(BIN)/ruff check pwrun pwcal kernels tests tools bench

@@ -48,7 +48,8 @@ LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------------------------
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               k_offset: int = 0, v_offset: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+                               k_offset: int = 0, v_offset: int = 0, out: torch.Tensor | None = None,
+                               v_block_tables: torch.Tensor | None = None) -> torch.Tensor:
     """Reference decode attention out [S, Hq, D] in q's dtype (arguments as ``paged_decode_attention``).
 
     Softmax and the weighted sum of values in fp32. Reads context lengths to the host (a sync), so
@@ -63,8 +64,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             raise ValueError(f"context_lens[{s}] = {ctx} outside [1, max_blocks * block_size]")
         num_blocks = -(-ctx // block_size)
         units = block_tables[s, :num_blocks].long()
+        vunits = _check_v_table(v_block_tables, block_tables)[s, :num_blocks].long()
         k = k_cache[units + k_offset].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
-        v = v_cache[units + v_offset].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
+        v = v_cache[vunits + v_offset].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
         p = torch.softmax(torch.einsum("hd,thd->ht", q[s].float(), k) * scale, dim=-1)  # [Hq, ctx]
         res[s] = torch.einsum("ht,thd->hd", p, v).to(q.dtype)
     return res
@@ -79,6 +81,7 @@ def _decode_kernel(
     k_ptr,  # [U, BLOCK_SIZE, Hkv, D] key units
     v_ptr,  # [U, BLOCK_SIZE, Hkv, D] value units (may be the same tensor as k_ptr)
     bt_ptr,  # int32 [S, max_blocks] base unit of each logical block
+    vbt_ptr,  # int32 [S, max_blocks] V's base units (the same table unless the caller passes v_block_tables)
     ctx_ptr,  # int32 [S] positions to attend over
     out_ptr,  # [S, Hq, D] output in q's dtype; written only when NUM_SPLITS == 1
     m_ptr,  # fp32 [S, Hq, NUM_SPLITS] running max of each split (log2 domain); NUM_SPLITS > 1 only
@@ -94,6 +97,7 @@ def _decode_kernel(
     stride_ku, stride_kb, stride_kh,
     stride_vu, stride_vb, stride_vh,
     stride_bts,
+    stride_vbts,
     stride_os, stride_oh,
     GROUP: tl.constexpr,  # Hq // Hkv: query heads per kv head
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
@@ -126,10 +130,11 @@ def _decode_kernel(
         pmask = pos < end
         # int64: unit * stride_ku overflows int32 once the cache holds more than 2^31 elements
         unit = tl.load(bt_ptr + s * stride_bts + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+        vunit = tl.load(vbt_ptr + s * stride_vbts + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
         row = pos % BLOCK_SIZE
         k = tl.load(k_ptr + (unit + k_offset)[:, None] * stride_ku + row[:, None] * stride_kb + kvh * stride_kh
                     + d[None, :], mask=pmask[:, None], other=0.0)
-        v = tl.load(v_ptr + (unit + v_offset)[:, None] * stride_vu + row[:, None] * stride_vb + kvh * stride_vh
+        v = tl.load(v_ptr + (vunit + v_offset)[:, None] * stride_vu + row[:, None] * stride_vb + kvh * stride_vh
                     + d[None, :], mask=pmask[:, None], other=0.0)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
@@ -233,6 +238,15 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 
 @functools.lru_cache(maxsize=16)
+def _check_v_table(v_block_tables: torch.Tensor | None, block_tables: torch.Tensor) -> torch.Tensor:
+    if v_block_tables is None:
+        return block_tables
+    if v_block_tables.shape != block_tables.shape or v_block_tables.dtype != torch.int32 \
+            or v_block_tables.device != block_tables.device or v_block_tables.stride(1) != 1:
+        raise ValueError("v_block_tables must be int32 like block_tables (same shape and device, unit stride)")
+    return v_block_tables
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -251,7 +265,8 @@ def pick_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, num_sms: 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, k_offset: int = 0, v_offset: int = 0,
-                           out: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, *, num_splits: int | None = None,
+                           v_block_tables: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention out [S, Hq, D] in q's dtype, written into ``out`` if given (see module docstring).
 
     ``q``: [S, Hq, D] bf16/fp16; ``k_cache``, ``v_cache``: [U, block_size, Hkv, D] q's dtype, contiguous;
@@ -259,9 +274,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (not checked: that would sync; longer lengths are clamped); ``scale``: softmax scale (usually D^-0.5).
     ``num_splits``: context splits (default: ``pick_num_splits`` on CUDA, 1 elsewhere). A tighter
     ``block_tables`` (max_blocks = the batch's longest sequence) gives a better default split.
+    ``v_block_tables``: optional int32 [S, max_blocks] table for V when V's units are not K's plus a
+    constant (the runtime's page pool places every page independently).
     Raises ``ValueError`` on bad shapes, dtypes, devices or strides.
     """
     _check(q, k_cache, v_cache, block_tables, context_lens, k_offset, v_offset, out)
+    vbt = _check_v_table(v_block_tables, block_tables)
     num_seqs, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     res = torch.empty_like(q) if out is None else out
@@ -283,12 +301,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         m = lsum = acc = res  # unused by the kernel when NUM_SPLITS == 1
     _decode_kernel[(num_seqs, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, res, m, lsum, acc, k_offset, v_offset, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, vbt, context_lens, res, m, lsum, acc, k_offset, v_offset, scale * LOG2E,
         max_tokens, split_len, hq,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        vbt.stride(0),
         res.stride(0), res.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1",

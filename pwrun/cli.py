@@ -198,5 +198,25 @@ def ppl(
                        f"({res.windows} windows of {seq_len})")
 
 
+@app.command()
+def prompts(
+    out: Annotated[Path, typer.Option(help="JSONL file to write ({\"prompt\": ...} per line).")],
+    dataset: Annotated[str, typer.Option(help="Bundled name (c4, wikitext2, ...) or a local text file.")] = "c4",
+    count: Annotated[int, typer.Option(min=1, help="Number of prompts (one per document).")] = 24,
+    max_chars: Annotated[int, typer.Option(min=16, help="Characters per prompt at most (cut at a word).")] = 1200,
+) -> None:
+    """Write a workload of real prompts: the beginnings of a dataset's documents."""
+    from pwrun.data import document_prompts
+
+    with user_errors():
+        texts = document_prompts(dataset, count, max_chars, min_chars=min(200, max_chars))
+        if out.is_dir() or not out.parent.is_dir():
+            raise PagedWeightError(f"cannot write --out {out}: {out.parent} is missing or {out} is a directory")
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+        tmp.replace(out)
+        typer.echo(f"{len(texts)} prompts from {dataset} -> {out}")
+
+
 def main() -> None:
     app()

@@ -95,3 +95,22 @@ def read_documents(name_or_path: str) -> list[str]:
 def read_text(name_or_path: str) -> str:
     """All documents joined by a blank line (the GPTQ perplexity convention for WikiText-2)."""
     return "\n\n".join(read_documents(name_or_path))
+
+
+def document_prompts(name_or_path: str, count: int, max_chars: int, min_chars: int = 200) -> list[str]:
+    """The beginnings of the first ``count`` documents of at least ``min_chars`` characters, each cut at
+    a word boundary to at most ``max_chars`` characters (a workload of real prompts).
+
+    Raises ``PagedWeightError`` if the dataset has fewer such documents.
+    """
+    docs = [d.strip() for d in read_documents(name_or_path) if len(d.strip()) >= min_chars]
+    if len(docs) < count:
+        raise PagedWeightError(f"{name_or_path} has {len(docs)} documents of >= {min_chars} characters, "
+                               f"{count} asked: lower --count")
+    out = []
+    for d in docs[:count]:
+        cut = d[:max_chars]
+        if len(d) > max_chars and " " in cut:
+            cut = cut[: cut.rindex(" ")]
+        out.append(cut)
+    return out

@@ -161,3 +161,24 @@ def test_cli_serves_a_batch_with_trace_and_policies(calibrated_artifacts: Path, 
     r = runner.invoke(app, ["generate", "--prompt", "x", "--artifacts", str(calibrated_artifacts), "--policy",
                             "uniform", "--device", "cpu"])
     assert r.exit_code == 2 and "--bits" in r.stderr
+
+
+def test_teacher_forced_scoring_matches_the_static_model(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    """Forced continuations are scored with the precision in force: at a large budget (8 bits, no moves)
+    the log-probs equal a one-shot forward of the 8-bit static model over prompt + continuation."""
+    reqs = _prompts(tok, 3, 10, 30, seed=5)
+    cont = _prompts(tok, 3, 5, 9, seed=6)
+    built = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=1), reqs,
+                         set(), device="cpu", forced=cont)
+    built.engine.run()
+    dense = APArtifact(calibrated_artifacts).dense_model(load_model(MODEL, device="cpu"), 8)
+    from pwrun.runner import ModelRunner
+
+    for i, (p, c) in enumerate(zip(reqs, cont, strict=True)):
+        r = ModelRunner(dense, num_blocks=16, block_size=16)
+        logits = r.run({0: p + c[:-1]}, logits_for="all")
+        lp = torch.log_softmax(logits[len(p) - 1:], dim=-1)
+        want = lp[torch.arange(len(c)), torch.tensor(c)]
+        got = torch.tensor(built.engine.seqs[i].logprobs)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want.float(), atol=2e-4, rtol=0)

@@ -185,14 +185,18 @@ class Engine:
             self.planner.refresh()
         for c, row in zip(plan.chunks, logits, strict=True):
             s = self.seqs[c.rid]
-            if len(c.token_ids) > 1 or s.computed <= len(s.prompt):
-                self.totals.prefill_tokens += len(c.token_ids)
-            else:
+            if len(c.token_ids) == 1 and c.start >= len(s.prompt) and c.last:
                 self.totals.decode_tokens += 1
+            else:
+                self.totals.prefill_tokens += len(c.token_ids)
             if not c.last:
                 continue
-            tok = int(sample(row[None], self.params, self.gens[c.rid])[0])
-            if tok in self.eos:
+            if s.forced is not None:  # teacher-forced scoring: the precision in force now is what is scored
+                tok = s.forced[len(s.out)]
+                s.logprobs.append(float(torch.log_softmax(row.float(), dim=-1)[tok]))
+            else:
+                tok = int(sample(row[None], self.params, self.gens[c.rid])[0])
+            if tok in self.eos and s.forced is None:
                 s.finish = "eos"
             else:
                 s.out.append(tok)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pwrun.kv.pooled import PooledBlockAllocator
+from pwrun.model.step import StepTensors
 
 
 class PooledKVCache:
@@ -25,6 +26,7 @@ class PooledKVCache:
         if page_bytes != block_size * num_kv_heads * head_dim * elt:
             raise ValueError("a pool page must hold exactly one layer's K (or V) of one KV block")
         self.block_size, self.allocator = block_size, allocator
+        self.use_kernel = True
         self.pages = memory.view(dtype).view(-1, block_size, num_kv_heads, head_dim)
         self.rows = self.pages.view(-1, num_kv_heads, head_dim)
         layers = allocator.num_layers
@@ -57,6 +59,16 @@ class PooledKVCache:
         k = self.pages.index_select(0, self.unit[2 * layer][block_table]).flatten(0, 1)[:length]
         v = self.pages.index_select(0, self.unit[2 * layer + 1][block_table]).flatten(0, 1)[:length]
         return k, v
+
+    def decode_attention(self, layer: int, q: torch.Tensor, step: StepTensors, scale: float) -> torch.Tensor | None:
+        """Triton paged-decode attention [S, Hq, D] for a pure decode step on CUDA; None elsewhere (reference)."""
+        if not (self.use_kernel and q.is_cuda) or step.padded_tables is None or step.context_lens_t is None:
+            return None
+        from kernels.paged_attention import paged_decode_attention
+
+        bt = step.padded_tables.long()
+        kt, vt = self.unit[2 * layer][bt].to(torch.int32), self.unit[2 * layer + 1][bt].to(torch.int32)
+        return paged_decode_attention(q, self.pages, self.pages, kt, step.context_lens_t, scale, v_block_tables=vt)
 
     def layer_tables(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Page ids [S, nb] of layer ``layer``'s K and of its V for block tables [S, nb]."""

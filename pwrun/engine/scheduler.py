@@ -28,6 +28,8 @@ class Sequence:
     computed: int = 0
     finish: str | None = None  # "eos" or "length" once done
     preemptions: int = 0
+    forced: list[int] | None = None  # teacher forcing: these tokens are fed instead of sampled ones
+    logprobs: list[float] = field(default_factory=list)  # log p(forced token) at each step (nats)
 
     @property
     def tokens(self) -> list[int]:

@@ -129,8 +129,16 @@ class Built:
 
 
 def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: SamplingParams,
-                 requests: list[list[int]], eos: set[int], device: str = "auto", dtype: str = "auto") -> Built:
-    """An ``Engine`` holding ``requests`` (token ids); raises ``PagedWeightError`` on bad input or budget."""
+                 requests: list[list[int]], eos: set[int], device: str = "auto", dtype: str = "auto",
+                 forced: list[list[int]] | None = None) -> Built:
+    """An ``Engine`` holding ``requests`` (token ids); raises ``PagedWeightError`` on bad input or budget.
+
+    ``forced``: per request, continuation tokens to feed and score (teacher forcing: ``Sequence.logprobs``)
+    instead of sampling; each request then runs for exactly that many tokens.
+    """
+    if forced is not None and (len(forced) != len(requests) or any(not f for f in forced)):
+        raise PagedWeightError("forced continuations must be one non-empty token list per request")
+    new_tokens = [len(f) for f in forced] if forced is not None else [params.max_new_tokens] * len(requests)
     art = APArtifact(artifact_dir)
     art.check_model(model_dir)
     check_policy(cfg.policy, cfg.bits, art.bits)
@@ -145,7 +153,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     a = spec.layers[0].attention
     page_bytes = PooledKVCache.page_bytes(ecfg.block_size, a.num_kv_heads, a.head_dim, dt)
     elt = torch.empty((), dtype=dt).element_size()
-    longest = max(len(r) + params.max_new_tokens for r in requests)
+    longest = max(len(r) + n for r, n in zip(requests, new_tokens, strict=True))
     fixed = model.weights.num_bytes()
     work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt)
     pool_bytes = cfg.gpu_memory - fixed - work
@@ -182,7 +190,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     if cfg.policy == "uniform":
         q0 = floor_idx
     elif cfg.policy == "static":
-        peak = sorted((blocks_needed(len(r) + params.max_new_tokens, ecfg.block_size) for r in requests),
+        peak = sorted((blocks_needed(len(r) + n, ecfg.block_size) for r, n in zip(requests, new_tokens, strict=True)),
                       reverse=True)[: ecfg.max_batch]
         budget = num_pages * page_bytes - max(sum(peak) * kv_block_bytes, min_kv_pages * page_bytes)
         fit = fit_budget(table, BucketPolicy.neutral(int(bits[0])), budget)
@@ -203,7 +211,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
         planner = Planner(table, policy, pcfg, heads, stats)
     engine = Engine(model, store, pool, memory, planner, ecfg, params, eos)
     for rid, ids in enumerate(requests):
-        engine.add(Sequence(rid, list(ids), params.max_new_tokens))
+        engine.add(Sequence(rid, list(ids), new_tokens[rid], forced=None if forced is None else list(forced[rid])))
     placed_bytes = int(store.bytes_h2d)
     store.bytes_h2d = 0
     info = {"device": str(dev), "dtype": str(dt).removeprefix("torch."), "policy": cfg.policy, "bits": cfg.bits,

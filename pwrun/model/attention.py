@@ -3,7 +3,9 @@
 What it does: projects q/k/v, applies qk-norm and RoPE, writes the step's keys/values into the
 paged KV cache, then for each sequence gathers its keys/values through its block table and
 attends causally (query at position p sees keys 0..p) with GQA. This is the reference twin of
-the Triton paged-decode kernel of a later stage. It does not allocate blocks.
+the Triton paged-decode kernel (``kernels/paged_attention.py``), which a cache may offer through a
+``decode_attention`` method for pure decode steps (the runtime's pooled cache does on CUDA). It
+does not allocate blocks.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
     cos, sin = rope_cos_sin(step.positions, d, spec.rope_theta, x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache.write(layer, step.slots, k, v)
+    fast = getattr(cache, "decode_attention", None)
+    if fast is not None and step.decode_only:
+        o = fast(layer, q, step, d**-0.5)
+        if o is not None:
+            return F.linear(o.reshape(t, hq * d), w.o)
 
     out = torch.empty_like(q)
     groups = hq // hkv

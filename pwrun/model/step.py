@@ -44,6 +44,13 @@ class StepTensors:
     query_start: list[int]
     context_lens: list[int]
     block_tables: list[torch.Tensor]
+    padded_tables: torch.Tensor | None = None  # [S, max_blocks] int32 (zero-padded) for paged kernels
+    context_lens_t: torch.Tensor | None = None  # [S] int32
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence runs exactly one new token (a pure decode step)."""
+        return len(self.tokens) == self.num_seqs
 
     @property
     def num_seqs(self) -> int:
@@ -69,8 +76,12 @@ class StepTensors:
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
+        width = max((len(c.block_table) for c in chunks), default=1)
+        padded = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
+        lens = [c.start + len(c.token_ids) for c in chunks]
         return StepTensors(
             tokens=t(tokens), positions=t(positions), slots=t(slots), query_start=starts,
-            context_lens=[c.start + len(c.token_ids) for c in chunks],
-            block_tables=[t(list(c.block_table)) for c in chunks],
+            context_lens=lens, block_tables=[t(list(c.block_table)) for c in chunks],
+            padded_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            context_lens_t=torch.tensor(lens, dtype=torch.int32, device=device),
         )
