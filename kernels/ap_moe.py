@@ -14,17 +14,19 @@ move every plane independently):
   * ``bits`` int32 [num_blocks]: committed q_i. Block ids: gate_up of expert e = 2e, down = 2e+1.
     Planes q_i..7 of block i are never read.
 
-Kernels (what is fused, and why):
-  1. ``_gate_up_kernel``: per tile of BLOCK_M (token, slot) pairs routed to one expert and
-     BLOCK_N intermediate columns: unpack int32 plane words into codes in registers, look the
-     codes up in the row's LUT, dequantize a [BLOCK_N, BLOCK_K] tile once and feed tensor cores
-     (``tl.dot``) for both the gate and the up rows, then SiLU(gate) * up -> ``inter`` [T*k, I].
-  2. ``_down_kernel``: same tiling over ``inter``, times the routing weight of each pair ->
-     ``out_pairs`` [T*k, H] fp32; the k pairs of a token are summed by the launcher (a
-     deterministic reduction instead of atomics).
-Tokens are grouped by expert (sorted pair ids, each expert's segment padded to BLOCK_M, as fused
-MoE kernels do), so decode (T = 1..8) and prefill use the same kernels with different tiles;
-tile configs are data (``kernels/configs/ap_moe.json``). Accumulation is fp32.
+Three paths, chosen per call by T and shape from data (``kernels/configs/ap_moe.json``):
+  * ``gemv`` (decode, few tokens): ``kernels/ap_moe_gemv.py``, GEMV kernels without tensor cores
+    or routing preprocessing: gate_up + SiLU*up fused, down with split-K; no host sync.
+  * ``fused`` (medium T): ``_gate_up_kernel`` / ``_down_kernel`` here: per tile of BLOCK_M
+    (token, slot) pairs of one expert (pairs sorted by expert, each expert's segment padded to
+    BLOCK_M, as fused MoE kernels do) and BLOCK_N rows, a [BLOCK_N, BLOCK_K] tile is dequantized
+    once in registers and fed to tensor cores (``tl.dot``); SiLU(gate) * up -> ``inter`` [T*k, I],
+    then down times the routing weight -> ``out_pairs`` [T*k, H] fp32, summed over k by the
+    launcher (deterministic, no atomics).
+  * ``dequant`` (prefill): ``_dequant_kernel`` writes every used expert densely once, then
+    ``torch._grouped_mm`` runs both units on tensor cores.
+All of them build weights with ``kernels.ap_tile.weight_tile`` (codes from plane words in
+registers, then the row's LUT). Accumulation is fp32; the intermediate is stored in x's dtype.
 The shared expert runs through the same kernels as an always-selected expert (k = 1, weight =
 its sigmoid gate or 1): see ``ap_moe_shared``.
 """
@@ -35,12 +37,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.ap_moe_gemv import gemv_moe
+from kernels.ap_tile import lut_rows, weight_tile
 from pwrun.ap.format import dequantize
 
 CONFIGS = json.loads((Path(__file__).parent / "configs" / "ap_moe.json").read_text())
@@ -95,39 +100,21 @@ def ap_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernels
+# Triton kernels (medium T: dequantized tiles into tensor cores; prefill: dequantize once)
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _dequant_tile(pool_ptr, lut_ptr, plane_off_ptr, q, row, row_mask, k0, K, KW: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] dequantized weights of rows ``row`` and columns k0..k0+BLOCK_K-1."""
-    BKW: tl.constexpr = BLOCK_K // 32
-    kw = k0 // 32 + tl.arange(0, BKW)
-    shifts = tl.arange(0, 32)
-    code = tl.zeros((row.shape[0], BLOCK_K), dtype=tl.int32)
-    for p in range(0, q):
-        off = tl.load(plane_off_ptr + p)
-        words = tl.load(pool_ptr + off + row[:, None] * KW + kw[None, :],
-                        mask=row_mask[:, None] & (kw[None, :] < KW), other=0)
-        bit = (words[:, :, None] >> shifts[None, None, :]) & 1
-        code = code | (tl.reshape(bit, (row.shape[0], BLOCK_K)) << (q - 1 - p))
-    cols = k0 + tl.arange(0, BLOCK_K)
-    w = tl.load(lut_ptr + row[:, None] * (1 << q) + code, mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
-    return w
-
-
 @triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H] activations (bf16/fp16)
     inter_ptr,  # [T*k, I] output: silu(gate) * up, x's dtype
     sorted_ptr,  # [num_tiles * BLOCK_M] int32 pair ids (t * k + j), padded with T*k
-    tile_expert_ptr,  # [num_tiles] int32 expert of each tile
+    tile_expert_ptr,  # [num_tiles] int32 expert of each tile (num_experts: spare tile, no work)
     pool_ptr,  # int32 plane pool
     plane_off_ptr,  # int64 [2E, 8] word offsets of each block's planes
     lut_ptr,  # LUT pool (x's dtype)
     lut_off_ptr,  # int64 [2E] element offset of each block's committed LUT
     bits_ptr,  # int32 [2E] committed bitwidths
     num_pairs,  # T * k
+    num_experts,
     TOPK: tl.constexpr,
     H: tl.constexpr,  # K of gate_up
     I: tl.constexpr,  # noqa: E741 - expert intermediate size
@@ -135,29 +122,29 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPREAD: tl.constexpr,  # code-building variant of weight_tile
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong (Triton 3.9), fp32 is exact
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_m)
-    blk = 2 * e
-    q = tl.load(bits_ptr + blk)
-    lut = lut_ptr + tl.load(lut_off_ptr + blk)
-    poff = plane_off_ptr + blk * 8
+    blk = 2 * tl.minimum(tl.load(tile_expert_ptr + pid_m), num_experts - 1)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pmask = pairs < num_pairs
     tok = pairs // TOPK
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
+    q, lut_g = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, n)
+    lut_u = lut_g + I * (1 << q)
+    poff = plane_off_ptr + blk * 8
     KW: tl.constexpr = (H + 31) // 32
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(0, tl.where(tl.max(pmask.to(tl.int32)) > 0, H, 0), BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + tok[:, None] * stride_xm + cols[None, :], mask=pmask[:, None] & (cols[None, :] < H),
                      other=0.0)
-        wg = _dequant_tile(pool_ptr, lut, poff, q, n, nmask, k0, H, KW, BLOCK_K)
-        wu = _dequant_tile(pool_ptr, lut, poff, q, n + I, nmask, k0, H, KW, BLOCK_K)
+        wg = weight_tile(pool_ptr, poff, lut_g, q, n, nmask, k0, H, KW, BLOCK_N, BLOCK_K, SPREAD)
+        wu = weight_tile(pool_ptr, poff, lut_u, q, n + I, nmask, k0, H, KW, BLOCK_N, BLOCK_K, SPREAD)
         if DOT_FP32:
             xt, wg, wu = xt.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_g += tl.dot(xt, tl.trans(wg))
@@ -180,31 +167,31 @@ def _down_kernel(
     lut_off_ptr,
     bits_ptr,
     num_pairs,
+    num_experts,
     H: tl.constexpr,
     I: tl.constexpr,  # noqa: E741 - K of down
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPREAD: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_m)
-    blk = 2 * e + 1
-    q = tl.load(bits_ptr + blk)
-    lut = lut_ptr + tl.load(lut_off_ptr + blk)
-    poff = plane_off_ptr + blk * 8
+    blk = 2 * tl.minimum(tl.load(tile_expert_ptr + pid_m), num_experts - 1) + 1
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pmask = pairs < num_pairs
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
+    q, lut = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, n)
+    poff = plane_off_ptr + blk * 8
     KW: tl.constexpr = (I + 31) // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(0, tl.where(tl.max(pmask.to(tl.int32)) > 0, I, 0), BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         ht = tl.load(inter_ptr + pairs[:, None] * I + cols[None, :], mask=pmask[:, None] & (cols[None, :] < I),
                      other=0.0)
-        wd = _dequant_tile(pool_ptr, lut, poff, q, n, nmask, k0, I, KW, BLOCK_K)
+        wd = weight_tile(pool_ptr, poff, lut, q, n, nmask, k0, I, KW, BLOCK_N, BLOCK_K, SPREAD)
         if DOT_FP32:
             ht, wd = ht.to(tl.float32), wd.to(tl.float32)
         acc += tl.dot(ht, tl.trans(wd))
@@ -216,6 +203,7 @@ def _down_kernel(
 def _dequant_kernel(
     out_ptr,  # [num_blocks_listed, N, K] dense weights (x's dtype)
     blocks_ptr,  # int32 [num_blocks_listed] block ids to dequantize
+    live_ptr,  # int32 [num_blocks_listed]: 0 = skip this block (its output is left unwritten)
     pool_ptr,
     plane_off_ptr,
     lut_ptr,
@@ -225,52 +213,58 @@ def _dequant_kernel(
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPREAD: tl.constexpr,
 ):
     j = tl.program_id(0)
-    blk = tl.load(blocks_ptr + j)
-    q = tl.load(bits_ptr + blk)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(2) * BLOCK_K
-    KW: tl.constexpr = (K + 31) // 32
-    w = _dequant_tile(pool_ptr, lut_ptr + tl.load(lut_off_ptr + blk), plane_off_ptr + blk * 8, q, n, n < N, k0, K,
-                      KW, BLOCK_K)
-    cols = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + j * N * K + n[:, None] * K + cols[None, :], w, mask=(n[:, None] < N) & (cols[None, :] < K))
+    if tl.load(live_ptr + j) != 0:
+        blk = tl.load(blocks_ptr + j)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(2) * BLOCK_K
+        q, lut = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, n)
+        KW: tl.constexpr = (K + 31) // 32
+        w = weight_tile(pool_ptr, plane_off_ptr + blk * 8, lut, q, n, n < N, k0, K, KW, BLOCK_N, BLOCK_K, SPREAD)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + j.to(tl.int64) * N * K + n[:, None] * K + cols[None, :], w,
+                 mask=(n[:, None] < N) & (cols[None, :] < K))
 
 
 # ----------------------------------------------------------------------------------------------
-# Launcher
+# Launchers
 # ----------------------------------------------------------------------------------------------
-def pick_config(num_tokens: int) -> dict[str, int]:
-    """Tile config for ``num_tokens`` tokens from ``configs/ap_moe.json`` (largest bucket <= T)."""
-    best = CONFIGS["default"]
-    for row in CONFIGS["by_tokens"]:
-        if num_tokens >= row["min_tokens"]:
+def pick_config(num_tokens: int, hidden: int | None = None, inter: int | None = None) -> dict[str, Any]:
+    """Config for ``num_tokens`` tokens from ``configs/ap_moe.json``: the buckets of shape "HxI" if
+    tuned, else the default buckets; the largest ``min_tokens`` <= T wins. Read-only (shared)."""
+    best: dict[str, Any] = {}
+    for row in CONFIGS["by_shape"].get(f"{hidden}x{inter}", CONFIGS["default"]):
+        if num_tokens >= row["min_tokens"] or not best:
             best = row["config"]
-    return dict(best)
+    return best
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pair ids sorted by expert, each expert's segment padded to ``block_m`` with T*k; tile -> expert.
 
-    Returns ``sorted_pairs`` [num_tiles * block_m] int32 and ``tile_expert`` [num_tiles] int32.
-    Experts that receive no token get no tile.
+    Returns ``sorted_pairs`` [num_tiles * block_m] int32 and ``tile_expert`` [num_tiles] int32, where
+    num_tiles = min(E, T*k) + T*k // block_m is an upper bound known without a host sync: experts
+    that receive no token get no tile, and the spare tiles at the end have expert ``num_experts``
+    and only padding.
     """
     flat = topk_ids.flatten().to(torch.int64)
-    num_pairs = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    tiles = (counts + block_m - 1) // block_m
-    tile_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), tiles)
-    padded_start = torch.cumsum(tiles * block_m, 0) - tiles * block_m
-    start = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_pairs, device=flat.device) - start[flat[order]]
-    sorted_pairs = torch.full((int(tiles.sum()) * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_pairs[padded_start[flat[order]] + rank] = order.to(torch.int32)
+    num_pairs, dev = flat.numel(), flat.device
+    sorted_ids, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=dev))
+    tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    max_tiles = min(num_experts, num_pairs) + num_pairs // block_m
+    tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=dev), right=True)
+    rank = torch.arange(num_pairs, device=dev) - bounds[sorted_ids]
+    sorted_pairs = torch.full((max_tiles * block_m,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs[(tile_end - tiles)[sorted_ids] * block_m + rank] = order.to(torch.int32)
     return sorted_pairs, tile_expert.to(torch.int32)
 
 
-def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex: APExperts) -> None:
+def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex: APExperts, sync: bool) -> None:
+    """Shapes, dtypes, devices; with ``sync`` also the value ranges of ids and bits (host syncs)."""
     if x.dim() != 2 or x.shape[1] != ex.hidden:
         raise ValueError(f"x must be [T, {ex.hidden}], got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
@@ -279,87 +273,105 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex: AP
         raise ValueError("x must be contiguous along the hidden dim")
     if topk_ids.shape != topk_w.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids and topk_w must both be [T, k] with T = {x.shape[0]}")
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= ex.num_experts):
-        raise ValueError(f"expert ids must be in [0, {ex.num_experts})")
     if ex.lut_pool.dtype != x.dtype:
         raise ValueError(f"LUT dtype {ex.lut_pool.dtype} must equal the activation dtype {x.dtype}")
     if ex.pool.dtype != torch.int32 or ex.plane_offset.shape != (2 * ex.num_experts, 8):
         raise ValueError("pool must be int32 and plane_offset [2E, 8]")
-    b = ex.bits
-    if b.dtype != torch.int32 or int(b.min()) < 1 or int(b.max()) > 8:
+    if ex.bits.dtype != torch.int32:
         raise ValueError("bits must be int32 in 1..8")
-    for t in (ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, b, topk_ids, topk_w):
+    for t in (ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, topk_ids, topk_w):
         if t.device != x.device:
             raise ValueError("all tensors must be on x's device")
+    if not sync:
+        return
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= ex.num_experts):
+        raise ValueError(f"expert ids must be in [0, {ex.num_experts})")
+    if int(ex.bits.min()) < 1 or int(ex.bits.max()) > 8:
+        raise ValueError("bits must be int32 in 1..8")
 
 
 def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-           config: dict[str, int] | None = None,
-           workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           config: dict[str, Any] | None = None, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+           check: bool = True) -> torch.Tensor:
     """Triton MoE output y [T, H] in x's dtype (see module docstring). Raises ``ValueError`` on bad input.
 
-    ``workspace``: optional preallocated (inter [>=T*k, I] x.dtype, out_pairs [>=T*k, H] fp32) buffers,
-    so that a runtime step allocates nothing.
+    x [T, H] bf16/fp16; topk_ids [T, k] integer; topk_w [T, k] float. ``config``: one entry of
+    ``configs/ap_moe.json`` (default: picked by T and shape). ``workspace``: optional preallocated
+    (inter [>=T*k, I] x.dtype, out_pairs [>=T*k, H] fp32) buffers, so that a step allocates nothing
+    on the decode and medium paths. ``check=False`` skips the value checks that sync with the host
+    (ids in range, bits in 1..8): on the decode path (``gemv``) a call then never syncs.
     """
-    _check(x, topk_ids, topk_w, experts)
+    _check(x, topk_ids, topk_w, experts, sync=check)
     t, k = topk_ids.shape
-    cfg = config or pick_config(t)
-    if t * k >= cfg.get("dequant_min_pairs", 1 << 62):
-        return _ap_moe_dequant(x, topk_ids, topk_w, experts)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     ex = experts
-    sorted_pairs, tile_expert = align_by_expert(topk_ids, ex.num_experts, bm)
     num_pairs = t * k
-    if workspace is None:
-        inter = torch.empty(num_pairs, ex.inter, dtype=x.dtype, device=x.device)
-        out_pairs = torch.empty(num_pairs, ex.hidden, dtype=torch.float32, device=x.device)
-    else:
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    cfg = config or pick_config(t, ex.hidden, ex.inter)
+    path = cfg.get("path") or ("dequant" if num_pairs >= cfg.get("dequant_min_pairs", 1 << 62) else "fused")
+    if workspace is not None:
         inter, out_pairs = workspace
         if inter.shape[0] < num_pairs or inter.shape[1:] != (ex.inter,) or out_pairs.shape[1:] != (ex.hidden,) \
                 or out_pairs.shape[0] < num_pairs or inter.dtype != x.dtype or out_pairs.dtype != torch.float32:
             raise ValueError("workspace must be (inter [>=T*k, I] in x's dtype, out_pairs [>=T*k, H] float32)")
+    if path == "gemv":
+        return gemv_moe(x, topk_ids, topk_w, ex, cfg, workspace)
+    if path == "dequant":
+        return _ap_moe_dequant(x, topk_ids, topk_w, ex, cfg)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sorted_pairs, tile_expert = align_by_expert(topk_ids, ex.num_experts, bm)
+    if workspace is None:
+        inter = torch.empty(num_pairs, ex.inter, dtype=x.dtype, device=x.device)
+        out_pairs = torch.empty(num_pairs, ex.hidden, dtype=torch.float32, device=x.device)
     tiles = tile_expert.numel()
-    if tiles == 0:
-        return torch.zeros_like(x)
-    warps = cfg.get("num_warps", 4)
+    warps, spread = cfg.get("num_warps", 4), cfg.get("SPREAD", 0)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     _gate_up_kernel[(tiles, triton.cdiv(ex.inter, bn))](
         x, inter, sorted_pairs, tile_expert, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits,
-        num_pairs, TOPK=k, H=ex.hidden, I=ex.inter, stride_xm=x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        DOT_FP32=interp, num_warps=warps)
+        num_pairs, ex.num_experts, TOPK=k, H=ex.hidden, I=ex.inter, stride_xm=x.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, SPREAD=spread, DOT_FP32=interp, num_warps=warps)
     _down_kernel[(tiles, triton.cdiv(ex.hidden, bn))](
         inter, out_pairs, topk_w.flatten().float().contiguous(), sorted_pairs, tile_expert, ex.pool,
-        ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, num_pairs, H=ex.hidden, I=ex.inter, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=interp, num_warps=warps)
+        ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, num_pairs, ex.num_experts, H=ex.hidden, I=ex.inter,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPREAD=spread, DOT_FP32=interp, num_warps=warps)
     return out_pairs[:num_pairs].view(t, k, ex.hidden).sum(1).to(x.dtype)
 
 
-def dequant_blocks(experts: APExperts, blocks: torch.Tensor, unit: str, dtype: torch.dtype) -> torch.Tensor:
-    """Dense weights [len(blocks), N, K] of the listed blocks (all gate_up or all down), via Triton."""
+def dequant_blocks(experts: APExperts, blocks: torch.Tensor, unit: str, dtype: torch.dtype,
+                   live: torch.Tensor | None = None, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """Dense weights [len(blocks), N, K] of the listed blocks (all gate_up or all down), via Triton.
+
+    ``live`` [len(blocks)] bool/int: blocks to skip (0) are left unwritten (no host sync to drop them).
+    ``config``: BLOCK_N, BLOCK_K (multiple of 32), num_warps, SPREAD of the dequantize kernel.
+    """
     ex = experts
+    cfg = config or {}
     n, kk = (2 * ex.inter, ex.hidden) if unit == "gate_up" else (ex.hidden, ex.inter)
     out = torch.empty(blocks.numel(), n, kk, dtype=dtype, device=ex.pool.device)
-    bn, bk = 64, 64
+    live_i = torch.ones(blocks.numel(), dtype=torch.int32, device=out.device) if live is None else live.to(torch.int32)
+    bn, bk = cfg.get("BLOCK_N", 32), cfg.get("BLOCK_K", 128)
     _dequant_kernel[(blocks.numel(), triton.cdiv(n, bn), triton.cdiv(kk, bk))](
-        out, blocks.to(torch.int32), ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, N=n, K=kk,
-        BLOCK_N=bn, BLOCK_K=bk)
+        out, blocks.to(torch.int32), live_i, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, N=n,
+        K=kk, BLOCK_N=bn, BLOCK_K=bk, SPREAD=cfg.get("SPREAD", 1), num_warps=cfg.get("num_warps", 4))
     return out
 
 
-def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex: APExperts) -> torch.Tensor:
-    """Prefill path: dequantize each used expert once (Triton), then dense tensor-core GEMMs.
+def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex: APExperts,
+                    cfg: dict[str, Any]) -> torch.Tensor:
+    """Prefill path: dequantize every expert that has a token once (Triton), then dense tensor-core GEMMs.
 
-    On CUDA the GEMMs are one ``torch._grouped_mm`` per unit over the expert-sorted pairs; elsewhere
-    (or if grouped mm is unavailable) a per-expert loop.
+    On CUDA the GEMMs are one ``torch._grouped_mm`` per unit over the expert-sorted pairs (no host
+    sync: every expert gets a dense slot, those without tokens are skipped by the kernel and get an
+    empty group); elsewhere (or if grouped mm is unavailable) a per-expert loop.
     """
     t, k = topk_ids.shape
-    used, local = topk_ids.unique(return_inverse=True)
-    w_gu = dequant_blocks(ex, 2 * used, "gate_up", x.dtype)
-    w_dn = dequant_blocks(ex, 2 * used + 1, "down", x.dtype)
+    e_all = torch.arange(ex.num_experts, device=x.device)
+    sorted_ids, order = torch.sort(topk_ids.flatten())
+    offs = torch.searchsorted(sorted_ids, e_all + 1).to(torch.int32)  # end of each expert's rows
+    live = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
+    w_gu = dequant_blocks(ex, 2 * e_all, "gate_up", x.dtype, live, cfg)
+    w_dn = dequant_blocks(ex, 2 * e_all + 1, "down", x.dtype, live, cfg)
     if x.is_cuda and hasattr(torch, "_grouped_mm"):
-        flat = local.flatten()
-        order = torch.argsort(flat)
-        offs = torch.cumsum(torch.bincount(flat, minlength=used.numel()), 0).to(torch.int32)
         try:
             h = torch._grouped_mm(x[order // k], w_gu.transpose(1, 2), offs=offs)
             g, u = h.float().chunk(2, dim=-1)
@@ -370,21 +382,22 @@ def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
         except RuntimeError:
             pass  # layout or dtype not supported by this build: per-expert loop below
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for j, e in enumerate(used.tolist()):
+    for e in topk_ids.unique().tolist():
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
-        g, u = (x[rows] @ w_gu[j].T).float().chunk(2, dim=-1)
+        g, u = (x[rows] @ w_gu[e].T).float().chunk(2, dim=-1)
         h = (F.silu(g) * u).to(x.dtype)
-        out.index_add_(0, rows, (h @ w_dn[j].T).float() * topk_w[rows, slot, None].float())
+        out.index_add_(0, rows, (h @ w_dn[e].T).float() * topk_w[rows, slot, None].float())
     return out.to(x.dtype)
 
 
-def ap_moe_shared(x: torch.Tensor, shared: APExperts, gate: torch.Tensor | None = None) -> torch.Tensor:
+def ap_moe_shared(x: torch.Tensor, shared: APExperts, gate: torch.Tensor | None = None,
+                  check: bool = True) -> torch.Tensor:
     """The shared expert through the same kernels: every token selects expert 0 with weight
-    ``sigmoid(gate)`` [T, 1] (or 1). ``shared`` holds one expert (blocks 0 and 1)."""
+    ``sigmoid(gate)`` [T, 1] (or 1). ``shared`` holds one expert (blocks 0 and 1); ``check`` as in ``ap_moe``."""
     ids = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
     w = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device) if gate is None else torch.sigmoid(
         gate.float())
-    return ap_moe(x, ids, w, shared)
+    return ap_moe(x, ids, w, shared, check=check)
 
 
 def build_experts(codes: list[torch.Tensor], luts: list[dict[int, torch.Tensor]], bits: list[int], hidden: int,

@@ -1,8 +1,10 @@
-"""Fused AP MoE kernel vs its PyTorch reference (Triton interpreter on CPU, native on GPU).
+"""AP MoE kernels vs their PyTorch reference (Triton interpreter on CPU, native on GPU).
 
 Fresh random inputs each run; ragged sizes (H, I not multiples of the tiles), experts with no
-token, all tokens on one expert, every q in 2..8, a random mix of q in one launch, several top-k,
-bf16 and fp16; the output is poisoned first so unwritten rows are caught.
+token, all tokens on one expert, a token picking one expert twice, every q in 1..8, a random mix
+of q in one launch, several top-k, bf16 and fp16, on each path (gemv decode with both code
+builders, fused tl.dot, dequantize + GEMM); workspaces are poisoned first so unwritten rows are
+caught; bits / LUT tables changed in place between calls are honoured.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ap_moe import ap_moe, ap_moe_ref, ap_moe_shared, build_experts, dequant_blocks
+from kernels.ap_moe import APExperts, ap_moe, ap_moe_ref, ap_moe_shared, build_experts, dequant_blocks
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,8 +27,19 @@ def make(num_experts: int, hidden: int, inter: int, bits: list[int], dtype: torc
     return build_experts(codes, luts, bits, hidden, inter, dtype, DEV, shuffle_seed=seed)
 
 
+# one small config per path (few programs, so the interpreter stays fast)
+PATHS = {
+    "gemv": {"path": "gemv", "SPREAD": 1, "gate_up": {"BLOCK_N": 32, "BLOCK_K": 64},
+             "down": {"BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 2}},
+    "gemv_bitwise": {"path": "gemv", "SPREAD": 0, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 128},
+                     "down": {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}},
+    "fused": {"path": "fused", "SPREAD": 1, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64},
+    "dequant": {"path": "dequant", "SPREAD": 0, "BLOCK_N": 16, "BLOCK_K": 64},
+}
+
+
 def check(t: int, k: int, e: int, hidden: int, inter: int, bits: list[int], dtype: torch.dtype, seed: int,
-          ids: torch.Tensor | None = None) -> None:
+          ids: torch.Tensor | None = None, config: dict | None = None) -> None:
     ex = make(e, hidden, inter, bits, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(t, hidden, generator=g).to(dtype).to(DEV)
@@ -34,7 +47,7 @@ def check(t: int, k: int, e: int, hidden: int, inter: int, bits: list[int], dtyp
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     w = torch.rand(t, k, generator=g).to(DEV)
     ids = ids.to(DEV)
-    got = ap_moe(x, ids, w, ex).float()
+    got = ap_moe(x, ids, w, ex, config=config).float()
     ref = ap_moe_ref(x, ids, w, ex).float()
     assert torch.isfinite(got).all()
     err = (got - ref).abs().max().item()
@@ -44,22 +57,42 @@ def check(t: int, k: int, e: int, hidden: int, inter: int, bits: list[int], dtyp
     assert err <= tol * scale, f"max err {err:.3e} vs scale {scale:.3e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("t", "k"), [(1, 1), (3, 2), (8, 4), (33, 2), (257, 2)])
+BF, FP = torch.bfloat16, torch.float16
+ROUTING_CASES = [(1, 1, FP), (3, 2, BF), (3, 2, FP), (8, 4, BF), (33, 2, FP), (257, 2, BF)]
+
+
+@pytest.mark.parametrize(("t", "k", "dtype"), ROUTING_CASES)
 def test_random_routing_ragged_shapes(t: int, k: int, dtype: torch.dtype) -> None:
     e = 6
     bits = torch.randint(2, 9, (2 * e,)).tolist()  # a random mix of q in one launch
     check(t, k, e, hidden=96 + 8, inter=40, bits=bits, dtype=dtype, seed=t * 10 + k)
 
 
-@pytest.mark.parametrize("q", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("q", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_every_bitwidth(q: int) -> None:
-    check(5, 2, 3, hidden=64, inter=48, bits=[q] * 6, dtype=torch.bfloat16, seed=q)
+    t = 1 if q % 2 else 5  # both decode branches (one token / a loop over tokens); mixed-q tests cover the rest
+    check(t, 2, 3, hidden=64, inter=48, bits=[q] * 6, dtype=torch.bfloat16, seed=q)
 
 
-def test_all_tokens_on_one_expert_and_idle_experts() -> None:
-    ids = torch.full((17, 1), 2)
-    check(17, 1, 4, hidden=72, inter=40, bits=[3, 5, 8, 2, 4, 6, 7, 3], dtype=torch.float16, seed=7, ids=ids)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("t", "k"), [(1, 3), (6, 2)])
+def test_each_path_mixed_q_ragged(path: str, t: int, k: int) -> None:
+    e = 5  # with t * k < e some experts are idle
+    bits = torch.randint(1, 9, (2 * e,)).tolist()
+    check(t, k, e, hidden=104, inter=40, bits=bits, dtype=torch.bfloat16, seed=31 + t, config=PATHS[path])
+
+
+@pytest.mark.parametrize("t", [4, 17])
+def test_all_tokens_on_one_expert_and_idle_experts(t: int) -> None:
+    ids = torch.full((t, 1), 2)
+    check(t, 1, 4, hidden=72, inter=40, bits=[3, 5, 8, 2, 4, 6, 7, 3], dtype=torch.float16, seed=7, ids=ids)
+
+
+@pytest.mark.parametrize("path", ["gemv", "fused"])
+def test_token_picking_one_expert_twice(path: str) -> None:
+    ids = torch.tensor([[1, 1, 0], [2, 1, 2], [0, 3, 1]])
+    check(3, 3, 4, hidden=64, inter=40, bits=[4, 2, 8, 3, 5, 6, 7, 2], dtype=torch.bfloat16, seed=8, ids=ids,
+          config=PATHS[path])
 
 
 def test_top8_of_many_experts() -> None:
@@ -76,18 +109,56 @@ def test_shared_expert_path() -> None:
     assert (got - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
 
 
-def test_poisoned_workspace_rows_are_all_written() -> None:
-    # NaN-filled buffers: any (token, slot) row the kernels fail to write shows up as NaN in y
+@pytest.mark.parametrize(("path", "t", "out_rows"), [("gemv", 1, 2), ("gemv", 9, 18), ("gemv", 9, 40),
+                                                      ("fused", 9, 18)])
+def test_poisoned_workspace_rows_are_all_written(path: str, t: int, out_rows: int) -> None:
+    # NaN-filled buffers: any (token, slot) row (or split-K partial) the kernels fail to write shows up as NaN in y
     ex = make(5, 64, 32, [8, 3] * 5, torch.bfloat16, 5)
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(9, 64, generator=g).to(torch.bfloat16).to(DEV)
-    ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(9)]).to(DEV)
-    w = torch.rand(9, 2, generator=g).to(DEV)
-    ws = (torch.full((18, 32), float("nan"), dtype=torch.bfloat16, device=DEV),
-          torch.full((18, 64), float("nan"), device=DEV))
-    got = ap_moe(x, ids, w, ex, workspace=ws).float()
+    x = torch.randn(t, 64, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(t)]).to(DEV)
+    w = torch.rand(t, 2, generator=g).to(DEV)
+    ws = (torch.full((2 * t, 32), float("nan"), dtype=torch.bfloat16, device=DEV),
+          torch.full((out_rows, 64), float("nan"), device=DEV))
+    cfg = {**PATHS[path], "down": {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}} if path == "gemv" else PATHS[path]
+    got = ap_moe(x, ids, w, ex, config=cfg, workspace=ws, check=False).float()
     ref = ap_moe_ref(x, ids, w, ex).float()
     assert torch.isfinite(got).all() and (got - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
+
+
+def test_tables_changed_in_place_between_calls() -> None:
+    # a runtime lowers q by rewriting bits / lut_offset in place: nothing derived from them may be cached
+    e, hidden, inter = 3, 64, 40
+    hi = make(e, hidden, inter, [8] * 2 * e, torch.bfloat16, 12)  # all 8 planes of every block placed
+    lo = make(e, hidden, inter, [3] * 2 * e, torch.bfloat16, 12)  # same codes, 3-bit LUTs
+    ex = APExperts(pool=hi.pool, plane_offset=hi.plane_offset.clone(), lut_pool=torch.cat([hi.lut_pool, lo.lut_pool]),
+                   lut_offset=hi.lut_offset.clone(), bits=hi.bits.clone(), hidden=hidden, inter=inter)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(2, hidden, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.tensor([[0, 2], [2, 1]], device=DEV)
+    w = torch.rand(2, 2, generator=g).to(DEV)
+    for step in range(2):
+        if step == 1:
+            ex.bits.fill_(3)
+            ex.lut_offset.copy_(lo.lut_offset + hi.lut_pool.numel())
+        got = ap_moe(x, ids, w, ex, config=PATHS["gemv"], check=False).float()
+        ref = ap_moe_ref(x, ids, w, ex).float()
+        assert (got - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="host syncs only exist with a GPU")
+@pytest.mark.parametrize("path", ["gemv", "dequant"])
+def test_no_host_sync_with_check_false(path: str) -> None:
+    ex = make(4, 64, 32, [4, 6, 2, 8, 3, 5, 7, 4], torch.bfloat16, 14)
+    x = torch.randn(3, 64, device=DEV).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [3, 1], [1, 0]], device=DEV)
+    w = torch.rand(3, 2, device=DEV)
+    ap_moe(x, ids, w, ex, config=PATHS[path], check=False)  # compile outside the guarded region
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ap_moe(x, ids, w, ex, config=PATHS[path], check=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize(("bad", "msg"), [("dtype", "float16 or bfloat16"), ("ids", "expert ids"),
