@@ -63,7 +63,7 @@ class _LayerTables:
 class ExpertStore:
     """Every expert linear block of ``model`` (in ``table``'s order) placed in ``pool``/``memory``."""
 
-    def __init__(self, artifact: APArtifact, model: LeanMoEModel, table: BlockTable, pool: PagePool,
+    def __init__(self, artifact: Any, model: LeanMoEModel, table: BlockTable, pool: PagePool,
                  memory: torch.Tensor, use_kernel: bool) -> None:
         self.model, self.table, self.pool, self.memory = model, table, pool, memory
         self.device = memory.device

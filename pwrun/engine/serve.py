@@ -136,9 +136,6 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     ``forced``: per request, continuation tokens to feed and score (teacher forcing: ``Sequence.logprobs``)
     instead of sampling; each request then runs for exactly that many tokens.
     """
-    if forced is not None and (len(forced) != len(requests) or any(not f for f in forced)):
-        raise PagedWeightError("forced continuations must be one non-empty token list per request")
-    new_tokens = [len(f) for f in forced] if forced is not None else [params.max_new_tokens] * len(requests)
     art = APArtifact(artifact_dir)
     art.check_model(model_dir)
     check_policy(cfg.policy, cfg.bits, art.bits)
@@ -147,8 +144,26 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     model = strip_experts(load_model(model_dir, device="cpu", dtype=str(dt).removeprefix("torch.")), dev)
-    spec = model.spec
     table = block_table(art, model, need_calibration=cfg.policy != "uniform")
+    heads_df = _read(art, "residual_heads")
+    return assemble_engine(model, art, table, _bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None
+                           else None, _calib_features(art, table), cfg, params, requests, eos, forced)
+
+
+def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy: BucketPolicy,
+                    heads: ResidualHeads | None, calib_features: np.ndarray | None, cfg: ServeConfig,
+                    params: SamplingParams, requests: list[list[int]], eos: set[int],
+                    forced: list[list[int]] | None = None) -> Built:
+    """The engine from in-memory parts: ``model`` (non-expert weights on the device, see ``strip_experts``),
+    ``source`` (an ``APArtifact`` or any object with ``bits`` and ``layer_tensors(layer)``), the calibration
+    ``table`` (M_i^b is re-derived in whole pages), bucket ``policy``, residual ``heads`` and calibration
+    features. Benchmarks use it with synthetic parts. Raises ``PagedWeightError`` if the budget is too small.
+    """
+    if forced is not None and (len(forced) != len(requests) or any(not f for f in forced)):
+        raise PagedWeightError("forced continuations must be one non-empty token list per request")
+    new_tokens = [len(f) for f in forced] if forced is not None else [params.max_new_tokens] * len(requests)
+    dev, dt = model.device, model.dtype
+    spec = model.spec
     ecfg = cfg.engine
     a = spec.layers[0].attention
     page_bytes = PooledKVCache.page_bytes(ecfg.block_size, a.num_kv_heads, a.head_dim, dt)
@@ -160,7 +175,6 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     kv_block_bytes = 2 * spec.num_layers * page_bytes
     min_kv_pages = blocks_needed(longest, ecfg.block_size) * 2 * spec.num_layers
     table = replace(table, bytes=page_rounded_bytes(table, spec, page_bytes))
-    policy = _bucket_policy(art)
     pcfg = planner_config(cfg.policy, cfg.planner)
     bits = table.bits
     # the floor every block can reach (last floor stage), or the uniform bits
@@ -184,7 +198,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
             f"it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB")
     pool = PagePool(PoolConfig(int(num_pages), page_bytes))
     memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)
-    store = ExpertStore(art, model, table, pool, memory, use_kernel=dev.type == "cuda")
+    store = ExpertStore(source, model, table, pool, memory, use_kernel=dev.type == "cuda")
     assert np.array_equal(store.block_bytes(), table.bytes)
     reserve = (cfg.planner.free_threshold + 1) * kv_block_bytes + min_kv_pages * page_bytes
     if cfg.policy == "uniform":
@@ -205,9 +219,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     if pcfg is not None:
         stats = OnlineStats(table.layer, table.expert, spec.num_layers,
                             max(ls.moe.num_experts for ls in spec.layers if ls.moe is not None), pcfg.decay,
-                            _calib_features(art, table))
-        heads_df = _read(art, "residual_heads")
-        heads = ResidualHeads(heads_df) if heads_df is not None else None
+                            calib_features)
         planner = Planner(table, policy, pcfg, heads, stats)
     engine = Engine(model, store, pool, memory, planner, ecfg, params, eos)
     for rid, ids in enumerate(requests):
