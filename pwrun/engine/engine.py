@@ -136,12 +136,16 @@ class Engine:
         self._step_actions["D"] = d
         if d > 0:
             self._lower(d)
-        elif free > cfgp.reload_threshold and cfgp.movement and not self.scheduler.waiting:
+        elif free > cfgp.reload_threshold and cfgp.movement:
             t0 = time.perf_counter()
-            allowance = (free - cfgp.reload_threshold) * self.kv_block_bytes
+            # keep the blocks that the requests about to be admitted will take (their prompts + lookahead)
+            slots = max(0, self.cfg.max_batch - len(self.scheduler.running))
+            soon = sum(self.tables.extra_blocks(s.rid, len(s.tokens) + self.cfg.lookahead_tokens)
+                       for s in list(self.scheduler.waiting)[:slots])
+            allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
             plan = self.planner.plan_raise(self.q_idx(), allowance, self.store.movable())
             self._planner_time(t0)
-            if not plan.empty:
+            if not plan.empty and allowance > 0:
                 started = self.store.begin_raise(plan.blocks, self.store.table.bits[plan.to_idx])
                 self._step_actions["raising"] += len(started)
         t0 = time.perf_counter()

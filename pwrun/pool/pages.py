@@ -58,16 +58,20 @@ class PagePool:
         self.cfg = cfg
         self._kind = np.zeros(cfg.num_pages, dtype=np.int8)
         self.peak_used = 0
+        self._low = 0  # no free page below this index (first-fit searches start here)
+        self._counts = {FREE: cfg.num_pages, KV: 0, WEIGHT: 0}  # kept in step: no O(pages) count per query
 
     @property
     def num_free(self) -> int:
-        return int((self._kind == FREE).sum())
+        return self._counts[FREE]
 
     def count(self, kind: int) -> int:
-        return int((self._kind == kind).sum())
+        return self._counts[kind]
 
     def _take(self, pages: np.ndarray, kind: int) -> None:
         self._kind[pages] = kind
+        self._counts[FREE] -= pages.size
+        self._counts[kind] += pages.size
         self.peak_used = max(self.peak_used, self.cfg.num_pages - self.num_free)
 
     def allocate(self, n: int, kind: int) -> list[int]:
@@ -84,12 +88,20 @@ class PagePool:
         """Start of the lowest run of ``n`` contiguous free pages, or -1 if there is none."""
         if n <= 0:
             raise ValueError("a run needs at least one page")
-        f = (self._kind == FREE).astype(np.int64)
-        if f.size < n:
-            return -1
-        c = np.concatenate(([0], np.cumsum(f)))
-        ok = np.flatnonzero(c[n:] - c[:-n] == n)
-        return int(ok[0]) if ok.size else -1
+        lo = self._low
+        while lo < self.cfg.num_pages and self._kind[lo] != FREE:
+            lo += 1
+        self._low = lo
+        # look near the lowest free page first (O(n) while the bottom fills up in order), then everywhere
+        for hi in (min(lo + 4 * n + 64, self.cfg.num_pages), self.cfg.num_pages):
+            f = (self._kind[lo:hi] == FREE).astype(np.int64)
+            if f.size < n:
+                continue
+            c = np.concatenate(([0], np.cumsum(f)))
+            ok = np.flatnonzero(c[n:] - c[:-n] == n)
+            if ok.size:
+                return lo + int(ok[0])
+        return -1
 
     def allocate_run(self, n: int, kind: int = WEIGHT) -> int:
         """Take a contiguous run of ``n`` pages (first fit from the bottom); returns its first page."""
@@ -111,15 +123,23 @@ class PagePool:
     def release(self, pages: list[int] | np.ndarray, kind: int) -> None:
         """Return pages owned by ``kind``; raises ``ValueError`` on a double free or a foreign page."""
         p = np.asarray(pages, dtype=np.int64)
+        if np.unique(p).size != p.size:
+            raise ValueError("a page is released twice in one call")
         if (self._kind[p] != kind).any():
             bad = p[self._kind[p] != kind][0]
             raise ValueError(f"page {bad} is not owned by kind {kind}")
         self._kind[p] = FREE
+        self._counts[kind] -= p.size
+        self._counts[FREE] += p.size
+        if p.size:
+            self._low = min(self._low, int(p.min()))
 
     def release_run(self, start: int, n: int, kind: int = WEIGHT) -> None:
         self.release(np.arange(start, start + n), kind)
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless pages are conserved (every page has exactly one owner kind)."""
+        for kind in (FREE, KV, WEIGHT):
+            assert self._counts[kind] == int((self._kind == kind).sum()), f"page count of kind {kind} drifted"
         assert self.count(KV) + self.count(WEIGHT) + self.num_free == self.cfg.num_pages
         assert set(np.unique(self._kind).tolist()) <= {FREE, KV, WEIGHT}

@@ -1,0 +1,396 @@
+"""Benchmark: end-to-end serving speed at a seed model's real size (issue 8), on the GPU machine.
+
+What it does, in one run: builds the full-size model of a seed architecture (default
+Qwen1.5-MoE-A2.7B, 14.3B parameters) with random bf16 weights, synthesizes its Any-Precision
+bit-planes and LUTs (random codes and sorted random centroids: timing only, the values do not
+matter; the real quantizer's speed at this shape is ``bench/results/quantize_h200.md``) and its
+calibration tables (monotone random sensitivities, Dirichlet routing mass), then serves a
+``--prompt-len``-token prompt plus ``--gen`` generated tokens at each batch size with:
+
+* our runtime at 16-bit (the lean model over a paged KV cache, reference expert loop);
+* our runtime (page pool + fused AP kernel + Triton paged-decode attention) at uniform 3, 4, 8 bits
+  with a budget larger than everything (no page moves);
+* PagedWeight under a budget that makes the planner demote during the first batch and reload when
+  it finishes (2 x batch requests, ``max_batch`` = batch), so copies overlap the second batch;
+* ``transformers`` eager bf16 ``generate`` (what a user has today).
+
+For each it reports prefill and decode tokens/s, peak device memory, and the bandwidth floor: bytes
+one decode step must read (non-expert weights, the experts the batch routes to at their committed
+bits with LUTs, the KV cache) / measured copy bandwidth. For PagedWeight also planner time per step,
+bytes copied, and decode step time with copies in flight vs without. Writes JSON + markdown.
+
+Usage::
+
+    python bench/serve_speed.py --out-md bench/results/serve_h200.md [--batches 1,4] [--gen 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pwrun.engine.budget import workspace_bytes
+from pwrun.engine.engine import EngineConfig
+from pwrun.engine.report import summarize
+from pwrun.engine.serve import ServeConfig, assemble_engine, strip_experts
+from pwrun.model.checkpoint import LayerWeights, ModelWeights, _attention, _moe
+from pwrun.model.families import spec_from_config
+from pwrun.model.inventory import expert_blocks
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.loader import read_config
+from pwrun.planner.buckets import BucketPolicy
+from pwrun.planner.runtime import PlannerConfig
+from pwrun.planner.tables import UNITS, BlockTable
+from pwrun.runner import ModelRunner
+from pwrun.sampling import SamplingParams
+
+BITS = [3, 4, 5, 6, 7, 8]
+DEV = "cuda"  # --device cpu gives a slow dry run of the whole script (tiny configs) on a machine without GPU
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak() -> int:
+    return int(torch.cuda.max_memory_allocated()) if DEV == "cuda" else 0
+
+
+def reset_peak() -> None:
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+class RandomReader:
+    """Stands in for the checkpoint reader: random tensors of the asked shapes (norms = 1)."""
+
+    def __init__(self, dtype: torch.dtype, device: str) -> None:
+        self.dtype, self.device = dtype, device
+
+    def has(self, name: str) -> bool:
+        return name.endswith("experts.gate_up_proj")
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        assert shape is not None
+        if "norm" in name:
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        return torch.randn(shape, dtype=self.dtype, device=self.device) * 0.02
+
+    def maybe(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return None
+
+
+def random_model(config_dir: Path, dtype: torch.dtype, device: str) -> LeanMoEModel:
+    spec, names = spec_from_config(read_config(config_dir))
+    r = RandomReader(dtype, device)
+    h, v = spec.hidden_size, spec.vocab_size
+    embed = r.get("embed", (v, h))
+    lm_head = embed if spec.tie_word_embeddings else r.get("lm_head", (v, h))
+    layers = []
+    for layer in spec.layers:
+        p = f"model.layers.{layer.index}."
+        lw = LayerWeights(attn_norm=r.get(p + "norm", (h,)), ffn_norm=r.get(p + "norm2", (h,)),
+                          attn=_attention(r, p + "self_attn.", spec, layer))  # type: ignore[arg-type]
+        assert layer.moe is not None
+        lw.moe = _moe(r, p, spec, layer, names)  # type: ignore[arg-type]
+        layers.append(lw)
+    return LeanMoEModel(spec, ModelWeights(embed=embed, lm_head=lm_head, final_norm=r.get("norm", (h,)), layers=layers))
+
+
+class SyntheticAP:
+    """Random AP planes/LUTs for every expert block, in one pinned host buffer (an artifact stand-in)."""
+
+    def __init__(self, spec: Any, dtype: torch.dtype) -> None:
+        self.bits, self.seed_bits = BITS, 3
+        self.blocks = expert_blocks(spec)
+        sizes = []
+        for b in self.blocks:
+            kw = -(-b.k // 32)
+            sizes.append(8 * b.n * kw * 4 + sum(b.n * 2**q * 2 for q in BITS))
+        self.buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=DEV == "cuda")
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        pos = 0
+        g = torch.Generator(device=DEV).manual_seed(0)
+        for b, size in zip(self.blocks, sizes, strict=True):
+            kw = -(-b.k // 32)
+            name = f"{'shared' if b.expert < 0 else b.expert}.{b.unit}"
+            d = self.tensors.setdefault(b.layer, {})
+            n_pl = 8 * b.n * kw * 4
+            planes = self.buf[pos:pos + n_pl].view(torch.int32).view(8, b.n, kw)
+            planes.copy_(torch.randint(-2**31, 2**31 - 1, (8, b.n, kw), dtype=torch.int32, device=DEV,
+                                       generator=g))
+            d[f"{name}.planes"] = planes
+            off = pos + n_pl
+            for q in BITS:
+                nb = b.n * 2**q * 2
+                lut = self.buf[off:off + nb].view(dtype).view(b.n, 2**q)
+                lut.copy_(torch.sort(torch.randn(b.n, 2**q, device=DEV, generator=g) * 0.02, dim=1)[0].to(dtype))
+                d[f"{name}.lut{q}"] = lut
+                off += nb
+            pos += size
+        sync()
+
+    def layer_tensors(self, layer: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+        return self.tensors[layer]
+
+
+def synthetic_table(spec: Any, seed: int = 0) -> BlockTable:
+    rng = np.random.default_rng(seed)
+    blocks = sorted(expert_blocks(spec), key=lambda b: (b.layer, b.expert, b.unit))
+    n = len(blocks)
+    e = max(ls.moe.num_experts for ls in spec.layers if ls.moe is not None)
+    mass_le = rng.dirichlet(np.ones(e) * 2, size=spec.num_layers)
+    mass = np.array([1.0 if b.expert < 0 else mass_le[b.layer, b.expert] for b in blocks])
+    base = rng.lognormal(0, 1, n) * mass * 1e3
+    sens = base[:, None] * 4.0 ** -(np.arange(len(BITS))[None, :])  # each bit ~4x less error
+    return BlockTable(bits=np.array(BITS), layer=np.array([b.layer for b in blocks]),
+                      expert=np.array([b.expert for b in blocks]), unit=np.array([UNITS.index(b.unit) for b in blocks]),
+                      sens=sens, bytes=np.zeros((n, len(BITS)), np.int64), tokens=np.full(n, 1000), mass=mass)
+
+
+def table_at(table: BlockTable, spec: Any, bits: int) -> np.ndarray:
+    """[n] page-rounded bytes of every block at ``bits`` (16-token KV pages of this model, bf16)."""
+    from pwrun.engine.experts import page_rounded_bytes
+
+    a = spec.layers[0].attention
+    return page_rounded_bytes(table, spec, 16 * a.num_kv_heads * a.head_dim * 2)[:, BITS.index(bits)]
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2**30 if DEV == "cuda" else 2**26, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync()
+    return 2 * 10 * x.numel() / (time.perf_counter() - t)
+
+
+def floor_tokens_per_s(spec: Any, model: LeanMoEModel, bits: float | None, batch: int, ctx: int, bw: float) -> float:
+    """B / (bytes one decode step reads / bandwidth): non-expert weights (no embedding table), experts the
+    batch routes to (expected distinct experts), KV of every sequence."""
+    w = model.weights
+    non_expert = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw.attn).values()
+                     if t is not None) + w.lm_head.numel() * w.lm_head.element_size()
+    experts = 0.0
+    for ls in spec.layers:
+        m = ls.moe
+        per = 3 * spec.hidden_size * m.expert_intermediate
+        distinct = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** batch)
+        shared = 3 * spec.hidden_size * m.shared_intermediate
+        rows = 2 * m.expert_intermediate + spec.hidden_size
+        srows = 2 * m.shared_intermediate + spec.hidden_size
+        if bits is None:
+            experts += (distinct * per + shared) * 2
+        else:
+            experts += (distinct * (per * bits / 8 + rows * 2**bits * 2) + shared * bits / 8 + srows * 2**bits * 2)
+        non_expert += m.num_experts * spec.hidden_size * 2
+    a = spec.layers[0].attention
+    kv = batch * ctx * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2
+    return batch * bw / (non_expert + experts + kv)
+
+
+def prompts(batch: int, n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for _ in range(batch)]
+
+
+def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy: str, bits: int | None,
+               budget: int, reqs: list[list[int]], gen: int, max_batch: int) -> dict[str, Any]:
+    pol = BucketPolicy((0.5, 0.85), (1.0, 1.0, 1.0), ((4, 5, 6), (3, 4, 5)), (2, 2, 2))
+    cfg = ServeConfig(budget, policy, bits, EngineConfig(max_batch=max_batch, max_step_tokens=2048),
+                      PlannerConfig(free_threshold=4, reload_threshold=16))
+    reset_peak()
+    built = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=gen), reqs, set())
+    e = built.engine
+    e.run()
+    s = summarize(e, built.info)
+    tr = e.totals.trace
+    dec = [r for r in tr if r["step_tokens"] == r["running"] and r["running"] > 0 and r["preempted"] == 0]
+    pre = [r for r in tr if r not in dec]
+    s["decode_step_ms_median"] = 1e3 * float(np.median([r["seconds"] for r in dec])) if dec else math.nan
+    s["decode_tps_measured"] = sum(r["step_tokens"] for r in dec) / max(sum(r["seconds"] for r in dec), 1e-9)
+    s["prefill_tps_measured"] = sum(r["step_tokens"] for r in pre) / max(sum(r["seconds"] for r in pre), 1e-9)
+    moving = [r["seconds"] for r in dec if r["bytes_in_flight"] > 0]
+    still = [r["seconds"] for r in dec if r["bytes_in_flight"] == 0]
+    s["decode_step_ms_moving"] = 1e3 * float(np.median(moving)) if moving else math.nan
+    s["decode_step_ms_still"] = 1e3 * float(np.median(still)) if still else math.nan
+    s["steps_moving"] = len(moving)
+    s["device_peak_bytes"] = peak()
+    del e, built
+    reset_peak()
+    return s
+
+
+def lean16_run(model: LeanMoEModel, reqs: list[list[int]], gen: int) -> dict[str, Any]:
+    bs = 16
+    nb = sum(-(-(len(r) + gen) // bs) for r in reqs)
+    reset_peak()
+    runner = ModelRunner(model, num_blocks=nb, block_size=bs)
+    sync()
+    t0 = time.perf_counter()
+    logits = runner.run(dict(enumerate(reqs)))
+    nxt = logits.argmax(-1).tolist()
+    sync()
+    t1 = time.perf_counter()
+    for _ in range(gen - 1):
+        logits = runner.run({i: [t] for i, t in enumerate(nxt)})
+        nxt = logits.argmax(-1).tolist()
+    sync()
+    t2 = time.perf_counter()
+    return {"prefill_tps_measured": sum(map(len, reqs)) / (t1 - t0),
+            "decode_tps_measured": len(reqs) * (gen - 1) / (t2 - t1), "device_peak_bytes": peak()}
+
+
+def hf_run(config_dir: Path, batch: int, plen: int, gen: int) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(config_dir))
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(100, cfg.vocab_size - 100, (batch, plen), device="cuda")
+    out = {}
+    with torch.inference_mode():
+        m.generate(ids, max_new_tokens=2, do_sample=False, min_new_tokens=2)
+        times = {}
+        for n in (1, gen):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            torch.cuda.synchronize()
+            times[n] = time.perf_counter() - t
+    out["prefill_tps_measured"] = batch * plen / times[1]
+    out["decode_tps_measured"] = batch * (gen - 1) / (times[gen] - times[1])
+    out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
+    del m
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config-dir", type=Path, default=Path("tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B"))
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--bits", default="3,4,8")
+    ap.add_argument("--out-md", type=Path, required=True)
+    ap.add_argument("--time-limit", type=float, default=520.0, help="seconds; later rows are skipped past it")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--big-budget-gib", type=float, default=60.0, help="budget of the no-pressure runs (GiB)")
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    t_start = time.time()
+    rows: list[dict[str, Any]] = []
+    meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "config": str(args.config_dir), "prompt_len": args.prompt_len, "gen": args.gen}
+    bw = copy_bandwidth()
+    meta["copy_bandwidth_TBps"] = round(bw / 1e12, 3)
+    model = random_model(args.config_dir, torch.bfloat16, DEV)
+    spec = model.spec
+    src = SyntheticAP(spec, torch.bfloat16)
+    meta["setup_s"] = round(time.time() - t_start, 1)
+    table = synthetic_table(spec)
+    batches = [int(b) for b in args.batches.split(",")]
+    ctx = args.prompt_len + args.gen // 2
+
+    def save() -> None:
+        out = {"meta": meta, "rows": rows}
+        args.out_md.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
+        args.out_md.write_text(render(meta, rows))
+
+    def over() -> bool:
+        return time.time() - t_start > args.time_limit
+
+    for b in batches:
+        reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
+        r = lean16_run(model, reqs, min(args.gen, 32))
+        rows.append({"system": "ours 16-bit (lean reference)", "batch": b, **r,
+                     "floor_tps": floor_tokens_per_s(spec, model, None, b, ctx, bw)})
+        save()
+    stripped = strip_experts(model, torch.device(DEV))  # the 16-bit experts leave the device
+    reset_peak()
+    for b in batches:
+        reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
+        for q in [int(x) for x in args.bits.split(",")]:
+            if over():
+                break
+            s = engine_run(stripped, src, table, "uniform", q, int(args.big_budget_gib * 2**30), reqs, args.gen, b)
+            rows.append({"system": f"ours uniform {q}-bit", "batch": b, **_pick(s),
+                         "floor_tps": floor_tokens_per_s(spec, model, q, b, ctx, bw)})
+            save()
+    for b in batches:
+        if over():
+            break
+        # b long requests, then b short ones (max_batch b): the long ones force demotions; once they finish
+        # the short ones leave room, so planes are reloaded while the short ones decode (copies in flight)
+        reqs = prompts(b, args.prompt_len, spec.vocab_size, 7 + b) + prompts(b, 256, spec.vocab_size, 9 + b)
+        a = spec.layers[0].attention
+        kv_req = (args.prompt_len + args.gen) * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2
+        fixed = stripped.weights.num_bytes()
+        work = workspace_bytes(spec, 2048, b, max(args.prompt_len, 256) + args.gen, 2)
+        at4 = int(sum(table_at(table, spec, 4)))
+        budget = int(fixed + work + at4 + 0.7 * b * kv_req)
+        s = engine_run(stripped, src, table, "pagedweight", None, budget, reqs, args.gen, b)
+        rows.append({"system": "PagedWeight under pressure", "batch": b, **_pick(s),
+                     "floor_tps": floor_tokens_per_s(spec, model, s.get("mean_bits_time_avg", 4.0), b, ctx, bw)})
+        save()
+    if not args.skip_hf:
+        del model, stripped
+        reset_peak()
+        for b in batches:
+            if over():
+                break
+            r = hf_run(args.config_dir, b, args.prompt_len, min(args.gen, 32))
+            rows.append({"system": "transformers eager bf16", "batch": b, **r})
+            save()
+    meta["total_s"] = round(time.time() - t_start, 1)
+    save()
+    print(render(meta, rows))
+
+
+KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_step_ms_median", "decode_step_ms_moving",
+        "decode_step_ms_still", "steps_moving", "planner_ms_per_step", "demoted_blocks", "promoted_blocks",
+        "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
+        "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes")
+
+
+def _pick(s: dict[str, Any]) -> dict[str, Any]:
+    return {k: s[k] for k in KEYS if k in s}
+
+
+def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = ["# End-to-end serving speed", "", "Command: `python bench/serve_speed.py --out-md "
+             "bench/results/serve_h200.md`", "", "`" + json.dumps(meta) + "`", "",
+             "| system | batch | prefill tok/s | decode tok/s | floor tok/s | % of floor | decode step ms "
+             "(moving / still) | planner ms/step | mean bits | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fl = r.get("floor_tps")
+        dec = r.get("decode_tps_measured", math.nan)
+        peak = r.get("device_peak_bytes", r.get("peak_device_bytes", math.nan))
+        lines.append(
+            f"| {r['system']} | {r['batch']} | {r.get('prefill_tps_measured', math.nan):.0f} | {dec:.1f} | "
+            f"{fl if fl is None else round(fl, 1)} | {'' if fl is None else round(100 * dec / fl, 1)} | "
+            f"{r.get('decode_step_ms_median', math.nan):.2f} ({r.get('decode_step_ms_moving', math.nan):.2f} / "
+            f"{r.get('decode_step_ms_still', math.nan):.2f}) | {r.get('planner_ms_per_step', math.nan):.3f} | "
+            f"{r.get('mean_bits_time_avg', math.nan):.2f} | {peak / 2**30:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
