@@ -76,13 +76,21 @@ def main() -> None:
         results[f"{pol}_moves"] = b.engine.totals.demoted_blocks + b.engine.totals.promoted_blocks
     results["big_budget_pagedweight_equals_uniform8"] = outs["pagedweight"] == outs["uniform"]
 
-    # (3) the demo workload under a tight budget
+    # (3) the demo workload under a tight budget, decode steps eager and replayed from CUDA graphs
     texts = document_prompts("c4", 24, 1200)
     ids = [tok(t).input_ids for t in texts]
     budget = parse_size(args.budget)
-    b = build_engine(model, args.artifacts, ServeConfig(budget, engine=EngineConfig(debug_checks=True)),
-                     SamplingParams(max_new_tokens=64), ids, {0}, device="cuda")
-    b.engine.run()
+    runs = {}
+    for graphs in (False, True):
+        b = build_engine(model, args.artifacts, ServeConfig(budget, engine=EngineConfig(debug_checks=True,
+                                                                                       cuda_graphs=graphs)),
+                         SamplingParams(max_new_tokens=64), ids, {0}, device="cuda")
+        b.engine.run()
+        runs[graphs] = b
+        results[f"graphs_{graphs}_decode_tokens_per_s"] = summarize(b.engine, b.info)["decode_tokens_per_second"]
+    results["graphs_equal_eager_outputs"] = [q.out for q in runs[True].engine.seqs.values()] == \
+        [q.out for q in runs[False].engine.seqs.values()]
+    b = runs[True]
     s = summarize(b.engine, b.info)
     results["all_complete"] = all(q.finish is not None and (len(q.out) == 64 or q.finish == "eos")
                                   for q in b.engine.seqs.values())

@@ -74,7 +74,8 @@ def make_case(ctx_lens: list[int], hq: int, hkv: int, d: int, block_size: int, d
             v_cache[base + v_off, : rows.stop - rows.start] = vd[rows]
         used += nb
     q = (2 * torch.randn(len(ctx_lens), hq, d, generator=g)).to(dtype)  # x2: sharper softmax rows too
-    return Case(q.to(device), k_cache.to(device), k_cache.to(device) if num_layers else v_cache.to(device),
+    kc = k_cache.to(device)  # one device copy: K and V must stay the same tensor when shared
+    return Case(q.to(device), kc, kc if num_layers else v_cache.to(device),
                 block_tables.to(device), torch.tensor(ctx_lens, dtype=torch.int32, device=device), k_off, v_off,
                 [t.to(device) for t in dense_k], [t.to(device) for t in dense_v])
 

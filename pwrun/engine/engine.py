@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from pwrun.engine.experts import ExpertStore
+from pwrun.engine.graphs import DecodeGraphs
 from pwrun.engine.kv_store import PooledKVCache
 from pwrun.engine.scheduler import Scheduler, Sequence, StepPlan
-from pwrun.kv.blocks import BlockTables
+from pwrun.kv.blocks import BlockTables, blocks_needed
 from pwrun.kv.pooled import PooledBlockAllocator
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.step import SeqChunk, StepTensors
@@ -36,13 +37,17 @@ from pwrun.sampling import SamplingParams, sample
 @dataclass(frozen=True)
 class EngineConfig:
     """``max_batch`` running requests; ``max_step_tokens`` tokens per step (chunked prefill);
-    ``lookahead_tokens``: tokens per running request the prepared plan provisions for."""
+    ``lookahead_tokens``: tokens per running request the prepared plan provisions for; ``cuda_graphs``:
+    replay decode steps from CUDA graphs (CUDA only); ``stats_every``: steps between reads of the live
+    routing statistics (each read is a small device -> host copy)."""
 
     block_size: int = 16
     max_batch: int = 16
     max_step_tokens: int = 512
     lookahead_tokens: int = 32
     debug_checks: bool = False
+    cuda_graphs: bool = True
+    stats_every: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_batch < 1 or self.max_step_tokens < 1 or self.lookahead_tokens < 0:
@@ -82,6 +87,7 @@ class Engine:
         self.totals = Totals()
         self.on_token: Callable[[Sequence], None] | None = None
         self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+        self.graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ KVCapacity
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
@@ -171,6 +177,14 @@ class Engine:
             self.seqs[c.rid].computed = end
         self.cache.map_blocks()
         step = StepTensors.build(chunks, self.model.device)
+        if self.cfg.cuda_graphs and self.model.device.type == "cuda" and step.decode_only:
+            if self.graphs is None:
+                width = max(blocks_needed(len(s.prompt) + s.max_new_tokens, self.cfg.block_size)
+                            for s in self.seqs.values())
+                self.graphs = DecodeGraphs(self.model, self.cache, self.store.moe, width,
+                                           [self.store.mass_acc, self.store.norm_acc])
+            if self.graphs.fits(step):
+                return self.graphs.run(step)
         return self.model.forward(step, self.cache, logits_for="last", moe=self.store.moe)  # type: ignore[arg-type]
 
     def step(self) -> None:
@@ -183,10 +197,11 @@ class Engine:
         if not plan.chunks:
             raise RuntimeError("no request fits in the KV cache even with every expert at its floor")
         logits = self._run(plan)
-        if self.planner is not None and self.planner.stats is not None:
+        if self.planner is not None and self.planner.stats is not None and \
+                self.totals.steps % self.cfg.stats_every == 0:
             mass, acc = self.store.take_stats()
             self.planner.stats.update(mass, acc)
-            self.planner.refresh()
+            self.planner.stale = True
         for c, row in zip(plan.chunks, logits, strict=True):
             s = self.seqs[c.rid]
             if len(c.token_ids) == 1 and c.start >= len(s.prompt) and c.last:

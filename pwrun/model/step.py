@@ -46,6 +46,7 @@ class StepTensors:
     block_tables: list[torch.Tensor]
     padded_tables: torch.Tensor | None = None  # [S, max_blocks] int32 (zero-padded) for paged kernels
     context_lens_t: torch.Tensor | None = None  # [S] int32
+    last_index: torch.Tensor | None = None  # [S] int64, see ``last_token_index``
 
     @property
     def decode_only(self) -> bool:
@@ -59,6 +60,8 @@ class StepTensors:
     @property
     def last_token_index(self) -> torch.Tensor:
         """[S] index into the T tokens of each sequence's last token (whose logits sample the next)."""
+        if self.last_index is not None:
+            return self.last_index
         return torch.tensor([e - 1 for e in self.query_start[1:]], device=self.tokens.device)
 
     @staticmethod

@@ -68,6 +68,7 @@ class Planner:
         self._bucket: np.ndarray | None = None
         self.prepared: Plan | None = None
         self._prepared_q: np.ndarray | None = None
+        self.stale = True  # the live statistics changed since d_hat was computed
 
     @staticmethod
     def _bit_drop_sens(table: BlockTable) -> np.ndarray:
@@ -90,9 +91,10 @@ class Planner:
             eta = self.heads.eta(self.table.bits, self.table.unit, self.stats.block_log_features(), self.cfg.alpha)
         self._d_hat = predicted_damage(self.table, self._bucket, self.policy, eta)
         self.prepared = None
+        self.stale = False
 
     def _state(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._d_hat is None or self._bucket is None:
+        if self._d_hat is None or self._bucket is None or self.stale:
             self.refresh()
         assert self._d_hat is not None and self._bucket is not None
         return self._d_hat, self._bucket
