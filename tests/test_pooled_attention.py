@@ -26,7 +26,8 @@ def test_kernel_on_pooled_cache_matches_gather_reference(dtype: torch.dtype) -> 
     pool = PagePool(PoolConfig(200, page))
     runs = [pool.allocate_run(n, WEIGHT) for n in (3, 5, 2, 7)]
     pool.release_run(runs[1], 5, WEIGHT)  # a hole between weight runs: KV pages land anywhere
-    memory = torch.full((200 * page,), 255, dtype=torch.uint8)  # NaN-ish poison outside written rows
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU, the compiled kernel on GPU
+    memory = torch.full((200 * page,), 255, dtype=torch.uint8, device=dev)  # NaN poison outside written rows
     alloc = PooledBlockAllocator(pool, layers)
     cache = PooledKVCache(memory, alloc, bs, hkv, d, dtype)
     tables = BlockTables(alloc, bs)
@@ -36,18 +37,18 @@ def test_kernel_on_pooled_cache_matches_gather_reference(dtype: torch.dtype) -> 
     cache.map_blocks()
     for layer in range(layers):
         for s, n in enumerate(lens):
-            slots = torch.tensor(tables.slots(s, 0, n))
-            cache.write(layer, slots, torch.randn(n, hkv, d, generator=g).to(dtype),
-                        torch.randn(n, hkv, d, generator=g).to(dtype))
+            slots = torch.tensor(tables.slots(s, 0, n), device=dev)
+            cache.write(layer, slots, torch.randn(n, hkv, d, generator=g).to(dtype).to(dev),
+                        torch.randn(n, hkv, d, generator=g).to(dtype).to(dev))
     width = max(len(tables.table(s)) for s in range(len(lens)))
-    bt = torch.tensor([tables.table(s) + [0] * (width - len(tables.table(s))) for s in range(len(lens))])
-    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    bt = torch.tensor([tables.table(s) + [0] * (width - len(tables.table(s))) for s in range(len(lens))], device=dev)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype).to(dev)
     for layer in range(layers):
         kt, vt = cache.layer_tables(layer, bt)
         out = paged_decode_attention(q, cache.pages, cache.pages, kt.to(torch.int32), torch.tensor(lens,
-                                     dtype=torch.int32), d**-0.5, v_block_tables=vt.to(torch.int32))
+                                     dtype=torch.int32, device=dev), d**-0.5, v_block_tables=vt.to(torch.int32))
         for s, n in enumerate(lens):
-            k, v = cache.gather(layer, torch.tensor(tables.table(s)), n)
+            k, v = cache.gather(layer, torch.tensor(tables.table(s), device=dev), n)
             ref = F.scaled_dot_product_attention(q[s:s + 1].float().transpose(0, 1), k.float().transpose(0, 1)
                                                  .repeat_interleave(hq // hkv, 0), v.float().transpose(0, 1)
                                                  .repeat_interleave(hq // hkv, 0), scale=d**-0.5).transpose(0, 1)

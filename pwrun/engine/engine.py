@@ -39,7 +39,8 @@ class EngineConfig:
     """``max_batch`` running requests; ``max_step_tokens`` tokens per step (chunked prefill);
     ``lookahead_tokens``: tokens per running request the prepared plan provisions for; ``cuda_graphs``:
     replay decode steps from CUDA graphs (CUDA only); ``stats_every``: steps between reads of the live
-    routing statistics (each read is a small device -> host copy)."""
+    routing statistics (each read is a small device -> host copy); ``max_raise_blocks``: blocks whose
+    reload may start in one step (spreads the host-side copy launches over steps)."""
 
     block_size: int = 16
     max_batch: int = 16
@@ -48,6 +49,7 @@ class EngineConfig:
     debug_checks: bool = False
     cuda_graphs: bool = True
     stats_every: int = 4
+    max_raise_blocks: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_batch < 1 or self.max_step_tokens < 1 or self.lookahead_tokens < 0:
@@ -152,13 +154,14 @@ class Engine:
             plan = self.planner.plan_raise(self.q_idx(), allowance, self.store.movable())
             self._planner_time(t0)
             if not plan.empty and allowance > 0:
-                started = self.store.begin_raise(plan.blocks, self.store.table.bits[plan.to_idx])
+                k = self.cfg.max_raise_blocks  # the plan is in benefit-per-byte order: take its head
+                started = self.store.begin_raise(plan.blocks[:k], self.store.table.bits[plan.to_idx[:k]])
                 self._step_actions["raising"] += len(started)
         t0 = time.perf_counter()
         ahead = sum(self.tables.extra_blocks(s.rid, s.computed + self.cfg.lookahead_tokens)
                     for s in self.scheduler.running)
         need = max(0, cfgp.free_threshold + 1 + ahead - self.alloc.num_free) * self.kv_block_bytes
-        if need > 0:
+        if need > 0 and not self.planner.is_prepared(self.q_idx(), need):
             self.planner.prepare(self.q_idx(), need, self.store.movable())
         self._planner_time(t0)
 

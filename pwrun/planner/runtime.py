@@ -130,6 +130,11 @@ class Planner:
         self.prepared = self.plan_lower(q_idx, need_bytes, movable)
         self._prepared_q = q_idx.copy()
 
+    def is_prepared(self, q_idx: np.ndarray, need_bytes: float) -> bool:
+        """A queued plan exists for the current bitwidths and frees at least ``need_bytes``."""
+        p, q0 = self.prepared, self._prepared_q
+        return p is not None and q0 is not None and p.freed >= need_bytes and np.array_equal(q0, q_idx)
+
     def take(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
         """The plan to execute now: the prepared one if still valid and sufficient, else a fresh one."""
         p, q0 = self.prepared, self._prepared_q
