@@ -199,7 +199,10 @@ class Engine:
         plan = self.scheduler.schedule(self)
         if not plan.chunks:
             raise RuntimeError("no request fits in the KV cache even with every expert at its floor")
+        t_model = time.perf_counter()
         logits = self._run(plan)
+        self._sync()  # sampling synchronises right after anyway; this makes the model's time measurable
+        self._model_s = time.perf_counter() - t_model
         if self.planner is not None and self.planner.stats is not None and \
                 self.totals.steps % self.cfg.stats_every == 0:
             mass, acc = self.store.take_stats()
@@ -241,7 +244,8 @@ class Engine:
     def _trace(self, plan: StepPlan, dt: float, raised: int) -> None:
         w = self.store.wpt
         self.totals.trace.append({
-            "step": self.totals.steps, "seconds": dt, "free_blocks": self.alloc.num_free,
+            "step": self.totals.steps, "seconds": dt, "model_seconds": self._model_s,
+            "free_blocks": self.alloc.num_free,
             "kv_pages": self.pool.count(KV), "weight_pages": self.pool.count(WEIGHT), "free_pages": self.pool.num_free,
             "pressure_bytes": int(self._step_actions["D"]), "lowered": self._step_actions["lowered"],
             "raise_started": self._step_actions["raising"], "raised": raised,
