@@ -255,6 +255,7 @@ class Engine:
             "waiting": len(self.scheduler.waiting), "preempted": len(plan.preempted),
             "step_tokens": sum(len(c.token_ids) for c in plan.chunks),
             "bits_hist": np.bincount(w.q, minlength=9).tolist(),
+            "device_peak_bytes": int(torch.cuda.max_memory_allocated()) if self.model.device.type == "cuda" else 0,
         })
 
     def check(self) -> None:
