@@ -90,8 +90,15 @@ def main() -> None:
         b = build_engine(model, args.artifacts, ServeConfig(budget, engine=EngineConfig(debug_checks=True,
                                                                                        cuda_graphs=graphs)),
                          SamplingParams(max_new_tokens=64), ids, {0}, device="cuda")
+        results[f"graphs_{graphs}_peak_after_build"] = int(torch.cuda.max_memory_allocated())
         b.engine.run()
         runs[graphs] = [q.out for q in b.engine.seqs.values()]
+        last, rises = 0, []
+        for r in b.engine.totals.trace:  # the steps at which the device peak rose, and what they ran
+            if r["device_peak_bytes"] > last:
+                rises.append((r["step"], r["device_peak_bytes"], r["step_tokens"], r["running"]))
+                last = r["device_peak_bytes"]
+        results[f"graphs_{graphs}_peak_rises"] = rises
         s = summarize(b.engine, b.info)
         results[f"graphs_{graphs}_decode_tokens_per_s"] = s["decode_tokens_per_second"]
         if graphs:
