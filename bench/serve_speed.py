@@ -344,7 +344,7 @@ def main() -> None:
         a = spec.layers[0].attention
         kv_req = (args.prompt_len + args.gen) * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2
         fixed = stripped.weights.num_bytes()
-        work = workspace_bytes(spec, 2048, b, max(args.prompt_len, 256) + args.gen, 2)
+        work = workspace_bytes(spec, 2048, b, max(args.prompt_len, 256) + args.gen, 2, cuda=DEV == "cuda")
         at4 = int(sum(table_at(table, spec, 4)))
         budget = int(fixed + work + at4 + 0.7 * b * kv_req)
         s = engine_run(stripped, src, table, "pagedweight", None, budget, reqs, args.gen, b)

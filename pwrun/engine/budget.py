@@ -34,8 +34,19 @@ def format_size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-def workspace_bytes(spec: ModelSpec, max_step_tokens: int, max_batch: int, max_context: int, elt: int) -> int:
-    """Upper bound of one step's activations in bytes (reference attention scores, MoE buffers, logits).
+def cublas_workspace_bytes() -> int:
+    """Bytes of one cuBLAS workspace as ``CUBLAS_WORKSPACE_CONFIG`` (``:KiB:count[:KiB:count]``) sets it."""
+    import os
+
+    cfg = os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    nums = [int(x) for x in re.findall(r"\d+", cfg)]
+    return sum(nums[i] * nums[i + 1] for i in range(0, len(nums) - 1, 2)) * 1024
+
+
+def workspace_bytes(spec: ModelSpec, max_step_tokens: int, max_batch: int, max_context: int, elt: int,
+                    cuda: bool = False) -> int:
+    """Upper bound of one step's activations in bytes (reference attention scores, MoE buffers, logits),
+    plus on CUDA the cuBLAS workspaces of the two streams that run GEMMs (compute, graph capture).
 
     ``elt``: bytes per activation element. Generous on purpose: it is measured against the real peak
     on the GPU by the serving summary.
@@ -50,4 +61,4 @@ def workspace_bytes(spec: ModelSpec, max_step_tokens: int, max_batch: int, max_c
     moe = t * k * (2 * inter * elt + h * 4) * 2 + t * 2 * inter * 4
     hidden = t * (8 * h + 3 * a.num_heads * a.head_dim) * 4
     logits = max_batch * spec.vocab_size * 8
-    return attention + moe + hidden + logits
+    return attention + moe + hidden + logits + (2 * cublas_workspace_bytes() if cuda else 0)

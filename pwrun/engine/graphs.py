@@ -32,6 +32,8 @@ class DecodeGraphs:
         self.keep_state = keep_state
         self._graphs: dict[int, tuple[StepTensors, torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
+        # one side stream for every warm-up and capture: each new stream would get its own cuBLAS workspace
+        self._side = torch.cuda.Stream(model.device)
 
     def fits(self, step: StepTensors) -> bool:
         return step.decode_only and step.padded_tables is not None and step.padded_tables.shape[1] <= self.max_blocks
@@ -58,14 +60,14 @@ class DecodeGraphs:
             last_index=torch.arange(s, device=dev))
         self._load(st, step)
         saved = [t.clone() for t in self.keep_state]
-        side = torch.cuda.Stream(dev)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):  # compile/autotune every kernel outside the capture
                 self.model.forward(st, self.cache, logits_for="last", moe=self.moe)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             out = self.model.forward(st, self.cache, logits_for="last", moe=self.moe)
         self._pool = graph.pool()
         for t, v in zip(self.keep_state, saved, strict=True):

@@ -170,7 +170,8 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     elt = torch.empty((), dtype=dt).element_size()
     longest = max(len(r) + n for r, n in zip(requests, new_tokens, strict=True))
     fixed = model.weights.num_bytes()
-    work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt)
+    work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt,
+                           cuda=dev.type == "cuda")
     pool_bytes = cfg.gpu_memory - fixed - work
     kv_block_bytes = 2 * spec.num_layers * page_bytes
     min_kv_pages = blocks_needed(longest, ecfg.block_size) * 2 * spec.num_layers
