@@ -11,3 +11,11 @@ from __future__ import annotations
 
 class PagedWeightError(Exception):
     """Bad input or an unsupported model, explained in one line with the fix."""
+
+
+class BudgetTooSmall(PagedWeightError):
+    """A ``--gpu-memory`` below what the experts' floors and the longest request need; ``minimum`` in bytes."""
+
+    def __init__(self, message: str, minimum: int) -> None:
+        super().__init__(message)
+        self.minimum = minimum

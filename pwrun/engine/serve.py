@@ -26,7 +26,7 @@ from pwrun.engine.experts import ExpertStore, page_rounded_bytes
 from pwrun.engine.kv_store import PooledKVCache
 from pwrun.engine.policies import check_policy, planner_config
 from pwrun.engine.scheduler import Sequence
-from pwrun.errors import PagedWeightError
+from pwrun.errors import BudgetTooSmall, PagedWeightError
 from pwrun.kv.blocks import blocks_needed
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
 from pwrun.model.lean import LeanMoEModel
@@ -191,12 +191,12 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     num_pages = max(pool_bytes // page_bytes, 0)
     if floor_bytes + min_kv_pages * page_bytes > num_pages * page_bytes:
         minimum = fixed + work + floor_bytes + min_kv_pages * page_bytes
-        raise PagedWeightError(
+        raise BudgetTooSmall(
             f"--gpu-memory {format_size(cfg.gpu_memory)} is too small: the experts at their floors need "
             f"{format_size(floor_bytes)} and the longest request ({longest} tokens) "
             f"{format_size(min_kv_pages * page_bytes)} of KV, besides {format_size(fixed)} of 16-bit non-expert "
             f"weights and {format_size(work)} of step workspace (lower --max-step-tokens / --max-batch to shrink "
-            f"it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB")
+            f"it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
     pool = PagePool(PoolConfig(int(num_pages), page_bytes))
     memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)
     store = ExpertStore(source, model, table, pool, memory, use_kernel=dev.type == "cuda")
