@@ -146,10 +146,14 @@ class Engine:
             self._lower(d)
         elif free > cfgp.reload_threshold and cfgp.movement:
             t0 = time.perf_counter()
-            # keep the blocks that the requests about to be admitted will take (their prompts + lookahead)
+            # reload only what no request will need: keep the blocks the running requests may still take up
+            # to their last token, and those of the requests about to be admitted (prompts + lookahead);
+            # a narrower margin made the planner demote and reload the same blocks over and over
             slots = max(0, self.cfg.max_batch - len(self.scheduler.running))
             soon = sum(self.tables.extra_blocks(s.rid, len(s.tokens) + self.cfg.lookahead_tokens)
                        for s in list(self.scheduler.waiting)[:slots])
+            soon += sum(self.tables.extra_blocks(s.rid, len(s.prompt) + s.max_new_tokens)
+                        for s in self.scheduler.running)
             allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
             plan = self.planner.plan_raise(self.q_idx(), allowance, self.store.movable())
             self._planner_time(t0)
