@@ -290,6 +290,7 @@ def main() -> None:
     ap.add_argument("--out-md", type=Path, required=True)
     ap.add_argument("--time-limit", type=float, default=520.0, help="seconds; later rows are skipped past it")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--only-pressure", action="store_true", help="only the PagedWeight-under-pressure rows")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--big-budget-gib", type=float, default=60.0, help="budget of the no-pressure runs (GiB)")
     args = ap.parse_args()
@@ -318,7 +319,7 @@ def main() -> None:
     def over() -> bool:
         return time.time() - t_start > args.time_limit
 
-    for b in batches:
+    for b in [] if args.only_pressure else batches:
         reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
         r = lean16_run(model, reqs, min(args.gen, 32))
         rows.append({"system": "ours 16-bit (lean reference)", "batch": b, **r,
@@ -326,7 +327,7 @@ def main() -> None:
         save()
     stripped = strip_experts(model, torch.device(DEV))  # the 16-bit experts leave the device
     reset_peak()
-    for b in batches:
+    for b in [] if args.only_pressure else batches:
         reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
         for q in [int(x) for x in args.bits.split(",")]:
             if over():
