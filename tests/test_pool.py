@@ -95,3 +95,23 @@ def test_runs_and_top_allocation() -> None:
     with pytest.raises(OutOfPages):
         pool.allocate_run(10, WEIGHT)
     pool.check()
+
+
+def test_find_run_is_first_fit_like_a_full_scan() -> None:
+    rng = random.Random(3)
+    pool = PagePool(PoolConfig(num_pages=3000, page_bytes=8))
+    runs = []
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        try:
+            runs.append((pool.allocate_run(n, WEIGHT), n))
+        except OutOfPages:
+            break
+        if runs and rng.random() < 0.4:
+            s, k = runs.pop(rng.randrange(len(runs)))
+            pool.release_run(s, k, WEIGHT)
+        want = rng.randint(1, 40)
+        free = np.concatenate(([0], np.cumsum(pool._kind == 0)))
+        ok = np.flatnonzero(free[want:] - free[:-want] == want)
+        assert pool.find_run(want) == (int(ok[0]) if ok.size else -1)
+    pool.check()

@@ -89,11 +89,14 @@ class PagePool:
         if n <= 0:
             raise ValueError("a run needs at least one page")
         lo = self._low
-        while lo < self.cfg.num_pages and self._kind[lo] != FREE:
-            lo += 1
+        if lo < self.cfg.num_pages and self._kind[lo] != FREE:
+            rest = self._kind[lo:] == FREE
+            lo = lo + int(rest.argmax()) if rest.any() else self.cfg.num_pages
         self._low = lo
-        # look near the lowest free page first (O(n) while the bottom fills up in order), then everywhere
-        for hi in (min(lo + 4 * n + 64, self.cfg.num_pages), self.cfg.num_pages):
+        # first fit in growing windows from the lowest free page: the same answer as one scan of the whole
+        # pool, but reloads find the holes demotions left near the bottom without an O(pages) pass each
+        for width in (4 * n + 64, 16 * n + 4096, 64 * n + 65536, self.cfg.num_pages):
+            hi = min(lo + width, self.cfg.num_pages)
             f = (self._kind[lo:hi] == FREE).astype(np.int64)
             if f.size < n:
                 continue
@@ -101,6 +104,8 @@ class PagePool:
             ok = np.flatnonzero(c[n:] - c[:-n] == n)
             if ok.size:
                 return lo + int(ok[0])
+            if hi == self.cfg.num_pages:
+                break
         return -1
 
     def allocate_run(self, n: int, kind: int = WEIGHT) -> int:
