@@ -1,7 +1,8 @@
 """``pwrun``: the lean runtime's command line (Typer). Wiring only: each command parses its
 options and calls a plain function of the package.
 
-Commands: ``generate`` (text from prompts), ``ppl`` (perplexity on bundled or local text).
+Commands: ``generate`` (text from prompts), ``ppl`` (perplexity on bundled or local text), ``prompts``
+(a workload of real prompts), ``eval`` (serving-time evaluation, ``cli_eval.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
+from pwrun import cli_eval
 from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, default_model, user_errors
 from pwrun.data import read_jsonl_field
 from pwrun.errors import PagedWeightError
@@ -23,6 +25,7 @@ from pwrun.errors import PagedWeightError
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
                   add_completion=False)
 console = Console(stderr=True)
+app.add_typer(cli_eval.app, name="eval")
 
 
 def _read_prompts(path: Path) -> list[str]:

@@ -208,8 +208,11 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         peak = sorted((blocks_needed(len(r) + n, ecfg.block_size) for r, n in zip(requests, new_tokens, strict=True)),
                       reverse=True)[: ecfg.max_batch]
         budget = num_pages * page_bytes - max(sum(peak) * kv_block_bytes, min_kv_pages * page_bytes)
-        fit = fit_budget(table, BucketPolicy.neutral(int(bits[0])), budget)
-        q0 = floor_idx if fit is None else np.maximum(fit, floor_idx)
+        # global sensitivity only (mu = 1), within the same floors: raising a neutral fit to the floors
+        # afterwards could overflow the pool and leave no room for even one request
+        fit = fit_budget(table, BucketPolicy(policy.quantiles, (1.0,) * policy.num_buckets, (policy.floors[-1],),
+                                             policy.depth_cap), budget)
+        q0 = floor_idx if fit is None else fit
     else:
         fit = fit_budget(table, policy if (pcfg and pcfg.use_routing) else BucketPolicy.neutral(int(bits[0])),
                          num_pages * page_bytes - reserve)

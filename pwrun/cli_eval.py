@@ -1,0 +1,196 @@
+"""``pwrun eval``: serving-time evaluation commands (Typer). Wiring only: each command parses its options
+and calls ``pwrun.eval``.
+
+Commands: ``run`` (one suite under one or more budgets with one policy -> rows appended to a results
+table), ``sweep`` (every policy x budget on both suites, then the figures and tables), ``report``
+(figures and tables from a results table).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, default_model, user_errors
+from pwrun.errors import PagedWeightError
+
+app = typer.Typer(help="Serving-time evaluation: quality of teacher-forced continuations while the runtime serves "
+                  "a real-text workload under a memory budget (pwrun eval run / sweep / report).",
+                  no_args_is_help=True, add_completion=False)
+console = Console(stderr=True)
+
+ArtifactsOpt = Annotated[Path, typer.Option(help="Artifact directory from `pwcal run-all`.")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's choice; 1 avoids "
+                                                "oversubscription when other jobs share the cores).")]
+DEMO_ARTIFACTS = Path("artifacts/runs/tiny-ap")
+
+
+def _progress(t0: float) -> Any:
+    def show(r: dict[str, Any]) -> None:
+        q = " ".join(f"{k.removesuffix('_ppl')} {r[k]:.3f}" for k in ("wikitext2_ppl", "c4_ppl", "qmsum_ppl")
+                     if r.get(k) is not None)
+        if r.get("retrieval_acc") is not None:
+            q += f" retrieval {r['retrieval_acc']:.3f}"
+        name = r["policy"] + (f" {r['bits']}-bit" if r["policy"] == "uniform" else "")
+        console.print(f"[dim]{time.perf_counter() - t0:7.1f}s {r['suite']:5s} {name:18s} {r['budget']:6s} "
+                      f"{r['gpu_memory'] / 2**20:8.2f} MiB  {q or r.get('note', '')}[/dim]", highlight=False,
+                      soft_wrap=True)
+    return show
+
+
+def _check_out(path: Path, suffix: str | None) -> None:
+    if suffix is not None and path.suffix != suffix:
+        raise PagedWeightError(f"--out {path} must end in {suffix}")
+    parent = path.parent if suffix is not None else path
+    if suffix is None and path.exists() and not path.is_dir():
+        raise PagedWeightError(f"--out {path} is a file: give a directory")
+    if suffix is not None and (path.is_dir() or not parent.is_dir()):
+        raise PagedWeightError(f"cannot write --out {path}: {parent} is missing or {path} is a directory")
+
+
+@app.command()
+def run(
+    out: Annotated[Path, typer.Option(help="Results table (.parquet) to append one row per budget to.")],
+    gpu_memory: Annotated[str, typer.Option(help="Budget(s), comma-separated: sizes (48MiB, 1.5GB) or labels: U<b> "
+                                            "(uniform b's static footprint for this workload), FP16 (the 16-bit "
+                                            "model's), min (the smallest PagedWeight accepts).")] = "U4",
+    policy: Annotated[str, typer.Option(help="pagedweight, uniform (needs --bits), static, an ablation (no-routing,"
+                                        " no-residual, no-movement, no-sensitivity), or 16-bit (the reference "
+                                        "model, charged its footprint; no --gpu-memory).")] = "pagedweight",
+    bits: Annotated[int | None, typer.Option(help="With --policy uniform: every expert at this many bits.")] = None,
+    suite: Annotated[str, typer.Option(help="text (WikiText-2 + C4 windows) or long (passage retrieval + QMSum "
+                                       "windows).")] = "text",
+    requests: Annotated[int | None, typer.Option(min=1, help="text: windows per dataset (48); long: QMSum meetings "
+                                                 "(16, 2 windows each).")] = None,
+    questions: Annotated[int | None, typer.Option(min=1, help="long: retrieval questions (24).")] = None,
+    prompt_tokens: Annotated[int | None, typer.Option(min=1, help="Prompt tokens per window (text 192, QMSum "
+                                                      "448).")] = None,
+    continuation_tokens: Annotated[int | None, typer.Option(min=1, help="Scored continuation tokens per window "
+                                                            "(64).")] = None,
+    concurrency: Annotated[int | None, typer.Option(min=1, help="Requests running at once, max_batch (text 16, "
+                                                    "long 32).")] = None,
+    max_step_tokens: Annotated[int | None, typer.Option(min=1, help="Tokens per engine step (text 256, long "
+                                                        "512).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the window offsets and retrieval questions.")] = 0,
+    trace: Annotated[Path | None, typer.Option(help="Write the last run's per-step trace here (.parquet).")] = None,
+    artifacts: ArtifactsOpt = DEMO_ARTIFACTS,
+    model: ModelOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Score one suite under each budget with one policy; append one row per budget to --out."""
+    from dataclasses import replace
+
+    from pwrun.engine.budget import parse_size
+    from pwrun.eval.results import append_rows, read_table, write_frame
+    from pwrun.eval.runs import Evaluator, LongSpec, TextSpec, set_threads
+    from pwrun.eval.sweep import budgets, is_label
+
+    with user_errors():
+        _check_out(out, ".parquet")
+        if trace is not None:
+            _check_out(trace, ".parquet")
+        if out.is_file():
+            read_table(out)  # refuse a foreign table before spending minutes
+        if suite not in ("text", "long"):
+            raise PagedWeightError(f"unknown --suite {suite!r}: text or long")
+        if policy == "16-bit" and (bits is not None or trace is not None):
+            raise PagedWeightError("--policy 16-bit scores the reference model: no --bits or --trace")
+        set_threads(threads)
+        ev = Evaluator(model or default_model(), artifacts, device, dtype)
+        if suite == "text":
+            t = TextSpec()
+            s = ev.text_suite(replace(t, per_dataset=requests or t.per_dataset,
+                                      prompt_tokens=prompt_tokens or t.prompt_tokens,
+                                      continuation_tokens=continuation_tokens or t.continuation_tokens, seed=seed,
+                                      max_batch=concurrency or t.max_batch,
+                                      max_step_tokens=max_step_tokens or t.max_step_tokens))
+        else:
+            ls = LongSpec()
+            s = ev.long_suite(replace(ls, retrieval=replace(ls.retrieval, questions=questions or ls.retrieval.questions,
+                                                            seed=seed),
+                                      meetings=requests or ls.meetings, prompt_tokens=prompt_tokens or ls.prompt_tokens,
+                                      continuation_tokens=continuation_tokens or ls.continuation_tokens, seed=seed,
+                                      max_batch=concurrency or ls.max_batch,
+                                      max_step_tokens=max_step_tokens or ls.max_step_tokens))
+        show = _progress(time.perf_counter())
+        if policy == "16-bit":
+            ev.measure_peak_kv(s)
+            row = ev.reference(s)
+            append_rows(out, [row])
+            show(row)
+            return
+        specs = [x.strip() for x in gpu_memory.split(",") if x.strip()]
+        if not specs:
+            raise PagedWeightError("--gpu-memory needs at least one budget")
+        sizes = {x: parse_size(x) for x in specs if not is_label(x)}
+        labels = tuple(x for x in specs if is_label(x))
+        budgets(ev, s, tuple(x for x in labels if x != "min"))  # check the labels before the peak-KV run
+        if any(x != "min" for x in labels):
+            ev.measure_peak_kv(s)
+        known = {**budgets(ev, s, labels), **sizes}
+        for x in specs:
+            budget = known[x]
+            row = ev.run(s, policy, budget, x if is_label(x) else "custom", bits)
+            append_rows(out, [row])
+            show(row)
+        if trace is not None and ev.last.trace is not None:
+            write_frame(ev.last.trace, trace)
+
+
+@app.command()
+def sweep(
+    out: Annotated[Path, typer.Option(help="Folder for results.parquet, the figures (PNG) and tables (markdown).")
+                   ] = Path("docs/eval"),
+    quick: Annotated[bool, typer.Option(help="A seconds-long sweep on tiny workloads (for tests).")] = False,
+    long: Annotated[bool, typer.Option(help="Include the long-context suite.")] = True,
+    artifacts: ArtifactsOpt = DEMO_ARTIFACTS,
+    model: ModelOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Every policy x budget on both suites -> results.parquet, then every figure and table (one command)."""
+    from dataclasses import replace
+
+    from pwrun.eval.figures import write_report
+    from pwrun.eval.runs import Evaluator, set_threads
+    from pwrun.eval.sweep import QUICK, SweepSpec, run_sweep
+
+    with user_errors():
+        _check_out(out, None)
+        set_threads(threads)
+        ev = Evaluator(model or default_model(), artifacts, device, dtype)
+        spec = QUICK if quick else SweepSpec()
+        if not long:
+            spec = replace(spec, long=None)
+        t0 = time.perf_counter()
+        results = run_sweep(ev, spec, out, on_row=_progress(t0))
+        files = write_report(results, out)
+        console.print(f"sweep done in {time.perf_counter() - t0:.0f} s: {results} and "
+                      f"{', '.join(f.name for f in files)}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def report(
+    results: Annotated[Path, typer.Option(help="Results table from `pwrun eval run` or `sweep`.")] = Path(
+        "docs/eval/results.parquet"),
+    out: Annotated[Path | None, typer.Option(help="Folder for the figures and tables (default: beside --results).")
+                   ] = None,
+) -> None:
+    """Figures (PNG) and markdown tables from a results table."""
+    from pwrun.eval.figures import write_report
+
+    with user_errors():
+        folder = out or results.parent
+        _check_out(folder, None)
+        try:
+            files = write_report(results, folder)
+        except ValueError as exc:
+            raise PagedWeightError(f"{results}: {exc}") from exc
+        console.print("wrote " + ", ".join(str(f) for f in files), highlight=False, soft_wrap=True)

@@ -1,0 +1,282 @@
+"""Figures and markdown tables from an evaluation results table (the analogues of the paper's Fig. 5, Tables 2, 4).
+
+What it does: ``write_report`` reads ``results.parquet`` and writes into a folder:
+``quality_memory.png`` (perplexity vs total memory for every policy, WikiText-2 and C4),
+``expert_memory.png`` (perplexity vs expert bytes in force, as a share of their 16-bit bytes),
+``long_context.png`` (retrieval accuracy and QMSum perplexity at the long suite's fixed budgets),
+and the markdown tables ``quality_memory.md``, ``long_context.md``, ``ablations.md`` and
+``targets.md`` (issue 7's targets (a), (b), (c), checked on the numbers). Pure reading and plotting
+(matplotlib, Agg backend); the sweep that makes the table is ``sweep.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from pwrun.eval.results import read_results
+
+MIB = 2**20
+DATASETS = {"wikitext2": "WikiText-2", "c4": "C4"}
+STYLE = {"pagedweight": ("C3", "o", "-"), "static": ("C2", "s", "--"), "uniform": ("C0", "^", ":"),
+         "no-routing": ("C4", "v", "none"), "no-residual": ("C5", "<", "none"), "no-movement": ("C6", ">", "none"),
+         "no-sensitivity": ("C7", "D", "none")}
+MEMORY_HEAD = ("| policy | budget | total MiB | fixed MiB | workspace MiB | experts in force MiB (% of 16-bit) "
+               "| KV peak MiB | mean bits")
+WITHIN = 0.01  # target (a): within 1% of the 16-bit perplexity
+EXPERT_SHARE = 0.30  # target (a): expert bytes in force at most 30% of their 16-bit bytes
+
+
+def _ok(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df.note.isna()]
+
+
+def _ref(df: pd.DataFrame, suite: str) -> pd.Series:
+    ref = df[(df.suite == suite) & (df.policy == "16-bit")]
+    if ref.empty:
+        raise ValueError(f"the results have no 16-bit row for the {suite} suite")
+    return ref.iloc[-1]
+
+
+def _pct(x: float, base: float) -> str:
+    return f"{100 * (x / base - 1):+.2f}%"
+
+
+def quality_memory_figure(df: pd.DataFrame, path: Path, x: str = "gpu_memory") -> None:
+    """Perplexity vs memory (``x``: ``gpu_memory`` total bytes, or ``expert_share``) per dataset, every policy."""
+    text = _ok(df[df.suite == "text"]).copy()
+    text["expert_share"] = text.expert_bytes_mean / text.expert_bytes_16bit
+    ref = _ref(df, "text")
+    fig, axes = plt.subplots(1, len(DATASETS), figsize=(12, 4.6))
+    for ax, (col, name) in zip(axes, DATASETS.items(), strict=True):
+        scale = MIB if x == "gpu_memory" else 0.01
+        base = ref[f"{col}_ppl"]
+        ax.axhline(base, color="k", lw=1, label="16-bit")
+        ax.axhspan(base, base * (1 + WITHIN), color="k", alpha=0.07, label="16-bit +1%")
+        ref_x = ref.gpu_memory if x == "gpu_memory" else 1.0
+        ax.plot([ref_x / scale], [base], "k*", ms=12)
+        for policy, (color, marker, ls) in STYLE.items():
+            d = text[text.policy == policy].sort_values(x)
+            if d.empty:
+                continue
+            ax.plot(d[x] / scale, d[f"{col}_ppl"], color=color, marker=marker, ls=ls, label=policy)
+            if policy == "uniform":
+                for _, r in d.iterrows():
+                    ax.annotate(f"{int(r.bits)}b", (r[x] / scale, r[f"{col}_ppl"]), textcoords="offset points",
+                                xytext=(4, 4), fontsize=8, color=color)
+        if x == "expert_share":
+            ax.axvline(100 * EXPERT_SHARE, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("total memory (MiB)" if x == "gpu_memory" else "expert bytes in force (% of 16-bit, time-avg)")
+        ax.set_ylabel(f"{name} perplexity")
+        ax.set_title(f"{name}: continuations scored while serving")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def long_context_figure(df: pd.DataFrame, path: Path) -> None:
+    """Retrieval accuracy and QMSum perplexity per policy at each long-suite budget (uniform b at its own U<b>)."""
+    lon = _ok(df[df.suite == "long"])
+    ref = _ref(df, "long")
+    labels = [b for b in dict.fromkeys(lon[lon.policy == "pagedweight"].budget)]
+    policies = ["uniform", "static", "pagedweight"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    width = 0.8 / len(policies)
+    for ax, (col, name) in zip(axes, [("retrieval_acc", "retrieval top-1 accuracy"), ("qmsum_ppl", "QMSum perplexity")],
+                               strict=True):
+        for k, policy in enumerate(policies):
+            rows = [_at(lon, policy, lab) for lab in labels]
+            vals = [np.nan if r is None else r[col] for r in rows]
+            ax.bar(np.arange(len(labels)) + k * width, vals, width, label=policy, color=STYLE[policy][0])
+        ax.axhline(ref[col], color="k", lw=1, label="16-bit")
+        if col == "retrieval_acc":
+            ax.axhline(1 / ref.retrieval_candidates, color="grey", lw=1, ls="--", label="chance")
+            ax.set_ylim(0, 1)
+        ax.set_xticks(np.arange(len(labels)) + width * (len(policies) - 1) / 2)
+        ax.set_xticklabels([f"{lab}\n{_budget(lon, lab) / MIB:.1f} MiB" for lab in labels])
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3, axis="y")
+        if col == "qmsum_ppl":
+            lo = np.nanmin([ref[col], *lon[col]])
+            ax.set_ylim(lo * 0.95, None)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Long-context requests (contexts up to the model's 512 trained tokens, 32 at once) at fixed budgets")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _at(d: pd.DataFrame, policy: str, label: str) -> pd.Series | None:
+    """The row of ``policy`` at budget ``label``; uniform is taken at its own footprint U<b> = ``label``."""
+    if policy == "uniform":
+        rows = d[(d.policy == "uniform") & (d.budget == label)]
+    else:
+        rows = d[(d.policy == policy) & (d.budget == label)]
+    return None if rows.empty else rows.iloc[-1]
+
+
+def _budget(d: pd.DataFrame, label: str) -> float:
+    return float(d[d.budget == label].gpu_memory.iloc[0])
+
+
+def _memory_cols(r: pd.Series) -> list[str]:
+    share = r.expert_bytes_mean / r.expert_bytes_16bit
+    return [f"{r.gpu_memory / MIB:.2f}", f"{r.fixed_bytes / MIB:.2f}", f"{r.workspace_bytes / MIB:.2f}",
+            f"{r.expert_bytes_mean / MIB:.2f} ({100 * share:.0f}%)", f"{r.kv_bytes_max / MIB:.2f}",
+            f"{r.mean_bits:.2f}"]
+
+
+def _speed_cols(r: pd.Series) -> list[str]:
+    tps = "-" if pd.isna(r.tokens_per_second) else f"{r.tokens_per_second:.0f}"
+    return [tps, str(int(r.preemptions))]
+
+
+def _order(d: pd.DataFrame) -> pd.DataFrame:
+    rank = {p: i for i, p in enumerate(["16-bit", "uniform", "static", "pagedweight", *list(STYLE)[3:]])}
+    return d.assign(_r=d.policy.map(rank), _m=d.gpu_memory).sort_values(["_r", "_m"]).drop(columns=["_r", "_m"])
+
+
+def quality_memory_table(df: pd.DataFrame) -> str:
+    """Markdown: every text-suite run (policy x budget) with its memory split and perplexities."""
+    text = df[df.suite == "text"]
+    ref = _ref(df, "text")
+    head = (MEMORY_HEAD + " | WikiText-2 ppl (vs 16-bit) | C4 ppl (vs 16-bit) | tokens/s | preemptions |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for _, r in _order(text).iterrows():
+        name = f"uniform {int(r.bits)}-bit" if r.policy == "uniform" else r.policy
+        if isinstance(r.note, str):
+            lines.append(f"| {name} | {r.budget} | {r.gpu_memory / MIB:.2f} | {r.note} |" + " |" * 9)
+            continue
+        q = [f"{r[f'{c}_ppl']:.3f} ({_pct(r[f'{c}_ppl'], ref[f'{c}_ppl'])})" for c in DATASETS]
+        lines.append(f"| {name} | {r.budget} | " + " | ".join(_memory_cols(r) + q + _speed_cols(r)) + " |")
+    return "\n".join(lines)
+
+
+def long_context_table(df: pd.DataFrame) -> str:
+    """Markdown: every long-suite run with retrieval accuracy and QMSum perplexity."""
+    lon = df[df.suite == "long"]
+    ref = _ref(df, "long")
+    note = (f"Retrieval: {int(ref.retrieval_questions)} questions of {int(ref.retrieval_candidates)} passages "
+            f"(chance {1 / ref.retrieval_candidates:.2f}); QMSum: {int(ref.qmsum_tokens)} scored tokens.\n\n")
+    head = (MEMORY_HEAD + " | retrieval top-1 | QMSum ppl (vs 16-bit) | tokens/s | preemptions |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for _, r in _order(lon).iterrows():
+        name = f"uniform {int(r.bits)}-bit" if r.policy == "uniform" else r.policy
+        if isinstance(r.note, str):
+            lines.append(f"| {name} | {r.budget} | {r.gpu_memory / MIB:.2f} | {r.note} |" + " |" * 9)
+            continue
+        q = [f"{r.retrieval_acc:.3f}", f"{r.qmsum_ppl:.3f} ({_pct(r.qmsum_ppl, ref.qmsum_ppl)})"]
+        lines.append(f"| {name} | {r.budget} | " + " | ".join(_memory_cols(r) + q + _speed_cols(r)) + " |")
+    return note + "\n".join(lines)
+
+
+def ablation_table(df: pd.DataFrame) -> str:
+    """Markdown: full PagedWeight vs each ablation at the ablation budgets (text suite), perplexity and change."""
+    text = _ok(df[df.suite == "text"])
+    abl = [p for p in list(STYLE)[3:] if p in set(text.policy)]
+    labels = list(dict.fromkeys(text[text.policy.isin(abl)].budget))
+    head = "| budget | variant | WikiText-2 ppl (vs full) | C4 ppl (vs full) | mean bits | demoted / promoted blocks |"
+    lines = [head, "|---|---|---|---|---|---|"]
+    for lab in labels:
+        full = _at(text, "pagedweight", lab)
+        if full is None:
+            continue
+        for policy in ["pagedweight", *abl]:
+            r = _at(text, policy, lab)
+            if r is None:
+                continue
+            q = [f"{r[f'{c}_ppl']:.3f} ({_pct(r[f'{c}_ppl'], full[f'{c}_ppl'])})" for c in DATASETS]
+            name = "full PagedWeight" if policy == "pagedweight" else f"w/o {policy.removeprefix('no-')}"
+            lines.append(f"| {lab} ({r.gpu_memory / MIB:.2f} MiB) | {name} | {q[0]} | {q[1]} | {r.mean_bits:.2f} | "
+                         f"{int(r.demoted_blocks)} / {int(r.promoted_blocks)} |")
+    return "\n".join(lines)
+
+
+def _uniform_at(text: pd.DataFrame, budget: float) -> pd.Series | None:
+    """The best uniform run whose footprint fits ``budget`` (equal or less total memory)."""
+    u = text[(text.policy == "uniform") & (text.gpu_memory <= budget)]
+    return None if u.empty else u.sort_values("bits").iloc[-1]
+
+
+def targets(df: pd.DataFrame) -> str:
+    """Markdown: issue 7's targets (a), (b), (c) checked on the text suite's numbers."""
+    text = _ok(df[df.suite == "text"])
+    ref = _ref(df, "text")
+    pw = text[text.policy == "pagedweight"].sort_values("gpu_memory")
+    out = ["## (a) PagedWeight within 1% of 16-bit perplexity with experts in force <= 30% of their 16-bit bytes", ""]
+    share = pw.expert_bytes_mean / pw.expert_bytes_16bit
+    within = np.ones(len(pw), bool)
+    for c in DATASETS:
+        within &= (pw[f"{c}_ppl"] <= ref[f"{c}_ppl"] * (1 + WITHIN)).to_numpy()
+    met = bool((within & (share <= EXPERT_SHARE).to_numpy()).any())
+    out.append(f"**{'met' if met else 'not met'}.** Per PagedWeight run: expert share in force and perplexity change"
+               " against 16-bit:")
+    out.append("")
+    for (_, r), s, w in zip(pw.iterrows(), share, within, strict=True):
+        out.append(f"- {r.budget} ({r.gpu_memory / MIB:.2f} MiB): experts {100 * s:.1f}% of 16-bit; WikiText-2 "
+                   f"{_pct(r.wikitext2_ppl, ref.wikitext2_ppl)}, C4 {_pct(r.c4_ppl, ref.c4_ppl)}"
+                   f"{' (within 1%)' if w else ''}")
+    if within.any():
+        best = share[within].min()
+        out.append(f"\nSmallest expert share within 1% of 16-bit: {100 * best:.1f}%.")
+    out += ["", "## (b) PagedWeight no worse than uniform APL at equal total memory; strictly better where uniform"
+            " loses > 1%", "",
+            "Uniform b is charged its static footprint U<b> (non-expert weights + workspace + b-bit "
+            "experts + the workload's peak KV, so it serves the same concurrency without queueing); PagedWeight runs "
+            "under exactly that budget. At other budgets the best uniform that fits is used.", "",
+            "| budget | MiB | uniform | WikiText-2: PagedWeight / uniform | C4: PagedWeight / uniform | verdict |",
+            "|---|---|---|---|---|---|"]
+    all_ok = True
+    for _, r in pw.iterrows():
+        u = _uniform_at(text, r.gpu_memory)
+        if u is None:
+            out.append(f"| {r.budget} | {r.gpu_memory / MIB:.2f} | none fits | | | n/a |")
+            continue
+        verdicts = []
+        cells = []
+        for c in DATASETS:
+            p, q, base = r[f"{c}_ppl"], u[f"{c}_ppl"], ref[f"{c}_ppl"]
+            need_strict = q > base * (1 + WITHIN)
+            ok = p < q if need_strict else p <= q
+            verdicts.append(ok)
+            cells.append(f"{p:.3f} / {q:.3f} ({_pct(p, q)}){' strict' if need_strict else ''}")
+        ok = all(verdicts)
+        all_ok &= ok
+        out.append(f"| {r.budget} | {r.gpu_memory / MIB:.2f} | {int(u.bits)}-bit | {cells[0]} | {cells[1]} | "
+                   f"{'met' if ok else 'NOT met'} |")
+    out.insert(out.index("## (b) PagedWeight no worse than uniform APL at equal total memory; strictly better where "
+                         "uniform loses > 1%") + 1, f"\n**{'met at every budget' if all_ok else 'not met everywhere'}"
+               ".**")
+    out += ["", "## (c) The four ablations", "", "As measured (see ablations.md):", "", ablation_table(df)]
+    return "\n".join(out)
+
+
+def write_report(results: Path, out_dir: Path) -> list[Path]:
+    """Write every figure and table for the results table at ``results`` into ``out_dir``; returns their paths."""
+    df = read_results(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    source = f"Generated by `pwrun eval report` from `{results.name}`; every number is measured by `pwrun eval`.\n\n"
+    if (df.suite == "text").any():
+        quality_memory_figure(df, out_dir / "quality_memory.png")
+        quality_memory_figure(df, out_dir / "expert_memory.png", x="expert_share")
+        (out_dir / "quality_memory.md").write_text("# Quality vs memory (text suite)\n\n" + source
+                                                   + quality_memory_table(df) + "\n")
+        (out_dir / "ablations.md").write_text("# Ablations (text suite)\n\n" + source + ablation_table(df) + "\n")
+        (out_dir / "targets.md").write_text("# Issue 7 targets, checked\n\n" + source + targets(df) + "\n")
+        written += [out_dir / n for n in ("quality_memory.png", "expert_memory.png", "quality_memory.md",
+                                          "ablations.md", "targets.md")]
+    if (df.suite == "long").any():
+        long_context_figure(df, out_dir / "long_context.png")
+        (out_dir / "long_context.md").write_text("# Long context (retrieval + QMSum)\n\n" + source
+                                                 + long_context_table(df) + "\n")
+        written += [out_dir / "long_context.png", out_dir / "long_context.md"]
+    return written

@@ -1,0 +1,80 @@
+"""Memory footprints of static deployments (16-bit experts, uniform b-bit AP experts) for a workload.
+
+What it does: a static deployment keeps its experts at one size and must hold the KV cache of the
+workload at full concurrency (``max_batch`` of its longest requests at their full length) to serve
+it without queueing; its footprint is ``fixed`` (the non-expert weights in the model dtype, as the runtime holds
+them) + ``workspace`` (the runtime's step activation bound, ``budget.workspace_bytes``)
++ ``experts`` + ``kv``, in bytes. The same byte functions as the runtime's are used (page-rounded
+AP planes and LUTs, ``experts.block_pages``; KV pages, ``PooledKVCache.page_bytes``), so a
+uniform-b run at its footprint budget fits exactly. These footprints are the "equal total memory"
+points of the quality-memory comparison (SPEC section 8) and the budget grid of the sweep. No
+device memory is allocated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pwrun.engine.budget import workspace_bytes
+from pwrun.engine.engine import EngineConfig
+from pwrun.engine.experts import block_pages
+from pwrun.engine.kv_store import PooledKVCache
+from pwrun.eval.workload import Workload
+from pwrun.kv.blocks import blocks_needed
+from pwrun.model.inventory import expert_blocks
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes of each part of a static deployment; ``total`` is what ``--gpu-memory`` must give it."""
+
+    fixed: int
+    workspace: int
+    experts: int
+    kv: int
+
+    @property
+    def total(self) -> int:
+        return self.fixed + self.workspace + self.experts + self.kv
+
+
+def page_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one pool page (one layer's K or V of one KV block)."""
+    a = spec.layers[0].attention
+    return PooledKVCache.page_bytes(block_size, a.num_kv_heads, a.head_dim, dtype)
+
+
+def non_expert_bytes(model: LeanMoEModel) -> int:
+    """Bytes of ``model``'s weights other than the routed and shared experts (what the runtime keeps fixed)."""
+    elt = model.weights.embed.element_size()
+    return model.weights.num_bytes() - sum(b.n * b.k for b in expert_blocks(model.spec)) * elt
+
+
+def full_concurrency_kv_bytes(workload: Workload, spec: ModelSpec, ecfg: EngineConfig, dtype: torch.dtype) -> int:
+    """KV bytes of the ``max_batch`` longest requests at full length (prompt + continuation - 1 tokens each)."""
+    blocks = sorted((blocks_needed(r.tokens - 1, ecfg.block_size) for r in workload.requests),
+                    reverse=True)[:ecfg.max_batch]
+    return sum(blocks) * 2 * spec.num_layers * page_bytes(spec, ecfg.block_size, dtype)
+
+
+def expert_bytes(spec: ModelSpec, bits: int, ecfg: EngineConfig, dtype: torch.dtype) -> int:
+    """Pool bytes of every expert block at ``bits`` (AP planes + LUT, page-rounded); 16 means dense 16-bit."""
+    blocks = expert_blocks(spec)
+    if bits == 16:
+        return sum(b.n * b.k * 2 for b in blocks)
+    planes, luts = block_pages([(b.n, b.k) for b in blocks], [bits], page_bytes(spec, ecfg.block_size, dtype))
+    return int((bits * planes + luts[:, bits]).sum()) * page_bytes(spec, ecfg.block_size, dtype)
+
+
+def static_footprint(spec: ModelSpec, fixed_bytes: int, workload: Workload, ecfg: EngineConfig, bits: int,
+                     dtype: torch.dtype, cuda: bool = False) -> Footprint:
+    """Footprint of serving ``workload`` at full concurrency with every expert at ``bits`` (16 = 16-bit model)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch,
+                           min(workload.longest, spec.max_position_embeddings), elt, cuda=cuda)
+    return Footprint(fixed_bytes, work, expert_bytes(spec, bits, ecfg, dtype),
+                     full_concurrency_kv_bytes(workload, spec, ecfg, dtype))

@@ -1,0 +1,110 @@
+"""The evaluation results table: one row per run, a declared Parquet schema, atomic appends.
+
+What it does: ``SCHEMA`` names every column (bytes, nats, tokens/s: units in the comments);
+``append_rows`` validates rows against it and rewrites the file with the new rows appended (zstd,
+``.tmp`` then rename, so a crash never leaves a half-written table); ``read_results`` reads and
+checks a table, with a one-line error for a missing, corrupted or foreign file. Quality columns of
+tasks a run did not include are null. It runs no model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pwrun.errors import PagedWeightError
+
+SCHEMA = pa.schema([
+    ("suite", pa.string()),  # "text" (WikiText-2 + C4 windows) or "long" (retrieval + QMSum)
+    ("policy", pa.string()),  # a runtime policy (pwrun.engine.policies) or "16-bit" (the reference model)
+    ("bits", pa.int32()),  # uniform bitwidth (16 for the 16-bit model); null for mixed policies
+    ("budget", pa.string()),  # budget label: "min", "U<b>" (uniform b's footprint), "FP16", or "custom"
+    ("gpu_memory", pa.int64()),  # total memory of the run (bytes): the --gpu-memory budget, or a static footprint
+    ("fixed_bytes", pa.int64()),  # non-expert weights (model dtype)
+    ("workspace_bytes", pa.int64()),  # step activation bound
+    ("pool_bytes", pa.int64()),  # page pool (expert planes + KV); 0 for the reference model
+    ("expert_bytes_mean", pa.float64()),  # expert weights in force (planes + LUTs), time-averaged
+    ("expert_bytes_16bit", pa.int64()),  # the same experts at 16 bits
+    ("kv_bytes_max", pa.int64()),  # KV cache peak
+    ("kv_bytes_mean", pa.float64()),  # KV cache, time-averaged
+    ("mean_bits", pa.float64()),  # committed bitwidth averaged over blocks and steps
+    ("preemptions", pa.int64()),
+    ("demoted_blocks", pa.int64()),
+    ("promoted_blocks", pa.int64()),
+    ("tokens_per_second", pa.float64()),  # (prefill + decode) tokens / serving seconds; null for the reference
+    ("seconds", pa.float64()),  # wall time of the scoring
+    ("wikitext2_ppl", pa.float64()), ("wikitext2_tokens", pa.int64()),
+    ("c4_ppl", pa.float64()), ("c4_tokens", pa.int64()),
+    ("qmsum_ppl", pa.float64()), ("qmsum_tokens", pa.int64()),
+    ("retrieval_acc", pa.float64()), ("retrieval_questions", pa.int64()),  # top-1 accuracy in [0, 1]
+    ("retrieval_candidates", pa.int32()),  # passages per question (chance = 1 / candidates)
+    ("requests", pa.int64()), ("max_batch", pa.int32()), ("max_step_tokens", pa.int32()),
+    ("prompt_tokens", pa.int32()), ("continuation_tokens", pa.int32()), ("seed", pa.int64()),
+    ("device", pa.string()), ("dtype", pa.string()), ("artifact", pa.string()), ("created", pa.string()),
+    ("note", pa.string()),  # why a row has no quality (e.g. a budget below the policy's minimum); else null
+])
+
+QUALITY = ("wikitext2", "c4", "qmsum")
+
+
+def _frame(rows: Iterable[dict[str, Any]]) -> pa.Table:
+    rows = list(rows)
+    for r in rows:
+        extra = set(r) - set(SCHEMA.names)
+        if extra:
+            raise ValueError(f"result row has columns outside the schema: {sorted(extra)}")
+    cols = {f.name: [_null(r.get(f.name)) for r in rows] for f in SCHEMA}
+    return pa.Table.from_pydict(cols, schema=SCHEMA)
+
+
+def _null(v: Any) -> Any:
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """Append ``rows`` to the table at ``path`` (created if missing); atomic. Raises ``PagedWeightError``."""
+    new = _frame(rows)
+    table = pa.concat_tables([read_table(path), new]) if path.is_file() else new
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise PagedWeightError(f"cannot write the results table {path}: {exc.strerror}") from exc
+
+
+def write_frame(df: pd.DataFrame, path: Path) -> None:
+    """Any DataFrame as Parquet (zstd, ``.tmp`` then rename), e.g. a run's per-step trace."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        df.to_parquet(tmp, compression="zstd", index=False)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise PagedWeightError(f"cannot write {path}: {exc.strerror}") from exc
+
+
+def read_table(path: Path) -> pa.Table:
+    """The table at ``path`` checked against ``SCHEMA``; raises ``PagedWeightError`` with the fix."""
+    if not path.is_file():
+        raise PagedWeightError(f"results table {path} does not exist: run `pwrun eval run` or `pwrun eval sweep`")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise PagedWeightError(f"{path} is not a readable Parquet file ({str(exc).splitlines()[0]})") from exc
+    if not table.schema.remove_metadata().equals(SCHEMA):
+        raise PagedWeightError(f"{path} is not an eval results table of this version (other columns): "
+                               "write to a new file")
+    return table
+
+
+def read_results(path: Path) -> pd.DataFrame:
+    """The results as a DataFrame (nullable columns as floats/NaN)."""
+    return read_table(path).to_pandas()

@@ -1,0 +1,95 @@
+"""The whole evaluation: every policy x budget on both suites, into one results table (SPEC section 8).
+
+What it does: for each suite it scores the 16-bit reference, measures the workload's peak KV, derives
+the budget grid from static footprints (``U<b>``: uniform b's footprint, for every supported b;
+``FP16``: the 16-bit model's; ``min``: the smallest budget the runtime accepts) and runs: uniform b at
+``U<b>`` (equal memory by construction), ``pagedweight`` and ``static`` at every grid budget, and the
+four ablations at ``ablation_bits``' budgets. Rows are appended as they finish to
+``<out>/results.partial.parquet``, renamed to ``results.parquet`` at the end; PagedWeight's run at
+``trace_budget`` also leaves its per-step trace (``trace_<suite>.parquet``, for the timeline notebook).
+``QUICK`` is a seconds-long version for tests. Budgets are named, never buried: ``SweepSpec`` holds every choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pwrun.engine.policies import DYNAMIC
+from pwrun.errors import PagedWeightError
+from pwrun.eval.results import append_rows, write_frame
+from pwrun.eval.retrieval import RetrievalSpec
+from pwrun.eval.runs import Evaluator, LongSpec, Suite, TextSpec
+
+ABLATIONS = tuple(p for p in DYNAMIC if p != "pagedweight")
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """``text``/``long``: the suites (``long`` None skips it); ``grid``: budget labels PagedWeight and static run
+    at per suite; ``ablation_bits``: the ``U<b>`` budgets of the ablations (text suite)."""
+
+    text: TextSpec = field(default_factory=TextSpec)
+    long: LongSpec | None = field(default_factory=LongSpec)
+    text_grid: tuple[str, ...] = ("min", "U3", "U4", "U5", "U6", "U7", "FP16", "U8")
+    long_grid: tuple[str, ...] = ("U3", "U4", "U5")
+    ablation_bits: tuple[int, ...] = (3, 4, 5)
+    uniform_bits: tuple[int, ...] | None = None  # None: every bitwidth of the artifact
+    trace_budget: str = "U4"  # PagedWeight's run at this budget also writes trace_<suite>.parquet (notebooks)
+
+
+QUICK = SweepSpec(
+    text=TextSpec(per_dataset=3, prompt_tokens=24, continuation_tokens=6, max_batch=4, max_step_tokens=64),
+    long=LongSpec(RetrievalSpec(questions=2, context_tokens=160, candidates=2, answer_tokens=6), meetings=2,
+                  per_meeting=1, prompt_tokens=96, continuation_tokens=6, max_batch=4, max_step_tokens=128),
+    text_grid=("min", "U3", "U4", "FP16"), long_grid=("U4",), ablation_bits=(4,), uniform_bits=(3, 4, 8))
+
+
+def is_label(text: str) -> bool:
+    """True for budget labels (``min``, ``FP16``, ``U<b>``), False for sizes such as ``48MiB``."""
+    return text in ("min", "FP16") or (text[:1] == "U" and text[1:].isdigit())
+
+
+def budgets(ev: Evaluator, suite: Suite, labels: tuple[str, ...]) -> dict[str, int]:
+    """Bytes of each budget label (``min``, ``U<b>``, ``FP16``) for ``suite``; raises ``PagedWeightError`` for an
+    unknown label. ``U<b>``/``FP16`` use the measured peak KV once ``ev.measure_peak_kv(suite)`` has run."""
+    for label in labels:
+        if not is_label(label) or (label[0] == "U" and int(label[1:]) not in ev.artifact.bits):
+            raise PagedWeightError(f"unknown budget {label!r}: use a size (48MiB), min, FP16 or U<b> with b in "
+                                   f"{ev.artifact.bits}")
+    return {label: ev.minimum(suite) if label == "min" else
+            ev.footprint(suite, 16 if label == "FP16" else int(label[1:])).total for label in labels}
+
+
+def run_sweep(ev: Evaluator, spec: SweepSpec, out_dir: Path,
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    """Run the sweep; returns the results table's path (``out_dir/results.parquet``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial, final = out_dir / "results.partial.parquet", out_dir / "results.parquet"
+    partial.unlink(missing_ok=True)
+
+    def emit(row: dict[str, Any]) -> None:
+        append_rows(partial, [row])
+        if on_row is not None:
+            on_row(row)
+
+    suites = [(ev.text_suite(spec.text), spec.text_grid, spec.ablation_bits)]
+    if spec.long is not None:
+        suites.append((ev.long_suite(spec.long), spec.long_grid, ()))
+    for suite, grid, ablation_bits in suites:
+        ev.measure_peak_kv(suite)
+        emit(ev.reference(suite))
+        for b in spec.uniform_bits or tuple(ev.artifact.bits):
+            emit(ev.run(suite, "uniform", ev.footprint(suite, b).total, f"U{b}", bits=b))
+        for label, budget in budgets(ev, suite, grid).items():
+            for policy in ("pagedweight", "static"):
+                emit(ev.run(suite, policy, budget, label, infeasible_ok=True))
+                if policy == "pagedweight" and label == spec.trace_budget and ev.last.trace is not None:
+                    write_frame(ev.last.trace, out_dir / f"trace_{suite.name}.parquet")
+        for label, budget in budgets(ev, suite, tuple(f"U{b}" for b in ablation_bits)).items():
+            for policy in ABLATIONS:
+                emit(ev.run(suite, policy, budget, label, infeasible_ok=True))
+    partial.replace(final)
+    return final
