@@ -7,7 +7,7 @@ PROMPT ?= The history of the city begins
 # Whole-process memory budget of the serving demo: tight enough that the planner trades expert bits for KV.
 DEMO_BUDGET ?= 48MiB
 
-.PHONY: setup demo test lint typecheck unit clean
+.PHONY: setup demo eval test lint typecheck unit clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,13 @@ demo: setup
 	$(BIN)/pwrun generate --prompts artifacts/runs/demo_prompts.jsonl --artifacts artifacts/runs/tiny-ap \
 		--gpu-memory $(DEMO_BUDGET) --max-new-tokens 64 --output artifacts/runs/demo_outputs.jsonl \
 		--trace artifacts/runs/demo_trace.parquet --summary-json artifacts/runs/demo_summary.json
+
+# The whole evaluation (issue 7): every policy x budget on both suites -> docs/eval/results.parquet, the figures
+# and markdown tables, then the analysis notebooks' figures. One thread per process: the cores are often shared.
+eval: setup
+	$(BIN)/pwcal run-all artifacts/models/tiny-qwen2moe-wiki --out artifacts/runs/tiny-ap
+	OMP_NUM_THREADS=1 $(BIN)/pwrun eval sweep --out docs/eval --artifacts artifacts/runs/tiny-ap
+	$(BIN)/pwrun eval notebooks --artifacts artifacts/runs/tiny-ap --figures docs/eval
 
 lint: setup
 	$(BIN)/ruff check pwrun pwcal kernels tests tools bench

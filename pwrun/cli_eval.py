@@ -3,7 +3,7 @@ and calls ``pwrun.eval``.
 
 Commands: ``run`` (one suite under one or more budgets with one policy -> rows appended to a results
 table), ``sweep`` (every policy x budget on both suites, then the figures and tables), ``report``
-(figures and tables from a results table).
+(figures and tables from a results table), ``notebooks`` (execute the analysis notebooks headless).
 """
 
 from __future__ import annotations
@@ -194,3 +194,28 @@ def report(
         except ValueError as exc:
             raise PagedWeightError(f"{results}: {exc}") from exc
         console.print("wrote " + ", ".join(str(f) for f in files), highlight=False, soft_wrap=True)
+
+
+@app.command()
+def notebooks(
+    results: Annotated[Path, typer.Option(help="Results table the quality notebook reads.")] = Path(
+        "docs/eval/results.parquet"),
+    trace: Annotated[Path, typer.Option(help="Runtime trace the timeline notebook reads.")] = Path(
+        "docs/eval/trace_text.parquet"),
+    figures: Annotated[Path, typer.Option(help="Folder the notebooks save their PNGs to.")] = Path("docs/eval"),
+    artifacts: ArtifactsOpt = DEMO_ARTIFACTS,
+) -> None:
+    """Execute the analysis notebooks in notebooks/ headless on these inputs (needs the dev extra)."""
+    with user_errors():
+        for p in (results, trace):
+            if not p.is_file():
+                raise PagedWeightError(f"{p} does not exist: run `pwrun eval sweep` first")
+        if not (artifacts / "manifest.json").is_file():
+            raise PagedWeightError(f"{artifacts} is not an artifact directory: run `pwcal run-all` first")
+        _check_out(figures, None)
+        try:
+            from pwrun.eval.notebooks import execute_all
+        except ImportError as exc:
+            raise PagedWeightError(f"executing notebooks needs the dev extra (pip install -e '.[dev]'): {exc}") from exc
+        pngs = execute_all(artifacts, results, trace, figures)
+        console.print(f"notebooks ran; {len(pngs)} PNGs in {figures}", highlight=False, soft_wrap=True)
