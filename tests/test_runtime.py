@@ -28,6 +28,7 @@ from pwrun.engine.serve import ServeConfig, build_engine
 from pwrun.errors import PagedWeightError
 from pwrun.generate import generate
 from pwrun.model.loader import load_model, load_tokenizer
+from pwrun.planner.runtime import PlannerConfig
 from pwrun.sampling import SamplingParams
 
 MODEL = default_model_dir()
@@ -182,3 +183,20 @@ def test_teacher_forced_scoring_matches_the_static_model(calibrated_artifacts: P
         got = torch.tensor(built.engine.seqs[i].logprobs)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want.float(), atol=2e-4, rtol=0)
+
+
+def test_prepared_plans_do_not_provision_past_the_last_token(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    """Near the end of its requests the planner lowers only what they can still use: the lookahead of the
+    prepared plan stops at each request's last token, so no KV blocks sit free while experts were lowered."""
+    reqs, cont = _prompts(tok, 4, 100, 100, seed=7), _prompts(tok, 4, 20, 20, seed=8)
+    params = SamplingParams(max_new_tokens=1)
+    probe = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**28), params, reqs, set(), device="cpu",
+                         forced=cont).info
+    kv_block = probe["kv_block_bytes"]
+    budget = probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 6 * 10**6 + 32 * kv_block
+    cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, debug_checks=True))
+    e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont).engine
+    e.run()
+    trace = [r for r in e.totals.trace if r["running"] == 4]
+    assert e.totals.demoted_blocks > 0 and min(r["mean_bits"] for r in trace) < 8
+    assert max(r["free_blocks"] for r in trace) <= PlannerConfig().free_threshold + 2

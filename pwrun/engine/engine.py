@@ -134,6 +134,11 @@ class Engine:
         self.totals.planner_seconds += time.perf_counter() - t0
         self.totals.planner_calls += 1
 
+    def _ahead(self, s: Sequence, tokens: int) -> int:
+        """Tokens ``s`` may hold ``lookahead_tokens`` from now: never past its last token (a request about to
+        finish needs no more blocks; provisioning past its end demoted experts for KV nobody would use)."""
+        return min(tokens + self.cfg.lookahead_tokens, s.total_tokens)
+
     def _after_step(self) -> None:
         """Pressure (Eq. 7) -> lower; sustained slack -> reload; then prepare the next plan."""
         if self.planner is None:
@@ -150,7 +155,7 @@ class Engine:
             # to their last token, and those of the requests about to be admitted (prompts + lookahead);
             # a narrower margin made the planner demote and reload the same blocks over and over
             slots = max(0, self.cfg.max_batch - len(self.scheduler.running))
-            soon = sum(self.tables.extra_blocks(s.rid, len(s.tokens) + self.cfg.lookahead_tokens)
+            soon = sum(self.tables.extra_blocks(s.rid, self._ahead(s, len(s.tokens)))
                        for s in list(self.scheduler.waiting)[:slots])
             soon += sum(self.tables.extra_blocks(s.rid, len(s.prompt) + s.max_new_tokens)
                         for s in self.scheduler.running)
@@ -162,8 +167,7 @@ class Engine:
                 started = self.store.begin_raise(plan.blocks[:k], self.store.table.bits[plan.to_idx[:k]])
                 self._step_actions["raising"] += len(started)
         t0 = time.perf_counter()
-        ahead = sum(self.tables.extra_blocks(s.rid, s.computed + self.cfg.lookahead_tokens)
-                    for s in self.scheduler.running)
+        ahead = sum(self.tables.extra_blocks(s.rid, self._ahead(s, s.computed)) for s in self.scheduler.running)
         need = max(0, cfgp.free_threshold + 1 + ahead - self.alloc.num_free) * self.kv_block_bytes
         if need > 0 and not self.planner.is_prepared(self.q_idx(), need):
             self.planner.prepare(self.q_idx(), need, self.store.movable())
