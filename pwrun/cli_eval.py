@@ -122,7 +122,7 @@ def run(
         if policy == "16-bit":
             ev.measure_peak_kv(s)
             row = ev.reference(s)
-            append_rows(out, [row])
+            append_rows(out, [row], ev.scores(row))
             show(row)
             return
         specs = [x.strip() for x in gpu_memory.split(",") if x.strip()]
@@ -137,7 +137,7 @@ def run(
         for x in specs:
             budget = known[x]
             row = ev.run(s, policy, budget, x if is_label(x) else "custom", bits)
-            append_rows(out, [row])
+            append_rows(out, [row], ev.scores(row))
             show(row)
         if trace is not None and ev.last.trace is not None:
             write_frame(ev.last.trace, trace)

@@ -22,9 +22,10 @@ from typer.testing import CliRunner
 from pwrun.cli import app
 from pwrun.data import default_model_dir
 from pwrun.errors import PagedWeightError
+from pwrun.eval.figures import paired_change
 from pwrun.eval.meetings import meeting_texts, qmsum_workload
 from pwrun.eval.memory import page_bytes
-from pwrun.eval.results import SCHEMA, append_rows, read_results
+from pwrun.eval.results import SCHEMA, append_rows, read_results, read_scores, rename, request_scores
 from pwrun.eval.retrieval import RetrievalItem, RetrievalSpec, build_items, retrieval_workload, scores
 from pwrun.eval.retrieval import accuracy as retrieval_accuracy
 from pwrun.eval.runs import Evaluator, TextSpec
@@ -137,6 +138,13 @@ def test_results_table_round_trip_and_refusals(tmp_path: Path) -> None:
     assert df.bits.iloc[0] == 4 and pd.isna(df.bits.iloc[1]) and pd.isna(df.c4_ppl.iloc[0])
     assert df.wikitext2_ppl.tolist() == [1.5, 1.5] and df.note.iloc[1] == "x"
     assert not list(tmp_path.glob("*.tmp"))
+    assert read_scores(path).empty
+    sc = request_scores("b", ["c4", "c4", "wikitext2"], [np.array([-1.0, -2.0]), np.array([-3.0]), np.array([-1.0])])
+    append_rows(path, [{**row, "run_id": "b"}], sc)
+    got = read_scores(path)
+    assert got.nll.tolist() == [3.0, 3.0, 1.0] and got.tokens.tolist() == [2, 1, 1] and set(got.run_id) == {"b"}
+    rename(path, tmp_path / "final.parquet")
+    assert len(read_results(tmp_path / "final.parquet")) == 3 and len(read_scores(tmp_path / "final.parquet")) == 3
     with pytest.raises(ValueError, match="outside the schema"):
         append_rows(path, [{**row, "colour": "red"}])
     foreign = tmp_path / "f.parquet"
@@ -146,6 +154,17 @@ def test_results_table_round_trip_and_refusals(tmp_path: Path) -> None:
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(PagedWeightError, match="not a readable Parquet"):
         read_results(tmp_path / "junk.parquet")
+
+
+def test_paired_change_of_two_runs() -> None:
+    rng = np.random.default_rng(0)
+    base = rng.normal(4.0, 1.0, size=200)
+    rows = [{"run_id": run, "request": k, "task": "c4", "nll": 10 * (base[k] + shift + rng.normal(0, 0.01)),
+             "tokens": 10} for run, shift in (("a", 0.02), ("b", 0.0)) for k in range(200)]
+    df = pd.DataFrame(rows)
+    point, lo, hi = paired_change(df, "a", "b", "c4")  # type: ignore[misc]
+    assert point == pytest.approx(math.expm1(0.02), abs=2e-3) and lo < point < hi and lo > 0
+    assert paired_change(df, "a", "zz", "c4") is None
 
 
 def _eval(*args: str) -> tuple[int, str]:

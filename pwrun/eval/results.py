@@ -4,7 +4,9 @@ What it does: ``SCHEMA`` names every column (bytes, nats, tokens/s: units in the
 ``append_rows`` validates rows against it and rewrites the file with the new rows appended (zstd,
 ``.tmp`` then rename, so a crash never leaves a half-written table); ``read_results`` reads and
 checks a table, with a one-line error for a missing, corrupted or foreign file. Quality columns of
-tasks a run did not include are null. It runs no model.
+tasks a run did not include are null. Beside each table, ``<name>.scores.parquet`` (``SCORES``) keeps
+every request's summed NLL per run, so two runs of the same workload can be compared request by
+request (paired standard errors). It runs no model.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pyarrow.parquet as pq
 from pwrun.errors import PagedWeightError
 
 SCHEMA = pa.schema([
+    ("run_id", pa.string()),  # joins the per-request scores table
     ("suite", pa.string()),  # "text" (WikiText-2 + C4 windows) or "long" (retrieval + QMSum)
     ("policy", pa.string()),  # a runtime policy (pwrun.engine.policies) or "16-bit" (the reference model)
     ("bits", pa.int32()),  # uniform bitwidth (16 for the 16-bit model); null for mixed policies
@@ -52,6 +55,25 @@ SCHEMA = pa.schema([
 
 QUALITY = ("wikitext2", "c4", "qmsum")
 
+# one row per (run, request): the request's summed NLL over its continuation tokens
+SCORES = pa.schema([
+    ("run_id", pa.string()), ("request", pa.int32()), ("task", pa.string()),
+    ("nll", pa.float64()),  # nats, summed over the request's scored tokens
+    ("tokens", pa.int32()),
+])
+
+
+def scores_path(results: Path) -> Path:
+    """The per-request scores table beside ``results`` (``x.parquet`` -> ``x.scores.parquet``)."""
+    return results.with_name(results.stem + ".scores.parquet")
+
+
+def request_scores(run_id: str, tasks: list[str], logprobs: list[Any]) -> pa.Table:
+    """``SCORES`` rows of one run: request k of task ``tasks[k]`` with log-probabilities ``logprobs[k]``."""
+    return pa.Table.from_pydict({
+        "run_id": [run_id] * len(tasks), "request": list(range(len(tasks))), "task": tasks,
+        "nll": [-float(sum(lp)) for lp in logprobs], "tokens": [len(lp) for lp in logprobs]}, schema=SCORES)
+
 
 def _frame(rows: Iterable[dict[str, Any]]) -> pa.Table:
     rows = list(rows)
@@ -67,10 +89,7 @@ def _null(v: Any) -> Any:
     return None if isinstance(v, float) and math.isnan(v) else v
 
 
-def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    """Append ``rows`` to the table at ``path`` (created if missing); atomic. Raises ``PagedWeightError``."""
-    new = _frame(rows)
-    table = pa.concat_tables([read_table(path), new]) if path.is_file() else new
+def _write(table: pa.Table, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         pq.write_table(table, tmp, compression="zstd")
@@ -78,6 +97,29 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise PagedWeightError(f"cannot write the results table {path}: {exc.strerror}") from exc
+
+
+def append_rows(path: Path, rows: Iterable[dict[str, Any]], scores: pa.Table | None = None) -> None:
+    """Append ``rows`` to the table at ``path`` (created if missing) and ``scores`` (``SCORES``) to the table
+    beside it; each write is atomic. Raises ``PagedWeightError``."""
+    new = _frame(rows)
+    _write(pa.concat_tables([read_table(path), new]) if path.is_file() else new, path)
+    if scores is not None and scores.num_rows:
+        sp = scores_path(path)
+        _write(pa.concat_tables([_read(sp, SCORES), scores]) if sp.is_file() else scores, sp)
+
+
+def rename(src: Path, dst: Path) -> None:
+    """Move a results table and its scores table (a finished sweep's partial files to their final names)."""
+    src.replace(dst)
+    if scores_path(src).is_file():
+        scores_path(src).replace(scores_path(dst))
+
+
+def read_scores(results: Path) -> pd.DataFrame:
+    """The per-request scores beside ``results`` (empty if the table was written without them)."""
+    sp = scores_path(results)
+    return _read(sp, SCORES).to_pandas() if sp.is_file() else pd.DataFrame(columns=SCORES.names)
 
 
 def write_frame(df: pd.DataFrame, path: Path) -> None:
@@ -95,11 +137,15 @@ def read_table(path: Path) -> pa.Table:
     """The table at ``path`` checked against ``SCHEMA``; raises ``PagedWeightError`` with the fix."""
     if not path.is_file():
         raise PagedWeightError(f"results table {path} does not exist: run `pwrun eval run` or `pwrun eval sweep`")
+    return _read(path, SCHEMA)
+
+
+def _read(path: Path, schema: pa.Schema) -> pa.Table:
     try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as exc:
         raise PagedWeightError(f"{path} is not a readable Parquet file ({str(exc).splitlines()[0]})") from exc
-    if not table.schema.remove_metadata().equals(SCHEMA):
+    if not table.schema.remove_metadata().equals(schema):
         raise PagedWeightError(f"{path} is not an eval results table of this version (other columns): "
                                "write to a new file")
     return table

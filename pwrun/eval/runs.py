@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import uuid
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 
 from pwrun.ap.artifact import APArtifact
@@ -27,7 +29,7 @@ from pwrun.engine.serve import ServeConfig, build_engine
 from pwrun.errors import BudgetTooSmall, PagedWeightError
 from pwrun.eval.meetings import qmsum_workload
 from pwrun.eval.memory import Footprint, non_expert_bytes, static_footprint
-from pwrun.eval.results import QUALITY
+from pwrun.eval.results import QUALITY, request_scores
 from pwrun.eval.retrieval import RetrievalItem, RetrievalSpec, build_items, retrieval_workload
 from pwrun.eval.retrieval import accuracy as retrieval_accuracy
 from pwrun.eval.scoring import Scored, nll, reference_logprobs, serve_workload
@@ -88,6 +90,7 @@ class Evaluator:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.peak_kv: dict[Suite, int] = {}
         self.last = Scored([], None, None, 0.0)  # the latest run's scores, summary and trace
+        self.last_suite: Suite | None = None
 
     @cached_property
     def model(self) -> LeanMoEModel:
@@ -190,10 +193,18 @@ class Evaluator:
         self.last = scored
         return row
 
+    def scores(self, row: dict[str, Any]) -> pa.Table:
+        """The per-request scores (``results.SCORES``) of the latest run, whose row is ``row``."""
+        if self.last_suite is None or not self.last.logprobs:
+            return request_scores(row["run_id"], [], [])
+        return request_scores(row["run_id"], [r.task for r in self.last_suite.workload.requests], self.last.logprobs)
+
     def _row(self, suite: Suite, scored: Scored, policy: str, bits: int | None, label: str) -> dict[str, Any]:
+        self.last_suite = suite
         wl = suite.workload
         row: dict[str, Any] = {
-            "suite": suite.name, "policy": policy, "bits": bits, "budget": label, "seconds": scored.seconds,
+            "run_id": uuid.uuid4().hex[:12], "suite": suite.name, "policy": policy, "bits": bits, "budget": label,
+            "seconds": scored.seconds,
             "requests": len(wl.requests), "max_batch": suite.engine.max_batch,
             "max_step_tokens": suite.engine.max_step_tokens, "prompt_tokens": suite.prompt_tokens,
             "continuation_tokens": suite.continuation_tokens, "seed": suite.seed, "artifact": str(self.artifact_dir),

@@ -3,11 +3,12 @@
 What it does: for each suite it scores the 16-bit reference, measures the workload's peak KV, derives
 the budget grid from static footprints (``U<b>``: uniform b's footprint, for every supported b;
 ``FP16``: the 16-bit model's; ``min``: the smallest budget the runtime accepts) and runs: uniform b at
-``U<b>`` (equal memory by construction), ``pagedweight`` and ``static`` at every grid budget, and the
-four ablations at ``ablation_bits``' budgets. Rows are appended as they finish to
-``<out>/results.partial.parquet``, renamed to ``results.parquet`` at the end; PagedWeight's run at
-``trace_budget`` also leaves its per-step trace (``trace_<suite>.parquet``, for the timeline notebook).
-``QUICK`` is a seconds-long version for tests. Budgets are named, never buried: ``SweepSpec`` holds every choice.
+``U<b>`` (equal memory by construction; on the long suite only at its grid's ``U<b>``),
+``pagedweight`` and ``static`` at every grid budget, and the four ablations at ``ablation_bits``'
+budgets. Rows (and per-request scores) are appended as they finish to ``<out>/results.partial.parquet``,
+renamed to ``results.parquet`` at the end; PagedWeight's run at ``trace_budget`` also leaves its
+per-step trace (``trace_<suite>.parquet``, for the timeline notebook). ``QUICK`` is a seconds-long
+version for tests. Budgets are named, never buried: ``SweepSpec`` holds every choice.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from pwrun.engine.policies import DYNAMIC
 from pwrun.errors import PagedWeightError
-from pwrun.eval.results import append_rows, write_frame
+from pwrun.eval.results import append_rows, rename, scores_path, write_frame
 from pwrun.eval.retrieval import RetrievalSpec
 from pwrun.eval.runs import Evaluator, LongSpec, Suite, TextSpec
 
@@ -69,19 +70,22 @@ def run_sweep(ev: Evaluator, spec: SweepSpec, out_dir: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     partial, final = out_dir / "results.partial.parquet", out_dir / "results.parquet"
     partial.unlink(missing_ok=True)
+    scores_path(partial).unlink(missing_ok=True)
 
     def emit(row: dict[str, Any]) -> None:
-        append_rows(partial, [row])
+        append_rows(partial, [row], ev.scores(row))
         if on_row is not None:
             on_row(row)
 
-    suites = [(ev.text_suite(spec.text), spec.text_grid, spec.ablation_bits)]
-    if spec.long is not None:
-        suites.append((ev.long_suite(spec.long), spec.long_grid, ()))
-    for suite, grid, ablation_bits in suites:
+    every = spec.uniform_bits or tuple(ev.artifact.bits)
+    suites = [(ev.text_suite(spec.text), spec.text_grid, spec.ablation_bits, every)]
+    if spec.long is not None:  # uniform only where the long figure compares it: its own budgets
+        suites.append((ev.long_suite(spec.long), spec.long_grid, (),
+                       tuple(b for b in every if f"U{b}" in spec.long_grid)))
+    for suite, grid, ablation_bits, uniform_bits in suites:
         ev.measure_peak_kv(suite)
         emit(ev.reference(suite))
-        for b in spec.uniform_bits or tuple(ev.artifact.bits):
+        for b in uniform_bits:
             emit(ev.run(suite, "uniform", ev.footprint(suite, b).total, f"U{b}", bits=b))
         for label, budget in budgets(ev, suite, grid).items():
             for policy in ("pagedweight", "static"):
@@ -91,5 +95,5 @@ def run_sweep(ev: Evaluator, spec: SweepSpec, out_dir: Path,
         for label, budget in budgets(ev, suite, tuple(f"U{b}" for b in ablation_bits)).items():
             for policy in ABLATIONS:
                 emit(ev.run(suite, policy, budget, label, infeasible_ok=True))
-    partial.replace(final)
+    rename(partial, final)
     return final
