@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
+	mkdir -p artifacts/runs
 	$(BIN)/pwcal inspect artifacts/models/tiny-qwen2moe-wiki
 	$(BIN)/pwrun generate --prompt "$(PROMPT)" --max-new-tokens 60
 	$(BIN)/pwrun generate --prompt "$(PROMPT)" --max-new-tokens 60 --temperature 0.8 --top-p 0.95 --seed 1

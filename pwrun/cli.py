@@ -97,11 +97,16 @@ def generate(
         if output is not None and (output.is_dir() or not (output.parent.is_dir() and os.access(output.parent,
                                                                                                    os.W_OK))):
             raise PagedWeightError(f"cannot write --output {output}: {output.parent} is missing or not writable")
-        if artifacts is None and (gpu_memory or trace or bits is not None or policy != "pagedweight"):
-            raise PagedWeightError("--gpu-memory, --policy, --bits and --trace need --artifacts DIR (from "
-                                   "`pwcal run-all`)")
+        if artifacts is None and (gpu_memory or trace or summary_json or bits is not None or policy != "pagedweight"):
+            raise PagedWeightError("--gpu-memory, --policy, --bits, --trace and --summary-json need --artifacts DIR "
+                                   "(from `pwcal run-all`)")
         if trace is not None and trace.suffix != ".parquet":
             raise PagedWeightError(f"--trace {trace} must end in .parquet")
+        for flag, path in (("--trace", trace), ("--summary-json", summary_json)):
+            if path is not None and (path.is_dir() or not path.parent.is_dir() or not os.access(path.parent,
+                                                                                                 os.W_OK)):
+                raise PagedWeightError(f"cannot write {flag} {path}: it is a directory, or {path.parent} is missing "
+                                       "or not writable")
         model_dir = model or default_model()
         tok = load_tokenizer(model_dir)
         params = SamplingParams(max_new_tokens, temperature, top_p, seed)

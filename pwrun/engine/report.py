@@ -95,4 +95,4 @@ def write_trace(engine: Engine, path: Path) -> None:
         tmp.replace(path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise PagedWeightError(f"cannot write --trace {path}: {exc.strerror}") from exc
+        raise PagedWeightError(f"cannot write --trace {path}: {exc.strerror or exc}") from exc

@@ -198,7 +198,11 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             f"weights and {format_size(work)} of step workspace (lower --max-step-tokens / --max-batch to shrink "
             f"it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
     pool = PagePool(PoolConfig(int(num_pages), page_bytes))
-    memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)
+    try:
+        memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)
+    except RuntimeError as exc:  # includes torch.OutOfMemoryError
+        raise PagedWeightError(f"cannot allocate a {format_size(num_pages * page_bytes)} page pool on {dev} for "
+                               f"--gpu-memory {format_size(cfg.gpu_memory)}: give a budget the device has") from exc
     store = ExpertStore(source, model, table, pool, memory, use_kernel=dev.type == "cuda")
     assert np.array_equal(store.block_bytes(), table.bytes)
     reserve = (cfg.planner.free_threshold + 1) * kv_block_bytes + min_kv_pages * page_bytes
