@@ -35,6 +35,7 @@ demo: setup
 # The whole evaluation (issue 7): every policy x budget on both suites -> docs/eval/results.parquet, the figures
 # and markdown tables, then the analysis notebooks' figures. One thread per process: the cores are often shared.
 eval: setup
+	mkdir -p artifacts/runs
 	$(BIN)/pwcal run-all artifacts/models/tiny-qwen2moe-wiki --out artifacts/runs/tiny-ap
 	OMP_NUM_THREADS=1 $(BIN)/pwrun eval sweep --out docs/eval --artifacts artifacts/runs/tiny-ap
 	$(BIN)/pwrun eval notebooks --artifacts artifacts/runs/tiny-ap --figures docs/eval
