@@ -50,34 +50,44 @@ def _pct(x: float, base: float) -> str:
 
 
 def quality_memory_figure(df: pd.DataFrame, path: Path, x: str = "gpu_memory") -> None:
-    """Perplexity vs memory (``x``: ``gpu_memory`` total bytes, or ``expert_share``) per dataset, every policy."""
+    """Perplexity vs memory (``x``: ``gpu_memory`` total bytes, or ``expert_share``) per dataset, every policy;
+    a second row zooms on the budgets where the policies differ (uniform 3 to 6 bits' points)."""
     text = _ok(df[df.suite == "text"]).copy()
     text["expert_share"] = text.expert_bytes_mean / text.expert_bytes_16bit
     ref = _ref(df, "text")
-    fig, axes = plt.subplots(1, len(DATASETS), figsize=(12, 4.6))
-    for ax, (col, name) in zip(axes, DATASETS.items(), strict=True):
-        scale = MIB if x == "gpu_memory" else 0.01
-        base = ref[f"{col}_ppl"]
-        ax.axhline(base, color="k", lw=1, label="16-bit")
-        ax.axhspan(base, base * (1 + WITHIN), color="k", alpha=0.07, label="16-bit +1%")
-        ref_x = ref.gpu_memory if x == "gpu_memory" else 1.0
-        ax.plot([ref_x / scale], [base], "k*", ms=12)
-        for policy, (color, marker, ls) in STYLE.items():
-            d = text[text.policy == policy].sort_values(x)
-            if d.empty:
-                continue
-            ax.plot(d[x] / scale, d[f"{col}_ppl"], color=color, marker=marker, ls=ls, label=policy)
-            if policy == "uniform":
-                for _, r in d.iterrows():
-                    ax.annotate(f"{int(r.bits)}b", (r[x] / scale, r[f"{col}_ppl"]), textcoords="offset points",
-                                xytext=(4, 4), fontsize=8, color=color)
-        if x == "expert_share":
-            ax.axvline(100 * EXPERT_SHARE, color="grey", lw=0.8, ls="--")
-        ax.set_xlabel("total memory (MiB)" if x == "gpu_memory" else "expert bytes in force (% of 16-bit, time-avg)")
-        ax.set_ylabel(f"{name} perplexity")
-        ax.set_title(f"{name}: continuations scored while serving")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    scale = MIB if x == "gpu_memory" else 0.01
+    uni = text[text.policy == "uniform"].set_index("bits")
+    zoom = {3, 4, 6} <= set(uni.index) and x == "gpu_memory"
+    fig, axes = plt.subplots(2 if zoom else 1, len(DATASETS), figsize=(12, 8.6 if zoom else 4.6), squeeze=False)
+    for row in range(axes.shape[0]):
+        for ax, (col, name) in zip(axes[row], DATASETS.items(), strict=True):
+            base = ref[f"{col}_ppl"]
+            ax.axhline(base, color="k", lw=1, label="16-bit")
+            ax.axhspan(base, base * (1 + WITHIN), color="k", alpha=0.07, label="16-bit +1%")
+            ax.plot([(ref.gpu_memory if x == "gpu_memory" else 1.0) / scale], [base], "k*", ms=12)
+            for policy, (color, marker, ls) in STYLE.items():
+                d = text[text.policy == policy].sort_values(x)
+                if d.empty:
+                    continue
+                ax.plot(d[x] / scale, d[f"{col}_ppl"], color=color, marker=marker, ls=ls, label=policy)
+                if policy == "uniform":
+                    for _, r in d.iterrows():
+                        ax.annotate(f"{int(r.bits)}b", (r[x] / scale, r[f"{col}_ppl"]), textcoords="offset points",
+                                    xytext=(4, 4), fontsize=8, color=color)
+            if x == "expert_share":
+                ax.axvline(100 * EXPERT_SHARE, color="grey", lw=0.8, ls="--")
+            if row == 1:
+                lo, hi = uni.gpu_memory[3] / MIB - 0.6, uni.gpu_memory[6] / MIB + 0.6
+                ax.set_xlim(lo, hi)
+                ax.set_ylim(base * 0.995, uni[f"{col}_ppl"][4] * 1.012)
+                ax.set_title(f"{name}: zoom on {lo:.0f}-{hi:.0f} MiB")
+            else:
+                ax.set_title(f"{name}: continuations scored while serving")
+            ax.set_xlabel("total memory (MiB)" if x == "gpu_memory" else "expert bytes in force (% of 16-bit, "
+                          "time-avg)")
+            ax.set_ylabel(f"{name} perplexity")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -258,23 +268,26 @@ def targets(df: pd.DataFrame, scores: pd.DataFrame | None = None) -> str:
         if u is None:
             rows.append(f"| {r.budget} | {r.gpu_memory / MIB:.2f} | none fits | | | n/a |")
             continue
-        oks, noise, cells = [], [], []
+        oks, noise, sig, cells = [], [], [], []
         for c in DATASETS:
             p, q, base = r[f"{c}_ppl"], u[f"{c}_ppl"], ref[f"{c}_ppl"]
             strict = q > base * (1 + WITHIN)
             ok = bool(p < q) if strict else bool(p <= q)
             ci = paired_change(scores, r.run_id, u.run_id, c)
             oks.append(ok)
+            sig.append(not strict or ci is None or ci[2] < 0)
             noise.append(ok or (ci is not None and not strict and ci[1] <= 0 <= ci[2]))
             cells.append(f"{p:.3f} / {q:.3f} ({_pct(p, q)}){_ci(ci)}{' (must be lower)' if strict else ''}")
-        verdict = "met" if all(oks) else "not met, within noise" if all(noise) else "NOT met"
+        verdict = ("met" if all(oks) and all(sig) else "met (point estimate; interval includes 0)" if all(oks)
+                   else "not met, within noise" if all(noise) else "NOT met")
         verdicts.append(verdict)
         rows.append(f"| {r.budget} | {r.gpu_memory / MIB:.2f} | {int(u.bits)}-bit | {cells[0]} | {cells[1]} | "
                     f"{verdict} |")
-    summary = ("met at every budget" if all(v == "met" for v in verdicts) else
-               f"met at {sum(v == 'met' for v in verdicts)} of {len(verdicts)} budgets; "
-               f"{sum(v == 'not met, within noise' for v in verdicts)} misses are within noise, "
-               f"{sum(v == 'NOT met' for v in verdicts)} are not")
+    met_n = sum(v.startswith("met") for v in verdicts)
+    summary = ("met at every budget" if met_n == len(verdicts) else
+               f"met at {met_n} of {len(verdicts)} budgets ({sum(v == 'met' for v in verdicts)} with intervals "
+               f"excluding 0 where it must be lower); {sum(v == 'not met, within noise' for v in verdicts)} misses "
+               f"are within noise, {sum(v == 'NOT met' for v in verdicts)} are not")
     out += ["", head, "", f"**{summary}.**", "",
             "Uniform b is charged its static footprint U<b> (non-expert weights + workspace + b-bit experts + the "
             "workload's measured peak KV, so it serves the same concurrency without queueing); PagedWeight runs "
