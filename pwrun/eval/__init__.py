@@ -9,6 +9,6 @@ What it does, one module per concept:
 - ``memory``: footprints of the static deployments (16-bit, uniform b) for the same workload;
 - ``results``: the results table (declared Parquet schema, atomic appends);
 - ``runs``: one run -> one results row; ``sweep``: every policy x budget; ``figures``: plots and
-  markdown tables from the results table.
+  markdown tables from the results table; ``notebooks``: run the analysis notebooks headless.
 It does not calibrate (``pwcal``) and does not change the runtime's behaviour.
 """

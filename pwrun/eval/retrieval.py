@@ -13,7 +13,7 @@ without free generation. Every score is one request: (question, passage) with th
 (task ``retrieval``) and without it (task ``retrieval-prior``, a short request).
 
 Why not longer contexts: the bundled tiny model was trained on 512-token sequences; its perplexity
-rises past position 512 (docs/eval.md) and its copying fades with distance, so contexts stay within
+rises past position 512 (docs/eval/README.md) and its copying fades with distance, so contexts stay within
 its trained length and the KV pressure comes from many such requests at once. No model is run here.
 """
 
