@@ -87,7 +87,8 @@ def run(
     from dataclasses import replace
 
     from pwrun.engine.budget import parse_size
-    from pwrun.eval.results import append_rows, read_table, write_frame
+    from pwrun.engine.report import write_frame
+    from pwrun.eval.results import append_rows, read_table
     from pwrun.eval.runs import Evaluator, LongSpec, TextSpec, set_threads
     from pwrun.eval.sweep import budgets, is_label
 

@@ -86,13 +86,18 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_trace(engine: Engine, path: Path) -> None:
-    """The per-step trace as Parquet (zstd; ``.tmp`` then rename). Raises ``PagedWeightError`` if unwritable."""
-    df = pd.DataFrame(engine.totals.trace)
+def write_frame(df: pd.DataFrame, path: Path, what: str = "") -> None:
+    """Any DataFrame as Parquet (zstd; ``.tmp`` then rename). Raises ``PagedWeightError`` naming ``what``
+    (e.g. ``--trace``) and the reason if the path is unwritable; nothing half-written is left."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         df.to_parquet(tmp, compression="zstd", index=False)
         tmp.replace(path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise PagedWeightError(f"cannot write --trace {path}: {exc.strerror or exc}") from exc
+        raise PagedWeightError(f"cannot write {what + ' ' if what else ''}{path}: {exc.strerror or exc}") from exc
+
+
+def write_trace(engine: Engine, path: Path) -> None:
+    """The engine's per-step trace as Parquet (see ``write_frame``)."""
+    write_frame(pd.DataFrame(engine.totals.trace), path, "--trace")

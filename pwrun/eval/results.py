@@ -122,17 +122,6 @@ def read_scores(results: Path) -> pd.DataFrame:
     return _read(sp, SCORES).to_pandas() if sp.is_file() else pd.DataFrame(columns=SCORES.names)
 
 
-def write_frame(df: pd.DataFrame, path: Path) -> None:
-    """Any DataFrame as Parquet (zstd, ``.tmp`` then rename), e.g. a run's per-step trace."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        df.to_parquet(tmp, compression="zstd", index=False)
-        tmp.replace(path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise PagedWeightError(f"cannot write {path}: {exc.strerror}") from exc
-
-
 def read_table(path: Path) -> pa.Table:
     """The table at ``path`` checked against ``SCHEMA``; raises ``PagedWeightError`` with the fix."""
     if not path.is_file():

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from pwrun.engine.policies import DYNAMIC
+from pwrun.engine.report import write_frame
 from pwrun.errors import PagedWeightError
-from pwrun.eval.results import append_rows, rename, scores_path, write_frame
+from pwrun.eval.results import append_rows, rename, scores_path
 from pwrun.eval.retrieval import RetrievalSpec
 from pwrun.eval.runs import Evaluator, LongSpec, Suite, TextSpec
 
