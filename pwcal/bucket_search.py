@@ -84,10 +84,7 @@ def policy_frame(p: BucketPolicy) -> pd.DataFrame:
 
 def policy_from_frame(df: pd.DataFrame) -> BucketPolicy:
     """The ``BucketPolicy`` stored in a ``buckets`` table."""
-    df = df.sort_values("bucket")
-    return BucketPolicy(tuple(float(x) for x in df.mass_quantile_hi.iloc[:-1]), tuple(float(x) for x in df.mu),
-                        (tuple(int(x) for x in df.floor_stage0), tuple(int(x) for x in df.floor_stage1)),
-                        tuple(int(x) for x in df.depth_cap))
+    return BucketPolicy.from_frame(df)
 
 
 def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, device: str = "auto",

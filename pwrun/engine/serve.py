@@ -103,10 +103,7 @@ def _bucket_policy(art: APArtifact) -> BucketPolicy:
     df = _read(art, "buckets")
     if df is None:
         return BucketPolicy.neutral(art.seed_bits)
-    df = df.sort_values("bucket")
-    return BucketPolicy(tuple(float(x) for x in df.mass_quantile_hi.iloc[:-1]), tuple(float(x) for x in df.mu),
-                        (tuple(int(x) for x in df.floor_stage0), tuple(int(x) for x in df.floor_stage1)),
-                        tuple(int(x) for x in df.depth_cap))
+    return BucketPolicy.from_frame(df)
 
 
 def _calib_features(art: APArtifact, table: BlockTable) -> np.ndarray | None:

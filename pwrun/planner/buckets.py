@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +55,14 @@ class BucketPolicy:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_frame(df: Any) -> BucketPolicy:
+        """The policy stored in a ``buckets`` table (pandas DataFrame; schema in ``pwcal.tables``)."""
+        df = df.sort_values("bucket")
+        return BucketPolicy(tuple(float(x) for x in df.mass_quantile_hi.iloc[:-1]), tuple(float(x) for x in df.mu),
+                            (tuple(int(x) for x in df.floor_stage0), tuple(int(x) for x in df.floor_stage1)),
+                            tuple(int(x) for x in df.depth_cap))
 
     @staticmethod
     def neutral(seed_bits: int) -> BucketPolicy:
