@@ -2,7 +2,8 @@
 
 What it does (CUDA, bf16, real async copies on a side stream): (1) a demotion then a reload of every
 expert block gives bit-identical MoE outputs; (2) at a large budget the pagedweight policy and the
-static uniform 8-bit policy give identical greedy outputs and move no page; (3) the demo workload
+static uniform 8-bit policy give identical greedy outputs and move no page; (2b) the fused elementwise
+kernels give the eager ops' teacher-forced log-probabilities (to bf16 rounding); (3) the demo workload
 (24 C4 prompts, 64 new tokens) under a tight budget completes every request with debug checks
 (page conservation, q <= resident planes) after every step, and the process's peak device memory
 (torch allocator statistics) stays within the budget. Needs ``artifacts/runs/tiny-ap`` (``make demo``).
@@ -76,6 +77,22 @@ def main() -> None:
         outs[pol] = [s.out for s in b.engine.seqs.values()]
         results[f"{pol}_moves"] = b.engine.totals.demoted_blocks + b.engine.totals.promoted_blocks
     results["big_budget_pagedweight_equals_uniform8"] = outs["pagedweight"] == outs["uniform"]
+
+    # (2b) fused elementwise kernels (residual+RMSNorm, RoPE+KV write, routing) vs the eager ops: teacher-forced
+    # log-probabilities of real text through prefill and CUDA-graph decode steps must agree to bf16 rounding
+    toks = [tok(t).input_ids for t in document_prompts("c4", 8, 1200)]
+    prompts_, forced = [x[:96] for x in toks], [x[96:160] for x in toks]
+    lps = {}
+    for fused in (False, True):
+        b = build_engine(model, args.artifacts, ServeConfig(2**30, "uniform", 8, EngineConfig(fused_kernels=fused)),
+                         SamplingParams(max_new_tokens=64), prompts_, set(), device="cuda", forced=forced)
+        b.engine.run()
+        lps[fused] = np.concatenate([np.asarray(q.logprobs) for q in b.engine.seqs.values()])
+    d = np.abs(lps[True] - lps[False])
+    results["fused_vs_eager_max_abs_logprob_diff"] = float(d.max())
+    results["fused_vs_eager_mean_abs_logprob_diff"] = float(d.mean())
+    results["fused_vs_eager_ppl_ratio"] = float(np.exp(-lps[True].mean()) / np.exp(-lps[False].mean()))
+    results["fused_matches_eager"] = bool(d.mean() < 0.01 and abs(results["fused_vs_eager_ppl_ratio"] - 1) < 0.005)
 
     # (3) the demo workload under a tight budget, decode steps eager and replayed from CUDA graphs
     texts = document_prompts("c4", 24, 1200)

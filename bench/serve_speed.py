@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -208,18 +209,31 @@ def prompts(batch: int, n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy: str, bits: int | None,
-               budget: int, reqs: list[list[int]], gen: int, max_batch: int) -> dict[str, Any]:
+               budget: int, reqs: list[list[int]], gen: int, max_batch: int, fused: bool = True,
+               warmup: bool = True) -> dict[str, Any]:
+    """One timed serving run. ``warmup``: first serve the same prompts for 3 tokens in a throw-away engine,
+    so that Triton's JIT compilation (a one-off per kernel config and process) is not timed; the steps that
+    capture a CUDA graph (a one-off per engine and batch size) are left out of the decode statistics."""
     pol = BucketPolicy((0.5, 0.85), (1.0, 1.0, 1.0), ((4, 5, 6), (3, 4, 5)), (2, 2, 2))
-    cfg = ServeConfig(budget, policy, bits, EngineConfig(max_batch=max_batch, max_step_tokens=2048),
+    cfg = ServeConfig(budget, policy, bits, EngineConfig(max_batch=max_batch, max_step_tokens=2048,
+                                                         fused_kernels=fused),
                       PlannerConfig(free_threshold=4, reload_threshold=16))
+    if warmup:
+        w = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=3), reqs, set())
+        w.engine.run()
+        del w
     reset_peak()
     built = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=gen), reqs, set())
     e = built.engine
     e.run()
     s = summarize(e, built.info)
     tr = e.totals.trace
-    dec = [r for r in tr if r["step_tokens"] == r["running"] and r["running"] > 0 and r["preempted"] == 0]
-    pre = [r for r in tr if r not in dec]
+    dec_all = [r for r in tr if r["step_tokens"] == r["running"] and r["running"] > 0 and r["preempted"] == 0]
+    dec = [r for r in dec_all if not r.get("graph_captured")]
+    pre = [r for r in tr if r not in dec_all]
+    s["graph_capture_steps"] = len(dec_all) - len(dec)
+    s["decode_tps_incl_capture"] = sum(r["step_tokens"] for r in dec_all) / max(sum(r["seconds"] for r in dec_all),
+                                                                               1e-9)
     s["decode_step_ms_median"] = 1e3 * float(np.median([r["seconds"] for r in dec])) if dec else math.nan
     s["decode_model_ms_median"] = 1e3 * float(np.median([r["model_seconds"] for r in dec])) if dec else math.nan
     s["decode_tps_measured"] = sum(r["step_tokens"] for r in dec) / max(sum(r["seconds"] for r in dec), 1e-9)
@@ -293,6 +307,8 @@ def main() -> None:
     ap.add_argument("--only-pressure", action="store_true", help="only the PagedWeight-under-pressure rows")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--big-budget-gib", type=float, default=60.0, help="budget of the no-pressure runs (GiB)")
+    ap.add_argument("--compare-unfused", action="store_true",
+                    help="also run uniform 4-bit with the eager elementwise ops (EngineConfig.fused_kernels=False)")
     args = ap.parse_args()
     global DEV
     DEV = args.device
@@ -300,7 +316,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"),
-            "config": str(args.config_dir), "prompt_len": args.prompt_len, "gen": args.gen}
+            "config": str(args.config_dir), "prompt_len": args.prompt_len, "gen": args.gen,
+            "command": "python " + " ".join(sys.argv)}
     bw = copy_bandwidth()
     meta["copy_bandwidth_TBps"] = round(bw / 1e12, 3)
     model = random_model(args.config_dir, torch.bfloat16, DEV)
@@ -329,12 +346,17 @@ def main() -> None:
     reset_peak()
     for b in [] if args.only_pressure else batches:
         reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
-        for q in [int(x) for x in args.bits.split(",")]:
+        runs = [(int(x), True) for x in args.bits.split(",")]
+        if args.compare_unfused:
+            runs.insert(0, (4, False))
+        for q, fused in runs:
             if over():
                 break
-            s = engine_run(stripped, src, table, "uniform", q, int(args.big_budget_gib * 2**30), reqs, args.gen, b)
-            rows.append({"system": f"ours uniform {q}-bit", "batch": b, **_pick(s),
-                         "floor_tps": floor_tokens_per_s(spec, model, q, b, ctx, bw)})
+            s = engine_run(stripped, src, table, "uniform", q, int(args.big_budget_gib * 2**30), reqs, args.gen, b,
+                           fused=fused)
+            name = f"ours uniform {q}-bit" + ("" if fused else " (eager elementwise ops)")
+            rows.append({"system": name, "batch": b, **_pick(s), "floor_tps": floor_tokens_per_s(spec, model, q, b,
+                                                                                                 ctx, bw)})
             save()
     for b in batches:
         if over():
@@ -366,8 +388,8 @@ def main() -> None:
     print(render(meta, rows))
 
 
-KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_step_ms_median", "decode_model_ms_median",
-        "decode_step_ms_moving",
+KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture", "graph_capture_steps",
+        "decode_step_ms_median", "decode_model_ms_median", "decode_step_ms_moving",
         "decode_step_ms_still", "steps_moving", "planner_ms_per_step", "demoted_blocks", "promoted_blocks",
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
         "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes")
@@ -378,17 +400,21 @@ def _pick(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    lines = ["# End-to-end serving speed", "", "Command: `python bench/serve_speed.py --out-md "
-             "bench/results/serve_h200.md`", "", "`" + json.dumps(meta) + "`", "",
-             "| system | batch | prefill tok/s | decode tok/s | floor tok/s | % of floor | decode step ms "
-             "(moving / still) | of which model ms | planner ms/step | mean bits | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["# End-to-end serving speed", "", f"Command: `{meta.get('command', 'python bench/serve_speed.py')}`", "",
+             "`" + json.dumps(meta) + "`", "",
+             "Decode tok/s leaves out the steps that capture a CUDA graph (one-off per engine and batch size; "
+             "the next column keeps them); every timed run follows a 3-token warm-up run of the same prompts "
+             "(Triton JIT compilation is not timed).", "",
+             "| system | batch | prefill tok/s | decode tok/s | incl. capture | floor tok/s | % of floor | "
+             "decode step ms (moving / still) | of which model ms | planner ms/step | mean bits | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fl = r.get("floor_tps")
         dec = r.get("decode_tps_measured", math.nan)
         peak = r.get("device_peak_bytes", r.get("peak_device_bytes", math.nan))
         lines.append(
             f"| {r['system']} | {r['batch']} | {r.get('prefill_tps_measured', math.nan):.0f} | {dec:.1f} | "
+            f"{r.get('decode_tps_incl_capture', math.nan):.1f} | "
             f"{fl if fl is None else round(fl, 1)} | {'' if fl is None else round(100 * dec / fl, 1)} | "
             f"{r.get('decode_step_ms_median', math.nan):.2f} ({r.get('decode_step_ms_moving', math.nan):.2f} / "
             f"{r.get('decode_step_ms_still', math.nan):.2f}) | {r.get('decode_model_ms_median', math.nan):.2f} | "

@@ -40,7 +40,9 @@ class EngineConfig:
     ``lookahead_tokens``: tokens per running request the prepared plan provisions for; ``cuda_graphs``:
     replay decode steps from CUDA graphs (CUDA only); ``stats_every``: steps between reads of the live
     routing statistics (each read is a small device -> host copy); ``max_raise_blocks``: blocks whose
-    reload may start in one step (spreads the host-side copy launches over steps)."""
+    reload may start in one step (spreads the host-side copy launches over steps); ``fused_kernels``:
+    on CUDA, the Triton kernels for residual+RMSNorm, RoPE+KV write and routing+statistics instead of
+    the eager ops (``kernels/fused_norm.py``, ``rope_kv.py``, ``route_topk.py``)."""
 
     block_size: int = 16
     max_batch: int = 16
@@ -50,6 +52,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     stats_every: int = 4
     max_raise_blocks: int = 16
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_batch < 1 or self.max_step_tokens < 1 or self.lookahead_tokens < 0:
@@ -77,6 +80,8 @@ class Engine:
                  planner: Planner | None, cfg: EngineConfig, params: SamplingParams, eos: set[int]) -> None:
         self.model, self.store, self.pool, self.planner, self.cfg = model, store, pool, planner, cfg
         self.params, self.eos = params, eos
+        model.fused = cfg.fused_kernels
+        store.observe = planner is not None and planner.stats is not None  # nobody else reads them
         spec = model.spec
         a = spec.layers[0].attention
         self.alloc = PooledBlockAllocator(pool, spec.num_layers)
@@ -90,6 +95,7 @@ class Engine:
         self.on_token: Callable[[Sequence], None] | None = None
         self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
         self.graphs: DecodeGraphs | None = None
+        self._captured = False
 
     # ------------------------------------------------------------------ KVCapacity
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
@@ -195,13 +201,17 @@ class Engine:
                 self.graphs = DecodeGraphs(self.model, self.cache, self.store.moe, width,
                                            [self.store.mass_acc, self.store.norm_acc])
             if self.graphs.fits(step):
-                return self.graphs.run(step)
+                before = len(self.graphs.sizes)
+                out = self.graphs.run(step)
+                self._captured = len(self.graphs.sizes) > before
+                return out
         return self.model.forward(step, self.cache, logits_for="last", moe=self.store.moe)  # type: ignore[arg-type]
 
     def step(self) -> None:
         """One engine step (raises ``RuntimeError`` if no progress is possible)."""
         t_step = time.perf_counter()
         self._step_actions = {"lowered": 0, "raising": 0, "D": 0}
+        self._captured = False
         raised = self.store.poll()
         self.totals.promoted_blocks += len(raised)
         plan = self.scheduler.schedule(self)
@@ -253,6 +263,7 @@ class Engine:
         w = self.store.wpt
         self.totals.trace.append({
             "step": self.totals.steps, "seconds": dt, "model_seconds": self._model_s,
+            "graph_captured": self._captured,  # this step captured a CUDA graph (one-off cost: warm-up + capture)
             "free_blocks": self.alloc.num_free,
             "kv_pages": self.pool.count(KV), "weight_pages": self.pool.count(WEIGHT), "free_pages": self.pool.num_free,
             "pressure_bytes": int(self._step_actions["D"]), "lowered": self._step_actions["lowered"],

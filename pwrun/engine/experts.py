@@ -112,8 +112,13 @@ class ExpertStore:
         self.bytes_d2h = 0
         num_layers = self.spec.num_layers
         e_max = max((ls.moe.num_experts for ls in self.spec.layers if ls.moe is not None), default=1)
-        self.mass_acc = torch.zeros(num_layers, e_max + 1, dtype=torch.float64, device=self.device)
-        self.norm_acc = torch.zeros(num_layers, e_max + 1, 4, dtype=torch.float64, device=self.device)
+        # live routing statistics (fp32: read and zeroed every few steps), shared expert in column e_max
+        self.mass_acc = torch.zeros(num_layers, e_max + 1, dtype=torch.float32, device=self.device)
+        self.norm_acc = torch.zeros(num_layers, e_max + 1, 4, dtype=torch.float32, device=self.device)
+        self.observe = True  # the engine turns it off when no planner reads the statistics
+        self.e_max = e_max
+        self._shared_ids: dict[int, torch.Tensor] = {}
+        self._router_gate = _fuse_router_and_gate(model) if use_kernel else {}
 
     # ---------------------------------------------------------------- placement and movement
     def block_bytes(self) -> np.ndarray:
@@ -248,24 +253,42 @@ class ExpertStore:
         lw = self.model.weights.layers[layer].moe
         spec = self.spec.layers[layer].moe
         assert lw is not None and spec is not None
-        weights, ids = route(x, lw.router, spec)
-        self._observe(layer, x, ids, weights, spec.num_experts, lw.shared is not None)
         if self.use_kernel:
-            from kernels.ap_moe import ap_moe, ap_moe_shared
-
-            y = ap_moe(x, ids, weights, self.experts(layer), check=False)
-            if lw.shared is not None:
-                gate = None if lw.shared_gate is None else torch.nn.functional.linear(x, lw.shared_gate)
-                y = y + ap_moe_shared(x, self.experts(layer, "shared"), gate, check=False)
-            return y
+            return self._moe_kernel(x, layer, lw, spec)
+        weights, ids = route(x, lw.router, spec)
+        if self.observe:
+            self._observe(layer, x, ids, weights, spec.num_experts, lw.shared is not None)
         view = _DenseMoE(self, layer, lw)
         return experts_forward(x, cast(MoEWeights, view), weights, ids, spec.num_experts, layer)
 
+    def _moe_kernel(self, x: torch.Tensor, layer: int, lw: MoEWeights, spec: Any) -> torch.Tensor:
+        """CUDA path: router matmul (router and shared gate in one), one routing kernel (top-k, gate,
+        statistics), the fused AP kernels for the routed experts and for the shared expert."""
+        from kernels.ap_moe import ap_moe
+        from kernels.route_topk import route_topk
+
+        e = spec.num_experts
+        has_gate = lw.shared_gate is not None
+        weight = self._router_gate.get(layer, lw.router)
+        logits = torch.nn.functional.linear(x, weight)
+        stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max else None
+        w, ids, shared_w = route_topk(logits, x, e, spec.top_k, spec.norm_topk_prob, has_gate, stats)
+        if self.observe and stats is None:
+            self._observe(layer, x, ids, w, e, lw.shared is not None)
+        y = ap_moe(x, ids, w, self.experts(layer), check=False)
+        if lw.shared is not None:
+            t = x.shape[0]
+            sid = self._shared_ids.get(t)
+            if sid is None:
+                sid = self._shared_ids[t] = torch.zeros(t, 1, dtype=torch.int64, device=x.device)
+            y = y + ap_moe(x, sid, shared_w[:, None], self.experts(layer, "shared"), check=False)
+        return y
+
     def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  shared: bool) -> None:
-        r = weights.double().flatten()
+        r = weights.float().flatten()
         e = ids.flatten()
-        norms = x.double().norm(dim=-1)
+        norms = x.float().norm(dim=-1)
         n = norms.repeat_interleave(ids.shape[1])
         self.mass_acc[layer].index_add_(0, e, r)
         acc = self.norm_acc[layer]
@@ -287,6 +310,20 @@ class ExpertStore:
         self.mass_acc.zero_()
         self.norm_acc.zero_()
         return m, a
+
+
+def _fuse_router_and_gate(model: LeanMoEModel) -> dict[int, torch.Tensor]:
+    """{layer: [E+1, H]} each MoE layer's router with its shared-expert gate as the last row, so that one
+    matmul gives the routing and gate logits. The layer's weights become views of it (no extra memory)."""
+    fused: dict[int, torch.Tensor] = {}
+    for layer, lw in enumerate(model.weights.layers):
+        m = lw.moe
+        if m is None or m.shared_gate is None:
+            continue
+        both = torch.cat([m.router, m.shared_gate.reshape(1, -1)])
+        m.router, m.shared_gate = both[:-1], both[-1:].view(m.shared_gate.shape)
+        fused[layer] = both
+    return fused
 
 
 class _Units:

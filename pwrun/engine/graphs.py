@@ -35,6 +35,11 @@ class DecodeGraphs:
         # one side stream for every warm-up and capture: each new stream would get its own cuBLAS workspace
         self._side = torch.cuda.Stream(model.device)
 
+    @property
+    def sizes(self) -> list[int]:
+        """Batch sizes captured so far."""
+        return list(self._graphs)
+
     def fits(self, step: StepTensors) -> bool:
         return step.decode_only and step.padded_tables is not None and step.padded_tables.shape[1] <= self.max_blocks
 

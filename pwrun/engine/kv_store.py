@@ -31,6 +31,8 @@ class PooledKVCache:
         self.rows = self.pages.view(-1, num_kv_heads, head_dim)
         layers = allocator.num_layers
         self.unit = torch.zeros(2 * layers, max(allocator.max_blocks, 1), dtype=torch.int64, device=memory.device)
+        self._inv_freq: dict[tuple[int, float], torch.Tensor] = {}
+        self._step_units: torch.Tensor | None = None  # [2L, S, nb] int32 pages of this decode step's blocks
 
     @staticmethod
     def page_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -60,15 +62,40 @@ class PooledKVCache:
         v = self.pages.index_select(0, self.unit[2 * layer + 1][block_table]).flatten(0, 1)[:length]
         return k, v
 
+    def begin_step(self, step: StepTensors) -> None:
+        """Per-step setup (the model calls it first): on CUDA decode steps, every layer's K/V page table at once."""
+        self._step_units = None
+        if self.use_kernel and self.unit.is_cuda and step.decode_only and step.padded_tables is not None:
+            self._step_units = self.unit[:, step.padded_tables.long()].to(torch.int32)
+
     def decode_attention(self, layer: int, q: torch.Tensor, step: StepTensors, scale: float) -> torch.Tensor | None:
         """Triton paged-decode attention [S, Hq, D] for a pure decode step on CUDA; None elsewhere (reference)."""
         if not (self.use_kernel and q.is_cuda) or step.padded_tables is None or step.context_lens_t is None:
             return None
         from kernels.paged_attention import paged_decode_attention
 
-        bt = step.padded_tables.long()
-        kt, vt = self.unit[2 * layer][bt].to(torch.int32), self.unit[2 * layer + 1][bt].to(torch.int32)
+        units = self._step_units
+        if units is not None and units.shape[1:] == step.padded_tables.shape:
+            kt, vt = units[2 * layer], units[2 * layer + 1]
+        else:
+            bt = step.padded_tables.long()
+            kt, vt = self.unit[2 * layer][bt].to(torch.int32), self.unit[2 * layer + 1][bt].to(torch.int32)
         return paged_decode_attention(q, self.pages, self.pages, kt, step.context_lens_t, scale, v_block_tables=vt)
+
+    def write_rope(self, layer: int, step: StepTensors, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   theta: float) -> torch.Tensor | None:
+        """RoPE on q/k [T, H*, D] and the K/V write in one Triton kernel (CUDA); returns rotated q, or None
+        (then the caller runs the eager RoPE and ``write``)."""
+        if not (self.use_kernel and q.is_cuda):
+            return None
+        from kernels.rope_kv import rope_inv_freq, rope_kv_write
+
+        d = q.shape[-1]
+        inv = self._inv_freq.get((d, theta))
+        if inv is None:
+            inv = self._inv_freq[(d, theta)] = rope_inv_freq(d, theta, q.device)
+        return rope_kv_write(q, k, v, step.positions, inv, self.rows, step.slots, self.unit[2 * layer],
+                             self.unit[2 * layer + 1], self.block_size)
 
     def layer_tables(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Page ids [S, nb] of layer ``layer``'s K and of its V for block tables [S, nb]."""

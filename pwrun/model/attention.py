@@ -25,10 +25,11 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 
 def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec, eps: float, layer: int,
-                      step: StepTensors, cache: PagedKVCache) -> torch.Tensor:
+                      step: StepTensors, cache: PagedKVCache, fused: bool = False) -> torch.Tensor:
     """Self-attention output [T, H] for normalised hidden states x [T, H] of one step.
 
-    The step's keys/values are written to ``cache`` at ``step.slots`` before attending.
+    The step's keys/values are written to ``cache`` at ``step.slots`` before attending. ``fused``:
+    RoPE and the KV write in one kernel where the cache offers ``write_rope`` (CUDA runtime).
     """
     t = x.shape[0]
     hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -42,9 +43,14 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
     if spec.qk_norm == "per_head":
         assert w.q_norm is not None and w.k_norm is not None
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-    cos, sin = rope_cos_sin(step.positions, d, spec.rope_theta, x.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache.write(layer, step.slots, k, v)
+    write_rope = getattr(cache, "write_rope", None) if fused else None
+    rotated = write_rope(layer, step, q, k, v, spec.rope_theta) if write_rope is not None else None
+    if rotated is not None:
+        q = rotated
+    else:
+        cos, sin = rope_cos_sin(step.positions, d, spec.rope_theta, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, step.slots, k, v)
     fast = getattr(cache, "decode_attention", None)
     if fast is not None and step.decode_only:
         o = fast(layer, q, step, d**-0.5)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pwrun.kv.cache import PagedKVCache
 from pwrun.model.attention import attention_forward
 from pwrun.model.moe import MoEObserver, mlp_forward, moe_forward
-from pwrun.model.ops import rms_norm
+from pwrun.model.ops import add_rms_norm
 from pwrun.model.spec import ModelSpec
 from pwrun.model.step import StepTensors
 from pwrun.model.weights import ModelWeights
@@ -28,6 +28,8 @@ class LeanMoEModel:
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
         self.spec, self.weights = spec, weights
+        # on CUDA, run the fused Triton kernels for residual+norm, RoPE+KV write (the runtime turns this on)
+        self.fused = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -63,19 +65,30 @@ class LeanMoEModel:
         """
         spec, w = self.spec, self.weights
         h = F.embedding(step.tokens, w.embed)
+        fused = self.fused and h.is_cuda
+        norm = add_rms_norm
+        if fused:
+            from kernels import fused_norm
+
+            norm = fused_norm.add_rms_norm
+        begin = getattr(cache, "begin_step", None)
+        if begin is not None:
+            begin(step)
+        delta: torch.Tensor | None = None  # the last block's output, added to h by the next norm
         for ls, lw in zip(spec.layers, w.layers, strict=True):
-            x = rms_norm(h, lw.attn_norm, spec.rms_norm_eps)
-            h = h + attention_forward(x, lw.attn, ls.attention, spec.rms_norm_eps, ls.index, step, cache)
-            x = rms_norm(h, lw.ffn_norm, spec.rms_norm_eps)
+            h, x = norm(h, delta, lw.attn_norm, spec.rms_norm_eps)
+            a = attention_forward(x, lw.attn, ls.attention, spec.rms_norm_eps, ls.index, step, cache, fused)
+            h, x = norm(h, a, lw.ffn_norm, spec.rms_norm_eps)
             if lw.moe is not None:
                 assert ls.moe is not None
-                h = h + (moe(x, ls.index) if moe is not None else moe_forward(x, lw.moe, ls.moe, ls.index, observer))
+                delta = moe(x, ls.index) if moe is not None else moe_forward(x, lw.moe, ls.moe, ls.index, observer)
             else:
                 assert lw.mlp is not None
-                h = h + mlp_forward(x, lw.mlp)
+                delta = mlp_forward(x, lw.mlp)
         if logits_for == "last":
             h = h.index_select(0, step.last_token_index)
+            delta = None if delta is None else delta.index_select(0, step.last_token_index)
         elif logits_for != "all":
             raise ValueError(f"logits_for must be 'last' or 'all', got {logits_for!r}")
-        h = rms_norm(h, w.final_norm, spec.rms_norm_eps)
+        _, h = norm(h, delta, w.final_norm, spec.rms_norm_eps)
         return F.linear(h, w.lm_head).float()

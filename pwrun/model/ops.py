@@ -1,4 +1,4 @@
-"""Elementwise building blocks of the lean model: RMSNorm and rotary embeddings (plain PyTorch).
+"""Elementwise building blocks of the lean model: RMSNorm (with the residual add) and rotary embeddings.
 
 What it does: the exact math of the supported families (computed in fp32, cast back, as
 transformers does, so that parity holds). It does not do attention or MoE.
@@ -14,6 +14,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: (h + delta, rms_norm(h + delta)) [T, H]; h itself when ``delta`` is None.
+
+    The eager twin of the fused kernel ``kernels.fused_norm.add_rms_norm``.
+    """
+    if delta is not None:
+        h = h + delta
+    return h, rms_norm(h, weight, eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype

@@ -1,0 +1,145 @@
+"""The decode step's fused elementwise kernels vs their references (interpreter on CPU, native on GPU).
+
+add_rms_norm (residual add + RMSNorm), rope_kv_write (RoPE on q/k + paged KV write) and route_topk
+(softmax top-k, shared gate, live statistics). Each reference is itself checked against the eager
+ops the lean model uses (``pwrun.model.ops``, ``pwrun.model.moe.route``), so the kernels are pinned
+to the model's math, not only to a twin written beside them. Odd sizes (H 1408+8, 96, E 60, top-k 1..8),
+bf16 and fp16, strided inputs, outputs poisoned with NaN before the call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fused_norm import add_rms_norm, add_rms_norm_ref
+from kernels.rope_kv import rope_inv_freq, rope_kv_write, rope_kv_write_ref
+from kernels.route_topk import route_topk, route_topk_ref
+from pwrun.model.moe import route
+from pwrun.model.ops import apply_rope, rms_norm, rope_cos_sin
+from pwrun.model.spec import MoESpec
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's epsilon times the magnitude (relative, robust near 0)."""
+    eps = torch.finfo(a.dtype).eps
+    d = (a.float() - b.float()).abs()
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(1e-3)
+    return float((d / scale).max()) / eps
+
+
+def _abs_ulps(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference in units of eps times the largest |ref| (for sums that can cancel, as in RoPE)."""
+    return float((a.float() - b.float()).abs().max()) / (torch.finfo(a.dtype).eps * float(ref.float().abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 96), (3, 1416), (17, 256)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm(dtype: torch.dtype, t: int, h: int, with_delta: bool) -> None:
+    g = torch.Generator().manual_seed(t * h)
+    big = torch.randn(t, h + 5, generator=g).to(dtype).to(DEV)
+    hs = big[:, 2:h + 2]  # strided rows
+    delta = torch.randn(t, h, generator=g).to(dtype).to(DEV) if with_delta else None
+    w = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype).to(DEV)
+    h_ref, x_ref = add_rms_norm_ref(hs, delta, w, 1e-6)
+    # the reference is the model's eager math
+    h_eager = hs + delta if delta is not None else hs
+    assert torch.equal(h_ref, h_eager)
+    assert torch.equal(x_ref, rms_norm(h_eager, w, 1e-6))
+    h_k, x_k = add_rms_norm(hs, delta, w, 1e-6)
+    assert torch.equal(h_k, h_ref)
+    assert _ulps(x_k, x_ref) <= 2.0, "normalised rows differ by more than bf16/fp16 rounding"
+
+
+def test_add_rms_norm_rejects_bad_input() -> None:
+    h = torch.randn(2, 8, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(h, None, torch.ones(7, dtype=torch.bfloat16, device=DEV), 1e-6)
+    with pytest.raises(ValueError, match="delta"):
+        add_rms_norm(h, h.half(), torch.ones(8, dtype=torch.bfloat16, device=DEV), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 2, 64, 16), (5, 6, 6, 32, 8), (9, 8, 2, 128, 4)])
+def test_rope_kv_write(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int, bs: int) -> None:
+    g = torch.Generator().manual_seed(t + hq * d)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d + 3, generator=g).to(dtype).to(DEV)  # one projection, token stride
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].view(t, hkv, d)
+    positions = torch.randint(0, 5000, (t,), generator=g).to(DEV)
+    num_blocks, units = 6, 20
+    perm = torch.randperm(units, generator=g).to(DEV)  # K and V pages are distinct pages of one pool
+    k_units, v_units = perm[:num_blocks], perm[num_blocks:2 * num_blocks]
+    slots = torch.randperm(num_blocks * bs, generator=g)[:t].to(DEV)
+    inv = rope_inv_freq(d, 10000.0, DEV)
+    rows_ref = torch.full((units * bs, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    rows_k = rows_ref.clone()
+    q_ref = rope_kv_write_ref(q, k, v, positions, inv, rows_ref, slots, k_units, v_units, bs)
+    q_k = rope_kv_write(q, k, v, positions, inv, rows_k, slots, k_units, v_units, bs)
+    # the reference agrees with the model's eager RoPE (which rounds every product: a few ulps)
+    cos, sin = rope_cos_sin(positions, d, 10000.0, dtype)
+    assert _abs_ulps(q_ref, apply_rope(q, cos, sin), q) <= 4.0
+    assert _ulps(q_k, q_ref) <= 2.0
+    written = torch.zeros(units * bs, dtype=torch.bool)
+    blk, off = (slots // bs).cpu(), (slots % bs).cpu()
+    written[k_units.cpu()[blk] * bs + off] = True
+    written[v_units.cpu()[blk] * bs + off] = True
+    assert torch.isnan(rows_k[~written.to(DEV)].float()).all(), "a row outside the step's slots was written"
+    vrow = v_units[slots // bs] * bs + slots % bs
+    assert torch.equal(rows_k[vrow], v) and torch.equal(rows_ref[vrow], v)
+    krow = k_units[slots // bs] * bs + slots % bs
+    assert _ulps(rows_k[krow], rows_ref[krow]) <= 2.0
+    assert _abs_ulps(rows_ref[krow], apply_rope(k, cos, sin), k) <= 4.0
+
+
+ROUTE_CASES = [(1, 60, 4, False, True), (7, 8, 2, True, False), (33, 16, 8, True, False), (4, 5, 1, False, True),
+               (3, 12, 3, True, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,k,renorm,gate", ROUTE_CASES)
+def test_route_topk(dtype: torch.dtype, t: int, e: int, k: int, renorm: bool, gate: bool) -> None:
+    g = torch.Generator().manual_seed(t * e + k)
+    h = 72
+    x = torch.randn(t, h, generator=g).to(dtype).to(DEV)
+    # distinct logits per token (multiples of 1/16, exact in bf16/fp16) so that top-k has no ties to break
+    cols = e + int(gate)
+    logits = torch.stack([(torch.randperm(cols, generator=g) - cols / 2) / 16 for _ in range(t)]).to(dtype).to(DEV)
+    stats_ref = (torch.zeros(e + 1, device=DEV), torch.zeros(e + 1, 4, device=DEV))
+    stats_k = (torch.full((e + 1,), 0.5, device=DEV), torch.full((e + 1, 4), 0.5, device=DEV))
+    stats_ref[0].fill_(0.5)
+    stats_ref[1].fill_(0.5)
+    w_ref, ids_ref, s_ref = route_topk_ref(logits, x, e, k, renorm, gate, stats_ref)
+    # the reference is the model's eager router
+    spec = MoESpec(num_experts=e, top_k=k, norm_topk_prob=renorm, expert_intermediate=8)
+    one_hot = torch.eye(t, dtype=dtype, device=DEV)  # x = e_t, router[:, t] = logits[t]: linear gives the logits
+    w_eager, ids_eager = route(one_hot, logits[:, :e].T.contiguous(), spec)
+    assert torch.equal(ids_ref, ids_eager) and torch.equal(w_ref, w_eager.float())
+    if gate:
+        assert torch.allclose(s_ref, torch.sigmoid(logits[:, e].float()))
+    w_k, ids_k, s_k = route_topk(logits, x, e, k, renorm, gate, stats_k)
+    assert torch.equal(ids_k, ids_ref)
+    assert torch.allclose(w_k, w_ref, rtol=2 * torch.finfo(dtype).eps, atol=0)
+    assert torch.allclose(s_k, s_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(stats_k, stats_ref, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    expected = 0.5 * (e + 1) + float(w_ref.sum()) + t  # routing mass: the weights, plus 1 per token (shared)
+    assert float(stats_ref[0].sum()) == pytest.approx(expected, rel=1e-5)
+    assert float(stats_k[0].sum()) == pytest.approx(expected, rel=1e-4)
+
+
+def test_route_topk_without_stats_and_bad_input() -> None:
+    x = torch.randn(2, 16, dtype=torch.bfloat16, device=DEV)
+    logits = torch.randn(2, 6, dtype=torch.bfloat16, device=DEV)
+    w, ids, s = route_topk(logits, x, 6, 2, True, False)
+    assert ids.shape == (2, 2) and torch.equal(s, torch.ones(2, device=DEV))
+    assert torch.allclose(w.sum(1), torch.ones(2, device=DEV), atol=1e-2)
+    with pytest.raises(ValueError, match="top_k"):
+        route_topk(logits, x, 6, 7, True, False)
+    with pytest.raises(ValueError, match="logits"):
+        route_topk(logits, x, 6, 2, True, True)
