@@ -243,6 +243,11 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
     s["decode_step_ms_moving"] = 1e3 * float(np.median(moving)) if moving else math.nan
     s["decode_step_ms_still"] = 1e3 * float(np.median(still)) if still else math.nan
     s["steps_moving"] = len(moving)
+    for name, rs in (("moving", [r for r in dec if r["bytes_in_flight"] > 0]),
+                     ("still", [r for r in dec if r["bytes_in_flight"] == 0])):
+        if rs:  # where a step's host time goes (medians, ms)
+            s[f"breakdown_{name}_ms"] = {k: round(1e3 * float(np.median([r[k] for r in rs])), 3) for k in (
+                "seconds", "model_seconds", "poll_seconds", "after_seconds", "sync_seconds")}
     s["device_peak_bytes"] = peak()
     del e, built
     reset_peak()
@@ -389,7 +394,8 @@ def main() -> None:
 
 
 KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture", "graph_capture_steps",
-        "decode_step_ms_median", "decode_model_ms_median", "decode_step_ms_moving",
+        "decode_step_ms_median", "decode_model_ms_median", "decode_step_ms_moving", "breakdown_moving_ms",
+        "breakdown_still_ms",
         "decode_step_ms_still", "steps_moving", "planner_ms_per_step", "demoted_blocks", "promoted_blocks",
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
         "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes")

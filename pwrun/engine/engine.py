@@ -96,6 +96,7 @@ class Engine:
         self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
         self.graphs: DecodeGraphs | None = None
         self._captured = False
+        self._phases = (0.0, 0.0, 0.0)
 
     # ------------------------------------------------------------------ KVCapacity
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
@@ -213,6 +214,7 @@ class Engine:
         self._step_actions = {"lowered": 0, "raising": 0, "D": 0}
         self._captured = False
         raised = self.store.poll()
+        t_poll = time.perf_counter()
         self.totals.promoted_blocks += len(raised)
         plan = self.scheduler.schedule(self)
         if not plan.chunks:
@@ -249,8 +251,11 @@ class Engine:
                 self.on_token(s)
             if s.finish is not None:
                 self.scheduler.finish(s, self)
+        t_after = time.perf_counter()
         self._after_step()
+        t_sync = time.perf_counter()
         self._sync()
+        self._phases = (t_poll - t_step, t_sync - t_after, time.perf_counter() - t_sync)
         if self.cfg.debug_checks:
             self.check()
         dt = time.perf_counter() - t_step
@@ -264,6 +269,8 @@ class Engine:
         self.totals.trace.append({
             "step": self.totals.steps, "seconds": dt, "model_seconds": self._model_s,
             "graph_captured": self._captured,  # this step captured a CUDA graph (one-off cost: warm-up + capture)
+            # host seconds in: committing finished reloads, planner + starting moves, waiting for the device at the end
+            "poll_seconds": self._phases[0], "after_seconds": self._phases[1], "sync_seconds": self._phases[2],
             "free_blocks": self.alloc.num_free,
             "kv_pages": self.pool.count(KV), "weight_pages": self.pool.count(WEIGHT), "free_pages": self.pool.num_free,
             "pressure_bytes": int(self._step_actions["D"]), "lowered": self._step_actions["lowered"],
