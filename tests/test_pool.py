@@ -102,9 +102,16 @@ def test_find_run_is_first_fit_like_a_full_scan() -> None:
     pool = PagePool(PoolConfig(num_pages=3000, page_bytes=8))
     runs = []
     for _ in range(300):
-        n = rng.randint(1, 9)
         try:
-            runs.append((pool.allocate_run(n, WEIGHT), n))
+            for _k in range(rng.randint(1, 4)):  # several runs in a row: the free-run table is updated in place
+                n = rng.randint(1, 9)
+                free = np.concatenate(([0], np.cumsum(pool._kind == 0)))
+                ok = np.flatnonzero(free[n:] - free[:-n] == n)
+                got = pool.allocate_run(n, WEIGHT)
+                assert got == int(ok[0]), "allocate_run is not the first fit of a full scan"
+                runs.append((got, n))
+            if rng.random() < 0.1:
+                pool.allocate_top(rng.randint(1, 5), KV)
         except OutOfPages:
             break
         if runs and rng.random() < 0.4:

@@ -93,10 +93,13 @@ class Engine:
         self.gens: dict[int, torch.Generator] = {}
         self.totals = Totals()
         self.on_token: Callable[[Sequence], None] | None = None
-        self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+        # wait for the compute stream only: reload copies on the side stream go on across step boundaries
+        self._sync = torch.cuda.current_stream(model.device).synchronize if model.device.type == "cuda" \
+            else (lambda: None)
         self.graphs: DecodeGraphs | None = None
         self._captured = False
         self._phases = (0.0, 0.0, 0.0)
+        self._reload_s = 0.0
 
     # ------------------------------------------------------------------ KVCapacity
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
@@ -147,32 +150,45 @@ class Engine:
         return min(tokens + self.cfg.lookahead_tokens, s.total_tokens)
 
     def _after_step(self) -> None:
-        """Pressure (Eq. 7) -> lower; sustained slack -> reload; then prepare the next plan."""
+        """After sampling: pressure (Eq. 7) -> lower; then prepare the next plan (reloads start in ``_reload``)."""
         if self.planner is None:
             return
         free = self.alloc.num_free
-        cfgp = self.planner.cfg
         d = self.planner.pressure(free, self.kv_block_bytes)
         self._step_actions["D"] = d
         if d > 0:
             self._lower(d)
-        elif free > cfgp.reload_threshold and cfgp.movement:
-            t0 = time.perf_counter()
-            # reload only what no request will need: keep the blocks the running requests may still take up
-            # to their last token, and those of the requests about to be admitted (prompts + lookahead);
-            # a narrower margin made the planner demote and reload the same blocks over and over
-            slots = max(0, self.cfg.max_batch - len(self.scheduler.running))
-            soon = sum(self.tables.extra_blocks(s.rid, self._ahead(s, len(s.tokens)))
-                       for s in list(self.scheduler.waiting)[:slots])
-            soon += sum(self.tables.extra_blocks(s.rid, len(s.prompt) + s.max_new_tokens)
-                        for s in self.scheduler.running)
-            allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
-            plan = self.planner.plan_raise(self.q_idx(), allowance, self.store.movable())
-            self._planner_time(t0)
-            if not plan.empty and allowance > 0:
-                k = self.cfg.max_raise_blocks  # the plan is in benefit-per-byte order: take its head
-                started = self.store.begin_raise(plan.blocks[:k], self.store.table.bits[plan.to_idx[:k]])
-                self._step_actions["raising"] += len(started)
+        self._prepare_next()
+
+    def _reload(self) -> None:
+        """Sustained slack -> start reloads (SPEC section 6). Runs while the device computes the step just
+        launched (host work hidden behind it); the copies wait for that step on the side stream."""
+        if self.planner is None or not self.planner.cfg.movement:
+            return
+        free = self.alloc.num_free
+        cfgp = self.planner.cfg
+        if free <= cfgp.reload_threshold or self.planner.pressure(free, self.kv_block_bytes) > 0:
+            return
+        t0 = time.perf_counter()
+        # reload only what no request will need: keep the blocks the running requests may still take up
+        # to their last token, and those of the requests about to be admitted (prompts + lookahead);
+        # a narrower margin made the planner demote and reload the same blocks over and over
+        slots = max(0, self.cfg.max_batch - len(self.scheduler.running))
+        soon = sum(self.tables.extra_blocks(s.rid, self._ahead(s, len(s.tokens)))
+                   for s in list(self.scheduler.waiting)[:slots])
+        soon += sum(self.tables.extra_blocks(s.rid, len(s.prompt) + s.max_new_tokens)
+                    for s in self.scheduler.running)
+        allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
+        plan = self.planner.plan_raise(self.q_idx(), allowance, self.store.movable())
+        self._planner_time(t0)
+        if not plan.empty and allowance > 0:
+            k = self.cfg.max_raise_blocks  # the plan is in benefit-per-byte order: take its head
+            started = self.store.begin_raise(plan.blocks[:k], self.store.table.bits[plan.to_idx[:k]])
+            self._step_actions["raising"] += len(started)
+
+    def _prepare_next(self) -> None:
+        assert self.planner is not None
+        cfgp = self.planner.cfg
         t0 = time.perf_counter()
         ahead = sum(self.tables.extra_blocks(s.rid, self._ahead(s, s.computed)) for s in self.scheduler.running)
         need = max(0, cfgp.free_threshold + 1 + ahead - self.alloc.num_free) * self.kv_block_bytes
@@ -221,6 +237,9 @@ class Engine:
             raise RuntimeError("no request fits in the KV cache even with every expert at its floor")
         t_model = time.perf_counter()
         logits = self._run(plan)
+        t_launched = time.perf_counter()
+        self._reload()
+        self._reload_s = time.perf_counter() - t_launched
         self._sync()  # sampling synchronises right after anyway; this makes the model's time measurable
         self._model_s = time.perf_counter() - t_model
         if self.planner is not None and self.planner.stats is not None and \
@@ -271,6 +290,7 @@ class Engine:
             "graph_captured": self._captured,  # this step captured a CUDA graph (one-off cost: warm-up + capture)
             # host seconds in: committing finished reloads, planner + starting moves, waiting for the device at the end
             "poll_seconds": self._phases[0], "after_seconds": self._phases[1], "sync_seconds": self._phases[2],
+            "reload_seconds": self._reload_s,  # planning and starting reloads, overlapped with the step's compute
             "free_blocks": self.alloc.num_free,
             "kv_pages": self.pool.count(KV), "weight_pages": self.pool.count(WEIGHT), "free_pages": self.pool.num_free,
             "pressure_bytes": int(self._step_actions["D"]), "lowered": self._step_actions["lowered"],

@@ -98,14 +98,24 @@ class ExpertStore:
         self._tables: dict[tuple[int, str], _LayerTables] = {}
         self.row = np.array([0 if e == SHARED_EXPERT else 2 * e for _, e, _ in self.key]) + np.array(
             [UNITS.index(u) for _, _, u in self.key])
-        for layer in sorted({k[0] for k in self.key}):
-            for kind in ("routed", "shared"):
-                rows = sum(1 for k in self.key if k[0] == layer and (k[1] == SHARED_EXPERT) == (kind == "shared"))
-                if rows:
-                    self._tables[(layer, kind)] = _LayerTables(
-                        torch.zeros(rows, 8, dtype=torch.int64, device=self.device),
-                        torch.zeros(rows, dtype=torch.int64, device=self.device),
-                        torch.zeros(rows, dtype=torch.int32, device=self.device))
+        # every layer's kernel tables are row ranges of three device tensors, so that one update of any set of
+        # blocks is three scatters (the per-layer tables the kernels read are views)
+        counts: dict[tuple[int, str], int] = {}
+        for la, e, _ in self.key:
+            k = (la, "shared" if e == SHARED_EXPERT else "routed")
+            counts[k] = counts.get(k, 0) + 1
+        bases, total = {}, 0
+        for k in sorted(counts):
+            bases[k], total = total, total + counts[k]
+        self._plane_offset = torch.zeros(total, 8, dtype=torch.int64, device=self.device)
+        self._lut_offset = torch.zeros(total, dtype=torch.int64, device=self.device)
+        self._bits = torch.zeros(total, dtype=torch.int32, device=self.device)
+        for key, base in bases.items():
+            end = base + counts[key]
+            self._tables[key] = _LayerTables(self._plane_offset[base:end], self._lut_offset[base:end],
+                                             self._bits[base:end])
+        self.table_row = np.array([bases[(la, "shared" if e == SHARED_EXPERT else "routed")] + r
+                                   for (la, e, _), r in zip(self.key, self.row, strict=True)], dtype=np.int64)
         self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pending: list[tuple[Any, list[int]]] = []
         self.bytes_h2d = 0
@@ -176,8 +186,14 @@ class ExpertStore:
         return started
 
     def in_flight_bytes(self) -> int:
-        return int(sum(self.wpt.pages_at(int(self.wpt.pending[i]))[i] - self.wpt.pages_at(int(self.wpt.q[i]))[i]
-                       for _, bl in self._pending for i in bl)) * self.page_bytes
+        """Bytes of the reloads in flight (their pages at the target minus at the committed bitwidth)."""
+        bl = np.array([i for _, blocks in self._pending for i in blocks], dtype=np.int64)
+        if not bl.size:
+            return 0
+        w = self.wpt
+        pend, q = w.pending[bl].astype(np.int64), w.q[bl].astype(np.int64)
+        pages = (pend - q) * w.plane_pages[bl] + w.lut_pages[bl, pend] - w.lut_pages[bl, q]
+        return int(pages.sum()) * self.page_bytes
 
     def poll(self) -> list[int]:
         """Commit every raise whose copies have completed (step boundary); returns the blocks raised."""
@@ -204,20 +220,16 @@ class ExpertStore:
         w = self.wpt
         for i in np.asarray(blocks).tolist():
             self._dense.pop(i, None)
-        groups: dict[tuple[int, str], list[int]] = {}
-        for i in np.asarray(blocks).tolist():
-            la, e, _ = self.key[i]
-            groups.setdefault((la, "shared" if e == SHARED_EXPERT else "routed"), []).append(i)
+        ii = np.asarray(blocks, dtype=np.int64)
+        if ii.size == 0:
+            return
         wpp, epp = self.page_bytes // 4, self.page_bytes // LUT_BYTES
-        for key, idx in groups.items():
-            tabs = self._tables[key]
-            ii = np.asarray(idx)
-            starts = w.plane_start[ii]
-            offs = np.where((np.arange(8)[None, :] < w.q[ii][:, None]) & (starts >= 0), starts * wpp, 0)
-            rows = torch.tensor(self.row[ii], dtype=torch.int64, device=self.device)
-            tabs.plane_offset[rows] = torch.tensor(offs, dtype=torch.int64, device=self.device)
-            tabs.lut_offset[rows] = torch.tensor(w.lut_start[ii] * epp, dtype=torch.int64, device=self.device)
-            tabs.bits[rows] = torch.tensor(w.q[ii], dtype=torch.int32, device=self.device)
+        starts = w.plane_start[ii]
+        offs = np.where((np.arange(8)[None, :] < w.q[ii][:, None]) & (starts >= 0), starts * wpp, 0)
+        rows = torch.from_numpy(self.table_row[ii]).to(self.device)
+        self._plane_offset[rows] = torch.from_numpy(offs.astype(np.int64)).to(self.device)
+        self._lut_offset[rows] = torch.from_numpy((w.lut_start[ii] * epp).astype(np.int64)).to(self.device)
+        self._bits[rows] = torch.from_numpy(w.q[ii].astype(np.int32)).to(self.device)
 
     def experts(self, layer: int, kind: str = "routed") -> Any:
         """The kernel's ``APExperts`` view of one layer's routed (or shared) experts."""

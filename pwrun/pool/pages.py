@@ -12,8 +12,10 @@ each other:
   frees can hold KV and reloads find their runs in the holes at the bottom.
 
 ``check`` verifies conservation (KV + weight + free = pool). It owns no memory: the runtime maps
-page ids to byte ranges of one device tensor. Control plane: numpy only, no torch. Every search is
-vectorized over the pool (O(pages) numpy, no Python loop over pages).
+page ids to byte ranges of one device tensor. Control plane: numpy only, no torch. Weight runs are
+found in a table of the free runs (starts, lengths), built with one O(pages) numpy pass and then
+updated in place by each run allocation, so a batch of reloads (tens of runs) costs one pass, not
+one per run; any other change to the free set (a release, KV pages) drops the table.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class PagePool:
         self.cfg = cfg
         self._kind = np.zeros(cfg.num_pages, dtype=np.int8)
         self.peak_used = 0
-        self._low = 0  # no free page below this index (first-fit searches start here)
+        self._runs: tuple[np.ndarray, np.ndarray] | None = None  # free runs (starts, lengths), ascending
         self._counts = {FREE: cfg.num_pages, KV: 0, WEIGHT: 0}  # kept in step: no O(pages) count per query
 
     @property
@@ -69,6 +71,7 @@ class PagePool:
         return self._counts[kind]
 
     def _take(self, pages: np.ndarray, kind: int) -> None:
+        self._runs = None
         self._kind[pages] = kind
         self._counts[FREE] -= pages.size
         self._counts[kind] += pages.size
@@ -84,36 +87,35 @@ class PagePool:
         self._take(free[:n], kind)
         return free[:n].tolist()
 
+    def _free_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._runs is None:
+            f = np.concatenate(([0], (self._kind == FREE).astype(np.int8), [0]))
+            d = np.diff(f)
+            starts = np.flatnonzero(d == 1)
+            self._runs = (starts, np.flatnonzero(d == -1) - starts)
+        return self._runs
+
     def find_run(self, n: int) -> int:
         """Start of the lowest run of ``n`` contiguous free pages, or -1 if there is none."""
         if n <= 0:
             raise ValueError("a run needs at least one page")
-        lo = self._low
-        if lo < self.cfg.num_pages and self._kind[lo] != FREE:
-            rest = self._kind[lo:] == FREE
-            lo = lo + int(rest.argmax()) if rest.any() else self.cfg.num_pages
-        self._low = lo
-        # first fit in growing windows from the lowest free page: the same answer as one scan of the whole
-        # pool, but reloads find the holes demotions left near the bottom without an O(pages) pass each
-        for width in (4 * n + 64, 16 * n + 4096, 64 * n + 65536, self.cfg.num_pages):
-            hi = min(lo + width, self.cfg.num_pages)
-            f = (self._kind[lo:hi] == FREE).astype(np.int64)
-            if f.size < n:
-                continue
-            c = np.concatenate(([0], np.cumsum(f)))
-            ok = np.flatnonzero(c[n:] - c[:-n] == n)
-            if ok.size:
-                return lo + int(ok[0])
-            if hi == self.cfg.num_pages:
-                break
-        return -1
+        starts, lengths = self._free_runs()
+        ok = np.flatnonzero(lengths >= n)
+        return int(starts[ok[0]]) if ok.size else -1
 
     def allocate_run(self, n: int, kind: int = WEIGHT) -> int:
         """Take a contiguous run of ``n`` pages (first fit from the bottom); returns its first page."""
         start = self.find_run(n)
         if start < 0:
             raise OutOfPages(f"no run of {n} contiguous free pages ({self.num_free} free in total)")
+        runs = self._runs
         self._take(np.arange(start, start + n), kind)
+        assert runs is not None
+        starts, lengths = runs
+        j = int(np.searchsorted(starts, start))
+        starts[j] += n  # the run shrinks from its bottom (an emptied run stays, with length 0)
+        lengths[j] -= n
+        self._runs = runs
         return start
 
     def allocate_top(self, n: int, kind: int = KV) -> list[int]:
@@ -134,10 +136,9 @@ class PagePool:
             bad = p[self._kind[p] != kind][0]
             raise ValueError(f"page {bad} is not owned by kind {kind}")
         self._kind[p] = FREE
+        self._runs = None
         self._counts[kind] -= p.size
         self._counts[FREE] += p.size
-        if p.size:
-            self._low = min(self._low, int(p.min()))
 
     def release_run(self, start: int, n: int, kind: int = WEIGHT) -> None:
         self.release(np.arange(start, start + n), kind)
