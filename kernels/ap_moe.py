@@ -23,10 +23,12 @@ Three paths, chosen per call by T and shape from data (``kernels/configs/ap_moe.
     once in registers and fed to tensor cores (``tl.dot``); SiLU(gate) * up -> ``inter`` [T*k, I],
     then down times the routing weight -> ``out_pairs`` [T*k, H] fp32, summed over k by the
     launcher (deterministic, no atomics).
-  * ``dequant`` (prefill): ``_dequant_kernel`` writes every used expert densely once, then
-    ``torch._grouped_mm`` runs both units on tensor cores.
-All of them build weights with ``kernels.ap_tile.weight_tile`` (codes from plane words in
-registers, then the row's LUT). Accumulation is fp32; the intermediate is stored in x's dtype.
+  * ``dequant`` (prefill): ``_dequant_kernel`` writes every used expert densely once, in the permuted
+    column order of ``kernels.ap_unpack`` (contiguous stores), then ``torch._grouped_mm`` runs both
+    units on tensor cores over activations permuted the same way (a GEMM's K order is free).
+``gemv`` and ``dequant`` unpack word-major (``kernels.ap_unpack``: a thread turns its own plane words
+into 4 codes per shift-and-or, no layout conversion); ``fused`` still builds natural-order tiles with
+``kernels.ap_tile.weight_tile`` for ``tl.dot``. Accumulation is fp32; the intermediate is stored in x's dtype.
 The shared expert runs through the same kernels as an always-selected expert (k = 1, weight =
 its sigmoid gate or 1): see ``ap_moe_shared``.
 """

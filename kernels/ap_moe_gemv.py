@@ -4,19 +4,28 @@ What it does: the same math as ``kernels.ap_moe.ap_moe_ref`` for small T (decode
 cores and no routing preprocessing on the host or in extra launches:
   1. ``_gemv_gate_up_kernel``: one program per (pair j, tile of BLOCK_N intermediate columns). The
      program of expert e = ids[j] works only if j is e's first pair (its leader; the others exit
-     at once), finds e's tokens from the [T, k] ids itself, dequantizes each [2 * BLOCK_N, BLOCK_K]
-     tile of gate and up rows (interleaved) once in registers (``kernels.ap_tile.weight_tile``) and
-     uses it for every token of e; SiLU(gate) * up goes to ``inter`` at the token's first pair row for e.
-  2. ``_gemv_down_kernel``: same, over the down rows, with split-K (grid axis 2) so that one token
+     at once), finds e's tokens from the [T, k] ids itself, and runs over [2 * BLOCK_N rows, BKW words]
+     tiles of gate and up rows (interleaved, so all their plane loads are in flight at once). Fused:
+     unpack + LUT lookup + FMA for every token of e (each weight is looked up once for all of them),
+     then SiLU(gate) * up, stored to ``inter`` at the token's first pair row for e.
+  2. ``_gemv_down_kernel``: same over the down rows, with split-K (grid axis 2) so that one token
      still fills the GPU; each split writes its routing-weighted partial sum for every pair
      (t, s) with ids[t, s] == e into ``out`` [SPLIT, T*k, H] fp32, and the launcher sums the splits
      and the k slots (a deterministic reduction, no atomics).
-With one token (T_PAD = 1) the K loop keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces once
-at the end; with more, it loops over the expert's tokens and reduces each product per K tile.
+Why this shape (issue #4: the first version ran at 6-8% of the bandwidth floor, bound by instructions
+per weight, ~28 at q = 4 in its sm_90 SASS plus shared-memory round trips): weights are unpacked word-major
+(``kernels.ap_unpack``): each thread keeps its plane words and makes their 32 weights itself, 4 codes
+per shift + and-or per plane, q a compile-time constant (one branch per program on the block's
+runtime q, so a launch still mixes q 1..8), H and I compile-time too, so the activation offsets
+are immediates and masks are compiled in only for ragged shapes. The sm_90 SASS of the q = 4 loop
+is ~10 instructions per weight (code bytes ~2, LUT address ~3, LUT load, bf16->fp32, FMA, and one
+activation load per word-row per thread). Activations are read in permuted column order (the
+launcher permutes x, 2 KB at T = 1; the gate_up kernel writes ``inter`` permuted), since a thread's
+weights of one step are columns 32 kw + i of its words, contiguous in that order.
 Nothing here syncs with the host: values of ``bits``, ``plane_offset`` and ``lut_offset`` are read
 by the kernels at every call, so a runtime may change them in place between calls.
 What it does not do: validate inputs (``kernels.ap_moe.ap_moe`` does) or handle many tokens well
-(each program loops over its expert's tokens; prefill uses the dequantize + grouped GEMM path).
+(each program does T_PAD FMAs per weight; prefill uses the dequantize + grouped GEMM path).
 """
 
 from __future__ import annotations
