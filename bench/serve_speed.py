@@ -309,6 +309,7 @@ def main() -> None:
     ap.add_argument("--out-md", type=Path, required=True)
     ap.add_argument("--time-limit", type=float, default=520.0, help="seconds; later rows are skipped past it")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-lean16", action="store_true", help="no 16-bit lean reference rows")
     ap.add_argument("--only-pressure", action="store_true", help="only the PagedWeight-under-pressure rows")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--big-budget-gib", type=float, default=60.0, help="budget of the no-pressure runs (GiB)")
@@ -341,7 +342,7 @@ def main() -> None:
     def over() -> bool:
         return time.time() - t_start > args.time_limit
 
-    for b in [] if args.only_pressure else batches:
+    for b in [] if args.only_pressure or args.skip_lean16 else batches:
         reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
         r = lean16_run(model, reqs, min(args.gen, 32))
         rows.append({"system": "ours 16-bit (lean reference)", "batch": b, **r,
