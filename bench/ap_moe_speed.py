@@ -122,19 +122,18 @@ def gemv_cfg(spread: int, gu: tuple[int, int, int], dn: tuple[int, int, int, int
     return {"path": "gemv", "SPREAD": spread, "gate_up": gate_up, "down": down}
 
 
-# gemv: (BLOCK_N gate (and as many up) rows, BLOCK_K columns per K step, warps) and down (+ SPLIT_K)
-GU = [(16, 256, 4), (8, 256, 4), (16, 512, 4), (32, 256, 4), (32, 256, 8), (16, 1024, 8)]
-DN = [(32, 128, 4, 2), (64, 128, 4, 2), (32, 256, 4, 2), (32, 128, 4, 4), (64, 256, 8, 1), (16, 128, 4, 1)]
+GU = [(8, 256, 4), (4, 256, 4), (16, 128, 4), (8, 512, 8), (16, 256, 8)]  # BLOCK_N gate (and up) rows
+DN = [(32, 128, 4, 4), (16, 256, 4, 4), (16, 256, 4, 8), (32, 128, 4, 2), (8, 512, 4, 8), (32, 256, 8, 2)]
 FUSED = [{"path": "fused", "SPREAD": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4},
          {"path": "fused", "SPREAD": 1, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8}]
-DEQUANT = [{"path": "dequant", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
-           for bn, bk, w in ((16, 256, 4), (32, 256, 4), (16, 512, 4), (64, 128, 4), (32, 512, 8))]
+DEQUANT = [{"path": "dequant", "SPREAD": sp, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
+           for sp, bn, bk, w in ((1, 32, 256, 4), (1, 8, 1024, 4), (1, 16, 512, 4), (1, 32, 512, 8))]
 
 
 def candidates(t: int) -> list[dict[str, Any]]:
     """Every config the tuner may time at T = t (all compiled ahead in parallel)."""
-    gemv = [gemv_cfg(1, gu, dn) for gu in GU for dn in DN[:1]]
-    gemv += [gemv_cfg(1, gu, dn) for gu in GU[:1] for dn in DN[1:]]
+    gemv = [gemv_cfg(sp, gu, dn) for sp in (0, 1) for gu in GU for dn in DN[:1]]
+    gemv += [gemv_cfg(sp, gu, dn) for sp in (0, 1) for gu in GU[:1] for dn in DN[1:]]
     if t <= 4:
         return gemv
     return (FUSED + DEQUANT) if t <= 64 else DEQUANT  # the T = 4 winner compiles on demand
@@ -186,10 +185,9 @@ def routed(s: dict, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return x, ids, w
 
 
-def tune_shape(family: str, s: dict, ex: Any, reps: int, ex3: Any = None) -> list[dict[str, Any]]:
-    """Buckets for ``configs/ap_moe.json`` of this shape, timed on ``ex`` (q = 4); the decode (gemv) tiles
-    by coordinate descent at q = 4, then the 3 best re-timed on ``ex3`` (q = 3) and ranked by the sum."""
-    def ms(cfg: dict[str, Any], t: int, ex: Any = ex) -> float:  # GPU time (graph replay): no CPU noise
+def tune_shape(family: str, s: dict, ex: Any, reps: int) -> list[dict[str, Any]]:
+    """Buckets for ``configs/ap_moe.json`` of this shape, timed on ``ex`` (q = 4)."""
+    def ms(cfg: dict[str, Any], t: int) -> float:  # GPU time (graph replay) where capturable: no CPU noise
         x, ids, w = routed(s, t, 100 + t)
         try:
             g = graph_time(lambda: ap_moe(x, ids, w, ex, config=cfg, check=False), reps)
@@ -201,16 +199,15 @@ def tune_shape(family: str, s: dict, ex: Any, reps: int, ex3: Any = None) -> lis
     log = []
     best: dict[int, tuple[float, dict[str, Any]]] = {}
     for t in (1, 4):
-        res = [(ms(c, t), c) for c in (gemv_cfg(1, gu, DN[0]) for gu in GU)]
+        cands = [gemv_cfg(sp, GU[0], DN[0]) for sp in (0, 1)]
+        res = [(ms(c, t), c) for c in cands]
+        spread = min(res, key=lambda r: r[0])[1]["SPREAD"]
+        res += [(ms(c, t), c) for c in (gemv_cfg(spread, gu, DN[0]) for gu in GU[1:])]
         gu_best = min(res, key=lambda r: r[0])[1]["gate_up"]
         gu_t = (gu_best["BLOCK_N"], gu_best["BLOCK_K"], gu_best["num_warps"])
-        res += [(ms(c, t), c) for c in (gemv_cfg(1, gu_t, dn) for dn in DN[1:])]  # kernels cached apart
+        res += [(ms(c, t), c) for c in (gemv_cfg(spread, gu_t, dn) for dn in DN[1:])]  # kernels cached apart
+        best[t] = min(res, key=lambda r: r[0])
         log += [(t, r[0], r[1]) for r in res]
-        top = sorted(res, key=lambda r: r[0])[:3]
-        if ex3 is not None:  # q = 3 runs other code (one loop per q): rank the finalists on both
-            top = [(m + ms(c, t, ex3), c) for m, c in top]
-            log += [(t, m, {"q3+q4": c}) for m, c in top]
-        best[t] = min(top, key=lambda r: r[0])
     for t in (16, 64, 256):
         cands = [best[4][1], *FUSED, *DEQUANT] if t <= 64 else DEQUANT
         res = [(ms(c, t), c) for c in cands]
@@ -240,8 +237,7 @@ def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, rep
     hf = hf_block(family, s)
     key = f"{hdim}x{inter}"
     if key in tuned:
-        tuned[key] = tune_shape(family, s, make_layer(s, [4] * (2 * e), codes, luts), reps,
-                                make_layer(s, [3] * (2 * e), codes, luts))
+        tuned[key] = tune_shape(family, s, make_layer(s, [4] * (2 * e), codes, luts), reps)
         CONFIGS["by_shape"][key] = tuned[key]
     rows = []
     for qname in qs:
@@ -299,7 +295,7 @@ def main() -> None:
         tuned = {f"{s['hidden']}x{s['inter']}": [] for s in SHAPES.values()}
     bw = copy_bandwidth()
     ts = [1, 4, 64, 256, 2048] if args.quick else [1, 4, 16, 64, 256, 2048]
-    qs = ["3", "4", "mixed"] if args.quick else ["2", "3", "4", "6", "8", "mixed"]
+    qs = ["2", "4", "8", "mixed"] if args.quick else ["2", "3", "4", "6", "8", "mixed"]
     rows = []
     for fam, s in SHAPES.items():
         rows += run_shape(fam, s, ts, qs, bw, args.reps, tuned)

@@ -23,12 +23,10 @@ Three paths, chosen per call by T and shape from data (``kernels/configs/ap_moe.
     once in registers and fed to tensor cores (``tl.dot``); SiLU(gate) * up -> ``inter`` [T*k, I],
     then down times the routing weight -> ``out_pairs`` [T*k, H] fp32, summed over k by the
     launcher (deterministic, no atomics).
-  * ``dequant`` (prefill): ``_dequant_kernel`` writes every used expert densely once, in the permuted
-    column order of ``kernels.ap_unpack`` (contiguous stores), then ``torch._grouped_mm`` runs both
-    units on tensor cores over activations permuted the same way (a GEMM's K order is free).
-``gemv`` and ``dequant`` unpack word-major (``kernels.ap_unpack``: a thread turns its own plane words
-into 4 codes per shift-and-or, no layout conversion); ``fused`` still builds natural-order tiles with
-``kernels.ap_tile.weight_tile`` for ``tl.dot``. Accumulation is fp32; the intermediate is stored in x's dtype.
+  * ``dequant`` (prefill): ``_dequant_kernel`` writes every used expert densely once, then
+    ``torch._grouped_mm`` runs both units on tensor cores.
+All of them build weights with ``kernels.ap_tile.weight_tile`` (codes from plane words in
+registers, then the row's LUT). Accumulation is fp32; the intermediate is stored in x's dtype.
 The shared expert runs through the same kernels as an always-selected expert (k = 1, weight =
 its sigmoid gate or 1): see ``ap_moe_shared``.
 """
@@ -48,7 +46,6 @@ import triton.language as tl
 
 from kernels.ap_moe_gemv import gemv_moe
 from kernels.ap_tile import lut_rows, weight_tile
-from kernels.ap_unpack import code_bytes, load_planes, permute_cols, unpermute_cols
 from pwrun.ap.format import dequantize
 
 CONFIGS = json.loads((Path(__file__).parent / "configs" / "ap_moe.json").read_text())
@@ -204,7 +201,7 @@ def _down_kernel(
 
 @triton.jit
 def _dequant_kernel(
-    out_ptr,  # [num_blocks_listed, N, 32 * KW] dense weights (x's dtype), permuted column order
+    out_ptr,  # [num_blocks_listed, N, K] dense weights (x's dtype)
     blocks_ptr,  # int32 [num_blocks_listed] block ids to dequantize
     live_ptr,  # int32 [num_blocks_listed]: 0 = skip this block (its output is left unwritten)
     pool_ptr,
@@ -215,32 +212,20 @@ def _dequant_kernel(
     N: tl.constexpr,
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BKW: tl.constexpr,  # plane words (32 columns) per program
+    BLOCK_K: tl.constexpr,
+    SPREAD: tl.constexpr,
 ):
-    """Word-major (``kernels.ap_unpack``): each program turns [BLOCK_N, BKW] words into 32 tiles of
-    weights, stored at contiguous addresses thanks to the permuted column order (column 32 kw + i at
-    i * KW + kw); the GEMMs read activations permuted the same way."""
     j = tl.program_id(0)
     if tl.load(live_ptr + j) != 0:
         blk = tl.load(blocks_ptr + j)
-        q = tl.load(bits_ptr + blk)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.minimum(n, N - 1)
+        k0 = tl.program_id(2) * BLOCK_K
+        q, lut = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, n)
         KW: tl.constexpr = (K + 31) // 32
-        kw = tl.program_id(2) * BKW + tl.arange(0, BKW)
-        smask = (n < N)[:, None] & (kw < KW)[None, :]
-        lut_base = lut_ptr + tl.load(lut_off_ptr + blk)
-        dst = out_ptr + j.to(tl.int64) * N * 32 * KW + n[:, None] * (32 * KW) + kw[None, :]
-        for Q in tl.static_range(1, 9):
-            if q == Q:
-                w0, w1, w2, w3, w4, w5, w6, w7 = load_planes(pool_ptr, plane_off_ptr + blk * 8,
-                                                             rows[:, None] * KW + kw[None, :], smask, Q, True)
-                lut_row = lut_base + rows * (1 << Q)
-                for i in tl.static_range(8):
-                    c = code_bytes(w0, w1, w2, w3, w4, w5, w6, w7, i, Q)
-                    for b in tl.static_range(4):
-                        v = tl.load(lut_row[:, None] + ((c >> (8 * b)) & 0xFF))
-                        tl.store(dst + (i + 8 * b) * KW, v, mask=smask)
+        w = weight_tile(pool_ptr, plane_off_ptr + blk * 8, lut, q, n, n < N, k0, K, KW, BLOCK_N, BLOCK_K, SPREAD)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + j.to(tl.int64) * N * K + n[:, None] * K + cols[None, :], w,
+                 mask=(n[:, None] < N) & (cols[None, :] < K))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,27 +338,22 @@ def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, expert
 
 
 def dequant_blocks(experts: APExperts, blocks: torch.Tensor, unit: str, dtype: torch.dtype,
-                   live: torch.Tensor | None = None, config: dict[str, Any] | None = None,
-                   permuted: bool = False) -> torch.Tensor:
+                   live: torch.Tensor | None = None, config: dict[str, Any] | None = None) -> torch.Tensor:
     """Dense weights [len(blocks), N, K] of the listed blocks (all gate_up or all down), via Triton.
 
     ``live`` [len(blocks)] bool/int: blocks to skip (0) are left unwritten (no host sync to drop them).
-    ``config``: BLOCK_N, BLOCK_K (columns per program, a multiple of 32), num_warps of the dequantize kernel.
-    ``permuted``: return the kernel's own layout [len(blocks), N, 32 * ceil(K/32)] in permuted column order
-    (``kernels.ap_unpack.permute_cols``; padding columns hold LUT values, so multiply them by zeros only)
-    instead of copying it back to natural order.
+    ``config``: BLOCK_N, BLOCK_K (multiple of 32), num_warps, SPREAD of the dequantize kernel.
     """
     ex = experts
     cfg = config or {}
     n, kk = (2 * ex.inter, ex.hidden) if unit == "gate_up" else (ex.hidden, ex.inter)
-    kw = triton.cdiv(kk, 32)
-    out = torch.empty(blocks.numel(), n, 32 * kw, dtype=dtype, device=ex.pool.device)
+    out = torch.empty(blocks.numel(), n, kk, dtype=dtype, device=ex.pool.device)
     live_i = torch.ones(blocks.numel(), dtype=torch.int32, device=out.device) if live is None else live.to(torch.int32)
-    bn, bkw = cfg.get("BLOCK_N", 32), max(1, cfg.get("BLOCK_K", 128) // 32)
-    _dequant_kernel[(blocks.numel(), triton.cdiv(n, bn), triton.cdiv(kw, bkw))](
+    bn, bk = cfg.get("BLOCK_N", 32), cfg.get("BLOCK_K", 128)
+    _dequant_kernel[(blocks.numel(), triton.cdiv(n, bn), triton.cdiv(kk, bk))](
         out, blocks.to(torch.int32), live_i, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, N=n,
-        K=kk, BLOCK_N=bn, BKW=bkw, num_warps=cfg.get("num_warps", 4))
-    return out if permuted else unpermute_cols(out, kk).contiguous()
+        K=kk, BLOCK_N=bn, BLOCK_K=bk, SPREAD=cfg.get("SPREAD", 1), num_warps=cfg.get("num_warps", 4))
+    return out
 
 
 def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex: APExperts,
@@ -389,15 +369,13 @@ def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
     sorted_ids, order = torch.sort(topk_ids.flatten())
     offs = torch.searchsorted(sorted_ids, e_all + 1).to(torch.int32)  # end of each expert's rows
     live = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
-    w_gu = dequant_blocks(ex, 2 * e_all, "gate_up", x.dtype, live, cfg, permuted=True)
-    w_dn = dequant_blocks(ex, 2 * e_all + 1, "down", x.dtype, live, cfg, permuted=True)
-    xp = permute_cols(x, ex.hidden)  # the weights' column order; zeros meet their padding columns
+    w_gu = dequant_blocks(ex, 2 * e_all, "gate_up", x.dtype, live, cfg)
+    w_dn = dequant_blocks(ex, 2 * e_all + 1, "down", x.dtype, live, cfg)
     if x.is_cuda and hasattr(torch, "_grouped_mm"):
         try:
-            h = torch._grouped_mm(xp[order // k], w_gu.transpose(1, 2), offs=offs)
+            h = torch._grouped_mm(x[order // k], w_gu.transpose(1, 2), offs=offs)
             g, u = h.float().chunk(2, dim=-1)
-            hp = permute_cols((F.silu(g) * u).to(x.dtype), ex.inter)
-            y = torch._grouped_mm(hp, w_dn.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm((F.silu(g) * u).to(x.dtype), w_dn.transpose(1, 2), offs=offs)
             pairs = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
             pairs[order] = y.float() * topk_w.flatten()[order, None].float()
             return pairs.view(t, k, -1).sum(1).to(x.dtype)
@@ -406,8 +384,8 @@ def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
-        g, u = (xp[rows] @ w_gu[e].T).float().chunk(2, dim=-1)
-        h = permute_cols((F.silu(g) * u).to(x.dtype), ex.inter)
+        g, u = (x[rows] @ w_gu[e].T).float().chunk(2, dim=-1)
+        h = (F.silu(g) * u).to(x.dtype)
         out.index_add_(0, rows, (h @ w_dn[e].T).float() * topk_w[rows, slot, None].float())
     return out.to(x.dtype)
 
