@@ -285,6 +285,9 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="pick configs first (see module docstring)")
     ap.add_argument("--workers", type=int, default=12, help="processes compiling tuning candidates")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default=None, help="comma-separated families (default: all)")
+    ap.add_argument("--ts", default=None, help="comma-separated token counts T (overrides --quick)")
+    ap.add_argument("--qs", default=None, help="comma-separated bitwidths, or 'mixed' (overrides --quick)")
     args = ap.parse_args()
     t0 = time.time()
     tuned: dict[str, list] = {}
@@ -296,8 +299,12 @@ def main() -> None:
     bw = copy_bandwidth()
     ts = [1, 4, 64, 256, 2048] if args.quick else [1, 4, 16, 64, 256, 2048]
     qs = ["2", "4", "8", "mixed"] if args.quick else ["2", "3", "4", "6", "8", "mixed"]
+    ts = [int(t) for t in args.ts.split(",")] if args.ts else ts
+    qs = args.qs.split(",") if args.qs else qs
     rows = []
     for fam, s in SHAPES.items():
+        if args.shapes and fam not in args.shapes.split(","):
+            continue
         rows += run_shape(fam, s, ts, qs, bw, args.reps, tuned)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
             "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_TBps": round(bw / 1e12, 3),
