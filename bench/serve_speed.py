@@ -247,7 +247,7 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
                      ("still", [r for r in dec if r["bytes_in_flight"] == 0])):
         if rs:  # where a step's host time goes (medians, ms)
             s[f"breakdown_{name}_ms"] = {k: round(1e3 * float(np.median([r[k] for r in rs])), 3) for k in (
-                "seconds", "model_seconds", "poll_seconds", "after_seconds", "sync_seconds")}
+                "seconds", "model_seconds", "reload_seconds", "after_seconds", "sync_seconds")}
     s["device_peak_bytes"] = peak()
     del e, built
     reset_peak()

@@ -98,7 +98,7 @@ class Engine:
             else (lambda: None)
         self.graphs: DecodeGraphs | None = None
         self._captured = False
-        self._phases = (0.0, 0.0, 0.0)
+        self._phases = (0.0, 0.0)
         self._reload_s = 0.0
 
     # ------------------------------------------------------------------ KVCapacity
@@ -229,15 +229,16 @@ class Engine:
         t_step = time.perf_counter()
         self._step_actions = {"lowered": 0, "raising": 0, "D": 0}
         self._captured = False
-        raised = self.store.poll()
-        t_poll = time.perf_counter()
-        self.totals.promoted_blocks += len(raised)
         plan = self.scheduler.schedule(self)
         if not plan.chunks:
             raise RuntimeError("no request fits in the KV cache even with every expert at its floor")
         t_model = time.perf_counter()
         logits = self._run(plan)
         t_launched = time.perf_counter()
+        # while the device computes: commit the reloads whose copies are done (their tables change after this
+        # step's kernels in stream order, so the next step reads them) and start new ones
+        raised = self.store.poll()
+        self.totals.promoted_blocks += len(raised)
         self._reload()
         self._reload_s = time.perf_counter() - t_launched
         self._sync()  # sampling synchronises right after anyway; this makes the model's time measurable
@@ -274,7 +275,7 @@ class Engine:
         self._after_step()
         t_sync = time.perf_counter()
         self._sync()
-        self._phases = (t_poll - t_step, t_sync - t_after, time.perf_counter() - t_sync)
+        self._phases = (t_sync - t_after, time.perf_counter() - t_sync)
         if self.cfg.debug_checks:
             self.check()
         dt = time.perf_counter() - t_step
@@ -288,9 +289,9 @@ class Engine:
         self.totals.trace.append({
             "step": self.totals.steps, "seconds": dt, "model_seconds": self._model_s,
             "graph_captured": self._captured,  # this step captured a CUDA graph (one-off cost: warm-up + capture)
-            # host seconds in: committing finished reloads, planner + starting moves, waiting for the device at the end
-            "poll_seconds": self._phases[0], "after_seconds": self._phases[1], "sync_seconds": self._phases[2],
-            "reload_seconds": self._reload_s,  # planning and starting reloads, overlapped with the step's compute
+            # host seconds in: planner + lowering after sampling, waiting for the device at the end
+            "after_seconds": self._phases[0], "sync_seconds": self._phases[1],
+            "reload_seconds": self._reload_s,  # committing + planning + starting reloads, overlapped with compute
             "free_blocks": self.alloc.num_free,
             "kv_pages": self.pool.count(KV), "weight_pages": self.pool.count(WEIGHT), "free_pages": self.pool.num_free,
             "pressure_bytes": int(self._step_actions["D"]), "lowered": self._step_actions["lowered"],
