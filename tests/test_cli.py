@@ -115,3 +115,25 @@ def test_unwritable_output_is_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "no" / "o.jsonl"
     code, _, err = run("generate", "--prompt", "x", "--max-new-tokens", "2", "--output", str(out))
     assert code == 2 and "cannot write --output" in err
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c.update(layer_types=c["layer_types"][:2]), "number of `layer_types` (2)"),
+        (lambda c: c.update(num_hidden_layers="four"), "'num_hidden_layers' expected int"),
+        (lambda c: c.pop("model_type"), "has no model_type"),
+    ],
+    ids=["layer_types-length", "wrong-type", "no-model_type"],
+)
+def test_malformed_config_is_one_line_naming_the_file(tmp_path: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
+    d = tmp_path / "m"
+    shutil.copytree(MODEL, d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    for r in (runner.invoke(app, ["generate", "--prompt", "x", "--model", str(d), "--device", "cpu"]),
+              runner.invoke(pwcal_app, ["inspect", str(d)])):
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith(f"error: {d / 'config.json'}") and message in lines[0], lines[0]
