@@ -8,7 +8,7 @@ Commands: ``generate`` (text from prompts), ``ppl`` (perplexity on bundled or lo
 from __future__ import annotations
 
 import json
-import os
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from pwrun import cli_eval
-from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, default_model, user_errors
+from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, check_writable_file, default_model, user_errors
 from pwrun.data import read_jsonl_field
 from pwrun.errors import PagedWeightError
 
@@ -29,9 +29,10 @@ app.add_typer(cli_eval.app, name="eval")
 
 
 def _read_prompts(path: Path) -> list[str]:
+    """The prompts of a JSONL file; raises ``PagedWeightError`` naming file:line of an empty or bad one."""
     if not path.is_file():
         raise PagedWeightError(f"prompts file {path} does not exist")
-    prompts = read_jsonl_field(path, "prompt")
+    prompts = read_jsonl_field(path, "prompt", nonempty=True)
     if not prompts:
         raise PagedWeightError(f"{path} holds no prompts (one JSON object with a 'prompt' field per line)")
     return prompts
@@ -60,8 +61,8 @@ def generate(
                                                  "concurrently.")] = None,
     output: Annotated[Path | None, typer.Option(help="Write results as JSONL here (default: stdout).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 64,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples.")] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples (finite).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
@@ -84,29 +85,30 @@ def generate(
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
 ) -> None:
     """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
+    from pwrun.generate import encode_prompts
     from pwrun.generate import generate as run_generate
-    from pwrun.model.loader import load_model, load_tokenizer
+    from pwrun.model.loader import load_model, load_spec, load_tokenizer
     from pwrun.sampling import SamplingParams
 
     with user_errors():
         if (prompt is None) == (prompts is None):
             raise PagedWeightError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
-        if top_p <= 0:
-            raise PagedWeightError("--top-p must be in (0, 1]")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise PagedWeightError(f"--temperature {temperature} is not allowed: give a finite number >= 0 "
+                                   "(0 = greedy, 1 = the model's distribution)")
+        if not 0 < top_p <= 1:  # also refuses nan
+            raise PagedWeightError(f"--top-p {top_p} is not allowed: give a number in (0, 1] (1 = no nucleus cut)")
+        if prompt is not None and not prompt.strip():
+            raise PagedWeightError("--prompt is empty: give some text")
         texts = [prompt] if prompt is not None else _read_prompts(prompts)  # type: ignore[arg-type]
-        if output is not None and (output.is_dir() or not (output.parent.is_dir() and os.access(output.parent,
-                                                                                                   os.W_OK))):
-            raise PagedWeightError(f"cannot write --output {output}: {output.parent} is missing or not writable")
         if artifacts is None and (gpu_memory or trace or summary_json or bits is not None or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy, --bits, --trace and --summary-json need --artifacts DIR "
                                    "(from `pwcal run-all`)")
         if trace is not None and trace.suffix != ".parquet":
             raise PagedWeightError(f"--trace {trace} must end in .parquet")
-        for flag, path in (("--trace", trace), ("--summary-json", summary_json)):
-            if path is not None and (path.is_dir() or not path.parent.is_dir() or not os.access(path.parent,
-                                                                                                 os.W_OK)):
-                raise PagedWeightError(f"cannot write {flag} {path}: it is a directory, or {path.parent} is missing "
-                                       "or not writable")
+        for flag, path in (("--output", output), ("--trace", trace), ("--summary-json", summary_json)):
+            if path is not None:
+                check_writable_file(flag, path)
         model_dir = model or default_model()
         tok = load_tokenizer(model_dir)
         params = SamplingParams(max_new_tokens, temperature, top_p, seed)
@@ -144,6 +146,8 @@ def generate(
             if summary_json is not None:
                 summary_json.write_text(json.dumps(summary, indent=1, default=str) + "\n")
             return
+        spec, _ = load_spec(model_dir)
+        encode_prompts(tok, texts, spec.max_position_embeddings, max_new_tokens)  # too long: refused before loading
         lm = load_model(model_dir, device=device, dtype=dtype)
         results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None)
         if stream:
@@ -217,9 +221,8 @@ def prompts(
     from pwrun.data import document_prompts
 
     with user_errors():
+        check_writable_file("--out", out)
         texts = document_prompts(dataset, count, max_chars, min_chars=min(200, max_chars))
-        if out.is_dir() or not out.parent.is_dir():
-            raise PagedWeightError(f"cannot write --out {out}: {out.parent} is missing or {out} is a directory")
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
         tmp.replace(out)

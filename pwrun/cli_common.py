@@ -1,12 +1,14 @@
 """Options and error handling shared by the ``pwrun`` and ``pwcal`` command lines.
 
-What it does: the ``Annotated`` option aliases used by several commands (defined once), and
+What it does: the ``Annotated`` option aliases used by several commands (defined once),
 ``user_errors``, which turns a ``PagedWeightError`` into ``error: <one line>`` on stderr with
-exit code 2. It does no work of its own.
+exit code 2, and ``check_writable_file``, which checks an output path before any work is done.
+It does no work of its own.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,3 +39,20 @@ def user_errors() -> Iterator[None]:
     except PagedWeightError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
+
+
+def check_writable_file(flag: str, path: Path) -> None:
+    """Raise ``PagedWeightError`` saying exactly why ``flag path`` cannot be written as a file (checked before
+    the run, so no work is lost to a bad path)."""
+    what = f"cannot write {flag} {path}"
+    parent = path.parent
+    if path.is_dir():
+        raise PagedWeightError(f"{what}: it is a directory; give a file path, e.g. {flag} {path / 'out.jsonl'}")
+    if not parent.exists():
+        raise PagedWeightError(f"{what}: the directory {parent} does not exist; create it (mkdir -p {parent}) or "
+                               "give a path in an existing directory")
+    if not parent.is_dir():
+        raise PagedWeightError(f"{what}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PagedWeightError(f"{what}: {path if path.exists() else parent} is not writable; give a path you can "
+                               "write")

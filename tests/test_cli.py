@@ -137,3 +137,50 @@ def test_malformed_config_is_one_line_naming_the_file(tmp_path: Path, edit, mess
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1, r.stderr
         assert lines[0].startswith(f"error: {d / 'config.json'}") and message in lines[0], lines[0]
+
+
+NO_MODEL = ["--model", "/nonexistent/model"]  # an error about the model would mean it was loaded before the check
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", "x", "--temperature", "inf"], "--temperature inf is not allowed"),
+        (["--prompt", "x", "--temperature", "nan"], "--temperature nan is not allowed"),
+        (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0 is not allowed"),
+        (["--prompt", "x", "--temperature", "1", "--top-p", "nan"], "--top-p nan is not allowed"),
+        (["--prompt", "x", "--temperature", "1", "--top-p", "0"], "--top-p 0.0 is not allowed"),
+        (["--prompt", "x", "--temperature", "1", "--top-p", "1.5"], "--top-p 1.5 is not allowed"),
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "  \n"], "--prompt is empty"),
+    ],
+)
+def test_bad_generate_options_are_refused_before_loading(args: list[str], message: str) -> None:
+    code, out, err = run("generate", *args, *NO_MODEL)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (out, err)
+
+
+def test_prompts_file_empty_or_not_utf8_names_file_and_line(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
+    code, _, err = run("generate", "--prompts", str(f), *NO_MODEL)
+    assert code == 2 and f"error: {f}:2 has an empty 'prompt'" in err, err
+    f.write_bytes('{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    code, _, err = run("generate", "--prompts", str(f), *NO_MODEL)
+    assert code == 2 and f"error: {f}:3 (byte 0xe9) is not UTF-8" in err and "re-encode it as UTF-8" in err, err
+    t = tmp_path / "t.txt"
+    t.write_bytes("caf\xe9".encode("latin-1"))
+    code, _, err = run("ppl", "--dataset", str(t))
+    assert code == 2 and f"error: {t}:1 (byte 0xe9) is not UTF-8" in err, err
+
+
+def test_output_path_errors_say_what_is_wrong(tmp_path: Path) -> None:
+    for flag, extra in (("--output", []), ("--summary-json", ["--artifacts", str(tmp_path)])):
+        code, _, err = run("generate", "--prompt", "x", flag, str(tmp_path), *extra, *NO_MODEL)
+        assert code == 2 and f"cannot write {flag} {tmp_path}: it is a directory" in err, err
+        missing = tmp_path / "no" / "o.jsonl"
+        code, _, err = run("generate", "--prompt", "x", flag, str(missing), *extra, *NO_MODEL)
+        assert code == 2 and f"the directory {missing.parent} does not exist; create it" in err, err
+    code, _, err = run("prompts", "--out", str(tmp_path))
+    assert code == 2 and "it is a directory" in err, err
