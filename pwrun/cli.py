@@ -127,12 +127,19 @@ def generate(
             sys.stdout.write(("" if started[0] else texts[0]) + "\n")
 
         if artifacts is not None:
+            from pwrun.ap.artifact import APArtifact
             from pwrun.engine.budget import parse_size
             from pwrun.engine.engine import EngineConfig
+            from pwrun.engine.policies import check_policy
             from pwrun.engine.report import format_summary
             from pwrun.engine.run import serve_prompts
-            from pwrun.engine.serve import ServeConfig
+            from pwrun.engine.serve import ServeConfig, missing_tables
 
+            art = APArtifact(artifacts)
+            art.check_model(model_dir)
+            check_policy(policy, bits, art.bits)
+            for warning in missing_tables(art, policy, model_dir):
+                typer.echo(f"warning: {warning}", err=True)
             cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), policy, bits,
                               EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
                                            debug_checks=debug_checks))
