@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from pwrun.cli_common import DeviceOpt, user_errors
+from pwrun.cli_common import DeviceOpt, make_console, user_errors
 
-console = Console(stderr=True)
+console = make_console(stderr=True)
 ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
 ArtifactsOpt = Annotated[Path, typer.Option(help="Artifact directory made by `pwcal quantize`.")]
 ForceOpt = Annotated[bool, typer.Option(help="Redo the stage even if it is complete.")]

@@ -14,17 +14,24 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import Progress
 
 from pwrun import cli_eval
-from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, check_writable_file, default_model, user_errors
+from pwrun.cli_common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    check_writable_file,
+    default_model,
+    make_console,
+    user_errors,
+)
 from pwrun.data import read_jsonl_field
 from pwrun.errors import PagedWeightError
 
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
                   add_completion=False)
-console = Console(stderr=True)
+console = make_console(stderr=True)
 app.add_typer(cli_eval.app, name="eval")
 
 

@@ -2,7 +2,8 @@
 
 What it does: the ``Annotated`` option aliases used by several commands (defined once),
 ``user_errors``, which turns a ``PagedWeightError`` into ``error: <one line>`` on stderr with
-exit code 2, and ``check_writable_file``, which checks an output path before any work is done.
+exit code 2, ``check_writable_file``, which checks an output path before any work is done, and
+``make_console``, the rich console of every command.
 It does no work of its own.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
 from pwrun.data import default_model_dir
 from pwrun.errors import PagedWeightError
@@ -25,6 +27,20 @@ ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugg
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, fp32 on "
                                        "CPU), float32, bfloat16 or float16.")]
+
+
+# Width of a console whose stream is not a terminal (a file, a pipe, CI logs): rich would wrap at 80 columns,
+# breaking table rows and summary lines in the middle; a terminal's own width is kept.
+PIPE_WIDTH = 4096
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console on stdout or stderr that does not wrap lines at 80 columns when it is not a terminal
+    (``COLUMNS`` in the environment still wins)."""
+    console = Console(stderr=stderr)
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(stderr=stderr, width=PIPE_WIDTH)
 
 
 def default_model() -> Path:

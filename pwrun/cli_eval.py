@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, default_model, user_errors
+from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, default_model, make_console, user_errors
 from pwrun.errors import PagedWeightError
 
 app = typer.Typer(help="Serving-time evaluation: quality of teacher-forced continuations while the runtime serves "
                   "a real-text workload under a memory budget (pwrun eval run / sweep / report).",
                   no_args_is_help=True, add_completion=False)
-console = Console(stderr=True)
+console = make_console(stderr=True)
 
 ArtifactsOpt = Annotated[Path, typer.Option(help="Artifact directory from `pwcal run-all`.")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's choice; 1 avoids "

@@ -184,3 +184,11 @@ def test_output_path_errors_say_what_is_wrong(tmp_path: Path) -> None:
         assert code == 2 and f"the directory {missing.parent} does not exist; create it" in err, err
     code, _, err = run("prompts", "--out", str(tmp_path))
     assert code == 2 and "it is a directory" in err, err
+
+
+def test_piped_output_is_not_wrapped_at_80_columns() -> None:
+    r = runner.invoke(pwcal_app, ["inspect", str(MODEL)])  # stdout is not a terminal here
+    assert r.exit_code == 0 and any("family qwen2_moe" in line and "context 2048" in line
+                                    for line in r.stdout.splitlines()), r.stdout
+    code, _, err = run("generate", "--prompt", "The river", "--max-new-tokens", "3")
+    assert code == 0 and any("request(s) on cpu" in line and "tokens/s" in line for line in err.splitlines()), err
