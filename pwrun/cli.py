@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import Progress
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pwrun import cli_eval
 from pwrun.cli_common import (
@@ -43,6 +46,29 @@ def _read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise PagedWeightError(f"{path} holds no prompts (one JSON object with a 'prompt' field per line)")
     return prompts
+
+
+@contextmanager
+def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """While serving: a transient bar on stderr (requests finished / ``total``, generated tokens/s) if ``show``
+    and stderr is a terminal; else nothing (``None``), so logs and pipes stay clean."""
+    if not (show and console.is_terminal):
+        yield None
+        return
+    columns = (TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+               TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("serve", total=total, rate="")
+        first: list[tuple[float, int]] = []  # the rate counts from the first token (after loading and placement)
+
+        def update(done: int, tokens: int) -> None:
+            now = time.perf_counter()
+            if not first:
+                first.append((now, tokens))
+            dt = now - first[0][0]
+            bar.update(task, completed=done, rate=f"{(tokens - first[0][1]) / dt:.1f} tokens/s" if dt > 0 else "")
+
+        yield update
 
 
 def _write_results(results: list[Any], output: Path | None) -> None:
@@ -150,8 +176,10 @@ def generate(
             cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), policy, bits,
                               EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
                                            debug_checks=debug_checks))
-            results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
-                                             on_text=on_text if stream else None, trace=trace)
+            with _progress(len(texts), not stream) as on_progress:
+                results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
+                                                 on_text=on_text if stream else None, trace=trace,
+                                                 on_progress=on_progress)
             if stream:
                 end_stream()
             else:
@@ -163,7 +191,9 @@ def generate(
         spec, _ = load_spec(model_dir)
         encode_prompts(tok, texts, spec.max_position_embeddings, max_new_tokens)  # too long: refused before loading
         lm = load_model(model_dir, device=device, dtype=dtype)
-        results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None)
+        with _progress(len(texts), not stream) as on_progress:
+            results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None,
+                                          on_progress=on_progress)
         if stream:
             end_stream()
         else:

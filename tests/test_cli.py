@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -184,6 +185,25 @@ def test_output_path_errors_say_what_is_wrong(tmp_path: Path) -> None:
         assert code == 2 and f"the directory {missing.parent} does not exist; create it" in err, err
     code, _, err = run("prompts", "--out", str(tmp_path))
     assert code == 2 and "it is a directory" in err, err
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    import pwrun.cli
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["The war", "Music is"]))
+    args = ("generate", "--prompts", str(f), "--max-new-tokens", "4", "--output", str(tmp_path / "o.jsonl"))
+    code, _, err = run(*args)  # stderr is not a terminal here: no bar
+    assert code == 0 and "━" not in err and "requests" not in err, err
+    tty = io.StringIO()
+    monkeypatch.setattr(pwrun.cli, "console", Console(file=tty, force_terminal=True, color_system=None, width=120))
+    code, _, err = run(*args)
+    assert code == 0, err
+    assert re.search(r"serving .* 2/2 requests [\d.]+ tokens/s", tty.getvalue()), tty.getvalue()
 
 
 def test_piped_output_is_not_wrapped_at_80_columns() -> None:
