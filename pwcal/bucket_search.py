@@ -135,12 +135,13 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
             progress("candidates", ci + 1, len(candidates))
     best = int(np.argmin(scores))
     if not math.isfinite(scores[best]):
-        raise ValueError("no candidate fits the budgets: raise --budget-bits")
+        raise PagedWeightError(f"no candidate fits the budgets {list(cfg.budgets_bits)}: raise --budget-bits")
     write_table(pd.DataFrame(rows), artifact_dir / "bucket_search.parquet", "bucket_search")
     write_table(policy_frame(candidates[best]), artifact_dir / "buckets.parquet", "buckets")
     info = {"config": asdict(cfg), "files": ["buckets.parquet", "bucket_search.parquet"],
             "search_space_size": len(space), "candidates_scored": len(candidates), "budgets_bytes": budgets,
             "best_candidate": best, "best_setting": candidates[best].to_json(),
+            "heldout_dataset": sens_cfg["dataset"], "heldout_tokens": len(flat),
             "best_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == best],
             "neutral_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == 0],
             "seconds": round(time.time() - t0, 2)}

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from pwcal import cli_calib, cli_quant
-from pwrun.cli_common import user_errors
+from pwrun.cli_common import make_console, user_errors
 
 app = typer.Typer(help="PagedWeight offline calibration. Pipeline, in this order: quantize (AP bit-planes + "
                   "LUTs) -> sensitivity (Hessian s_i^b, bytes M_i^b, routing mass) -> fit-residual (prompt-residual "
@@ -48,7 +47,7 @@ def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face check
         counts = parameter_counts(spec)
         total = sum(counts.values())
         moe = [layer for layer in spec.layers if layer.moe is not None]
-        console = Console()
+        console = make_console()
         console.print(f"[bold]{model}[/bold]: family {spec.family}, {spec.num_layers} layers "
                       f"({len(moe)} MoE), hidden {spec.hidden_size}, vocab {spec.vocab_size}, "
                       f"context {spec.max_position_embeddings}")

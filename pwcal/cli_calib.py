@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from pwrun.cli_common import DeviceOpt, user_errors
+from pwrun.cli_common import DeviceOpt, make_console, user_errors
 
-console = Console(stderr=True)
+console = make_console(stderr=True)
 ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
 ArtifactsOpt = Annotated[Path, typer.Option(help="Artifact directory made by `pwcal quantize`.")]
 ForceOpt = Annotated[bool, typer.Option(help="Redo the stage even if it is complete.")]
@@ -109,9 +108,10 @@ def search_buckets(
         with bars.progress:
             info = run_search_buckets(model, artifacts, cfg, device, force, bars)
         extra = "" if info.get("skipped") else (
-            f"; {info['candidates_scored']} of {info['search_space_size']} settings scored; best ppl per budget "
-            f"{[round(p, 2) for p in info['best_ppl_per_budget']]} vs neutral "
-            f"{[round(p, 2) for p in info['neutral_ppl_per_budget']]}")
+            f"; {info['candidates_scored']} of {info['search_space_size']} settings scored; perplexity on "
+            f"held-out {info['heldout_dataset']} text ({info['heldout_tokens']} tokens past the calibration ones) at "
+            f"budgets {list(cfg.budgets_bits)} bits: best {[round(p, 2) for p in info['best_ppl_per_budget']]} vs "
+            f"neutral {[round(p, 2) for p in info['neutral_ppl_per_budget']]}")
         _report("search-buckets", info, extra)
 
 

@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from pwrun.cli_common import DeviceOpt, user_errors
+from pwrun.cli_common import DeviceOpt, make_console, user_errors
 
-console = Console(stderr=True)
+console = make_console(stderr=True)
 ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
 
 

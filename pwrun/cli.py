@@ -8,33 +8,67 @@ Commands: ``generate`` (text from prompts), ``ppl`` (perplexity on bundled or lo
 from __future__ import annotations
 
 import json
-import os
+import math
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import Progress
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pwrun import cli_eval
-from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, default_model, user_errors
+from pwrun.cli_common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    check_writable_file,
+    default_model,
+    make_console,
+    user_errors,
+)
 from pwrun.data import read_jsonl_field
 from pwrun.errors import PagedWeightError
 
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
                   add_completion=False)
-console = Console(stderr=True)
+console = make_console(stderr=True)
 app.add_typer(cli_eval.app, name="eval")
 
 
 def _read_prompts(path: Path) -> list[str]:
+    """The prompts of a JSONL file; raises ``PagedWeightError`` naming file:line of an empty or bad one."""
     if not path.is_file():
         raise PagedWeightError(f"prompts file {path} does not exist")
-    prompts = read_jsonl_field(path, "prompt")
+    prompts = read_jsonl_field(path, "prompt", nonempty=True)
     if not prompts:
         raise PagedWeightError(f"{path} holds no prompts (one JSON object with a 'prompt' field per line)")
     return prompts
+
+
+@contextmanager
+def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """While serving: a transient bar on stderr (requests finished / ``total``, generated tokens/s) if ``show``
+    and stderr is a terminal; else nothing (``None``), so logs and pipes stay clean."""
+    if not (show and console.is_terminal):
+        yield None
+        return
+    columns = (TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+               TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("serve", total=total, rate="")
+        first: list[tuple[float, int]] = []  # the rate counts from the first token (after loading and placement)
+
+        def update(done: int, tokens: int) -> None:
+            now = time.perf_counter()
+            if not first:
+                first.append((now, tokens))
+            dt = now - first[0][0]
+            bar.update(task, completed=done, rate=f"{(tokens - first[0][1]) / dt:.1f} tokens/s" if dt > 0 else "")
+
+        yield update
 
 
 def _write_results(results: list[Any], output: Path | None) -> None:
@@ -60,8 +94,8 @@ def generate(
                                                  "concurrently.")] = None,
     output: Annotated[Path | None, typer.Option(help="Write results as JSONL here (default: stdout).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 64,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples.")] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples (finite).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
@@ -84,29 +118,30 @@ def generate(
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
 ) -> None:
     """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
+    from pwrun.generate import encode_prompts
     from pwrun.generate import generate as run_generate
-    from pwrun.model.loader import load_model, load_tokenizer
+    from pwrun.model.loader import load_model, load_spec, load_tokenizer
     from pwrun.sampling import SamplingParams
 
     with user_errors():
         if (prompt is None) == (prompts is None):
             raise PagedWeightError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
-        if top_p <= 0:
-            raise PagedWeightError("--top-p must be in (0, 1]")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise PagedWeightError(f"--temperature {temperature} is not allowed: give a finite number >= 0 "
+                                   "(0 = greedy, 1 = the model's distribution)")
+        if not 0 < top_p <= 1:  # also refuses nan
+            raise PagedWeightError(f"--top-p {top_p} is not allowed: give a number in (0, 1] (1 = no nucleus cut)")
+        if prompt is not None and not prompt.strip():
+            raise PagedWeightError("--prompt is empty: give some text")
         texts = [prompt] if prompt is not None else _read_prompts(prompts)  # type: ignore[arg-type]
-        if output is not None and (output.is_dir() or not (output.parent.is_dir() and os.access(output.parent,
-                                                                                                   os.W_OK))):
-            raise PagedWeightError(f"cannot write --output {output}: {output.parent} is missing or not writable")
         if artifacts is None and (gpu_memory or trace or summary_json or bits is not None or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy, --bits, --trace and --summary-json need --artifacts DIR "
                                    "(from `pwcal run-all`)")
         if trace is not None and trace.suffix != ".parquet":
             raise PagedWeightError(f"--trace {trace} must end in .parquet")
-        for flag, path in (("--trace", trace), ("--summary-json", summary_json)):
-            if path is not None and (path.is_dir() or not path.parent.is_dir() or not os.access(path.parent,
-                                                                                                 os.W_OK)):
-                raise PagedWeightError(f"cannot write {flag} {path}: it is a directory, or {path.parent} is missing "
-                                       "or not writable")
+        for flag, path in (("--output", output), ("--trace", trace), ("--summary-json", summary_json)):
+            if path is not None:
+                check_writable_file(flag, path)
         model_dir = model or default_model()
         tok = load_tokenizer(model_dir)
         params = SamplingParams(max_new_tokens, temperature, top_p, seed)
@@ -125,17 +160,26 @@ def generate(
             sys.stdout.write(("" if started[0] else texts[0]) + "\n")
 
         if artifacts is not None:
+            from pwrun.ap.artifact import APArtifact
             from pwrun.engine.budget import parse_size
             from pwrun.engine.engine import EngineConfig
+            from pwrun.engine.policies import check_policy
             from pwrun.engine.report import format_summary
             from pwrun.engine.run import serve_prompts
-            from pwrun.engine.serve import ServeConfig
+            from pwrun.engine.serve import ServeConfig, missing_tables
 
+            art = APArtifact(artifacts)
+            art.check_model(model_dir)
+            check_policy(policy, bits, art.bits)
+            for warning in missing_tables(art, policy, model_dir):
+                typer.echo(f"warning: {warning}", err=True)
             cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), policy, bits,
                               EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
                                            debug_checks=debug_checks))
-            results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
-                                             on_text=on_text if stream else None, trace=trace)
+            with _progress(len(texts), not stream) as on_progress:
+                results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
+                                                 on_text=on_text if stream else None, trace=trace,
+                                                 on_progress=on_progress)
             if stream:
                 end_stream()
             else:
@@ -144,8 +188,12 @@ def generate(
             if summary_json is not None:
                 summary_json.write_text(json.dumps(summary, indent=1, default=str) + "\n")
             return
+        spec, _ = load_spec(model_dir)
+        encode_prompts(tok, texts, spec.max_position_embeddings, max_new_tokens)  # too long: refused before loading
         lm = load_model(model_dir, device=device, dtype=dtype)
-        results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None)
+        with _progress(len(texts), not stream) as on_progress:
+            results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None,
+                                          on_progress=on_progress)
         if stream:
             end_stream()
         else:
@@ -217,9 +265,8 @@ def prompts(
     from pwrun.data import document_prompts
 
     with user_errors():
+        check_writable_file("--out", out)
         texts = document_prompts(dataset, count, max_chars, min_chars=min(200, max_chars))
-        if out.is_dir() or not out.parent.is_dir():
-            raise PagedWeightError(f"cannot write --out {out}: {out.parent} is missing or {out} is a directory")
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
         tmp.replace(out)

@@ -1,12 +1,15 @@
 """Options and error handling shared by the ``pwrun`` and ``pwcal`` command lines.
 
-What it does: the ``Annotated`` option aliases used by several commands (defined once), and
+What it does: the ``Annotated`` option aliases used by several commands (defined once),
 ``user_errors``, which turns a ``PagedWeightError`` into ``error: <one line>`` on stderr with
-exit code 2. It does no work of its own.
+exit code 2, ``check_writable_file``, which checks an output path before any work is done, and
+``make_console``, the rich console of every command.
+It does no work of its own.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
 from pwrun.data import default_model_dir
 from pwrun.errors import PagedWeightError
@@ -23,6 +27,20 @@ ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugg
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, fp32 on "
                                        "CPU), float32, bfloat16 or float16.")]
+
+
+# Width of a console whose stream is not a terminal (a file, a pipe, CI logs): rich would wrap at 80 columns,
+# breaking table rows and summary lines in the middle; a terminal's own width is kept.
+PIPE_WIDTH = 4096
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console on stdout or stderr that does not wrap lines at 80 columns when it is not a terminal
+    (``COLUMNS`` in the environment still wins)."""
+    console = Console(stderr=stderr)
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(stderr=stderr, width=PIPE_WIDTH)
 
 
 def default_model() -> Path:
@@ -37,3 +55,20 @@ def user_errors() -> Iterator[None]:
     except PagedWeightError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
+
+
+def check_writable_file(flag: str, path: Path) -> None:
+    """Raise ``PagedWeightError`` saying exactly why ``flag path`` cannot be written as a file (checked before
+    the run, so no work is lost to a bad path)."""
+    what = f"cannot write {flag} {path}"
+    parent = path.parent
+    if path.is_dir():
+        raise PagedWeightError(f"{what}: it is a directory; give a file path, e.g. {flag} {path / 'out.jsonl'}")
+    if not parent.exists():
+        raise PagedWeightError(f"{what}: the directory {parent} does not exist; create it (mkdir -p {parent}) or "
+                               "give a path in an existing directory")
+    if not parent.is_dir():
+        raise PagedWeightError(f"{what}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PagedWeightError(f"{what}: {path if path.exists() else parent} is not writable; give a path you can "
+                               "write")

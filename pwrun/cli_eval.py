@@ -13,15 +13,22 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from pwrun.cli_common import DeviceOpt, DtypeOpt, ModelOpt, default_model, user_errors
+from pwrun.cli_common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    check_writable_file,
+    default_model,
+    make_console,
+    user_errors,
+)
 from pwrun.errors import PagedWeightError
 
 app = typer.Typer(help="Serving-time evaluation: quality of teacher-forced continuations while the runtime serves "
                   "a real-text workload under a memory budget (pwrun eval run / sweep / report).",
                   no_args_is_help=True, add_completion=False)
-console = Console(stderr=True)
+console = make_console(stderr=True)
 
 ArtifactsOpt = Annotated[Path, typer.Option(help="Artifact directory from `pwcal run-all`.")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's choice; 1 avoids "
@@ -45,11 +52,10 @@ def _progress(t0: float) -> Any:
 def _check_out(path: Path, suffix: str | None) -> None:
     if suffix is not None and path.suffix != suffix:
         raise PagedWeightError(f"--out {path} must end in {suffix}")
-    parent = path.parent if suffix is not None else path
     if suffix is None and path.exists() and not path.is_dir():
         raise PagedWeightError(f"--out {path} is a file: give a directory")
-    if suffix is not None and (path.is_dir() or not parent.is_dir()):
-        raise PagedWeightError(f"cannot write --out {path}: {parent} is missing or {path} is a directory")
+    if suffix is not None:
+        check_writable_file("--out", path)
 
 
 @app.command()

@@ -47,10 +47,28 @@ def resolve_dataset(name_or_path: str) -> Path:
     return p
 
 
-def read_jsonl_field(path: Path, field: str) -> list[str]:
+def not_utf8(path: Path) -> PagedWeightError:
+    """The error for a file that is not UTF-8 text: names the file, the line of the first bad byte, and the fix."""
+    where = ""
+    try:
+        data = gzip.open(path).read() if path.name.lower().endswith(".gz") else path.read_bytes()
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        where = f":{line} (byte 0x{data[exc.start:exc.start + 1].hex()})"
+    except (OSError, EOFError):
+        pass
+    out = path.with_name(f"{path.name.split('.')[0]}.utf8{''.join(path.suffixes)}")
+    cmd = (f"zcat {path} | iconv -f latin1 -t utf-8 | gzip > {out}" if path.name.lower().endswith(".gz")
+           else f"iconv -f latin1 -t utf-8 {path} > {out}")
+    return PagedWeightError(f"{path}{where} is not UTF-8 text: re-encode it as UTF-8, e.g. `{cmd}`")
+
+
+def read_jsonl_field(path: Path, field: str, nonempty: bool = False) -> list[str]:
     """The string ``field`` of every non-empty line of a JSON Lines file (``.gz`` ok).
 
-    Raises ``PagedWeightError`` naming the file and line of the first bad row.
+    Raises ``PagedWeightError`` naming the file and line of the first bad row: not JSON, no string
+    ``field``, ``field`` blank (with ``nonempty``), or not UTF-8.
     """
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     out = []
@@ -65,8 +83,13 @@ def read_jsonl_field(path: Path, field: str) -> list[str]:
                     raise PagedWeightError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
                 if not isinstance(row, dict) or not isinstance(row.get(field), str):
                     raise PagedWeightError(f"{path}:{lineno} needs a string field '{field}'")
+                if nonempty and not row[field].strip():
+                    raise PagedWeightError(f"{path}:{lineno} has an empty '{field}': give it some text or delete "
+                                           "the line")
                 out.append(row[field])
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
+    except UnicodeDecodeError as exc:  # decoding runs ahead of the lines read: not_utf8 finds the line
+        raise not_utf8(path) from exc
+    except (OSError, EOFError) as exc:
         raise PagedWeightError(f"cannot read {path}: {exc}") from exc
     return out
 
@@ -87,7 +110,9 @@ def read_documents(name_or_path: str) -> list[str]:
             return [str(t) for t in table.column("text").to_pylist()]
         if name.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")):
             return read_jsonl_field(p, "text")
-    except (OSError, UnicodeDecodeError, EOFError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+    except UnicodeDecodeError as exc:  # a ValueError too: before the generic case
+        raise not_utf8(p) from exc
+    except (OSError, EOFError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise PagedWeightError(f"cannot read {p}: {(str(exc).splitlines() or [''])[0]}") from exc
     raise PagedWeightError(f"unsupported file type {p.name}: use .txt, .json, .jsonl, .json.gz or .parquet")
 

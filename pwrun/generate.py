@@ -61,9 +61,12 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new
 
 
 def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: SamplingParams,
-             block_size: int = 16, on_text: Callable[[int, str], None] | None = None
-             ) -> tuple[list[Generation], GenerationStats]:
-    """Generate a continuation for every prompt; returns the generations and timing stats."""
+             block_size: int = 16, on_text: Callable[[int, str], None] | None = None,
+             on_progress: Callable[[int, int], None] | None = None) -> tuple[list[Generation], GenerationStats]:
+    """Generate a continuation for every prompt; returns the generations and timing stats.
+
+    ``on_progress(finished requests, generated tokens)`` is called after every step.
+    """
     ids = encode_prompts(tokenizer, prompts, model.spec.max_position_embeddings, params.max_new_tokens)
     num_blocks = sum(blocks_needed(len(x) + params.max_new_tokens, block_size) for x in ids)
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
@@ -104,6 +107,8 @@ def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: Sa
             else:
                 still.append(i)
         active = still
+        if on_progress is not None:
+            on_progress(len(prompts) - len(active), sum(len(o) for o in out_ids))
         if active:
             logits = runner.run({i: [out_ids[i][-1]] for i in active})
             decode_tokens += len(active)

@@ -131,6 +131,20 @@ def test_buckets_written_and_stages_skip(pipeline: Path) -> None:
     assert r.exit_code == 0 and "nothing to do" in r.stderr
 
 
+def test_search_buckets_names_the_text_of_its_perplexity(tmp_path: Path, pipeline: Path) -> None:
+    import json
+    import shutil
+
+    again = tmp_path / "ap"
+    shutil.copytree(pipeline, again)
+    r = runner.invoke(app, ["search-buckets", str(MODEL), "--artifacts", str(again), "--candidates", "1",
+                            "--heldout-windows", "2", "--force", *SMALL])
+    assert r.exit_code == 0, r.stderr
+    assert "perplexity on held-out c4-calib text (512 tokens past the calibration ones)" in r.stderr, r.stderr
+    info = json.loads((again / "manifest.json").read_text())["stages"]["search-buckets"]
+    assert info["heldout_dataset"] == "c4-calib" and info["heldout_tokens"] == 512
+
+
 def test_stage_order_is_enforced(tmp_path: Path, pipeline: Path) -> None:
     import shutil
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -115,3 +116,99 @@ def test_unwritable_output_is_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "no" / "o.jsonl"
     code, _, err = run("generate", "--prompt", "x", "--max-new-tokens", "2", "--output", str(out))
     assert code == 2 and "cannot write --output" in err
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c.update(layer_types=c["layer_types"][:2]), "number of `layer_types` (2)"),
+        (lambda c: c.update(num_hidden_layers="four"), "'num_hidden_layers' expected int"),
+        (lambda c: c.pop("model_type"), "has no model_type"),
+    ],
+    ids=["layer_types-length", "wrong-type", "no-model_type"],
+)
+def test_malformed_config_is_one_line_naming_the_file(tmp_path: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
+    d = tmp_path / "m"
+    shutil.copytree(MODEL, d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    for r in (runner.invoke(app, ["generate", "--prompt", "x", "--model", str(d), "--device", "cpu"]),
+              runner.invoke(pwcal_app, ["inspect", str(d)])):
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith(f"error: {d / 'config.json'}") and message in lines[0], lines[0]
+
+
+NO_MODEL = ["--model", "/nonexistent/model"]  # an error about the model would mean it was loaded before the check
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", "x", "--temperature", "inf"], "--temperature inf is not allowed"),
+        (["--prompt", "x", "--temperature", "nan"], "--temperature nan is not allowed"),
+        (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0 is not allowed"),
+        (["--prompt", "x", "--temperature", "1", "--top-p", "nan"], "--top-p nan is not allowed"),
+        (["--prompt", "x", "--temperature", "1", "--top-p", "0"], "--top-p 0.0 is not allowed"),
+        (["--prompt", "x", "--temperature", "1", "--top-p", "1.5"], "--top-p 1.5 is not allowed"),
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "  \n"], "--prompt is empty"),
+    ],
+)
+def test_bad_generate_options_are_refused_before_loading(args: list[str], message: str) -> None:
+    code, out, err = run("generate", *args, *NO_MODEL)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (out, err)
+
+
+def test_prompts_file_empty_or_not_utf8_names_file_and_line(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
+    code, _, err = run("generate", "--prompts", str(f), *NO_MODEL)
+    assert code == 2 and f"error: {f}:2 has an empty 'prompt'" in err, err
+    f.write_bytes('{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    code, _, err = run("generate", "--prompts", str(f), *NO_MODEL)
+    assert code == 2 and f"error: {f}:3 (byte 0xe9) is not UTF-8" in err and "re-encode it as UTF-8" in err, err
+    t = tmp_path / "t.txt"
+    t.write_bytes("caf\xe9".encode("latin-1"))
+    code, _, err = run("ppl", "--dataset", str(t))
+    assert code == 2 and f"error: {t}:1 (byte 0xe9) is not UTF-8" in err, err
+
+
+def test_output_path_errors_say_what_is_wrong(tmp_path: Path) -> None:
+    for flag, extra in (("--output", []), ("--summary-json", ["--artifacts", str(tmp_path)])):
+        code, _, err = run("generate", "--prompt", "x", flag, str(tmp_path), *extra, *NO_MODEL)
+        assert code == 2 and f"cannot write {flag} {tmp_path}: it is a directory" in err, err
+        missing = tmp_path / "no" / "o.jsonl"
+        code, _, err = run("generate", "--prompt", "x", flag, str(missing), *extra, *NO_MODEL)
+        assert code == 2 and f"the directory {missing.parent} does not exist; create it" in err, err
+    code, _, err = run("prompts", "--out", str(tmp_path))
+    assert code == 2 and "it is a directory" in err, err
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    import pwrun.cli
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["The war", "Music is"]))
+    args = ("generate", "--prompts", str(f), "--max-new-tokens", "4", "--output", str(tmp_path / "o.jsonl"))
+    code, _, err = run(*args)  # stderr is not a terminal here: no bar
+    assert code == 0 and "━" not in err and "requests" not in err, err
+    tty = io.StringIO()
+    monkeypatch.setattr(pwrun.cli, "console", Console(file=tty, force_terminal=True, color_system=None, width=120))
+    code, _, err = run(*args)
+    assert code == 0, err
+    assert re.search(r"serving .* 2/2 requests [\d.]+ tokens/s", tty.getvalue()), tty.getvalue()
+
+
+def test_piped_output_is_not_wrapped_at_80_columns() -> None:
+    r = runner.invoke(pwcal_app, ["inspect", str(MODEL)])  # stdout is not a terminal here
+    assert r.exit_code == 0 and any("family qwen2_moe" in line and "context 2048" in line
+                                    for line in r.stdout.splitlines()), r.stdout
+    code, _, err = run("generate", "--prompt", "The river", "--max-new-tokens", "3")
+    assert code == 0 and any("request(s) on cpu" in line and "tokens/s" in line for line in err.splitlines()), err

@@ -182,7 +182,7 @@ def _eval(*args: str) -> tuple[int, str]:
     (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", "1MiB"], "give at least --gpu-memory"),
     (["run", "--out", "{tmp}/r.parquet", "--policy", "16-bit", "--bits", "4"], "no --bits"),
     (["run", "--out", "{tmp}/r.parquet", "--prompt-tokens", "4000"], "exceeds the model's context"),
-    (["run", "--out", "{tmp}/missing/r.parquet"], "is missing"),
+    (["run", "--out", "{tmp}/missing/r.parquet"], "/missing does not exist; create it"),
     (["report", "--results", "{tmp}/none.parquet"], "does not exist"),
 ])
 def test_cli_bad_input_gives_one_line_errors(calibrated_artifacts: Path, tmp_path: Path, args: list[str],

@@ -32,3 +32,9 @@ def test_seeded_sampling_is_reproducible() -> None:
 def test_bad_params(kw: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_params_refuse_non_finite_temperature_and_nan_top_p() -> None:
+    for kw in ({"temperature": float("inf")}, {"temperature": float("nan")}, {"top_p": float("nan")}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)

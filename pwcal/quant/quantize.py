@@ -158,8 +158,11 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
         raise PagedWeightError(f"--out {out} exists and is not a PagedWeight artifact directory: choose a new or "
                                "empty directory (it is never overwritten)")
-    if not (out.parent.is_dir() and os.access(out.parent, os.W_OK)):
-        raise PagedWeightError(f"cannot create {out}: {out.parent} is missing or not writable")
+    if not out.parent.is_dir():
+        raise PagedWeightError(f"cannot create {out}: the directory {out.parent} does not exist; create it "
+                               f"(mkdir -p {out.parent}) or give --out in an existing directory")
+    if not os.access(out.parent, os.W_OK):
+        raise PagedWeightError(f"cannot create {out}: {out.parent} is not writable; give --out where you can write")
     from pwrun.model.loader import read_config
 
     read_config(model_dir)  # a clear error for a missing or bad checkpoint before hashing anything

@@ -1,7 +1,8 @@
 """The device memory budget: parsing ``--gpu-memory`` and splitting it into fixed parts and the page pool.
 
 What it does: ``parse_size`` reads sizes such as ``10GiB``, ``512MiB``, ``1.5GB`` (bytes);
-``fixed_bytes`` adds what never pages: the 16-bit non-expert weights and an activation workspace
+``fixed_bytes`` adds what never pages: the non-expert weights (in the model's dtype: bf16 on CUDA,
+fp32 on the CPU by default; ``dtype_label`` names it in messages) and an activation workspace
 bound for one step (``workspace_bytes``, from the step's token budget, context and vocabulary).
 The pool gets the rest (SPEC section 5: KV blocks and expert bit-planes share it). Control plane
 arithmetic only.
@@ -13,6 +14,15 @@ import re
 
 from pwrun.errors import PagedWeightError
 from pwrun.model.spec import ModelSpec
+
+_DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_label(dtype: object) -> str:
+    """Short name of a weight dtype for messages: ``torch.float32`` or ``"float32"`` -> ``"fp32"``."""
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPE_LABELS.get(name, name)
+
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pwrun.engine.budget import format_size
+from pwrun.engine.budget import dtype_label, format_size
 from pwrun.engine.engine import Engine
 from pwrun.errors import PagedWeightError
 
@@ -61,7 +61,8 @@ def format_summary(s: dict[str, Any]) -> str:
     """A few terminal lines from ``summarize``'s dict."""
     lines = [
         f"policy {s['policy']}{' ' + str(s['bits']) + ' bits' if s.get('bits') else ''} on {s['device']} "
-        f"({s['dtype']}); budget {format_size(s['gpu_memory'])} = non-expert weights {format_size(s['fixed_bytes'])}"
+        f"({s['dtype']}); budget {format_size(s['gpu_memory'])} = non-expert weights ({dtype_label(s['dtype'])}) "
+        f"{format_size(s['fixed_bytes'])}"
         f" + workspace {format_size(s['workspace_bytes'])} + page pool {format_size(s['pool_bytes'])}",
     ]
     if "weight_bytes_mean" in s:

@@ -23,9 +23,13 @@ from pwrun.sampling import SamplingParams
 
 def serve_prompts(model_dir: Path, artifact_dir: Path, prompts: list[str], tokenizer: Any, cfg: ServeConfig,
                   params: SamplingParams, device: str = "auto", dtype: str = "auto",
-                  on_text: Callable[[int, str], None] | None = None, trace: Path | None = None
+                  on_text: Callable[[int, str], None] | None = None, trace: Path | None = None,
+                  on_progress: Callable[[int, int], None] | None = None
                   ) -> tuple[list[Generation], dict[str, Any]]:
-    """Serve ``prompts`` under ``cfg``; returns generations (in prompt order) and the run summary."""
+    """Serve ``prompts`` under ``cfg``; returns generations (in prompt order) and the run summary.
+
+    ``on_progress(finished requests, generated tokens)`` is called after every sampled token.
+    """
     spec, _ = load_spec(Path(model_dir))
     ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens)
     eos = set(spec.eos_token_ids)
@@ -43,7 +47,16 @@ def serve_prompts(model_dir: Path, artifact_dir: Path, prompts: list[str], token
             on_text(s.rid, text[len(printed[s.rid]):])
             printed[s.rid] = text
 
-    engine.on_token = emit
+    counts = [0, 0]  # finished requests, generated tokens
+
+    def on_token(s: Sequence) -> None:
+        emit(s)
+        if on_progress is not None:
+            counts[0] += s.finish is not None
+            counts[1] += s.finish != "eos"  # an EOS is not kept in the output
+            on_progress(counts[0], counts[1])
+
+    engine.on_token = on_token
     engine.run()
     summary = summarize(engine, built.info)
     if trace is not None:

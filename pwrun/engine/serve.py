@@ -1,7 +1,7 @@
 """Build a serving engine from a model directory, an artifact directory and a memory budget.
 
 What it does: checks the artifact against the model and the policy against the artifact's
-stages; loads the non-expert weights onto the device (16-bit; the 16-bit experts are never kept);
+stages; loads the non-expert weights onto the device (in the model's dtype; the dense experts are never kept);
 splits ``--gpu-memory`` into fixed parts and the page pool; places every expert block at its
 initial bitwidth (the planner's fit of the pool, a uniform or a static allocation); refuses a
 budget below what the floors and the longest request need, stating the minimum; and returns an
@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from pwrun.ap.artifact import APArtifact
-from pwrun.engine.budget import format_size, workspace_bytes
+from pwrun.engine.budget import dtype_label, format_size, workspace_bytes
 from pwrun.engine.engine import Engine, EngineConfig
 from pwrun.engine.experts import ExpertStore, page_rounded_bytes
 from pwrun.engine.kv_store import PooledKVCache
@@ -49,6 +49,43 @@ class ServeConfig:
     bits: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+
+# Tables a policy can serve without, with the pwcal stage that writes each and what serving loses without it.
+OPTIONAL_TABLES = {
+    "residual_heads": ("fit-residual", "without prompt-residual heads (the planner's prompt factor eta is 1)"),
+    "buckets": ("search-buckets", "with one neutral routing bucket (mu 1, floors at the seed bits)"),
+    "block_features": ("sensitivity", "without the calibration input norms of the prompt-residual heads"),
+}
+
+
+def _uses(policy: str, name: str) -> bool:
+    """Whether ``policy`` reads the optional table ``name`` (see ``policies.py``)."""
+    pcfg = planner_config(policy, PlannerConfig())
+    if name == "buckets":
+        return policy == "static" or (pcfg is not None and pcfg.use_routing)
+    return pcfg is not None and pcfg.use_residual
+
+
+def missing_tables(art: APArtifact, policy: str, model_dir: Path | str = "MODEL") -> list[str]:
+    """One warning line per optional table that ``policy`` would use but whose pwcal stage has not run.
+
+    Raises ``PagedWeightError`` if the manifest records that stage complete but the file is gone (a damaged
+    artifact: serving without it would silently change the method). ``policy``: one ``check_policy`` accepts.
+    """
+    stages = art.manifest.get("stages", {})
+    out = []
+    for name, (stage, loss) in OPTIONAL_TABLES.items():
+        path = art.path / f"{name}.parquet"
+        if not _uses(policy, name) or path.is_file():
+            continue
+        done = stages.get(stage, {})
+        fix = f"`pwcal {stage} {model_dir} --artifacts {art.path}"
+        if done.get("complete") and path.name in done.get("files", []):
+            raise PagedWeightError(f"{path} is missing, though the manifest records stage '{stage}' as complete: "
+                                   f"remake it with {fix} --force`")
+        out.append(f"{art.path} has no {path.name}: serving {loss}; make it with {fix}`")
+    return out
 
 
 def _read(art: APArtifact, name: str) -> pd.DataFrame | None:
@@ -136,6 +173,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     art = APArtifact(artifact_dir)
     art.check_model(model_dir)
     check_policy(cfg.policy, cfg.bits, art.bits)
+    missing_tables(art, cfg.policy, model_dir)  # the caller shows the warnings (e.g. once per CLI run)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if dev.type == "cuda":
@@ -191,9 +229,9 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         raise BudgetTooSmall(
             f"--gpu-memory {format_size(cfg.gpu_memory)} is too small: the experts at their floors need "
             f"{format_size(floor_bytes)} and the longest request ({longest} tokens) "
-            f"{format_size(min_kv_pages * page_bytes)} of KV, besides {format_size(fixed)} of 16-bit non-expert "
-            f"weights and {format_size(work)} of step workspace (lower --max-step-tokens / --max-batch to shrink "
-            f"it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
+            f"{format_size(min_kv_pages * page_bytes)} of KV, besides {format_size(fixed)} of non-expert weights "
+            f"({dtype_label(dt)}) and {format_size(work)} of step workspace (lower --max-step-tokens / --max-batch "
+            f"to shrink it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
     pool = PagePool(PoolConfig(int(num_pages), page_bytes))
     try:
         memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)

@@ -63,6 +63,10 @@ def read_config(model_dir: Path) -> Any:
     model_type = raw.get("model_type")
     from pwrun.model.families import FAMILIES, UNSUPPORTED
 
+    if model_type is None:
+        raise PagedWeightError(f"{cfg_path} has no model_type: add it (one of {', '.join(sorted(FAMILIES))}), or "
+                               "restore config.json from the original checkpoint")
+
     if model_type in UNSUPPORTED or model_type not in FAMILIES:
         # fail before transformers, which may not know the type at all
         spec_from_config(type("Cfg", (), {"model_type": model_type})())
@@ -71,7 +75,17 @@ def read_config(model_dir: Path) -> Any:
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as exc:  # transformers raises many types (strict dataclass validation among them)
-        raise PagedWeightError(f"transformers cannot read {cfg_path}: {(str(exc).splitlines() or [''])[0]}") from exc
+        raise PagedWeightError(f"{cfg_path} is malformed ({_root_cause(exc)}): fix it, or restore config.json from "
+                               "the original checkpoint") from exc
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost cause of ``exc`` on one line (transformers wraps the useful message, e.g.
+    ``num_hidden_layers (4) must be equal to the number of layer_types (2)``, in a validation error)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def load_spec(model_dir: Path) -> tuple[ModelSpec, CheckpointNames]:
@@ -93,11 +107,13 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
-    """The checkpoint's tokenizer (``transformers.AutoTokenizer``, offline)."""
+    """The checkpoint's tokenizer (``transformers.AutoTokenizer``, offline).
+
+    Raises ``PagedWeightError`` for a missing directory or tokenizer, or a malformed config.json (which
+    ``AutoTokenizer`` parses too: it is checked first so the error names the file).
+    """
     path = Path(model_dir)
-    if not path.is_dir():
-        raise PagedWeightError(f"model directory {path} does not exist: pass a local Hugging Face checkpoint "
-                               "directory (config.json + *.safetensors + tokenizer files)")
+    read_config(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise PagedWeightError(f"no tokenizer in {path} (tokenizer.json, tokenizer.model or vocab.json): copy the "
                                "model's tokenizer files into the checkpoint directory")
@@ -105,5 +121,6 @@ def load_tokenizer(model_dir: str | Path) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, OSError) as exc:
-        raise PagedWeightError(f"cannot load the tokenizer in {path}: {str(exc).splitlines()[0]}") from exc
+    except Exception as exc:  # like AutoConfig, it raises many types for bad files
+        raise PagedWeightError(f"cannot load the tokenizer in {path} ({_root_cause(exc)}): restore the model's "
+                               "tokenizer files (tokenizer.json, tokenizer_config.json)") from exc
