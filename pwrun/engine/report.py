@@ -48,6 +48,7 @@ def summarize(engine: Engine, info: dict[str, Any]) -> dict[str, Any]:
         t.decode_tokens / secs, "demoted_blocks": t.demoted_blocks, "promoted_blocks": t.promoted_blocks,
         "bytes_host_to_device": int(engine.store.bytes_h2d), "bytes_device_to_host": int(engine.store.bytes_d2h),
         "preemptions": t.preemptions, "planner_ms_per_step": 1e3 * t.planner_seconds / max(t.steps, 1),
+        "planner_overlapped_ms_per_step": 1e3 * t.planner_overlapped_seconds / max(t.steps, 1),
         "planner_share_of_step": t.planner_seconds / secs, "final_mean_bits": float(w.q.mean()),
         "final_bits_hist": {int(b): int(hist[b]) for b in range(9) if hist[b]},
         "pool_pages": engine.pool.cfg.num_pages, "pool_peak_pages": engine.pool.peak_used,
@@ -79,7 +80,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f" host->device, {format_size(s['bytes_device_to_host'])} device->host, {s['preemptions']} preemptions",
         f"{s['steps']} steps in {s['seconds']:.2f} s: {s['prefill_tokens']} prefill + {s['decode_tokens']} decode "
         f"tokens = {s['tokens_per_second']:.1f} tokens/s; planner {s['planner_ms_per_step']:.2f} ms/step "
-        f"({100 * s['planner_share_of_step']:.2f}% of step time)",
+        f"({100 * s['planner_share_of_step']:.2f}% of step time; "
+        f"+{s['planner_overlapped_ms_per_step']:.2f} ms/step while the device computed)",
     ]
     if "device_peak_bytes" in s:
         lines.append(f"peak device memory {format_size(s['device_peak_bytes'])} of the "

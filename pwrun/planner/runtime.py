@@ -68,7 +68,7 @@ class Planner:
         self._bucket: np.ndarray | None = None
         self.prepared: Plan | None = None
         self._prepared_q: np.ndarray | None = None
-        self.stale = True  # the live statistics changed since d_hat was computed
+        self.stale = True  # the live statistics changed since d_hat was computed (see ``refresh_if_stale``)
 
     @staticmethod
     def _bit_drop_sens(table: BlockTable) -> np.ndarray:
@@ -93,8 +93,16 @@ class Planner:
         self.prepared = None
         self.stale = False
 
+    def refresh_if_stale(self) -> bool:
+        """Refresh now if the live statistics changed (the runtime calls this while the device computes a step,
+        so that plans made on the step's critical path find d_hat ready); returns whether it refreshed."""
+        if self.stale or self._d_hat is None:
+            self.refresh()
+            return True
+        return False
+
     def _state(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._d_hat is None or self._bucket is None or self.stale:
+        if self._d_hat is None or self._bucket is None:  # staleness: ``refresh_if_stale``, off the critical path
             self.refresh()
         assert self._d_hat is not None and self._bucket is not None
         return self._d_hat, self._bucket
