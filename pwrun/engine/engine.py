@@ -168,7 +168,9 @@ class Engine:
 
     def _plan_overlapped(self) -> None:
         """Planner work done while the device computes the step just launched (host work hidden behind it):
-        d_hat from the latest live statistics, reloads, and the plan the next demotion will take."""
+        d_hat from the latest live statistics, and reloads. (The plan the next demotion takes is prepared after
+        sampling: prepared before it, for the blocks still held by requests finishing in this step, it demoted
+        more than needed.)"""
         if self.planner is None:
             return
         self._overlapping = self.model.device.type == "cuda"
@@ -177,7 +179,6 @@ class Engine:
             self.planner.refresh_if_stale()
             self._planner_time(t0)
             self._reload()
-            self._prepare_next()
         finally:
             self._overlapping = False
 
