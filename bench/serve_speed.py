@@ -320,7 +320,11 @@ def main() -> None:
     DEV = args.device
     t_start = time.time()
     rows: list[dict[str, Any]] = []
+    import transformers
+    import triton
+
     meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d"),
             "config": str(args.config_dir), "prompt_len": args.prompt_len, "gen": args.gen,
             "command": "python " + " ".join(sys.argv)}
