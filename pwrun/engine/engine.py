@@ -102,6 +102,9 @@ class Engine:
         self._phases = (0.0, 0.0)
         self._reload_s = 0.0
         self._overlapping = False
+        # CUDA: commit and start reloads and refresh d_hat while the device computes each step (host work hidden);
+        # CPU: nothing runs concurrently, so they stay after sampling, where they see the blocks just freed
+        self._overlap = model.device.type == "cuda"
 
     # ------------------------------------------------------------------ KVCapacity
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
@@ -156,14 +159,18 @@ class Engine:
         return min(tokens + self.cfg.lookahead_tokens, s.total_tokens)
 
     def _after_step(self) -> None:
-        """After sampling: pressure (Eq. 7) -> lower; then prepare the next plan (reloads start in ``_reload``)."""
+        """After sampling: pressure (Eq. 7) -> lower (on CPU: else reload); then prepare the next plan."""
         if self.planner is None:
             return
         free = self.alloc.num_free
+        if not self._overlap:
+            self.planner.refresh_if_stale()
         d = self.planner.pressure(free, self.kv_block_bytes)
         self._step_actions["D"] = d
         if d > 0:
             self._lower(d)
+        elif not self._overlap:
+            self._reload()
         self._prepare_next()
 
     def _plan_overlapped(self) -> None:
@@ -173,7 +180,7 @@ class Engine:
         more than needed.)"""
         if self.planner is None:
             return
-        self._overlapping = self.model.device.type == "cuda"
+        self._overlapping = True
         try:
             t0 = time.perf_counter()
             self.planner.refresh_if_stale()
@@ -251,6 +258,7 @@ class Engine:
         t_step = time.perf_counter()
         self._step_actions = {"lowered": 0, "raising": 0, "D": 0}
         self._captured = False
+        raised: list[int] = [] if self._overlap else self.store.poll()  # CPU: copies are done, commit now
         plan = self.scheduler.schedule(self)
         if not plan.chunks:
             raise RuntimeError("no request fits in the KV cache even with every expert at its floor")
@@ -259,9 +267,10 @@ class Engine:
         t_launched = time.perf_counter()
         # while the device computes: commit the reloads whose copies are done (their tables change after this
         # step's kernels in stream order, so the next step reads them) and start new ones
-        raised = self.store.poll()
+        if self._overlap:
+            raised = self.store.poll()
+            self._plan_overlapped()
         self.totals.promoted_blocks += len(raised)
-        self._plan_overlapped()
         self._reload_s = time.perf_counter() - t_launched
         self._sync()  # sampling synchronises right after anyway; this makes the model's time measurable
         self._model_s = time.perf_counter() - t_model
