@@ -105,6 +105,8 @@ class Engine:
         # CUDA: commit and start reloads and refresh d_hat while the device computes each step (host work hidden);
         # CPU: nothing runs concurrently, so they stay after sampling, where they see the blocks just freed
         self._overlap = model.device.type == "cuda"
+        if planner is not None:
+            planner.lazy_refresh = not self._overlap
 
     # ------------------------------------------------------------------ KVCapacity
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
@@ -163,8 +165,6 @@ class Engine:
         if self.planner is None:
             return
         free = self.alloc.num_free
-        if not self._overlap:
-            self.planner.refresh_if_stale()
         d = self.planner.pressure(free, self.kv_block_bytes)
         self._step_actions["D"] = d
         if d > 0:

@@ -122,9 +122,11 @@ class ExpertStore:
         self.bytes_d2h = 0
         num_layers = self.spec.num_layers
         e_max = max((ls.moe.num_experts for ls in self.spec.layers if ls.moe is not None), default=1)
-        # live routing statistics (fp32: read and zeroed every few steps), shared expert in column e_max
-        self.mass_acc = torch.zeros(num_layers, e_max + 1, dtype=torch.float32, device=self.device)
-        self.norm_acc = torch.zeros(num_layers, e_max + 1, 4, dtype=torch.float32, device=self.device)
+        # live routing statistics (read and zeroed every few steps), shared expert in column e_max
+        # (fp32 for the routing kernel's atomics on CUDA; fp64 sums on the CPU reference path)
+        acc_dtype = torch.float32 if use_kernel else torch.float64
+        self.mass_acc = torch.zeros(num_layers, e_max + 1, dtype=acc_dtype, device=self.device)
+        self.norm_acc = torch.zeros(num_layers, e_max + 1, 4, dtype=acc_dtype, device=self.device)
         self.observe = True  # the engine turns it off when no planner reads the statistics
         self.e_max = e_max
         self._shared_ids: dict[int, torch.Tensor] = {}
@@ -298,9 +300,10 @@ class ExpertStore:
 
     def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  shared: bool) -> None:
-        r = weights.float().flatten()
+        dt = self.mass_acc.dtype
+        r = weights.to(dt).flatten()
         e = ids.flatten()
-        norms = x.float().norm(dim=-1)
+        norms = x.to(dt).norm(dim=-1)
         n = norms.repeat_interleave(ids.shape[1])
         self.mass_acc[layer].index_add_(0, e, r)
         acc = self.norm_acc[layer]

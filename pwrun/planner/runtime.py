@@ -68,7 +68,10 @@ class Planner:
         self._bucket: np.ndarray | None = None
         self.prepared: Plan | None = None
         self._prepared_q: np.ndarray | None = None
-        self.stale = True  # the live statistics changed since d_hat was computed (see ``refresh_if_stale``)
+        self.stale = True  # the live statistics changed since d_hat was computed
+        # True: the next plan that needs d_hat refreshes it (a prepared plan stays in use until then); False: only
+        # ``refresh_if_stale`` does (the CUDA runtime calls it while the device computes, off the critical path)
+        self.lazy_refresh = True
 
     @staticmethod
     def _bit_drop_sens(table: BlockTable) -> np.ndarray:
@@ -102,7 +105,7 @@ class Planner:
         return False
 
     def _state(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._d_hat is None or self._bucket is None:  # staleness: ``refresh_if_stale``, off the critical path
+        if self._d_hat is None or self._bucket is None or (self.stale and self.lazy_refresh):
             self.refresh()
         assert self._d_hat is not None and self._bucket is not None
         return self._d_hat, self._bucket
