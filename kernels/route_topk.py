@@ -23,12 +23,37 @@ import triton.language as tl
 from kernels.rounding import round_to
 
 
+def accumulate_routing_stats(mass: torch.Tensor, acc: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+                             w: torch.Tensor, shared_col: int, has_shared: bool) -> None:
+    """Add one step's live routing statistics (SPEC section 6) in place, in ``mass``'s dtype.
+
+    mass [E+1], acc [E+1, 4] (sum w, sum w*n, sum w*n^2, max n), n = ||x_t||_2 for x [T, H]; ids / w [T, k] the
+    routed experts and weights; the shared expert (column ``shared_col``, weight 1 per token) only if
+    ``has_shared``. The eager twin of the routing kernel's statistics and the runtime's CPU path.
+    """
+    dt = mass.dtype
+    n = x.to(dt).norm(dim=-1)
+    e, r, nn = ids.flatten(), w.to(dt).flatten(), n.repeat_interleave(ids.shape[1])
+    mass.index_add_(0, e, r)
+    acc[:, 0].index_add_(0, e, r)
+    acc[:, 1].index_add_(0, e, r * nn)
+    acc[:, 2].index_add_(0, e, r * nn * nn)
+    acc[:, 3].scatter_reduce_(0, e, nn, reduce="amax")
+    if has_shared and x.shape[0]:
+        mass[shared_col] += x.shape[0]
+        acc[shared_col, 0] += x.shape[0]
+        acc[shared_col, 1] += n.sum()
+        acc[shared_col, 2] += (n * n).sum()
+        acc[shared_col, 3] = torch.maximum(acc[shared_col, 3], n.max())
+
+
 def route_topk_ref(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_k: int, renorm: bool,
-                   has_gate: bool, stats: tuple[torch.Tensor, torch.Tensor] | None = None
+                   has_gate: bool, stats: tuple[torch.Tensor, torch.Tensor] | None = None, has_shared: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference: (weights [T, k] fp32, ids [T, k] int64, shared weight [T] fp32); see module docstring.
 
-    logits [T, >= E(+1)] in x's dtype; x [T, H]; stats = (mass [E+1] fp32, acc [E+1, 4] fp32), updated in place.
+    logits [T, >= E(+1)] in x's dtype; x [T, H]; stats = (mass [E+1] fp32, acc [E+1, 4] fp32), updated in place
+    (column E, the shared expert, only if ``has_shared``).
     """
     probs = torch.softmax(logits[:, :num_experts].float(), dim=-1)
     w, ids = torch.topk(probs, top_k, dim=-1)
@@ -38,19 +63,7 @@ def route_topk_ref(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_
     t = logits.shape[0]
     shared = torch.sigmoid(logits[:, num_experts].float()) if has_gate else torch.ones(t, device=x.device)
     if stats is not None:
-        mass, acc = stats
-        n = x.float().norm(dim=-1)
-        e, r, nn = ids.flatten(), w.flatten(), n.repeat_interleave(top_k)
-        mass.index_add_(0, e, r)
-        acc[:, 0].index_add_(0, e, r)
-        acc[:, 1].index_add_(0, e, r * nn)
-        acc[:, 2].index_add_(0, e, r * nn * nn)
-        acc[:, 3].scatter_reduce_(0, e, nn, reduce="amax")
-        col = num_experts
-        mass[col] += t
-        acc[col, :3] += torch.stack([torch.tensor(float(t), device=x.device), n.sum(), (n * n).sum()])
-        if t:
-            acc[col, 3] = torch.maximum(acc[col, 3], n.max())
+        accumulate_routing_stats(stats[0], stats[1], x, ids, w, num_experts, has_shared)
     return w, ids, shared
 
 
@@ -71,6 +84,7 @@ def _route_kernel(
     RENORM: tl.constexpr,
     HAS_GATE: tl.constexpr,
     STATS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,  # the family has a shared expert: add its statistics in column E
     K_PAD: tl.constexpr,  # next power of 2 >= TOPK
     BLOCK_E: tl.constexpr,  # next power of 2 >= E
     BLOCK_H: tl.constexpr,  # H chunk for the norm
@@ -113,15 +127,16 @@ def _route_kernel(
         tl.atomic_add(acc_ptr + top_i * 4 + 1, top_w * n, mask=km)
         tl.atomic_add(acc_ptr + top_i * 4 + 2, top_w * n * n, mask=km)
         tl.atomic_max(acc_ptr + top_i * 4 + 3, top_w * 0 + n, mask=km)
-        tl.atomic_add(mass_ptr + E, 1.0)
-        tl.atomic_add(acc_ptr + E * 4, 1.0)
-        tl.atomic_add(acc_ptr + E * 4 + 1, n)
-        tl.atomic_add(acc_ptr + E * 4 + 2, n * n)
-        tl.atomic_max(acc_ptr + E * 4 + 3, n)
+        if HAS_SHARED:
+            tl.atomic_add(mass_ptr + E, 1.0)
+            tl.atomic_add(acc_ptr + E * 4, 1.0)
+            tl.atomic_add(acc_ptr + E * 4 + 1, n)
+            tl.atomic_add(acc_ptr + E * 4 + 2, n * n)
+            tl.atomic_max(acc_ptr + E * 4 + 3, n)
 
 
 def route_topk(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_k: int, renorm: bool,
-               has_gate: bool, stats: tuple[torch.Tensor, torch.Tensor] | None = None
+               has_gate: bool, stats: tuple[torch.Tensor, torch.Tensor] | None = None, has_shared: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of ``route_topk_ref`` (same arguments and results; stats sums use atomics).
 
@@ -150,6 +165,7 @@ def route_topk(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_k: i
     block_h = min(1024, triton.next_power_of_2(x.shape[1]))
     _route_kernel[(t,)](logits, x, w, ids, shared, mass, acc, num_experts, x.shape[1], logits.stride(0),
                         x.stride(0), TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), RENORM=renorm,
-                        HAS_GATE=has_gate, STATS=stats is not None, BLOCK_E=triton.next_power_of_2(num_experts),
+                        HAS_GATE=has_gate, STATS=stats is not None, HAS_SHARED=has_shared,
+                        BLOCK_E=triton.next_power_of_2(num_experts),
                         BLOCK_H=block_h, num_warps=1)
     return w, ids, shared

@@ -133,6 +133,17 @@ def test_route_topk(dtype: torch.dtype, t: int, e: int, k: int, renorm: bool, ga
     assert float(stats_k[0].sum()) == pytest.approx(expected, rel=1e-4)
 
 
+def test_route_topk_stats_without_a_shared_expert() -> None:
+    """Families without a shared expert leave column E alone (kernel and reference)."""
+    x = torch.randn(5, 24, dtype=torch.bfloat16, device=DEV)
+    logits = (torch.stack([torch.randperm(8) for _ in range(5)]).float() / 16).to(torch.bfloat16).to(DEV)
+    for fn in (route_topk, route_topk_ref):
+        mass, acc = torch.zeros(9, device=DEV), torch.zeros(9, 4, device=DEV)
+        fn(logits, x, 8, 2, True, False, (mass, acc), has_shared=False)
+        assert float(mass[8]) == 0.0 and float(acc[8].abs().sum()) == 0.0
+        assert float(mass[:8].sum()) == pytest.approx(5.0, rel=1e-2)  # renormalised top-2 weights sum to 1
+
+
 def test_route_topk_without_stats_and_bad_input() -> None:
     x = torch.randn(2, 16, dtype=torch.bfloat16, device=DEV)
     logits = torch.randn(2, 6, dtype=torch.bfloat16, device=DEV)

@@ -286,7 +286,8 @@ class ExpertStore:
         weight = self._router_gate.get(layer, lw.router)
         logits = torch.nn.functional.linear(x, weight)
         stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max else None
-        w, ids, shared_w = route_topk(logits, x, e, spec.top_k, spec.norm_topk_prob, has_gate, stats)
+        w, ids, shared_w = route_topk(logits, x, e, spec.top_k, spec.norm_topk_prob, has_gate, stats,
+                                      has_shared=lw.shared is not None)
         if self.observe and stats is None:
             self._observe(layer, x, ids, w, e, lw.shared is not None)
         y = ap_moe(x, ids, w, self.experts(layer), check=False)
@@ -300,24 +301,10 @@ class ExpertStore:
 
     def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  shared: bool) -> None:
-        dt = self.mass_acc.dtype
-        r = weights.to(dt).flatten()
-        e = ids.flatten()
-        norms = x.to(dt).norm(dim=-1)
-        n = norms.repeat_interleave(ids.shape[1])
-        self.mass_acc[layer].index_add_(0, e, r)
-        acc = self.norm_acc[layer]
-        acc[:, 0].index_add_(0, e, r)
-        acc[:, 1].index_add_(0, e, r * n)
-        acc[:, 2].index_add_(0, e, r * n * n)
-        acc[:, 3].scatter_reduce_(0, e, n, reduce="amax")
-        if shared:
-            col = acc.shape[0] - 1
-            self.mass_acc[layer, col] += x.shape[0]
-            acc[col, 0] += x.shape[0]
-            acc[col, 1] += norms.sum()
-            acc[col, 2] += (norms * norms).sum()
-            acc[col, 3] = torch.maximum(acc[col, 3], norms.max())
+        from kernels.route_topk import accumulate_routing_stats
+
+        accumulate_routing_stats(self.mass_acc[layer], self.norm_acc[layer], x, ids, weights,
+                                 self.mass_acc.shape[1] - 1, shared)
 
     def take_stats(self) -> tuple[np.ndarray, np.ndarray]:
         """The routing-weight sums [L, E+1] and norm accumulators [L, E+1, 4] since the last call (host)."""
