@@ -203,6 +203,20 @@ def floor_tokens_per_s(spec: Any, model: LeanMoEModel, bits: float | None, batch
     return batch * bw / (non_expert + experts + kv)
 
 
+def bits_read_per_token(spec: Any, steps: list[dict[str, Any]]) -> float:
+    """Committed bits per expert weight that one decode token reads (median over ``steps``): every layer's
+    shared expert at its blocks' bits plus top-k routed experts at the routed blocks' mean bits (the timed
+    router is random, so each routed expert is equally likely). Unlike the mean over all blocks, this is
+    what sets the expert bytes a decode step moves."""
+    if not steps:
+        return math.nan
+    shared = sum(3 * spec.hidden_size * ls.moe.shared_intermediate for ls in spec.layers if ls.moe is not None)
+    routed = sum(3 * spec.hidden_size * ls.moe.expert_intermediate * ls.moe.top_k for ls in spec.layers
+                 if ls.moe is not None)
+    per = [(shared * r["shared_bits"] if shared else 0.0) + routed * r["routed_bits"] for r in steps]
+    return float(np.median(per)) / (shared + routed)
+
+
 def prompts(batch: int, n: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for _ in range(batch)]
@@ -248,6 +262,7 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
         if rs:  # where a step's host time goes (medians, ms)
             s[f"breakdown_{name}_ms"] = {k: round(1e3 * float(np.median([r[k] for r in rs])), 3) for k in (
                 "seconds", "model_seconds", "reload_seconds", "after_seconds", "sync_seconds")}
+    s["bits_read_per_token"] = bits_read_per_token(e.model.spec, dec)
     s["device_peak_bytes"] = peak()
     del e, built
     reset_peak()
@@ -401,7 +416,8 @@ def main() -> None:
 KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture", "graph_capture_steps",
         "decode_step_ms_median", "decode_model_ms_median", "decode_step_ms_moving", "breakdown_moving_ms",
         "breakdown_still_ms",
-        "decode_step_ms_still", "steps_moving", "planner_ms_per_step", "planner_overlapped_ms_per_step",
+        "decode_step_ms_still", "steps_moving", "bits_read_per_token",
+        "planner_ms_per_step", "planner_overlapped_ms_per_step",
         "demoted_blocks", "promoted_blocks",
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
         "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes")
@@ -418,8 +434,9 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              "the next column keeps them); every timed run follows a 3-token warm-up run of the same prompts "
              "(Triton JIT compilation is not timed).", "",
              "| system | batch | prefill tok/s | decode tok/s | incl. capture | floor tok/s | % of floor | "
-             "decode step ms (moving / still) | of which model ms | planner ms/step | mean bits | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decode step ms (moving / still) | of which model ms | planner ms/step (+ overlapped) | mean bits | "
+             "bits read / token | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fl = r.get("floor_tps")
         dec = r.get("decode_tps_measured", math.nan)
@@ -430,8 +447,9 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{fl if fl is None else round(fl, 1)} | {'' if fl is None else round(100 * dec / fl, 1)} | "
             f"{r.get('decode_step_ms_median', math.nan):.2f} ({r.get('decode_step_ms_moving', math.nan):.2f} / "
             f"{r.get('decode_step_ms_still', math.nan):.2f}) | {r.get('decode_model_ms_median', math.nan):.2f} | "
-            f"{r.get('planner_ms_per_step', math.nan):.3f} | "
-            f"{r.get('mean_bits_time_avg', math.nan):.2f} | {peak / 2**30:.2f} |")
+            f"{r.get('planner_ms_per_step', math.nan):.3f} (+{r.get('planner_overlapped_ms_per_step', math.nan):.3f})"
+            f" | {r.get('mean_bits_time_avg', math.nan):.2f} | {r.get('bits_read_per_token', math.nan):.2f} | "
+            f"{peak / 2**30:.2f} |")
     return "\n".join(lines) + "\n"
 
 

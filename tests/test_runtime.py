@@ -65,6 +65,7 @@ def test_big_budget_equals_static_8bit_and_moves_nothing(calibrated_artifacts: P
     got = [tok.decode(e.seqs[i].out, skip_special_tokens=True) for i in range(len(texts))]
     assert got == [r.text for r in ref]
     assert e.totals.demoted_blocks == e.totals.promoted_blocks == 0 and e.store.bytes_h2d == 0
+    assert e.totals.trace[-1]["shared_bits"] == e.totals.trace[-1]["routed_bits"] == 8.0
 
 
 def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
@@ -86,6 +87,14 @@ def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: 
     # the KV cache grew into pages the initial weights held: it could not have fit without demotions
     assert max(r["kv_pages"] for r in trace) > e.pool.cfg.num_pages - built.info["initial_weight_pages"]
     assert min(r["mean_bits"] for r in trace) < built.info["initial_mean_bits"]
+    # bits per weight of the blocks every token reads (shared experts) vs the routed ones, by a plain loop
+    sums = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    for (_, expert, _), (n, k), q in zip(e.store.key, e.store.shape, e.store.wpt.q.tolist(), strict=True):
+        sums[expert < 0][0] += q * n * k
+        sums[expert < 0][1] += n * k
+    assert sums[True][1] > 0  # the bundled model has a shared expert
+    assert trace[-1]["shared_bits"] == pytest.approx(sums[True][0] / sums[True][1])
+    assert trace[-1]["routed_bits"] == pytest.approx(sums[False][0] / sums[False][1])
     # the same workload with its seed gives the same outputs (per-request generators)
     again = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu").engine
     again.run()

@@ -27,6 +27,7 @@ from pwrun.engine.kv_store import PooledKVCache
 from pwrun.engine.scheduler import Scheduler, Sequence, StepPlan
 from pwrun.kv.blocks import BlockTables, blocks_needed
 from pwrun.kv.pooled import PooledBlockAllocator
+from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.step import SeqChunk, StepTensors
 from pwrun.planner.runtime import Planner
@@ -89,6 +90,10 @@ class Engine:
         self.tables = BlockTables(self.alloc, cfg.block_size)
         self.cache = PooledKVCache(memory, self.alloc, cfg.block_size, a.num_kv_heads, a.head_dim, model.dtype)
         self.kv_block_bytes = 2 * spec.num_layers * pool.cfg.page_bytes
+        # weights per block, split into shared-expert blocks (read by every token) and routed ones (trace only)
+        size = np.array([n * k for n, k in store.shape], dtype=np.float64)
+        shared = np.array([e == SHARED_EXPERT for _, e, _ in store.key], dtype=bool)
+        self._bit_weights = (size * shared, size * ~shared)
         self.scheduler = Scheduler(cfg.max_batch, cfg.max_step_tokens)
         self.seqs: dict[int, Sequence] = {}
         self.gens: dict[int, torch.Generator] = {}
@@ -333,6 +338,10 @@ class Engine:
             "waiting": len(self.scheduler.waiting), "preempted": len(plan.preempted),
             "step_tokens": sum(len(c.token_ids) for c in plan.chunks),
             "bits_hist": np.bincount(w.q, minlength=9).tolist(),
+            # committed bits per weight of the shared-expert blocks (every token reads them; nan: none) and of
+            # the routed blocks (a token reads top-k of them): what a decode step reads, unlike mean_bits
+            **{k: float(np.dot(w.q, m) / m.sum()) if m.any() else float("nan")
+               for k, m in zip(("shared_bits", "routed_bits"), self._bit_weights, strict=True)},
             "device_peak_bytes": int(torch.cuda.max_memory_allocated()) if self.model.device.type == "cuda" else 0,
         })
 
