@@ -228,10 +228,19 @@ class ExpertStore:
         wpp, epp = self.page_bytes // 4, self.page_bytes // LUT_BYTES
         starts = w.plane_start[ii]
         offs = np.where((np.arange(8)[None, :] < w.q[ii][:, None]) & (starts >= 0), starts * wpp, 0)
-        rows = torch.from_numpy(self.table_row[ii]).to(self.device)
-        self._plane_offset[rows] = torch.from_numpy(offs.astype(np.int64)).to(self.device)
-        self._lut_offset[rows] = torch.from_numpy((w.lut_start[ii] * epp).astype(np.int64)).to(self.device)
-        self._bits[rows] = torch.from_numpy(w.q[ii].astype(np.int32)).to(self.device)
+        rows = self._to_device(self.table_row[ii])
+        self._plane_offset[rows] = self._to_device(offs.astype(np.int64))
+        self._lut_offset[rows] = self._to_device((w.lut_start[ii] * epp).astype(np.int64))
+        self._bits[rows] = self._to_device(w.q[ii].astype(np.int32))
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """``a`` on the device without blocking the host: on CUDA through pinned memory, so that a table update
+        made while the device computes a step is queued behind it instead of waiting for it (a pageable copy
+        waits for the compute stream: 10 ms per reload step on the H200 before this, bench/results/serve_h200.md)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def experts(self, layer: int, kind: str = "routed") -> Any:
         """The kernel's ``APExperts`` view of one layer's routed (or shared) experts."""
