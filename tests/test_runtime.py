@@ -248,3 +248,23 @@ def test_prepared_plans_do_not_provision_past_the_last_token(calibrated_artifact
     trace = [r for r in e.totals.trace if r["running"] == 4]
     assert e.totals.demoted_blocks > 0 and min(r["mean_bits"] for r in trace) < 8
     assert max(r["free_blocks"] for r in trace) <= PlannerConfig().free_threshold + 2
+
+
+def test_overlapped_planner_work_is_one_planner_config_field(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    """``PlannerConfig.overlapped`` alone moves planner work into the window where the device computes: on CPU it
+    resolves to off (planner work after sampling, none counted as overlapped); set on, the CPU engine runs the
+    CUDA order (commit and start reloads, refresh d_hat after the launch) and still serves under pressure."""
+    reqs, cont = _prompts(tok, 4, 100, 100, seed=7), _prompts(tok, 4, 20, 20, seed=8)
+    params = SamplingParams(max_new_tokens=1)
+    probe = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**28), params, reqs, set(), device="cpu",
+                         forced=cont).info
+    budget = (probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 6 * 10**6
+              + 32 * probe["kv_block_bytes"])
+    for overlapped in (None, True):
+        cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, debug_checks=True),
+                          planner=PlannerConfig(overlapped=overlapped))
+        e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont).engine
+        assert e.planner is not None and e.planner.cfg.overlapped is bool(overlapped)
+        e.run()
+        assert all(len(s.logprobs) == 20 for s in e.seqs.values()) and e.totals.demoted_blocks > 0
+        assert (e.totals.planner_overlapped_seconds > 0) == bool(overlapped)
