@@ -3,7 +3,8 @@
 What it computes, for the step's projected queries q [T, Hq, D], keys k and values v [T, Hkv, D]
 and positions [T]: the default rotary embedding (rotate-half convention, full head dim; cos/sin
 of ``position * theta^(-2i/D)`` computed in fp32 and rounded to the model dtype, as
-``pwrun.model.ops.rope_cos_sin`` does), applied to q (returned) and to k; the rotated k and v go
+``pwrun.model.ops.rope_cos_sin`` does; the reference takes its fp32 cos/sin from the same
+``pwrun.model.ops.rope_cos_sin_fp32``), applied to q (returned) and to k; the rotated k and v go
 straight into the paged KV cache rows at the step's slots. A slot s lives in KV block
 ``s // block_size``; its key row is ``k_units[block] * block_size + s % block_size`` of
 ``cache_rows`` (values: ``v_units``), the layout of ``pwrun.engine.kv_store.PooledKVCache``.
@@ -21,21 +22,16 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
-
-
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
-    """[D/2] fp32 inverse frequencies theta^(-2i/D) (same expression as ``rope_cos_sin``)."""
-    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta ** exps)
+from pwrun.model.ops import rope_cos_sin_fp32
 
 
 def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       inv_freq: torch.Tensor, cache_rows: torch.Tensor, slots: torch.Tensor,
                       k_units: torch.Tensor, v_units: torch.Tensor, block_size: int) -> torch.Tensor:
     """Reference: rotated q [T, Hq, D]; writes rotated k and v into ``cache_rows`` [R, Hkv, D]."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos().to(q.dtype).float()[:, None, :], emb.sin().to(q.dtype).float()[:, None, :]
+    cos32, sin32 = rope_cos_sin_fp32(positions, inv_freq)
+    # rounded to the model dtype like the eager tables, then the rotation in fp32 (rounded once)
+    cos, sin = cos32.to(q.dtype).float()[:, None, :], sin32.to(q.dtype).float()[:, None, :]
 
     def rot(x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -108,9 +104,9 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     """Triton version of ``rope_kv_write_ref`` (see the module docstring); returns rotated q [T, Hq, D].
 
     q [T, Hq, D], k/v [T, Hkv, D] (each token's heads contiguous, any token stride), positions and
-    slots [T] int64, inv_freq [D/2] fp32, cache_rows [R, Hkv, D] contiguous in q's dtype, k_units /
-    v_units [num_blocks] int64. Raises ``ValueError`` on bad shapes/dtypes/strides. Slots and units
-    are not range-checked (that would sync with the host).
+    slots [T] int64, inv_freq [D/2] fp32 (``pwrun.model.ops.rope_inv_freq``), cache_rows [R, Hkv, D]
+    contiguous in q's dtype, k_units / v_units [num_blocks] int64. Raises ``ValueError`` on bad
+    shapes/dtypes/strides. Slots and units are not range-checked (that would sync with the host).
     """
     t, hq, d = q.shape
     hkv = k.shape[1]

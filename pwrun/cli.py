@@ -28,6 +28,7 @@ from pwrun.cli_common import (
     default_model,
     make_console,
     user_errors,
+    warn_missing_tables,
 )
 from pwrun.data import read_jsonl_field
 from pwrun.errors import PagedWeightError
@@ -166,13 +167,12 @@ def generate(
             from pwrun.engine.policies import check_policy
             from pwrun.engine.report import format_summary
             from pwrun.engine.run import serve_prompts
-            from pwrun.engine.serve import ServeConfig, missing_tables
+            from pwrun.engine.serve import ServeConfig
 
             art = APArtifact(artifacts)
             art.check_model(model_dir)
             check_policy(policy, bits, art.bits)
-            for warning in missing_tables(art, policy, model_dir):
-                typer.echo(f"warning: {warning}", err=True)
+            warn_missing_tables(art, [policy], model_dir)
             cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), policy, bits,
                               EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
                                            debug_checks=debug_checks))

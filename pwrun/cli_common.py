@@ -2,7 +2,8 @@
 
 What it does: the ``Annotated`` option aliases used by several commands (defined once),
 ``user_errors``, which turns a ``PagedWeightError`` into ``error: <one line>`` on stderr with
-exit code 2, ``check_writable_file``, which checks an output path before any work is done, and
+exit code 2, ``check_writable_file``, which checks an output path before any work is done,
+``warn_missing_tables``, the warnings of every command that serves with an artifact, and
 ``make_console``, the rich console of every command.
 It does no work of its own.
 """
@@ -11,16 +12,19 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from pwrun.data import default_model_dir
 from pwrun.errors import PagedWeightError
+
+if TYPE_CHECKING:
+    from pwrun.ap.artifact import APArtifact
 
 ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugging Face checkpoint directory "
                                         "(config.json, *.safetensors, tokenizer). Default: the bundled tiny MoE.")]
@@ -72,3 +76,17 @@ def check_writable_file(flag: str, path: Path) -> None:
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise PagedWeightError(f"{what}: {path if path.exists() else parent} is not writable; give a path you can "
                                "write")
+
+
+def warn_missing_tables(art: APArtifact, policies: Iterable[str], model_dir: Path) -> None:
+    """Print ``warning: <line>`` on stderr once per optional calibration table that one of ``policies`` would
+    read but whose pwcal stage has not run (``pwrun.engine.serve.missing_tables``). ``policies``: names that
+    ``check_policy`` accepts. Raises ``PagedWeightError`` for a damaged artifact (a table its manifest records)."""
+    from pwrun.engine.serve import missing_tables
+
+    shown: list[str] = []
+    for policy in policies:
+        for warning in missing_tables(art, policy, model_dir):
+            if warning not in shown:
+                shown.append(warning)
+                typer.echo(f"warning: {warning}", err=True)

@@ -22,6 +22,7 @@ from pwrun.cli_common import (
     default_model,
     make_console,
     user_errors,
+    warn_missing_tables,
 )
 from pwrun.errors import PagedWeightError
 
@@ -93,6 +94,7 @@ def run(
     from dataclasses import replace
 
     from pwrun.engine.budget import parse_size
+    from pwrun.engine.policies import check_policy
     from pwrun.engine.report import write_frame
     from pwrun.eval.results import append_rows, read_table
     from pwrun.eval.runs import Evaluator, LongSpec, TextSpec, set_threads
@@ -110,6 +112,9 @@ def run(
             raise PagedWeightError("--policy 16-bit scores the reference model: no --bits or --trace")
         set_threads(threads)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
+        if policy != "16-bit":
+            check_policy(policy, bits, ev.artifact.bits)
+            warn_missing_tables(ev.artifact, [policy], ev.model_dir)
         if suite == "text":
             t = TextSpec()
             s = ev.text_suite(replace(t, per_dataset=requests or t.per_dataset,
@@ -165,6 +170,7 @@ def sweep(
     """Every policy x budget on both suites -> results.parquet, then every figure and table (one command)."""
     from dataclasses import replace
 
+    from pwrun.engine.policies import POLICIES
     from pwrun.eval.figures import write_report
     from pwrun.eval.runs import Evaluator, set_threads
     from pwrun.eval.sweep import QUICK, SweepSpec, run_sweep
@@ -173,6 +179,7 @@ def sweep(
         _check_out(out, None)
         set_threads(threads)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
+        warn_missing_tables(ev.artifact, POLICIES, ev.model_dir)  # the sweep serves with every policy
         spec = QUICK if quick else SweepSpec()
         if not long:
             spec = replace(spec, long=None)

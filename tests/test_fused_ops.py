@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kernels.fused_norm import add_rms_norm, add_rms_norm_ref
-from kernels.rope_kv import rope_inv_freq, rope_kv_write, rope_kv_write_ref
+from kernels.rope_kv import rope_kv_write, rope_kv_write_ref
 from kernels.route_topk import route_topk, route_topk_ref
 from pwrun.model.moe import route
-from pwrun.model.ops import apply_rope, rms_norm, rope_cos_sin
+from pwrun.model.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from pwrun.model.spec import MoESpec
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,6 +95,25 @@ def test_rope_kv_write(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int, bs
     krow = k_units[slots // bs] * bs + slots % bs
     assert _ulps(rows_k[krow], rows_ref[krow]) <= 2.0
     assert _abs_ulps(rows_ref[krow], apply_rope(k, cos, sin), k) <= 4.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_write_ref_uses_the_eager_tables(dtype: torch.dtype) -> None:
+    """Rotating unit vectors e_i gives back cos[:, i] and sin[:, i] exactly (1 * c is exact in fp32 and c is
+    already in the model dtype), so the reference's cos/sin are the eager ``rope_cos_sin`` tables bit for bit."""
+    t, d, bs, theta = 7, 48, 4, 1_000_000.0
+    half = d // 2
+    positions = torch.tensor([0, 1, 17, 255, 4095, 32767, 131071], device=DEV)
+    eye = torch.eye(half, d, dtype=dtype, device=DEV)  # rows e_0 .. e_{D/2-1}
+    q = eye.expand(t, half, d).contiguous()
+    k, v = q[:, :1].clone(), q[:, :1].clone()
+    rows = torch.zeros(2 * t * bs, 1, d, dtype=dtype, device=DEV)
+    units, slots = torch.arange(2 * t, device=DEV), torch.arange(t, device=DEV) * bs
+    out = rope_kv_write_ref(q, k, v, positions, rope_inv_freq(d, theta, DEV), rows, slots, units[:t], units[t:], bs)
+    cos, sin = rope_cos_sin(positions, d, theta, dtype)
+    idx = torch.arange(half, device=DEV)
+    assert torch.equal(out[:, idx, idx], cos[:, :half]) and torch.equal(out[:, idx, idx + half], sin[:, :half])
+    assert torch.equal(out, apply_rope(q, cos, sin))
 
 
 ROUTE_CASES = [(1, 60, 4, False, True), (7, 8, 2, True, False), (33, 16, 8, True, False), (4, 5, 1, False, True),

@@ -7,6 +7,7 @@ import pytest
 
 from pwrun.planner.buckets import BucketPolicy
 from pwrun.planner.greedy import fit_budget, lower_step, predicted_damage, raise_step
+from pwrun.planner.runtime import Planner, PlannerConfig
 from pwrun.planner.tables import BlockTable
 
 
@@ -96,3 +97,20 @@ def test_bad_policies(bad: dict) -> None:
         kw.update(mu=(1.0, 2.0, 3.0), floors=((3, 4, 5),), depth_cap=(1, 1, 1))
     with pytest.raises(ValueError):
         BucketPolicy(**kw)
+
+
+@pytest.mark.parametrize("overlapped", [None, False, True])
+def test_overlapped_planner_refreshes_only_when_asked(overlapped: bool | None) -> None:
+    """Not overlapped (the CPU runtime; None when built directly): the first plan after the statistics changed
+    refreshes d_hat. Overlapped (the CUDA runtime): plans keep the last d_hat until ``refresh_if_stale``."""
+    t = random_table(seed=5)
+    planner = Planner(t, BucketPolicy.neutral(3), PlannerConfig(overlapped=overlapped))
+    q = np.full(t.n, t.bits.size - 1)
+    planner.plan_lower(q, 5000)
+    first = planner._d_hat
+    assert first is not None and not planner.stale
+    planner.stale = True
+    planner.plan_lower(q, 5000)
+    planner.plan_raise(q - 1, 5000)
+    assert (planner._d_hat is first) == bool(overlapped) and planner.stale == bool(overlapped)
+    assert planner.refresh_if_stale() == bool(overlapped) and not planner.stale

@@ -4,7 +4,8 @@
 - A budget that forces pressure: every request completes with its full output, q <= resident
   planes and page conservation after every step (debug checks), demotions happen, peak pool use
   stays within the pool, reloads happen once pressure eases.
-- A demotion followed by a reload restores bit-identical MoE outputs.
+- A demotion followed by a reload restores bit-identical MoE outputs; the cached per-layer kernel views
+  (``ExpertStore.experts``) follow the in-place table updates.
 - Bad input: a budget below the floors states the minimum; another model's artifacts are refused;
   a malformed prompts file names its bad line.
 """
@@ -20,13 +21,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kernels.ap_moe import APExperts, ap_moe_ref
 from pwrun.ap.artifact import APArtifact
+from pwrun.ap.format import dequantize
 from pwrun.cli import app
 from pwrun.data import default_model_dir, read_text
 from pwrun.engine.engine import EngineConfig
 from pwrun.engine.serve import ServeConfig, build_engine
 from pwrun.errors import PagedWeightError
 from pwrun.generate import generate
+from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.planner.runtime import PlannerConfig
 from pwrun.sampling import SamplingParams
@@ -123,6 +127,50 @@ def test_demote_then_reload_is_bit_identical(calibrated_artifacts: Path) -> None
         assert torch.equal(store.moe(x, layer), before[layer])
 
 
+def test_cached_expert_views_follow_lower_and_raise(calibrated_artifacts: Path) -> None:
+    """``ExpertStore.experts`` is cached per layer; the cached view reads the bits and offsets that lower and
+    raise write in place: every block it addresses dequantizes to the store's dense weight (read through the
+    page table, not through the view), and the kernel reference gives what a freshly built view gives."""
+    params = SamplingParams(max_new_tokens=2)
+    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), params, [[1, 2, 3]], set(), device="cpu").engine
+    store, layer = e.store, 0
+    moe = e.model.spec.layers[layer].moe
+    assert moe is not None
+    kinds = ["routed", "shared"] if moe.shared_intermediate else ["routed"]
+    views = {kind: store.experts(layer, kind) for kind in kinds}
+    x = torch.randn(5, e.model.spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 3]]) % moe.num_experts
+    w = torch.full(ids.shape, 0.5)
+
+    def check(bits: int) -> torch.Tensor:
+        for kind, ex in views.items():
+            assert store.experts(layer, kind) is ex
+            experts = [SHARED_EXPERT] if kind == "shared" else range(moe.num_experts)
+            for e_id in experts:
+                for u, unit in enumerate(("gate_up", "down")):
+                    i = store.index[(layer, e_id, unit)]
+                    planes, lut, _, k = ex.block(2 * (0 if kind == "shared" else e_id) + u)
+                    assert planes.shape[0] == bits == int(store.wpt.q[i])
+                    assert torch.equal(dequantize(planes, lut, k, bits, e.model.dtype), store.dense(i))
+        fresh = APExperts(store.words, views["routed"].plane_offset.clone(), store.lut_view,
+                          views["routed"].lut_offset.clone(), views["routed"].bits.clone(), e.model.spec.hidden_size,
+                          moe.expert_intermediate)
+        y = ap_moe_ref(x, ids, w, views["routed"])
+        assert torch.equal(y, ap_moe_ref(x, ids, w, fresh))
+        return y
+
+    blocks = np.arange(store.n)
+    y8 = check(8)
+    store.lower(blocks, np.full(store.n, 3))
+    assert not torch.equal(check(3), y8)
+    assert store.begin_raise(blocks, np.full(store.n, 8)) == blocks.tolist() and store.poll() == blocks.tolist()
+    assert torch.equal(check(8), y8)
+    store.words = store.memory.view(torch.int32)  # a replaced tensor (same bytes): the view is rebuilt
+    again = store.experts(layer)
+    assert again is not views["routed"] and again.pool is store.words
+    assert torch.equal(ap_moe_ref(x, ids, w, again), y8)
+
+
 def test_budget_too_small_states_the_minimum(calibrated_artifacts: Path) -> None:
     with pytest.raises(PagedWeightError, match=r"give at least --gpu-memory \d+MiB"):
         build_engine(MODEL, calibrated_artifacts, ServeConfig(30 * 2**20), SamplingParams(max_new_tokens=8),
@@ -209,3 +257,23 @@ def test_prepared_plans_do_not_provision_past_the_last_token(calibrated_artifact
     trace = [r for r in e.totals.trace if r["running"] == 4]
     assert e.totals.demoted_blocks > 0 and min(r["mean_bits"] for r in trace) < 8
     assert max(r["free_blocks"] for r in trace) <= PlannerConfig().free_threshold + 2
+
+
+def test_overlapped_planner_work_is_one_planner_config_field(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    """``PlannerConfig.overlapped`` alone moves planner work into the window where the device computes: on CPU it
+    resolves to off (planner work after sampling, none counted as overlapped); set on, the CPU engine runs the
+    CUDA order (commit and start reloads, refresh d_hat after the launch) and still serves under pressure."""
+    reqs, cont = _prompts(tok, 4, 100, 100, seed=7), _prompts(tok, 4, 20, 20, seed=8)
+    params = SamplingParams(max_new_tokens=1)
+    probe = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**28), params, reqs, set(), device="cpu",
+                         forced=cont).info
+    budget = (probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 6 * 10**6
+              + 32 * probe["kv_block_bytes"])
+    for overlapped in (None, True):
+        cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, debug_checks=True),
+                          planner=PlannerConfig(overlapped=overlapped))
+        e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont).engine
+        assert e.planner is not None and e.planner.cfg.overlapped is bool(overlapped)
+        e.run()
+        assert all(len(s.logprobs) == 20 for s in e.seqs.values()) and e.totals.demoted_blocks > 0
+        assert (e.totals.planner_overlapped_seconds > 0) == bool(overlapped)

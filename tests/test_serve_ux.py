@@ -1,7 +1,9 @@
-"""``pwrun generate --artifacts`` on incomplete artifacts and its messages (the real tiny MoE, CPU).
+"""``pwrun generate --artifacts`` and ``pwrun eval`` on incomplete artifacts and their messages (the real tiny
+MoE, CPU).
 
 - An optional calibration table whose stage never ran: one warning line per table, naming the file,
   what serving loses and the ``pwcal`` command that makes it; a policy that does not read it: none.
+  ``pwrun eval run`` gives the same lines as ``generate``; ``pwrun eval sweep`` (every policy) each once.
 - The same table gone although the manifest records its stage complete: a one-line error (``--force``).
 - Budget messages name the real dtype of the non-expert weights.
 """
@@ -12,9 +14,12 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
+import pwrun.eval.sweep
 from pwrun.cli import app
+from pwrun.errors import PagedWeightError
 
 runner = CliRunner()
 
@@ -25,7 +30,8 @@ def _serve(artifacts: Path, *extra: str) -> tuple[int, str]:
     return r.exit_code, r.stderr
 
 
-def test_missing_optional_tables_warn_once_or_error(calibrated_artifacts: Path, tmp_path: Path) -> None:
+def _never_ran(calibrated_artifacts: Path, tmp_path: Path) -> Path:
+    """A copy of the artifacts whose fit-residual and search-buckets stages never ran."""
     never_ran = tmp_path / "never_ran"
     shutil.copytree(calibrated_artifacts, never_ran)
     manifest = json.loads((never_ran / "manifest.json").read_text())
@@ -34,13 +40,22 @@ def test_missing_optional_tables_warn_once_or_error(calibrated_artifacts: Path, 
     (never_ran / "manifest.json").write_text(json.dumps(manifest))
     for name in ("residual_heads.parquet", "buckets.parquet"):
         (never_ran / name).unlink()
+    return never_ran
+
+
+def _warnings(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("warning:")]
+
+
+def test_missing_optional_tables_warn_once_or_error(calibrated_artifacts: Path, tmp_path: Path) -> None:
+    never_ran = _never_ran(calibrated_artifacts, tmp_path)
     code, err = _serve(never_ran)
-    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    warnings = _warnings(err)
     assert code == 0 and len(warnings) == 2, err
     assert "no residual_heads.parquet" in warnings[0] and "`pwcal fit-residual " in warnings[0]
     assert "no buckets.parquet" in warnings[1] and "`pwcal search-buckets " in warnings[1]
     code, err = _serve(never_ran, "--policy", "no-residual")
-    assert code == 0 and [w for w in err.splitlines() if w.startswith("warning:")] == warnings[1:], err
+    assert code == 0 and _warnings(err) == warnings[1:], err
     code, err = _serve(never_ran, "--policy", "uniform", "--bits", "4")
     assert code == 0 and "warning:" not in err, err
 
@@ -51,6 +66,35 @@ def test_missing_optional_tables_warn_once_or_error(calibrated_artifacts: Path, 
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {damaged / 'buckets.parquet'} is missing")
     assert "search-buckets" in lines[0] and "--force" in lines[0]
+
+
+def test_eval_warns_like_generate(calibrated_artifacts: Path, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    never_ran = _never_ran(calibrated_artifacts, tmp_path)
+    _, err = _serve(never_ran)
+    expected = _warnings(err)
+    assert len(expected) == 2, err
+
+    def run(*args: str) -> tuple[int, str]:
+        r = runner.invoke(app, ["eval", "run", "--out", str(tmp_path / "r.parquet"), "--artifacts", str(never_ran),
+                                "--requests", "1", "--prompt-tokens", "16", "--continuation-tokens", "2",
+                                "--gpu-memory", "64MiB", *args])
+        return r.exit_code, r.stderr
+
+    code, err = run()
+    assert code == 0 and _warnings(err) == expected, err
+    code, err = run("--policy", "no-residual")
+    assert code == 0 and _warnings(err) == expected[1:], err
+    code, err = run("--policy", "uniform", "--bits", "4")
+    assert code == 0 and not _warnings(err), err
+
+    def stop(*_args: object, **_kwargs: object) -> None:
+        raise PagedWeightError("stopped before serving")
+
+    monkeypatch.setattr(pwrun.eval.sweep, "run_sweep", stop)  # only the checks before the sweep run
+    r = runner.invoke(app, ["eval", "sweep", "--quick", "--out", str(tmp_path / "sweep"), "--artifacts",
+                            str(never_ran)])
+    assert r.exit_code == 2 and _warnings(r.stderr) == expected and "stopped before serving" in r.stderr, r.stderr
 
 
 def test_budget_messages_name_the_dtype_of_non_expert_weights(calibrated_artifacts: Path) -> None:

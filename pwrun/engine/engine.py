@@ -106,12 +106,9 @@ class Engine:
         self._captured = False
         self._phases = (0.0, 0.0)
         self._reload_s = 0.0
-        self._overlapping = False
-        # CUDA: commit and start reloads and refresh d_hat while the device computes each step (host work hidden);
-        # CPU: nothing runs concurrently, so they stay after sampling, where they see the blocks just freed
-        self._overlap = model.device.type == "cuda"
-        if planner is not None:
-            planner.lazy_refresh = not self._overlap
+        # commit and start reloads and refresh d_hat while the device computes each step (host work hidden; CUDA),
+        # or after sampling, where they see the blocks just freed (CPU: nothing runs concurrently)
+        self._overlap = planner is not None and bool(planner.cfg.overlapped)
 
     # ------------------------------------------------------------------ KVCapacity
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
@@ -152,9 +149,9 @@ class Engine:
         self._step_actions["lowered"] += int(plan.blocks.size)
         return True
 
-    def _planner_time(self, t0: float) -> None:
+    def _planner_time(self, t0: float, overlapped: bool = False) -> None:
         dt = time.perf_counter() - t0
-        if self._overlapping:
+        if overlapped:
             self.totals.planner_overlapped_seconds += dt
         else:
             self.totals.planner_seconds += dt
@@ -185,16 +182,12 @@ class Engine:
         more than needed.)"""
         if self.planner is None:
             return
-        self._overlapping = True
-        try:
-            t0 = time.perf_counter()
-            self.planner.refresh_if_stale()
-            self._planner_time(t0)
-            self._reload()
-        finally:
-            self._overlapping = False
+        t0 = time.perf_counter()
+        self.planner.refresh_if_stale()
+        self._planner_time(t0, overlapped=True)
+        self._reload(overlapped=True)
 
-    def _reload(self) -> None:
+    def _reload(self, overlapped: bool = False) -> None:
         """Sustained slack -> start reloads (SPEC section 6); the copies wait for the running step on the side
         stream."""
         if self.planner is None or not self.planner.cfg.movement:
@@ -214,7 +207,7 @@ class Engine:
                     for s in self.scheduler.running)
         allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
         plan = self.planner.plan_raise(self.q_idx(), allowance, self.store.movable())
-        self._planner_time(t0)
+        self._planner_time(t0, overlapped)
         if not plan.empty and allowance > 0:
             k = self.cfg.max_raise_blocks  # the plan is in benefit-per-byte order: take its head
             started = self.store.begin_raise(plan.blocks[:k], self.store.table.bits[plan.to_idx[:k]])

@@ -96,6 +96,7 @@ class ExpertStore:
         self.lut_view = memory.view(self.lut_dtype)
         self._dense: dict[int, torch.Tensor] = {}
         self._tables: dict[tuple[int, str], _LayerTables] = {}
+        self._experts: dict[tuple[int, str], Any] = {}  # (layer, kind) -> cached APExperts (see ``experts``)
         self.row = np.array([0 if e == SHARED_EXPERT else 2 * e for _, e, _ in self.key]) + np.array(
             [UNITS.index(u) for _, _, u in self.key])
         # every layer's kernel tables are row ranges of three device tensors, so that one update of any set of
@@ -243,15 +244,26 @@ class ExpertStore:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def experts(self, layer: int, kind: str = "routed") -> Any:
-        """The kernel's ``APExperts`` view of one layer's routed (or shared) experts."""
-        from kernels.ap_moe import APExperts
+        """The kernel's ``APExperts`` view of one layer's routed (or shared) experts.
 
-        t = self._tables[(layer, kind)]
-        moe = self.spec.layers[layer].moe
-        assert moe is not None
-        inter = moe.shared_intermediate if kind == "shared" else moe.expert_intermediate
-        return APExperts(self.words, t.plane_offset, self.lut_view, t.lut_offset, t.bits, self.spec.hidden_size,
-                         inter)
+        Built once per (layer, kind) and cached: it holds views of the pool and of the table rows, which
+        ``_sync_tables`` updates in place, so it always reads the committed state. It is rebuilt only if
+        one of those tensors was replaced (an identity check, no device work).
+        """
+        key = (layer, kind)
+        t = self._tables[key]
+        ex = self._experts.get(key)
+        if ex is None or not (ex.pool is self.words and ex.lut_pool is self.lut_view
+                              and ex.plane_offset is t.plane_offset and ex.lut_offset is t.lut_offset
+                              and ex.bits is t.bits):
+            from kernels.ap_moe import APExperts
+
+            moe = self.spec.layers[layer].moe
+            assert moe is not None
+            inter = moe.shared_intermediate if kind == "shared" else moe.expert_intermediate
+            ex = self._experts[key] = APExperts(self.words, t.plane_offset, self.lut_view, t.lut_offset, t.bits,
+                                                self.spec.hidden_size, inter)
+        return ex
 
     # ---------------------------------------------------------------- reference (CPU) weights
     def dense(self, i: int) -> torch.Tensor:

@@ -88,7 +88,8 @@ class PooledKVCache:
         (then the caller runs the eager RoPE and ``write``)."""
         if not (self.use_kernel and q.is_cuda):
             return None
-        from kernels.rope_kv import rope_inv_freq, rope_kv_write
+        from kernels.rope_kv import rope_kv_write
+        from pwrun.model.ops import rope_inv_freq
 
         d = q.shape[-1]
         inv = self._inv_freq.get((d, theta))

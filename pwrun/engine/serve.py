@@ -212,6 +212,8 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     min_kv_pages = blocks_needed(longest, ecfg.block_size) * 2 * spec.num_layers
     table = replace(table, bytes=page_rounded_bytes(table, spec, page_bytes))
     pcfg = planner_config(cfg.policy, cfg.planner)
+    if pcfg is not None and pcfg.overlapped is None:
+        pcfg = replace(pcfg, overlapped=dev.type == "cuda")
     bits = table.bits
     # the floor every block can reach (last floor stage), or the uniform bits
     if cfg.policy == "uniform":

@@ -27,14 +27,29 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return h, rms_norm(h, weight, eps)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D] for positions [T] int64 (default RoPE, full head_dim, fp32 math)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
-                                / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
+    """[D/2] fp32 inverse frequencies ``theta^(-2i/D)`` of the default RoPE (full head_dim)."""
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta ** exps)
+
+
+def rope_cos_sin_fp32(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] fp32, not rounded, for positions [T] int64 and inv_freq [D/2] fp32.
+
+    Shared by the eager tables (``rope_cos_sin`` rounds them to the model dtype) and the reference
+    of the fused kernel (``kernels.rope_kv.rope_kv_write_ref``, which rounds them the same way but
+    rotates in fp32), so both start from the same angles.
+    """
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return emb.cos(), emb.sin()
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] in ``dtype`` for positions [T] int64 (default RoPE, full head_dim, fp32 math)."""
+    cos, sin = rope_cos_sin_fp32(positions, rope_inv_freq(head_dim, theta, positions.device))
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

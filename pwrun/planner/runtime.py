@@ -30,7 +30,11 @@ class PlannerConfig:
     ``free_threshold``: T_blk of Eq. 7 (KV blocks kept free); ``reload_threshold``: free blocks above
     which planes are reloaded (hysteresis, > T_blk); ``alpha``: the prompt factor's strength (Eq. 6);
     ``online_weight``: weight of the live routing mass against the offline mass; ``decay``: per-step
-    decay of the live statistics. ``use_*``/``movement``: the paper's ablations.
+    decay of the live statistics. ``use_*``/``movement``: the paper's ablations. ``overlapped``: the runtime
+    refreshes d_hat (``refresh_if_stale``) and plans reloads while the device computes each step, so plans use
+    d_hat as last refreshed; False: the first plan that needs d_hat after the statistics changed refreshes it (a
+    prepared plan stays in use until then). None: ``pwrun.engine.serve.assemble_engine`` decides, True on CUDA,
+    False on CPU (nothing runs concurrently: the work stays after sampling); a Planner given None acts as False.
     """
 
     free_threshold: int = 2
@@ -42,6 +46,7 @@ class PlannerConfig:
     use_residual: bool = True
     use_sensitivity: bool = True
     movement: bool = True
+    overlapped: bool | None = None
 
     def __post_init__(self) -> None:
         if self.free_threshold < 0 or self.reload_threshold <= self.free_threshold:
@@ -69,9 +74,6 @@ class Planner:
         self.prepared: Plan | None = None
         self._prepared_q: np.ndarray | None = None
         self.stale = True  # the live statistics changed since d_hat was computed
-        # True: the next plan that needs d_hat refreshes it (a prepared plan stays in use until then); False: only
-        # ``refresh_if_stale`` does (the CUDA runtime calls it while the device computes, off the critical path)
-        self.lazy_refresh = True
 
     @staticmethod
     def _bit_drop_sens(table: BlockTable) -> np.ndarray:
@@ -105,7 +107,7 @@ class Planner:
         return False
 
     def _state(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._d_hat is None or self._bucket is None or (self.stale and self.lazy_refresh):
+        if self._d_hat is None or self._bucket is None or (self.stale and not self.cfg.overlapped):
             self.refresh()
         assert self._d_hat is not None and self._bucket is not None
         return self._d_hat, self._bucket
