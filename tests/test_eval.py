@@ -236,6 +236,16 @@ def test_quick_sweep_writes_the_table_figures_and_markdown(quick_sweep: Path) ->
     assert "w/o routing" in (quick_sweep / "ablations.md").read_text()
 
 
+def test_targets_without_uniform_runs_say_not_evaluated(quick_sweep: Path) -> None:
+    from pwrun.eval.figures import targets
+
+    df = read_results(quick_sweep / "results.parquet")
+    md = targets(df[df.policy != "uniform"])
+    assert "**not evaluated: no uniform run" in md and "no uniform run | | | n/a" in md
+    assert "met at every budget" not in md
+    assert "not evaluated" not in targets(df)  # with the uniform runs the verdicts are there
+
+
 def test_notebooks_run_on_small_artifacts(calibrated_artifacts: Path, quick_sweep: Path, tmp_path: Path) -> None:
     pytest.importorskip("nbclient")
     from pwrun.eval.notebooks import execute_all
