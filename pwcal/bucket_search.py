@@ -1,16 +1,28 @@
 """``pwcal search-buckets``: choose routing buckets, multipliers, floors and depth caps (SPEC section 4).
 
-What it does: enumerates a grid of ``BucketPolicy`` settings (bucket count and mass-quantile
-boundaries, the hot bucket's damage multiplier mu, stage-0 floors, depth caps), samples
-``candidates`` of them reproducibly (plus the neutral one-bucket policy), and scores each by
-held-out perplexity when the runtime's own planner (``pwrun.planner.greedy.fit_budget``, run
-offline over the calibration tables, with eta = 1 since no live prompt exists) must fit each
-memory budget. Score = mean log-perplexity over the budgets (infeasible = +inf). The held-out
-text is the next calibration windows after those of ``sensitivity`` and ``fit-residual``.
-Writes ``buckets.parquet`` (the winner) and ``bucket_search.parquet`` (every candidate x budget).
+What it does: scores every setting of a grid of ``BucketPolicy`` settings (bucket count and
+mass-quantile boundaries, the hot bucket's damage multiplier mu, stage-0 floors, depth caps; or a
+reproducible sample of it, a prefix of one seeded permutation, so a larger sample only adds
+settings) plus the neutral one-bucket policy, by held-out perplexity when the runtime's own planner
+(``pwrun.planner.greedy.fit_budget``, run offline over the calibration tables, with eta = 1 since no
+live prompt exists) must fit each memory budget. Settings that give the same allocation at a budget
+share one perplexity. Selection score = mean log-perplexity over the budgets (infeasible = +inf).
 
-Budgets are given as uniform-equivalent bits: budget(3.5) = the midpoint of the expert bytes at
-uniform 3 and 4 bits; an integer b is exactly uniform b bits.
+Confirmation (the held-out objective the choice is kept on): the winner and the neutral policy are
+scored again, per budget, on the next ``confirm_windows`` calibration windows, which the selection
+never saw (the best of many settings on one text is optimistically scored there). It shows a gain
+at a budget when its mean per-window NLL gain exceeds ``gain_z`` standard errors of the paired
+differences. The winner is kept only below the smallest budget from which on it shows no gain at
+any larger budget: ``neutral_from_bits`` of the written policy, the band the runtime planner hands to
+the neutral policy (``pwrun.planner.buckets``). The budgets span where the runtime works (its mean
+expert bits on the evaluation's text suite run from ~3.5 at U3 to ~5.8 at U6), so a setting that
+helps at 3.5-4 bits but not at 5-6 is not applied at 5-6. Below the smallest budget (floors only
+bind there) the winner applies. The held-out text is the calibration windows after those of
+``sensitivity`` and ``fit-residual``. Writes ``buckets.parquet`` (the winner and its band) and
+``bucket_search.parquet`` (every candidate x budget of the selection, and the confirmation rows).
+
+Budgets are given as uniform-equivalent bits (``BlockTable.uniform_bytes``): budget(3.5) = the
+midpoint of the expert bytes at uniform 3 and 4 bits; an integer b is exactly uniform b bits.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +53,22 @@ from pwrun.ppl import perplexity
 
 @dataclass(frozen=True)
 class SearchConfig:
-    """``budgets_bits``: uniform-equivalent budgets; ``candidates``: sampled settings besides the neutral one."""
+    """``budgets_bits``: uniform-equivalent budgets; ``candidates``: settings besides the neutral one (None: the
+    whole grid); ``heldout_windows``: selection windows; ``confirm_windows``: the next windows, for the band;
+    ``gain_z``: how many standard errors the winner's confirmed gain over neutral must exceed at a budget."""
 
-    budgets_bits: tuple[float, ...] = (3.5, 4.0)
-    candidates: int = 8
+    budgets_bits: tuple[float, ...] = (3.5, 4.0, 4.5, 5.0, 6.0)
+    candidates: int | None = None
     heldout_windows: int = 12
+    confirm_windows: int = 24
     seed: int = 0
+    gain_z: float = 1.645  # a budget shows a gain at one-sided 95%: mean paired gain > 1.645 standard errors
 
     def __post_init__(self) -> None:
-        if self.candidates < 0 or self.heldout_windows < 1 or not self.budgets_bits:
-            raise PagedWeightError("--candidates must be >= 0, --heldout-windows >= 1, and at least one --budget-bits")
+        if (self.candidates is not None and self.candidates < 0) or self.heldout_windows < 1 \
+                or self.confirm_windows < 2 or not self.budgets_bits or self.gain_z < 0:
+            raise PagedWeightError("--candidates must be >= 0, --heldout-windows >= 1, --confirm-windows >= 2, "
+                                   "--gain-z >= 0, and at least one --budget-bits")
 
 
 def search_space(seed_bits: int) -> list[BucketPolicy]:
@@ -68,18 +86,42 @@ def search_space(seed_bits: int) -> list[BucketPolicy]:
     return out
 
 
-def budget_bytes(table: BlockTable, bits: float) -> int:
-    lo, hi = math.floor(bits), math.ceil(bits)
-    b_lo = table.bytes[:, table.bit_index(lo)].sum()
-    b_hi = table.bytes[:, table.bit_index(hi)].sum()
-    return int(b_lo + (bits - lo) * (b_hi - b_lo))
+def sample(space_size: int, candidates: int | None, seed: int) -> list[int]:
+    """Grid indices to score: all (``candidates`` None), else the first ``candidates`` of one seeded permutation,
+    so that a larger sample contains every smaller one of the same seed."""
+    order = np.random.default_rng(seed).permutation(space_size)
+    return sorted(int(i) for i in order[: space_size if candidates is None else min(candidates, space_size)])
+
+
+def shows_gain(neutral_nll: np.ndarray, best_nll: np.ndarray, z: float) -> bool:
+    """Whether the winner's per-window NLL [w] is lower than the neutral policy's on the same windows by more than
+    ``z`` standard errors of the mean paired difference (one-sided test; False for fewer than 2 windows)."""
+    d = np.asarray(neutral_nll, np.float64) - np.asarray(best_nll, np.float64)
+    if d.size < 2:
+        return False
+    se = float(d.std(ddof=1)) / math.sqrt(d.size)
+    return bool(d.mean() > z * se) if se > 0 else bool(d.mean() > 0)
+
+
+def neutral_from(budgets_bits: list[float], gain: list[bool]) -> float | None:
+    """The band's start: the smallest budget from which on the winner shows no gain at any larger budget; None if
+    it shows one at the largest. ``gain[k]``: whether it shows a gain over the neutral policy at budget k."""
+    order = np.argsort(budgets_bits)
+    start = None
+    for k in order[::-1]:
+        if gain[k]:
+            break
+        start = float(budgets_bits[k])
+    return start
 
 
 def policy_frame(p: BucketPolicy) -> pd.DataFrame:
     qs = [*p.quantiles, 1.0]
     f1 = p.floors[1] if len(p.floors) > 1 else p.floors[0]
+    band = math.nan if p.neutral_from_bits is None else p.neutral_from_bits
     return pd.DataFrame([{"bucket": i, "mass_quantile_hi": qs[i], "mu": p.mu[i], "floor_stage0": p.floors[0][i],
-                          "floor_stage1": f1[i], "depth_cap": p.depth_cap[i]} for i in range(p.num_buckets)])
+                          "floor_stage1": f1[i], "depth_cap": p.depth_cap[i], "neutral_from_bits": band}
+                         for i in range(p.num_buckets)])
 
 
 def policy_from_frame(df: pd.DataFrame) -> BucketPolicy:
@@ -104,46 +146,70 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
         raise PagedWeightError(f"--budget-bits {bad} outside [{art.seed_bits}, 8] (the artifact's bitwidths)")
     tok = load_tokenizer(model_dir)
     base = load_model(model_dir, device=device, dtype="float32")
-    windows = calibration_windows(tok, sens_cfg["dataset"], cfg.heldout_windows, sens_cfg["seq_len"],
-                                  sens_cfg["seed"], skip=sens_cfg["samples"] + res_cfg["prompts"])
-    flat = [t for w in windows for t in w]
+    windows = calibration_windows(tok, sens_cfg["dataset"], cfg.heldout_windows + cfg.confirm_windows,
+                                  sens_cfg["seq_len"], sens_cfg["seed"], skip=sens_cfg["samples"] + res_cfg["prompts"])
+    select, confirm = windows[: cfg.heldout_windows], windows[cfg.heldout_windows:]
     space = search_space(art.seed_bits)
-    rng = np.random.default_rng(cfg.seed)
-    picks = rng.choice(len(space), size=min(cfg.candidates, len(space)), replace=False)
-    candidates = [BucketPolicy.neutral(art.seed_bits), *(space[i] for i in sorted(picks))]
-    budgets = [budget_bytes(table, b) for b in cfg.budgets_bits]
+    neutral = BucketPolicy.neutral(art.seed_bits)
+    candidates = [neutral, *(space[i] for i in sample(len(space), cfg.candidates, cfg.seed))]
+    budgets = [table.uniform_bytes(b) for b in cfg.budgets_bits]
+    fits = [[fit_budget(table, pol, budget) for budget in budgets] for pol in candidates]
+    cache: dict[tuple[str, int, bytes], np.ndarray] = {}
+
+    def nll(q: np.ndarray, k: int, split: str, text: list[list[int]]) -> np.ndarray:
+        key = (split, k, q.tobytes())
+        if key not in cache:
+            bits = {(int(la), int(e), UNITS[u]): int(table.bits[qi])
+                    for la, e, u, qi in zip(table.layer, table.expert, table.unit, q, strict=True)}
+            flat = [t for w in text for t in w]
+            cache[key] = np.array(perplexity(art.dense_model(base, bits), flat, seq_len=len(text[0])).window_nll)
+            if progress:
+                done = sum(1 for c in cache if c[0] == split)
+                progress(f"{split} allocations", done, unique if split == "select" else 2 * len(budgets))
+        return cache[key]
+
+    unique = len({(k, q.tobytes()) for row in fits for k, q in enumerate(row) if q is not None})
     rows, scores = [], []
     for ci, pol in enumerate(candidates):
         logs = []
-        for budget in budgets:
-            q = fit_budget(table, pol, budget)
-            if q is None:
-                rows.append({"candidate": ci, "setting": pol.to_json(), "budget_bytes": budget, "expert_bytes": -1,
-                             "ppl": math.inf, "score": math.inf})
-                logs.append(math.inf)
-                continue
-            bits = {(int(la), int(e), UNITS[u]): int(table.bits[qi])
-                    for la, e, u, qi in zip(table.layer, table.expert, table.unit, q, strict=True)}
-            ppl = perplexity(art.dense_model(base, bits), flat, seq_len=len(windows[0])).ppl
-            rows.append({"candidate": ci, "setting": pol.to_json(), "budget_bytes": budget,
-                         "expert_bytes": table.total_bytes(q), "ppl": ppl, "score": math.nan})
+        for k, (budget, q) in enumerate(zip(budgets, fits[ci], strict=True)):
+            ppl = math.inf if q is None else math.exp(float(nll(q, k, "select", select).mean()))
+            rows.append({"candidate": ci, "setting": pol.to_json(), "split": "select", "budget_bytes": budget,
+                         "expert_bytes": -1 if q is None else table.total_bytes(q), "ppl": ppl, "score": math.nan})
             logs.append(math.log(ppl))
         scores.append(float(np.mean(logs)))
         for r in rows[-len(budgets):]:
             r["score"] = scores[-1]
-        if progress:
-            progress("candidates", ci + 1, len(candidates))
     best = int(np.argmin(scores))
     if not math.isfinite(scores[best]):
         raise PagedWeightError(f"no candidate fits the budgets {list(cfg.budgets_bits)}: raise --budget-bits")
+    gain, gains = [], []
+    for k, budget in enumerate(budgets):
+        q_best, q_neutral = fits[best][k], fits[0][k]
+        assert q_best is not None and q_neutral is not None  # neutral fits whatever the winner fits
+        on_best, on_neutral = nll(q_best, k, "confirm", confirm), nll(q_neutral, k, "confirm", confirm)
+        gain.append(float((on_neutral - on_best).mean()))
+        gains.append(shows_gain(on_neutral, on_best, cfg.gain_z))
+        for ci, q, w in ((best, q_best, on_best), (0, q_neutral, on_neutral)):
+            rows.append({"candidate": ci, "setting": candidates[ci].to_json(), "split": "confirm",
+                         "budget_bytes": budget, "expert_bytes": table.total_bytes(q),
+                         "ppl": math.exp(float(w.mean())), "score": math.nan})
+    chosen = candidates[best]
+    if best != 0:
+        chosen = replace(chosen, neutral_from_bits=neutral_from(list(cfg.budgets_bits), gains))
     write_table(pd.DataFrame(rows), artifact_dir / "bucket_search.parquet", "bucket_search")
-    write_table(policy_frame(candidates[best]), artifact_dir / "buckets.parquet", "buckets")
+    write_table(policy_frame(chosen), artifact_dir / "buckets.parquet", "buckets")
     info = {"config": asdict(cfg), "files": ["buckets.parquet", "bucket_search.parquet"],
-            "search_space_size": len(space), "candidates_scored": len(candidates), "budgets_bytes": budgets,
-            "best_candidate": best, "best_setting": candidates[best].to_json(),
-            "heldout_dataset": sens_cfg["dataset"], "heldout_tokens": len(flat),
-            "best_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == best],
-            "neutral_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == 0],
+            "search_space_size": len(space), "candidates_scored": len(candidates),
+            "allocations_scored": len(cache), "budgets_bytes": budgets,
+            "best_candidate": best, "best_setting": chosen.to_json(),
+            "heldout_dataset": sens_cfg["dataset"], "heldout_tokens": len(select) * len(select[0]),
+            "confirm_tokens": len(confirm) * len(confirm[0]),
+            "best_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == best and r["split"] == "select"],
+            "neutral_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == 0 and r["split"] == "select"],
+            "confirm_gain_pct_per_budget": [100 * (math.exp(g) - 1) for g in gain],
+            "confirm_shows_gain_per_budget": gains,
+            "neutral_from_bits": chosen.neutral_from_bits,
             "seconds": round(time.time() - t0, 2)}
     finish_stage(artifact_dir, "search-buckets", info)
     return info

@@ -92,10 +92,17 @@ def search_buckets(
     artifacts: ArtifactsOpt,
     budget_bits: Annotated[list[float] | None, typer.Option(help="Memory budgets as uniform-equivalent bits per "
                                                             "expert weight (repeatable; 3.5 = midway between "
-                                                            "uniform 3 and 4 bits). Default 3.5 and 4.")] = None,
-    candidates: Annotated[int, typer.Option(help="Settings sampled from the grid besides the neutral one.")] = 8,
-    heldout_windows: Annotated[int, typer.Option(help="Held-out calibration windows scored per setting.")] = 12,
+                                                            "uniform 3 and 4 bits). Default 3.5 4 4.5 5 6.")] = None,
+    candidates: Annotated[int | None, typer.Option(help="Grid settings scored besides the neutral one (a seeded "
+                                                        "sample; default: the whole grid).")] = None,
+    heldout_windows: Annotated[int, typer.Option(help="Held-out calibration windows the settings are selected "
+                                                      "on.")] = 12,
+    confirm_windows: Annotated[int, typer.Option(help="Later held-out windows on which the winner must beat the "
+                                                      "neutral policy to be used at a budget.")] = 24,
     seed: Annotated[int, typer.Option(help="Seed of the candidate sample.")] = 0,
+    gain_z: Annotated[float, typer.Option(help="Standard errors by which the winner's gain over the neutral "
+                                               "policy on the confirmation windows must exceed 0 at a budget "
+                                               "(1.645: one-sided 95%).")] = 1.645,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
 ) -> None:
@@ -103,15 +110,24 @@ def search_buckets(
     from pwcal.bucket_search import SearchConfig, run_search_buckets
 
     with user_errors():
-        cfg = SearchConfig(tuple(budget_bits or (3.5, 4.0)), candidates, heldout_windows, seed)
+        cfg = SearchConfig(tuple(budget_bits or SearchConfig.budgets_bits), candidates, heldout_windows,
+                           confirm_windows, seed, gain_z)
         bars = Bars()
         with bars.progress:
             info = run_search_buckets(model, artifacts, cfg, device, force, bars)
-        extra = "" if info.get("skipped") else (
-            f"; {info['candidates_scored']} of {info['search_space_size']} settings scored; perplexity on "
-            f"held-out {info['heldout_dataset']} text ({info['heldout_tokens']} tokens past the calibration ones) at "
-            f"budgets {list(cfg.budgets_bits)} bits: best {[round(p, 2) for p in info['best_ppl_per_budget']]} vs "
-            f"neutral {[round(p, 2) for p in info['neutral_ppl_per_budget']]}")
+        if info.get("skipped"):
+            extra = ""
+        else:
+            band = info["neutral_from_bits"]
+            extra = (
+                f"; {info['candidates_scored']} of {info['search_space_size'] + 1} settings scored; perplexity on "
+                f"held-out {info['heldout_dataset']} text ({info['heldout_tokens']} tokens past the calibration ones) "
+                f"at budgets {list(cfg.budgets_bits)} bits: best {[round(p, 2) for p in info['best_ppl_per_budget']]}"
+                f" vs neutral {[round(p, 2) for p in info['neutral_ppl_per_budget']]}; on the next "
+                f"{info['confirm_tokens']} tokens the best changes perplexity by "
+                f"{[round(-g, 2) for g in info['confirm_gain_pct_per_budget']]}% against neutral (a gain beyond "
+                f"{cfg.gain_z} standard errors: {info['confirm_shows_gain_per_budget']}), so it is used "
+                + ("at every budget" if band is None else f"below {band} bits (neutral from there on)"))
         _report("search-buckets", info, extra)
 
 

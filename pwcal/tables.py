@@ -43,14 +43,17 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("intercept", pa.float64()), ("r2_heldout", pa.float64()), ("confidence", pa.float64()),
         ("rho_min", pa.float64()), ("rho_max", pa.float64()), ("n_train", pa.int64()), ("n_heldout", pa.int64()),
     ]),
-    # the chosen routing buckets: mass-quantile upper bound, multiplier mu, floor per stage, depth cap
+    # the chosen routing buckets: mass-quantile upper bound, multiplier mu, floor per stage, depth cap; and the
+    # uniform-equivalent bits at and above which the neutral policy applies instead (same in every row; NaN: never)
     "buckets": pa.schema([
         ("bucket", pa.int32()), ("mass_quantile_hi", pa.float64()), ("mu", pa.float64()),
         ("floor_stage0", pa.int32()), ("floor_stage1", pa.int32()), ("depth_cap", pa.int32()),
+        ("neutral_from_bits", pa.float64()),
     ]),
-    # every candidate the bucket search scored
+    # every candidate the bucket search scored; split: "select" (every candidate) or "confirm" (winner and neutral
+    # on the later held-out windows)
     "bucket_search": pa.schema([
-        ("candidate", pa.int32()), ("setting", pa.string()), ("budget_bytes", pa.int64()),
+        ("candidate", pa.int32()), ("setting", pa.string()), ("split", pa.string()), ("budget_bytes", pa.int64()),
         ("expert_bytes", pa.int64()), ("ppl", pa.float64()), ("score", pa.float64()),
     ]),
 }

@@ -2,7 +2,8 @@
 
 What it does: splits the tokens into windows of ``seq_len`` (the GPTQ convention: every window
 starts fresh, the first token of a window is context only), runs ``batch`` windows per step
-through the paged KV cache and returns exp(mean NLL) over all predicted tokens. It does not
+through the paged KV cache and returns exp(mean NLL) over all predicted tokens (and each window's
+mean NLL, for paired comparisons of two models on the same text). It does not
 tokenize (the caller does) and does not change weight precision.
 """
 
@@ -24,11 +25,13 @@ from pwrun.runner import ModelRunner
 
 @dataclass(frozen=True)
 class PerplexityResult:
-    """``nll``: mean negative log-likelihood (nats/token) over ``tokens`` predicted tokens."""
+    """``nll``: mean negative log-likelihood (nats/token) over ``tokens`` predicted tokens; ``window_nll``: the
+    mean NLL of each window (all windows predict the same number of tokens, so ``nll`` is their mean)."""
 
     nll: float
     tokens: int
     windows: int
+    window_nll: tuple[float, ...] = ()
 
     @property
     def ppl(self) -> float:
@@ -56,15 +59,17 @@ def perplexity(model: LeanMoEModel, token_ids: list[int], seq_len: int = 512, ma
                                "lower --seq-len or give more text")
     runner = ModelRunner(model, num_blocks=batch * blocks_needed(seq_len, block_size), block_size=block_size)
     ids = torch.tensor(token_ids[: n * seq_len], dtype=torch.int64).view(n, seq_len)
-    total = 0.0
+    sums: list[float] = []
     for lo in range(0, n, batch):
         rows = range(lo, min(n, lo + batch))
         logits = runner.run({r: ids[r].tolist() for r in rows}, logits_for="all", observer=observer)
         logits = logits.view(len(rows), seq_len, -1)[:, :-1]
         target = ids[lo:lo + len(rows), 1:].to(logits.device)
-        total += F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum").item()
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(len(rows), -1)
+        sums += loss.double().sum(1).tolist()
         for r in rows:
             runner.release(r)
         if on_window is not None:
             on_window(len(rows))
-    return PerplexityResult(nll=total / (n * (seq_len - 1)), tokens=n * (seq_len - 1), windows=n)
+    return PerplexityResult(nll=sum(sums) / (n * (seq_len - 1)), tokens=n * (seq_len - 1), windows=n,
+                            window_nll=tuple(x / (seq_len - 1) for x in sums))

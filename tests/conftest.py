@@ -24,7 +24,8 @@ def _calibrate(out):  # type: ignore[no-untyped-def]
         ["quantize", model, "--out", str(out), "--samples", "8", "--seq-len", "256", *small],
         ["sensitivity", model, "--artifacts", str(out), "--samples", "16", "--seq-len", "256", *small],
         ["fit-residual", model, "--artifacts", str(out), "--prompts", "16", *small],
-        ["search-buckets", model, "--artifacts", str(out), "--candidates", "2", "--heldout-windows", "4", *small],
+        ["search-buckets", model, "--artifacts", str(out), "--candidates", "2", "--heldout-windows", "4",
+         "--confirm-windows", "2", *small],
     ]
     for args in steps:
         r = runner.invoke(app, args)

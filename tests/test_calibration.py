@@ -127,7 +127,7 @@ def test_buckets_written_and_stages_skip(pipeline: Path) -> None:
     r = runner.invoke(app, ["sensitivity", str(MODEL), "--artifacts", str(pipeline), *SMALL])
     assert r.exit_code == 2 and "--force" in r.stderr
     r = runner.invoke(app, ["search-buckets", str(MODEL), "--artifacts", str(pipeline), "--candidates", "2",
-                            "--heldout-windows", "4", *SMALL])  # tuple-valued config: still a no-op
+                            "--heldout-windows", "4", "--confirm-windows", "2", *SMALL])  # tuple config: still a no-op
     assert r.exit_code == 0 and "nothing to do" in r.stderr
 
 
@@ -138,7 +138,7 @@ def test_search_buckets_names_the_text_of_its_perplexity(tmp_path: Path, pipelin
     again = tmp_path / "ap"
     shutil.copytree(pipeline, again)
     r = runner.invoke(app, ["search-buckets", str(MODEL), "--artifacts", str(again), "--candidates", "1",
-                            "--heldout-windows", "2", "--force", *SMALL])
+                            "--heldout-windows", "2", "--confirm-windows", "2", "--force", *SMALL])
     assert r.exit_code == 0, r.stderr
     assert "perplexity on held-out c4-calib text (512 tokens past the calibration ones)" in r.stderr, r.stderr
     info = json.loads((again / "manifest.json").read_text())["stages"]["search-buckets"]
@@ -173,3 +173,24 @@ def test_tables_round_trip_and_corruption(tmp_path: Path) -> None:
         read_table(p, "sensitivity")
     with pytest.raises(PagedWeightError, match="missing"):
         read_table(tmp_path / "nope.parquet", "routing")
+
+
+def test_bucket_search_band_and_sample_rules() -> None:
+    from pwcal.bucket_search import neutral_from, policy_frame, sample, shows_gain
+    from pwrun.planner.buckets import BucketPolicy
+
+    budgets = [3.5, 4.0, 4.5, 5.0, 6.0]
+    yes, no = True, False
+    assert neutral_from(budgets, [yes, yes, no, no, no]) == 4.5  # no gain from 4.5 on
+    assert neutral_from(budgets, [yes, no, yes, no, no]) == 5.0  # a gain at 4.5 keeps the policy below 5
+    assert neutral_from(budgets, [yes] * 5) is None and neutral_from(budgets, [no] * 5) == 3.5
+    assert neutral_from([6.0, 3.5, 5.0], [no, yes, no]) == 5.0  # budgets in any order
+    rng = np.random.default_rng(0)
+    base = 4.7 + rng.normal(0, 0.3, 24)
+    assert shows_gain(base, base - 0.01 + rng.normal(0, 0.002, 24), 1.645)  # consistent small gain
+    assert not shows_gain(base, base - 0.001 + rng.normal(0, 0.02, 24), 1.645)  # gain far inside the noise
+    assert not shows_gain(base, base + 0.01, 1.645) and not shows_gain(base[:1], base[:1] - 1, 1.645)
+    assert set(sample(64, 8, 0)) <= set(sample(64, 12, 0)) and sample(64, None, 0) == list(range(64))
+    pol = BucketPolicy((0.75,), (1.0, 8.0), ((3, 5), (3, 4)), (1, 1), neutral_from_bits=4.5)
+    assert BucketPolicy.from_frame(policy_frame(pol)) == pol
+    assert BucketPolicy.from_frame(policy_frame(pol.without_band())) == pol.without_band()

@@ -114,3 +114,57 @@ def test_overlapped_planner_refreshes_only_when_asked(overlapped: bool | None) -
     planner.plan_raise(q - 1, 5000)
     assert (planner._d_hat is first) == bool(overlapped) and planner.stale == bool(overlapped)
     assert planner.refresh_if_stale() == bool(overlapped) and not planner.stale
+
+
+def test_uniform_bytes_interpolates_between_bitwidths() -> None:
+    t = random_table(seed=6)
+    assert t.uniform_bytes(4) == t.bytes[:, 1].sum() and t.uniform_bytes(8.0) == t.bytes[:, -1].sum()
+    assert t.uniform_bytes(3.5) == int((t.bytes[:, 0].sum() + t.bytes[:, 1].sum()) / 2)
+
+
+def test_band_hands_budgets_at_and_above_it_to_the_neutral_policy() -> None:
+    t = random_table(n=200, seed=4)
+    hot = BucketPolicy((0.5,), (1.0, 50.0), ((3, 5), (3, 3)), (1, 1))
+    banded = BucketPolicy(hot.quantiles, hot.mu, hot.floors, hot.depth_cap, neutral_from_bits=5.0)
+    band = banded.neutral_from_bytes(t)
+    assert band == t.uniform_bytes(5.0) and hot.neutral_from_bytes(t) is None
+    for budget in (band, t.uniform_bytes(6.5)):  # at and above the band: exactly the neutral allocation
+        q, q_neutral = fit_budget(t, banded, budget), fit_budget(t, BucketPolicy.neutral(3), budget)
+        assert q is not None and q_neutral is not None and (q == q_neutral).all()
+        q_hot = fit_budget(t, hot, budget)
+        assert q_hot is not None and not (q_hot == q_neutral).all()  # the band changes something there
+    budget = t.uniform_bytes(3.5)  # below the band the policy itself decides (neutral first, down to the band)
+    q, q_neutral = fit_budget(t, banded, budget), fit_budget(t, BucketPolicy.neutral(3), budget)
+    assert q is not None and q_neutral is not None and t.total_bytes(q) <= budget
+    is_hot = hot.assign(t) == 1
+    assert t.bits[q][is_hot].mean() > t.bits[q_neutral][is_hot].mean()
+
+
+def test_runtime_planner_follows_the_band() -> None:
+    from pwrun.planner.runtime import Planner, PlannerConfig
+
+    t = random_table(n=200, seed=7)
+    hot = BucketPolicy((0.5,), (1.0, 50.0), ((3, 5), (3, 3)), (1, 1))
+    banded = Planner(t, BucketPolicy(hot.quantiles, hot.mu, hot.floors, hot.depth_cap, 5.0), PlannerConfig())
+    neutral, plain = Planner(t, BucketPolicy.neutral(3), PlannerConfig()), Planner(t, hot, PlannerConfig())
+    band = banded.band_bytes
+    assert band is not None
+    top = np.full(t.n, t.bits.size - 1)
+    need = (t.total_bytes(top) - band) // 2  # lowering that stays above the band: the neutral plan
+    a, b = banded.plan_lower(top, need), neutral.plan_lower(top, need)
+    assert a.freed >= need and (a.blocks == b.blocks).all() and (a.to_idx == b.to_idx).all()
+    q = fit_budget(t, BucketPolicy.neutral(3), band)
+    assert q is not None
+    a, c = banded.plan_lower(q, t.total_bytes(q) // 4), plain.plan_lower(q, t.total_bytes(q) // 4)
+    assert (a.blocks == c.blocks).all() and (a.to_idx == c.to_idx).all()  # below the band: the policy's plan
+    low = np.zeros(t.n, np.int64)
+    allowance = (band - t.total_bytes(low)) // 2  # reloads that stay below the band: the policy's plan
+    a, c = banded.plan_raise(low, allowance), plain.plan_raise(low, allowance)
+    assert sorted(zip(a.blocks.tolist(), a.to_idx.tolist(), strict=True)) == \
+        sorted(zip(c.blocks.tolist(), c.to_idx.tolist(), strict=True))
+    q = fit_budget(t, BucketPolicy.neutral(3), t.uniform_bytes(4.8))
+    assert q is not None
+    allowance = t.uniform_bytes(5.3) - t.total_bytes(q)  # past the band: within the allowance, one move each
+    a = banded.plan_raise(q, allowance)
+    assert band < t.total_bytes(q) - a.freed <= t.total_bytes(q) + allowance
+    assert len(set(a.blocks.tolist())) == a.blocks.size and (a.to_idx == q[a.blocks] + 1).all()

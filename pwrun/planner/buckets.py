@@ -5,12 +5,19 @@ experts' mass), each bucket's damage multiplier mu (Eq. 8), its bitwidth floor a
 stage (stage 0 most conservative) and its depth cap (the most bits one planning step may remove
 from a block). ``assign`` maps blocks to buckets; the always-active shared expert is in the
 hottest bucket. Bucket 0 is the coldest. Control plane: numpy only.
+
+Band (our choice; SPEC section 4 leaves it open): ``neutral_from_bits`` is the uniform-equivalent
+expert budget at and above which the planner uses the neutral policy instead (one bucket, mu 1,
+floors at the seed bits). ``pwcal search-buckets`` sets it where its held-out confirmation shows no
+gain of the searched policy over the neutral one: the multipliers amplify the calibration text's
+routing mass, a prior worth its risk on other text only where it measurably helps.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -22,13 +29,16 @@ from pwrun.planner.tables import SHARED_EXPERT, BlockTable
 class BucketPolicy:
     """``quantiles``: upper mass quantile of buckets 0..n-2 (the last bucket reaches 1.0).
 
-    ``mu``, ``depth_cap``: per bucket; ``floors``: per stage, per bucket (bitwidths).
+    ``mu``, ``depth_cap``: per bucket; ``floors``: per stage, per bucket (bitwidths);
+    ``neutral_from_bits``: uniform-equivalent bits per expert weight (``BlockTable.uniform_bytes``) at and
+    above which the neutral policy applies instead; None: this policy applies at every budget.
     """
 
     quantiles: tuple[float, ...]
     mu: tuple[float, ...]
     floors: tuple[tuple[int, ...], ...]
     depth_cap: tuple[int, ...]
+    neutral_from_bits: float | None = None
 
     def __post_init__(self) -> None:
         nb = len(self.quantiles) + 1
@@ -40,6 +50,8 @@ class BucketPolicy:
             raise ValueError("at least one floor stage is needed")
         if any(m <= 0 for m in self.mu) or any(c < 1 for c in self.depth_cap):
             raise ValueError("mu must be > 0 and depth caps >= 1")
+        if self.neutral_from_bits is not None and not self.neutral_from_bits > 0:
+            raise ValueError("neutral_from_bits must be > 0 (or None)")
 
     @property
     def num_buckets(self) -> int:
@@ -53,6 +65,16 @@ class BucketPolicy:
         bucket[~routed] = self.num_buckets - 1
         return bucket.astype(np.int64)
 
+    def neutral_from_bytes(self, table: BlockTable) -> int | None:
+        """Expert bytes of ``table`` at and above which the neutral policy applies (None: never)."""
+        if self.neutral_from_bits is None:
+            return None
+        return table.uniform_bytes(min(max(self.neutral_from_bits, float(table.bits[0])), float(table.bits[-1])))
+
+    def without_band(self) -> BucketPolicy:
+        """This policy at every budget (``neutral_from_bits`` dropped)."""
+        return replace(self, neutral_from_bits=None)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
@@ -60,9 +82,10 @@ class BucketPolicy:
     def from_frame(df: Any) -> BucketPolicy:
         """The policy stored in a ``buckets`` table (pandas DataFrame; schema in ``pwcal.tables``)."""
         df = df.sort_values("bucket")
+        band = float(df.neutral_from_bits.iloc[0]) if "neutral_from_bits" in df else math.nan
         return BucketPolicy(tuple(float(x) for x in df.mass_quantile_hi.iloc[:-1]), tuple(float(x) for x in df.mu),
                             (tuple(int(x) for x in df.floor_stage0), tuple(int(x) for x in df.floor_stage1)),
-                            tuple(int(x) for x in df.depth_cap))
+                            tuple(int(x) for x in df.depth_cap), None if math.isnan(band) else band)
 
     @staticmethod
     def neutral(seed_bits: int) -> BucketPolicy:

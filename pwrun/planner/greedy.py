@@ -6,8 +6,8 @@ d_hat / Delta, within its floor and depth cap) and takes blocks in that order un
 reach D; ``raise_step`` does the reverse (highest damage avoided per byte) within a byte
 allowance; ``fit_budget`` repeats lowering steps, escalating floor stages only when a stage can
 free nothing more, until the blocks fit a byte budget (the offline use of the same planner, by
-``pwcal search-buckets``). No Python loop runs over blocks. Bitwidths are handled as indices into
-``BlockTable.bits``.
+``pwcal search-buckets``; a banded policy lowers with the neutral policy down to its band first).
+No Python loop runs over blocks. Bitwidths are handled as indices into ``BlockTable.bits``.
 """
 
 from __future__ import annotations
@@ -116,10 +116,21 @@ def fit_budget(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: 
 
     Each step asks ``lower_step`` for at most ``step_fraction`` of the current bytes, so blocks are
     lowered in small rounds (close to a global greedy by damage per byte) rather than all at once.
+    A banded policy (``policy.neutral_from_bits``) is followed as the runtime planner follows it: the
+    neutral policy lowers down to the band's bytes, the policy itself below them.
     """
+    band = policy.neutral_from_bytes(table)
+    top = np.full(table.n, table.bits.size - 1, dtype=np.int64)
+    q = top if band is None else _fit(table, BucketPolicy.neutral(int(table.bits[0])), max(budget_bytes, band), eta,
+                                      top, step_fraction, max_steps)
+    return None if q is None else _fit(table, policy.without_band(), budget_bytes, eta, q, step_fraction, max_steps)
+
+
+def _fit(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: np.ndarray | None, q: np.ndarray,
+         step_fraction: float, max_steps: int) -> np.ndarray | None:
+    """``fit_budget`` from bit indices ``q`` [n] with one (unbanded) policy."""
     bucket = policy.assign(table)
     d_hat = predicted_damage(table, bucket, policy, eta)
-    q = np.full(table.n, table.bits.size - 1, dtype=np.int64)
     stage = 0
     for _ in range(max_steps):
         total = table.total_bytes(q)

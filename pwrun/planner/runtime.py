@@ -7,7 +7,9 @@ conservative on, each as greedy rounds by lowest d_hat / Delta (Eq. 8 / Eq. 3) u
 bytes reach D; ``plan_raise`` spends an allowance of bytes by damage avoided per byte (reload,
 with hysteresis decided by the caller through ``PlannerConfig``). ``prepare`` computes the plan the
 next steps will need ahead of need, so that executing it under pressure is a lookup. Vectorized
-over all blocks (numpy); the only Python loops run over floor stages, rounds and heads.
+over all blocks (numpy); the only Python loops run over floor stages, rounds and heads. A banded
+bucket policy (``BucketPolicy.neutral_from_bits``) plans with the neutral policy while the expert
+bytes are at or above its band.
 Ablations (SPEC section 8) are switches of ``PlannerConfig``. It moves nothing (the mover does).
 """
 
@@ -67,6 +69,10 @@ class Planner:
         self.cfg = cfg
         self.table = table if cfg.use_sensitivity else replace(table, sens=self._bit_drop_sens(table))
         self.policy = policy if cfg.use_routing else BucketPolicy.neutral(int(table.bits[0]))
+        # a banded policy: the neutral one plans while the expert bytes are at or above ``band_bytes``
+        self.band_bytes = self.policy.neutral_from_bytes(self.table)
+        self._neutral = BucketPolicy.neutral(int(table.bits[0]))
+        self._neutral_d_hat: np.ndarray | None = None
         self.heads = heads if cfg.use_residual else None
         self.stats = stats
         self._d_hat: np.ndarray | None = None
@@ -95,6 +101,8 @@ class Planner:
         if self.heads is not None and self.stats is not None and self.stats.steps:
             eta = self.heads.eta(self.table.bits, self.table.unit, self.stats.block_log_features(), self.cfg.alpha)
         self._d_hat = predicted_damage(self.table, self._bucket, self.policy, eta)
+        if self.band_bytes is not None:
+            self._neutral_d_hat = predicted_damage(self.table, np.zeros(table.n, np.int64), self._neutral, eta)
         self.prepared = None
         self.stale = False
 
@@ -113,15 +121,29 @@ class Planner:
         return self._d_hat, self._bucket
 
     def plan_lower(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
-        """Demotions (final bit index per block) freeing >= ``need_bytes``, or as much as the last stage allows."""
+        """Demotions (final bit index per block) freeing >= ``need_bytes``, or as much as the last stage allows.
+
+        With a banded policy, demotions above ``band_bytes`` of expert bytes follow the neutral policy.
+        """
         if need_bytes <= 0:
             return _empty()
         d_hat, bucket = self._state()
+        table, policy = self.table, self.policy.without_band()
         q = q_idx.copy()
         freed, damage, stage = 0, 0.0, 0
-        for stage in range(len(self.policy.floors)):
+        if self.band_bytes is not None:
+            assert self._neutral_d_hat is not None
+            zero = np.zeros(table.n, np.int64)
+            while freed < need_bytes and (above := table.total_bytes(q) - self.band_bytes) > 0:
+                p = lower_step(table, q, min(need_bytes - freed, above), self._neutral_d_hat, zero, self._neutral, 0,
+                               movable)
+                if p.empty:
+                    break
+                q[p.blocks] = p.to_idx
+                freed, damage = freed + p.freed, damage + p.damage
+        for stage in range(len(policy.floors)):
             while freed < need_bytes:
-                p = lower_step(self.table, q, need_bytes - freed, d_hat, bucket, self.policy, stage, movable)
+                p = lower_step(table, q, need_bytes - freed, d_hat, bucket, policy, stage, movable)
                 if p.empty:
                     break
                 q[p.blocks] = p.to_idx
@@ -132,11 +154,34 @@ class Planner:
         return Plan(blocks, q[blocks], freed, damage, stage)
 
     def plan_raise(self, q_idx: np.ndarray, allowance: float, movable: np.ndarray | None = None) -> Plan:
-        """Promotions by damage avoided per byte within ``allowance`` bytes (empty without page movement)."""
+        """Promotions by damage avoided per byte within ``allowance`` bytes (empty without page movement).
+
+        With a banded policy, bytes spent below ``band_bytes`` follow the policy, the rest the neutral policy
+        (each block moves at most once per plan, as in one ``raise_step``).
+        """
         if allowance <= 0 or not self.cfg.movement:
             return _empty()
         d_hat, bucket = self._state()
-        return raise_step(self.table, q_idx, allowance, d_hat, bucket, self.policy, movable)
+        policy = self.policy.without_band()
+        if self.band_bytes is None:
+            return raise_step(self.table, q_idx, allowance, d_hat, bucket, policy, movable)
+        assert self._neutral_d_hat is not None
+        table, q = self.table, q_idx.copy()
+        free_to_move = np.ones(table.n, bool) if movable is None else movable.copy()
+        spent, damage = 0, 0.0
+        below = self.band_bytes - table.total_bytes(q)
+        if below > 0:
+            p = raise_step(table, q, min(allowance, below), d_hat, bucket, policy, free_to_move)
+            q[p.blocks] = p.to_idx
+            free_to_move[p.blocks] = False
+            spent, damage = -p.freed, p.damage
+        if allowance > below and allowance - spent > 0:  # the allowance reaches past the band
+            p = raise_step(table, q, allowance - spent, self._neutral_d_hat, np.zeros(table.n, np.int64),
+                           self._neutral, free_to_move)
+            q[p.blocks] = p.to_idx
+            spent, damage = spent - p.freed, damage + p.damage
+        blocks = np.flatnonzero(q != q_idx)
+        return Plan(blocks, q[blocks], -spent, damage, 0)
 
     def prepare(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> None:
         """Plan ahead for ``need_bytes`` (the pressure a few steps from now) and queue the plan."""

@@ -43,6 +43,14 @@ class BlockTable:
         """Sum of M_i^{q_i} for bit indices q_idx [n]."""
         return int(self.bytes[np.arange(self.n), q_idx].sum())
 
+    def uniform_bytes(self, bits: float) -> int:
+        """Expert bytes at uniform-equivalent ``bits``: an integer b is every block at b bits; a fraction
+        interpolates linearly between the neighbouring bitwidths (3.5 = midway between uniform 3 and 4)."""
+        lo, hi = int(np.floor(bits)), int(np.ceil(bits))
+        b_lo = int(self.bytes[:, self.bit_index(lo)].sum())
+        b_hi = int(self.bytes[:, self.bit_index(hi)].sum())
+        return int(b_lo + (bits - lo) * (b_hi - b_lo))
+
     def global_damage(self) -> np.ndarray:
         """g [n, nb, nb]: g[i, a, c] = max(s_i^{bits[c]} - s_i^{bits[a]}, 0) (Eq. 4; only c < a matters)."""
         return np.maximum(self.sens[:, None, :] - self.sens[:, :, None], 0.0)
