@@ -1,5 +1,5 @@
 # PagedWeight: `make demo` runs the main job on the bundled model, `make test` runs lint, types and tests.
-# Both create .venv and install what they need (CPU PyTorch) on first use.
+# Both create .venv and install what they need on first use (torch==2.13.0 from pip's configured index: README).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
