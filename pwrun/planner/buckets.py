@@ -66,7 +66,9 @@ class BucketPolicy:
         return bucket.astype(np.int64)
 
     def neutral_from_bytes(self, table: BlockTable) -> int | None:
-        """Expert bytes of ``table`` at and above which the neutral policy applies (None: never)."""
+        """Expert bytes (int) of ``table`` at and above which the neutral policy applies (None: never):
+        ``table.uniform_bytes`` of ``neutral_from_bits`` clamped to the table's bitwidths (our choice, see the
+        module docstring; SPEC section 4 leaves it open)."""
         if self.neutral_from_bits is None:
             return None
         return table.uniform_bytes(min(max(self.neutral_from_bits, float(table.bits[0])), float(table.bits[-1])))

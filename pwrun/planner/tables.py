@@ -44,8 +44,10 @@ class BlockTable:
         return int(self.bytes[np.arange(self.n), q_idx].sum())
 
     def uniform_bytes(self, bits: float) -> int:
-        """Expert bytes at uniform-equivalent ``bits``: an integer b is every block at b bits; a fraction
-        interpolates linearly between the neighbouring bitwidths (3.5 = midway between uniform 3 and 4)."""
+        """Expert bytes (int) at uniform-equivalent ``bits``: an integer b is sum_i M_i^b, every block at b bits
+        (SPEC section 2's memory accounting); a fraction interpolates linearly between the neighbouring
+        bitwidths (3.5 = midway between uniform 3 and 4). Raises ``IndexError`` if a neighbouring bitwidth is
+        not in ``self.bits`` (callers clamp to [bits[0], bits[-1]], e.g. ``BucketPolicy.neutral_from_bytes``)."""
         lo, hi = int(np.floor(bits)), int(np.ceil(bits))
         b_lo = int(self.bytes[:, self.bit_index(lo)].sum())
         b_hi = int(self.bytes[:, self.bit_index(hi)].sum())
