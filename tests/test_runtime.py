@@ -26,7 +26,8 @@ from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import dequantize
 from pwrun.cli import app
 from pwrun.data import default_model_dir, read_text
-from pwrun.engine.engine import EngineConfig
+from pwrun.engine.engine import Engine, EngineConfig
+from pwrun.engine.scheduler import StepPlan
 from pwrun.engine.serve import ServeConfig, build_engine
 from pwrun.errors import PagedWeightError
 from pwrun.generate import generate
@@ -277,3 +278,41 @@ def test_overlapped_planner_work_is_one_planner_config_field(calibrated_artifact
         e.run()
         assert all(len(s.logprobs) == 20 for s in e.seqs.values()) and e.totals.demoted_blocks > 0
         assert (e.totals.planner_overlapped_seconds > 0) == bool(overlapped)
+
+
+def test_plan_prepared_while_the_device_computes_counts_the_blocks_of_finishing_requests(  # type: ignore[no-untyped-def]
+        calibrated_artifacts: Path, tok, monkeypatch) -> None:
+    """With overlapped planner work the next demotion is planned while the step runs, before the requests at their
+    length limit have freed their blocks: the pressure it plans for must equal the one computed after sampling
+    (before any lowering), on a workload where requests finish at different steps under KV pressure."""
+    reqs, cont = _prompts(tok, 5, 60, 100, seed=3), _prompts(tok, 5, 10, 60, seed=4)
+    params = SamplingParams(max_new_tokens=1)
+    probe = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**28), params, reqs, set(), device="cpu",
+                         forced=cont).info
+    budget = (probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 6 * 10**6
+              + 28 * probe["kv_block_bytes"])
+    cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, lookahead_tokens=4, debug_checks=True),
+                      planner=PlannerConfig(overlapped=True))
+    e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont).engine
+    window: list[tuple[int, int, int]] = []
+    after: list[int] = []
+    plan_overlapped, after_step = Engine._plan_overlapped, Engine._after_step
+
+    def record_window(self: Engine, plan: StepPlan) -> None:
+        finishing = self._finishing(plan)
+        window.append((self._next_need(finishing), self._next_need(), len(finishing)))
+        plan_overlapped(self, plan)
+
+    def record_after(self: Engine) -> None:
+        after.append(self._next_need())
+        after_step(self)
+
+    monkeypatch.setattr(Engine, "_plan_overlapped", record_window)
+    monkeypatch.setattr(Engine, "_after_step", record_after)
+    e.run()
+    assert all(len(s.logprobs) == len(c) for s, c in zip(e.seqs.values(), cont, strict=True))
+    assert [w for w, _, _ in window] == after
+    assert sum(1 for _, _, f in window if f) >= 3  # requests finished at different steps
+    assert e.totals.demoted_blocks > 0
+    # counted as still held, the finishing requests' blocks would have made the window plan more
+    assert any(naive > w for w, naive, f in window if f)

@@ -173,19 +173,25 @@ class Engine:
             self._lower(d)
         elif not self._overlap:
             self._reload()
-        self._prepare_next()
+        if not self._overlap:  # CUDA: prepared while the device computed the step (``_plan_overlapped``)
+            self._prepare_next()
 
-    def _plan_overlapped(self) -> None:
+    def _plan_overlapped(self, plan: StepPlan) -> None:
         """Planner work done while the device computes the step just launched (host work hidden behind it):
-        d_hat from the latest live statistics, and reloads. (The plan the next demotion takes is prepared after
-        sampling: prepared before it, for the blocks still held by requests finishing in this step, it demoted
-        more than needed.)"""
+        d_hat from the latest live statistics, reloads, and the demotion plan that this step's ``_after_step``
+        (or the next admission) takes, computed as if the requests that reach their length limit in this step
+        had already freed their blocks (else it would demote for blocks about to be freed)."""
         if self.planner is None:
             return
         t0 = time.perf_counter()
         self.planner.refresh_if_stale()
         self._planner_time(t0, overlapped=True)
         self._reload(overlapped=True)
+        self._prepare_next(self._finishing(plan), overlapped=True)
+
+    def _finishing(self, plan: StepPlan) -> list[Sequence]:
+        """Requests that sample their last token (length limit) in ``plan``'s step; an EOS is not foreseen."""
+        return [s for c in plan.chunks if c.last and len((s := self.seqs[c.rid]).out) + 1 >= s.max_new_tokens]
 
     def _reload(self, overlapped: bool = False) -> None:
         """Sustained slack -> start reloads (SPEC section 6); the copies wait for the running step on the side
@@ -213,15 +219,26 @@ class Engine:
             started = self.store.begin_raise(plan.blocks[:k], self.store.table.bits[plan.to_idx[:k]])
             self._step_actions["raising"] += len(started)
 
-    def _prepare_next(self) -> None:
+    def _next_need(self, finishing: list[Sequence] | None = None) -> int:
+        """Bytes to free for the pressure expected ``lookahead_tokens`` from now: KV blocks the running requests
+        will take, minus the free ones and those that the ``finishing`` requests will release."""
         assert self.planner is not None
-        cfgp = self.planner.cfg
+        gone = {s.rid for s in finishing or ()}
+        ahead = sum(self.tables.extra_blocks(s.rid, self._ahead(s, s.computed))
+                    for s in self.scheduler.running if s.rid not in gone)
+        released = sum(1 for rid in gone if rid in self.tables
+                       for b in self.tables.table(rid) if self.alloc.refcount(b) == 1)
+        blocks = self.planner.cfg.free_threshold + 1 + ahead - self.alloc.num_free - released
+        return max(0, blocks) * self.kv_block_bytes
+
+    def _prepare_next(self, finishing: list[Sequence] | None = None, overlapped: bool = False) -> None:
+        """Queue the demotion plan for ``_next_need(finishing)`` bytes (the next lowering takes it)."""
+        assert self.planner is not None
         t0 = time.perf_counter()
-        ahead = sum(self.tables.extra_blocks(s.rid, self._ahead(s, s.computed)) for s in self.scheduler.running)
-        need = max(0, cfgp.free_threshold + 1 + ahead - self.alloc.num_free) * self.kv_block_bytes
+        need = self._next_need(finishing)
         if need > 0 and not self.planner.is_prepared(self.q_idx(), need):
             self.planner.prepare(self.q_idx(), need, self.store.movable())
-        self._planner_time(t0)
+        self._planner_time(t0, overlapped)
 
     # ------------------------------------------------------------------ requests and steps
     def add(self, seq: Sequence) -> None:
@@ -267,7 +284,7 @@ class Engine:
         # step's kernels in stream order, so the next step reads them) and start new ones
         if self._overlap:
             raised = self.store.poll()
-            self._plan_overlapped()
+            self._plan_overlapped(plan)
         self.totals.promoted_blocks += len(raised)
         self._reload_s = time.perf_counter() - t_launched
         self._sync()  # sampling synchronises right after anyway; this makes the model's time measurable
