@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -330,6 +331,9 @@ def main() -> None:
     ap.add_argument("--big-budget-gib", type=float, default=60.0, help="budget of the no-pressure runs (GiB)")
     ap.add_argument("--compare-unfused", action="store_true",
                     help="also run uniform 4-bit with the eager elementwise ops (EngineConfig.fused_kernels=False)")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="N > 0: run (uniform at each of --bits, PagedWeight under pressure) N times in turn per batch "
+                         "and report PagedWeight's decode tok/s against uniform's per repeat (the run-to-run spread)")
     args = ap.parse_args()
     global DEV
     DEV = args.device
@@ -369,23 +373,16 @@ def main() -> None:
         save()
     stripped = strip_experts(model, torch.device(DEV))  # the 16-bit experts leave the device
     reset_peak()
-    for b in [] if args.only_pressure else batches:
+    def uniform_row(b: int, q: int, fused: bool = True, rep: int = 0) -> None:
         reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
-        runs = [(int(x), True) for x in args.bits.split(",")]
-        if args.compare_unfused:
-            runs.insert(0, (4, False))
-        for q, fused in runs:
-            if over():
-                break
-            s = engine_run(stripped, src, table, "uniform", q, int(args.big_budget_gib * 2**30), reqs, args.gen, b,
-                           fused=fused)
-            name = f"ours uniform {q}-bit" + ("" if fused else " (eager elementwise ops)")
-            rows.append({"system": name, "batch": b, **_pick(s), "floor_tps": floor_tokens_per_s(spec, model, q, b,
-                                                                                                 ctx, bw)})
-            save()
-    for b in batches:
-        if over():
-            break
+        s = engine_run(stripped, src, table, "uniform", q, int(args.big_budget_gib * 2**30), reqs, args.gen, b,
+                       fused=fused)
+        name = f"ours uniform {q}-bit" + ("" if fused else " (eager elementwise ops)")
+        rows.append({"system": name, "batch": b, "rep": rep, **_pick(s),
+                     "floor_tps": floor_tokens_per_s(spec, model, q, b, ctx, bw)})
+        save()
+
+    def pressure_row(b: int, rep: int = 0) -> None:
         # b long requests, then b short ones (max_batch b): the long ones force demotions; once they finish
         # the short ones leave room, so planes are reloaded while the short ones decode (copies in flight)
         reqs = prompts(b, args.prompt_len, spec.vocab_size, 7 + b) + prompts(b, 256, spec.vocab_size, 9 + b)
@@ -396,9 +393,29 @@ def main() -> None:
         at4 = int(sum(table_at(table, spec, 4)))
         budget = int(fixed + work + at4 + 0.7 * b * kv_req)
         s = engine_run(stripped, src, table, "pagedweight", None, budget, reqs, args.gen, b)
-        rows.append({"system": "PagedWeight under pressure", "batch": b, **_pick(s),
+        rows.append({"system": "PagedWeight under pressure", "batch": b, "rep": rep, **_pick(s),
                      "floor_tps": floor_tokens_per_s(spec, model, s.get("mean_bits_time_avg", 4.0), b, ctx, bw)})
         save()
+
+    if args.interleave:  # repeated, interleaved runs: the run-to-run spread next to the ratio it is compared with
+        for rep in range(args.interleave):
+            for b in batches:
+                for q in [int(x) for x in args.bits.split(",")]:
+                    if not over():
+                        uniform_row(b, q, rep=rep)
+                if not over():
+                    pressure_row(b, rep)
+    else:
+        for b in [] if args.only_pressure else batches:
+            runs = [(int(x), True) for x in args.bits.split(",")]
+            if args.compare_unfused:
+                runs.insert(0, (4, False))
+            for q, fused in runs:
+                if not over():
+                    uniform_row(b, q, fused)
+        for b in batches:
+            if not over():
+                pressure_row(b)
     if not args.skip_hf:
         del model, stripped
         reset_peak()
@@ -427,6 +444,50 @@ def _pick(s: dict[str, Any]) -> dict[str, Any]:
     return {k: s[k] for k in KEYS if k in s}
 
 
+def _uniform_ms_at(uni: dict[int, float], bits: float) -> float:
+    """Decode step ms of uniform runs {q: ms} at a fractional bits per weight (linear between the nearest two)."""
+    qs = sorted(uni)
+    if len(qs) < 2 or not qs[0] <= bits <= qs[-1]:
+        return math.nan
+    hi = next(q for q in qs if q >= bits)
+    lo = max(q for q in qs if q <= bits)
+    return uni[lo] if hi == lo else uni[lo] + (uni[hi] - uni[lo]) * (bits - lo) / (hi - lo)
+
+
+def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per batch and repeat: PagedWeight's decode tok/s vs uniform 4-bit (equal committed bytes; issue #8's
+    target) and vs uniform interpolated to the bits a PagedWeight token reads (equal bytes read)."""
+    out = ["", "## PagedWeight vs uniform, per repeat (decode tok/s ratio - 1)", "",
+           "| batch | repeat | PW tok/s | uniform 4-bit tok/s | vs uniform 4-bit | bits read / token | "
+           "vs uniform at equal bits read |", "|---|---|---|---|---|---|---|"]
+    summary: dict[int, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["system"] != "PagedWeight under pressure":
+            continue
+        b, rep = r["batch"], r.get("rep", 0)
+        uni = {int(u["system"].split()[2].split("-")[0]): u["decode_step_ms_median"] for u in rows
+               if u["system"].startswith("ours uniform") and "eager" not in u["system"] and u["batch"] == b
+               and u.get("rep", 0) == rep}
+        u4 = next((u["decode_tps_measured"] for u in rows if u["system"] == "ours uniform 4-bit"
+                   and u["batch"] == b and u.get("rep", 0) == rep), math.nan)
+        pw = r.get("decode_tps_measured", math.nan)
+        read = r.get("bits_read_per_token", math.nan)
+        # tok/s ratio at equal bytes read = uniform step ms at those bits / PagedWeight step ms
+        matched = _uniform_ms_at(uni, read) / r.get("decode_step_ms_median", math.nan) - 1
+        summary.setdefault(b, []).append((pw / u4 - 1, matched))
+        out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {100 * (pw / u4 - 1):+.1f}% | {read:.2f} | "
+                   f"{100 * matched:+.1f}% |")
+    if any(len(v) > 1 for v in summary.values()):
+        out += ["", "| batch | repeats | vs uniform 4-bit: median (min .. max) | "
+                "vs equal bits read: median (min .. max) |", "|---|---|---|---|"]
+        for b, v in summary.items():
+            a, m = [x for x, _ in v], [y for _, y in v]
+            out.append(f"| {b} | {len(v)} | {100 * statistics.median(a):+.1f}% ({100 * min(a):+.1f} .. "
+                       f"{100 * max(a):+.1f}) | {100 * statistics.median(m):+.1f}% ({100 * min(m):+.1f} .. "
+                       f"{100 * max(m):+.1f}) |")
+    return out if summary else []
+
+
 def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = ["# End-to-end serving speed", "", f"Command: `{meta.get('command', 'python bench/serve_speed.py')}`", "",
              "`" + json.dumps(meta) + "`", "",
@@ -450,7 +511,7 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{r.get('planner_ms_per_step', math.nan):.3f} (+{r.get('planner_overlapped_ms_per_step', math.nan):.3f})"
             f" | {r.get('mean_bits_time_avg', math.nan):.2f} | {r.get('bits_read_per_token', math.nan):.2f} | "
             f"{peak / 2**30:.2f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ratio_lines(rows)) + "\n"
 
 
 if __name__ == "__main__":
