@@ -2,9 +2,9 @@
 
 Fresh random inputs each run; ragged sizes (H, I not multiples of the tiles), experts with no
 token, all tokens on one expert, a token picking one expert twice, every q in 1..8, a random mix
-of q in one launch, several top-k, bf16 and fp16, on each path (gemv decode with both code
-builders, fused tl.dot, dequantize + GEMM); workspaces are poisoned first so unwritten rows are
-caught; bits / LUT tables changed in place between calls are honoured.
+of q in one launch, several top-k, bf16 and fp16, on each path (gemv decode with narrow and
+wide tiles, fused tl.dot and dequantize + GEMM with one code builder each); workspaces are
+poisoned first so unwritten rows are caught; bits / LUT tables changed in place between calls are honoured.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ def make(num_experts: int, hidden: int, inter: int, bits: list[int], dtype: torc
 
 # one small config per path (few programs, so the interpreter stays fast)
 PATHS = {
-    "gemv": {"path": "gemv", "SPREAD": 1, "gate_up": {"BLOCK_N": 32, "BLOCK_K": 64},
+    "gemv": {"path": "gemv", "gate_up": {"BLOCK_N": 32, "BLOCK_K": 64},
              "down": {"BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 2}},
-    "gemv_bitwise": {"path": "gemv", "SPREAD": 0, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 128},
-                     "down": {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}},
+    "gemv_wide": {"path": "gemv", "gate_up": {"BLOCK_N": 4, "BLOCK_K": 256},
+                  "down": {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}},
     "fused": {"path": "fused", "SPREAD": 1, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64},
     "dequant": {"path": "dequant", "SPREAD": 0, "BLOCK_N": 16, "BLOCK_K": 64},
 }
