@@ -81,7 +81,8 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_row, q, rows, kw, KW, K, x_ptr, x_ro
     zero) and shifted right by 8 - q, so q stays a runtime value (one compile for every bitwidth);
     each byte picks the row's LUT entry. rows [R] (clamped to valid rows), lut_row [R] pointers to
     their LUTs, kw [BKW] word ids (>= KW masked), x_row [T_PAD] element offsets of each token's
-    activation row, x_mask [T_PAD] tokens to read (others contribute 0).
+    activation row, stored word-major ([32, KW]: column 32 w + i at i * KW + w, see ``word_major``),
+    x_mask [T_PAD] tokens to read (others contribute 0).
     Tiles are word-first ([BKW, R]): the plane loads are contiguous along dim 0, and Triton (3.6) lays
     a gather of unknown contiguity out with dim 0 along the lanes too, so a warp's LUT gather reads
     one row's LUT (one or two sectors) instead of one LUT per lane (16-32 sectors, measured with ncu
@@ -107,12 +108,13 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_row, q, rows, kw, KW, K, x_ptr, x_ro
             code = ((c >> (8 * b)) & 0xFF).to(tl.int32)
             w = tl.load(lut_row[None, :] + code).to(tl.float32)
             col = kw * 32 + (j + 8 * b)
+            xo = (j + 8 * b) * KW + kw  # activations word-major: a warp's lanes read consecutive elements
             if T_PAD == 1:  # 2-D products: no 3-D layout for Triton to convert the gathered weights to
-                xv = tl.load(x_ptr + tl.sum(x_row) + col, mask=(col < K) & (col * 0 + tl.sum(x_mask.to(tl.int32)) > 0),
-                             other=0.0).to(tl.float32)
+                live = col * 0 + tl.sum(x_mask.to(tl.int32)) > 0
+                xv = tl.load(x_ptr + tl.sum(x_row) + xo, mask=(col < K) & live, other=0.0).to(tl.float32)
                 prod = w * xv[:, None]
             else:
-                xv = tl.load(x_ptr + x_row[:, None] + col[None, :], mask=x_mask[:, None] & (col < K)[None, :],
+                xv = tl.load(x_ptr + x_row[:, None] + xo[None, :], mask=x_mask[:, None] & (col < K)[None, :],
                              other=0.0).to(tl.float32)
                 prod = w[None, :, :] * xv[:, :, None]
             if j == 0 and b == 0:
@@ -128,8 +130,8 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_row, q, rows, kw, KW, K, x_ptr, x_ro
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    x_ptr,  # [T, H] activations (bf16/fp16), rows stride_xm apart
-    inter_ptr,  # [T*k, I] out: silu(gate) * up in x's dtype, at each (token, expert)'s first pair row
+    x_ptr,  # [T, 32, KW_H] activations (bf16/fp16), word-major (``word_major``), rows stride_xm apart
+    inter_ptr,  # [T*k, 32, KW_I] out: silu(gate) * up in x's dtype, word-major, at each (token, expert)'s 1st pair
     ids_ptr,  # [T*k] expert ids, row-major [T, k]
     pool_ptr,  # int32 plane pool
     plane_off_ptr,  # int64 [2E, 8] word offsets of each block's planes
@@ -162,13 +164,14 @@ def _gemv_gate_up_kernel(
                           active, T_PAD)
     g, u = tl.split(tl.reshape(acc, (T_PAD, BLOCK_N, 2)))
     h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(inter_ptr + row[:, None] * I + n[None, :], h.to(inter_ptr.dtype.element_ty),
+    kwi = (I + 31) // 32
+    tl.store(inter_ptr + row[:, None] * (32 * kwi) + (n % 32) * kwi + n // 32, h.to(inter_ptr.dtype.element_ty),
              mask=active[:, None] & nmask[None, :])
 
 
 @triton.jit
 def _gemv_down_kernel(
-    inter_ptr,  # [T*k, I] from _gemv_gate_up_kernel
+    inter_ptr,  # [T*k, 32, KW_I] from _gemv_gate_up_kernel (word-major)
     out_ptr,  # [SPLIT, T*k, H] fp32: per split, routing-weighted partial expert output of every pair
     ids_ptr,  # [T*k] expert ids
     w_ptr,  # [T*k] fp32 routing weights
@@ -200,8 +203,8 @@ def _gemv_down_kernel(
     kw_hi = tl.where(lead, tl.minimum(kwn, kw_lo + chunk), kw_lo)
     y = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
     for kw0 in range(kw_lo, kw_hi, BKW):
-        y += _dot_words(pool_ptr, poff, lut, q, rows, kw0 + tl.arange(0, BKW), kwn, I, inter_ptr, row * I, active,
-                        T_PAD)
+        y += _dot_words(pool_ptr, poff, lut, q, rows, kw0 + tl.arange(0, BKW), kwn, I, inter_ptr, row * (32 * kwn),
+                        active, T_PAD)
     num_pairs = T * TOPK
     for s in tl.static_range(TOPK):
         pair = tok * TOPK + s
@@ -211,31 +214,46 @@ def _gemv_down_kernel(
                  mask=((ids_s == e) & active)[:, None] & nmask[None, :])
 
 
+def word_major(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> [T, 32, ceil(K / 32)] (same dtype, zero-padded): column 32 w + i at [t, i, w], the order in
+    which the GEMV's lanes (one plane word each) read activations, so that a warp's loads are contiguous."""
+    t, kdim = x.shape
+    kw = triton.cdiv(kdim, 32)
+    if kdim % 32:
+        x = torch.nn.functional.pad(x, (0, 32 * kw - kdim))
+    return x.reshape(t, kw, 32).transpose(1, 2).contiguous()
+
+
 def gemv_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any, cfg: dict[str, Any],
              workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode MoE output y [T, H] in x's dtype; inputs as ``kernels.ap_moe.ap_moe`` (already checked).
 
     ``cfg``: ``{"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {BLOCK_N, BLOCK_K, num_warps, SPLIT_K}}``
     (BLOCK_K: columns per K step, a multiple of 32). With a ``workspace`` (inter [>=T*k, I], out [>=T*k, H]
-    fp32) the down split-K is capped at out.shape[0] // (T*k) so that nothing is allocated.
+    fp32) the down split-K is capped at out.shape[0] // (T*k), and inter is used when I is a multiple of 32
+    (the word-major intermediate [T*k, 32, I / 32] then fits in it; otherwise one is allocated).
     """
     ex = experts
     t, k = topk_ids.shape
     num_pairs = t * k
     gu, dn = cfg["gate_up"], cfg["down"]
     split = dn.get("SPLIT_K", 1)
+    kwi = triton.cdiv(ex.inter, 32)
     if workspace is None:
-        inter = torch.empty(num_pairs, ex.inter, dtype=x.dtype, device=x.device)
+        inter = torch.empty(num_pairs, 32 * kwi, dtype=x.dtype, device=x.device)
         out = torch.empty(split * num_pairs, ex.hidden, dtype=torch.float32, device=x.device)
     else:
         inter, out = workspace
         split = max(1, min(split, out.shape[0] // num_pairs))
+        if ex.inter % 32:
+            inter = torch.empty(num_pairs, 32 * kwi, dtype=x.dtype, device=x.device)
+    xw = word_major(x)
     ids = topk_ids.contiguous().view(-1)
     w = topk_w.contiguous().view(-1).to(torch.float32)
     t_pad, k_pad = triton.next_power_of_2(t), triton.next_power_of_2(k)
     _gemv_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
-        x, inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
-        x.stride(0), TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=gu["BLOCK_K"] // 32,
+        xw, inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
+        xw.stride(0), TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=gu["BLOCK_K"] // 32,
         num_warps=gu.get("num_warps", 4))
     _gemv_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn["BLOCK_N"]), split)](
         inter, out, ids, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
