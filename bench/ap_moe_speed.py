@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -117,15 +116,14 @@ def hf_block(family: str, s: dict):  # type: ignore[no-untyped-def]
     return mod.to(device="cuda", dtype=torch.bfloat16)
 
 
-def gemv_cfg(gu: tuple[int, int, int], dn: tuple[int, int, int, int]) -> dict[str, Any]:
+def gemv_cfg(spread: int, gu: tuple[int, int, int], dn: tuple[int, int, int, int]) -> dict[str, Any]:
     gate_up = dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), gu, strict=True))
     down = dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"), dn, strict=True))
-    return {"path": "gemv", "gate_up": gate_up, "down": down}
+    return {"path": "gemv", "SPREAD": spread, "gate_up": gate_up, "down": down}
 
 
-GU = [(4, 1024, 4), (2, 2048, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8), (4, 512, 4), (16, 256, 4)]  # BLOCK_N pairs
-DN = [(8, 512, 4, 2), (4, 1024, 4, 1), (16, 512, 8, 2), (8, 256, 4, 4), (4, 512, 4, 2), (16, 256, 4, 2),
-      (32, 256, 8, 1)]
+GU = [(8, 256, 4), (4, 256, 4), (16, 128, 4), (8, 512, 8), (16, 256, 8)]  # BLOCK_N gate (and up) rows
+DN = [(32, 128, 4, 4), (16, 256, 4, 4), (16, 256, 4, 8), (32, 128, 4, 2), (8, 512, 4, 8), (32, 256, 8, 2)]
 FUSED = [{"path": "fused", "SPREAD": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4},
          {"path": "fused", "SPREAD": 1, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8}]
 DEQUANT = [{"path": "dequant", "SPREAD": sp, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
@@ -134,7 +132,8 @@ DEQUANT = [{"path": "dequant", "SPREAD": sp, "BLOCK_N": bn, "BLOCK_K": bk, "num_
 
 def candidates(t: int) -> list[dict[str, Any]]:
     """Every config the tuner may time at T = t (all compiled ahead in parallel)."""
-    gemv = [gemv_cfg(gu, DN[0]) for gu in GU] + [gemv_cfg(GU[0], dn) for dn in DN[1:]]
+    gemv = [gemv_cfg(sp, gu, dn) for sp in (0, 1) for gu in GU for dn in DN[:1]]
+    gemv += [gemv_cfg(sp, gu, dn) for sp in (0, 1) for gu in GU[:1] for dn in DN[1:]]
     if t <= 4:
         return gemv
     return (FUSED + DEQUANT) if t <= 64 else DEQUANT  # the T = 4 winner compiles on demand
@@ -186,7 +185,7 @@ def routed(s: dict, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return x, ids, w
 
 
-def tune_shape(family: str, s: dict, ex: Any, reps: int, gemv_only: bool = False) -> list[dict[str, Any]]:
+def tune_shape(family: str, s: dict, ex: Any, reps: int) -> list[dict[str, Any]]:
     """Buckets for ``configs/ap_moe.json`` of this shape, timed on ``ex`` (q = 4)."""
     def ms(cfg: dict[str, Any], t: int) -> float:  # GPU time (graph replay) where capturable: no CPU noise
         x, ids, w = routed(s, t, 100 + t)
@@ -200,18 +199,15 @@ def tune_shape(family: str, s: dict, ex: Any, reps: int, gemv_only: bool = False
     log = []
     best: dict[int, tuple[float, dict[str, Any]]] = {}
     for t in (1, 4):
-        res = [(ms(c, t), c) for c in (gemv_cfg(gu, DN[0]) for gu in GU)]
+        cands = [gemv_cfg(sp, GU[0], DN[0]) for sp in (0, 1)]
+        res = [(ms(c, t), c) for c in cands]
+        spread = min(res, key=lambda r: r[0])[1]["SPREAD"]
+        res += [(ms(c, t), c) for c in (gemv_cfg(spread, gu, DN[0]) for gu in GU[1:])]
         gu_best = min(res, key=lambda r: r[0])[1]["gate_up"]
         gu_t = (gu_best["BLOCK_N"], gu_best["BLOCK_K"], gu_best["num_warps"])
-        res += [(ms(c, t), c) for c in (gemv_cfg(gu_t, dn) for dn in DN[1:])]  # kernels cached apart
+        res += [(ms(c, t), c) for c in (gemv_cfg(spread, gu_t, dn) for dn in DN[1:])]  # kernels cached apart
         best[t] = min(res, key=lambda r: r[0])
         log += [(t, r[0], r[1]) for r in res]
-    if gemv_only:  # the T >= 16 buckets (fused / dequant paths) stay as they are
-        for t, m, c in log:
-            print(f"tune {family} T={t} {m:.4f} ms {json.dumps(c)}", flush=True)
-        keep = [b for b in CONFIGS["by_shape"].get(f"{s['hidden']}x{s['inter']}", CONFIGS["default"])
-                if b["min_tokens"] >= 16]
-        return [{"min_tokens": 1, "config": best[1][1]}, {"min_tokens": 2, "config": best[4][1]}, *keep]
     for t in (16, 64, 256):
         cands = [best[4][1], *FUSED, *DEQUANT] if t <= 64 else DEQUANT
         res = [(ms(c, t), c) for c in cands]
@@ -226,7 +222,7 @@ def tune_shape(family: str, s: dict, ex: Any, reps: int, gemv_only: bool = False
 
 
 def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, reps: int,
-              tuned: dict[str, list], gemv_only: bool = False) -> list[dict]:
+              tuned: dict[str, list]) -> list[dict]:
     e, hdim, inter = s["experts"], s["hidden"], s["inter"]
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -241,7 +237,7 @@ def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, rep
     hf = hf_block(family, s)
     key = f"{hdim}x{inter}"
     if key in tuned:
-        tuned[key] = tune_shape(family, s, make_layer(s, [4] * (2 * e), codes, luts), reps, gemv_only)
+        tuned[key] = tune_shape(family, s, make_layer(s, [4] * (2 * e), codes, luts), reps)
         CONFIGS["by_shape"][key] = tuned[key]
     rows = []
     for qname in qs:
@@ -287,8 +283,6 @@ def main() -> None:
     ap.add_argument("--out-md", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="fewer T and q")
     ap.add_argument("--tune", action="store_true", help="pick configs first (see module docstring)")
-    ap.add_argument("--tune-gemv-only", action="store_true",
-                    help="with --tune: only the decode (gemv) buckets T = 1 and 2..15; keep the others")
     ap.add_argument("--workers", type=int, default=12, help="processes compiling tuning candidates")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default=None, help="comma-separated families (default: all)")
@@ -298,9 +292,7 @@ def main() -> None:
     t0 = time.time()
     tuned: dict[str, list] = {}
     if args.tune:
-        tune_ts = (1, 4) if args.tune_gemv_only else (1, 4, 16, 64, 256)
-        jobs = [(fam, t, c) for fam in SHAPES for t in tune_ts for c in candidates(t)
-                if not args.shapes or fam in args.shapes.split(",")]
+        jobs = [(fam, t, c) for fam in SHAPES for t in (1, 4, 16, 64, 256) for c in candidates(t)]
         precompile(jobs, args.workers)
         print(f"precompiled {len(jobs)} candidates in {time.time() - t0:.0f} s", flush=True)
         tuned = {f"{s['hidden']}x{s['inter']}": [] for s in SHAPES.values()}
@@ -313,7 +305,7 @@ def main() -> None:
     for fam, s in SHAPES.items():
         if args.shapes and fam not in args.shapes.split(","):
             continue
-        rows += run_shape(fam, s, ts, qs, bw, args.reps, tuned, args.tune_gemv_only)
+        rows += run_shape(fam, s, ts, qs, bw, args.reps, tuned)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
             "date": time.strftime("%Y-%m-%d"), "copy_bandwidth_TBps": round(bw / 1e12, 3),
             "seconds": round(time.time() - t0)}
@@ -328,7 +320,7 @@ def main() -> None:
         lines += [f"| {r['shape']} | {r['q']} | {r['T']} | {r['path']} | {r['kernel_ms']} | {r['graph_ms']} | "
                   f"{r['bf16_dense_ms']} | {r['transformers_ms']} | {r['floor_ms']} | {r['pct_of_floor']} | "
                   f"{r['graph_pct_of_floor']} | {r['speedup_vs_dense']} | {r['rel_err']} |" for r in rows]
-        cmd = "python " + " ".join(sys.argv)
+        cmd = "python bench/ap_moe_speed.py" + (" --quick" if args.quick else "") + (" --tune" if args.tune else "")
         args.out_md.write_text(f"# AP MoE kernel speed\n\nCommand: `{cmd}`\n\n{meta}\n\n" + "\n".join(lines) + "\n")
 
 

@@ -4,24 +4,19 @@ What it does: the same math as ``kernels.ap_moe.ap_moe_ref`` for small T (decode
 cores and no routing preprocessing on the host or in extra launches:
   1. ``_gemv_gate_up_kernel``: one program per (pair j, tile of BLOCK_N intermediate columns). The
      program of expert e = ids[j] works only if j is e's first pair (its leader; the others exit
-     at once), finds e's tokens from the [T, k] ids itself, and runs over the 2 * BLOCK_N gate and up
-     rows (interleaved) BKW plane words at a time; SiLU(gate) * up goes to ``inter`` at the token's
-     first pair row for e.
+     at once), finds e's tokens from the [T, k] ids itself, dequantizes each [2 * BLOCK_N, BLOCK_K]
+     tile of gate and up rows (interleaved) once in registers (``kernels.ap_tile.weight_tile``) and
+     uses it for every token of e; SiLU(gate) * up goes to ``inter`` at the token's first pair row for e.
   2. ``_gemv_down_kernel``: same, over the down rows, with split-K (grid axis 2) so that one token
      still fills the GPU; each split writes its routing-weighted partial sum for every pair
      (t, s) with ids[t, s] == e into ``out`` [SPLIT, T*k, H] fp32, and the launcher sums the splits
      and the k slots (a deterministic reduction, no atomics).
-Both build weights **word-major** (``_dot_words``): a thread keeps whole plane words and makes the 32
-weights of each itself with constant shifts, so nothing changes layout (the [BLOCK_N, BLOCK_K]
-tiles of ``kernels.ap_tile.weight_tile`` spread a word's columns over threads: a reshape through
-shared memory, ~23 instructions per weight and 236 registers on sm_90); q stays a runtime value
-(codes are built as 8-bit, then shifted), so one compile serves every bitwidth and a launch mixes
-them. Measured on the H200: bench/results/ap_moe_notes.md. Each of the expert's tokens keeps its
-own [rows, BKW] fp32 accumulator (T_PAD of them; tokens not routed to the expert are masked).
+With one token (T_PAD = 1) the K loop keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces once
+at the end; with more, it loops over the expert's tokens and reduces each product per K tile.
 Nothing here syncs with the host: values of ``bits``, ``plane_offset`` and ``lut_offset`` are read
 by the kernels at every call, so a runtime may change them in place between calls.
 What it does not do: validate inputs (``kernels.ap_moe.ap_moe`` does) or handle many tokens well
-(registers grow with T_PAD; prefill uses the dequantize + grouped GEMM path).
+(each program loops over its expert's tokens; prefill uses the dequantize + grouped GEMM path).
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ap_tile import lut_rows
+from kernels.ap_tile import lut_rows, weight_tile
 
 
 @triton.jit
@@ -56,82 +51,9 @@ def _expert_of(ids_ptr, j, T, TOPK: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl
 
 
 @triton.jit
-def _bits_to(w, j: tl.constexpr, s: tl.constexpr):
-    """Bits j, j+8, j+16, j+24 of uint32 ``w`` moved to bits s, s+8, s+16, s+24 (others 0): one shift, one and."""
-    if j >= s:
-        return (w >> (j - s)) & (0x01010101 << s)
-    else:
-        return (w << (s - j)) & (0x01010101 << s)
-
-
-@triton.jit
-def _words(pool_ptr, plane_off_ptr, p: tl.constexpr, q, word, wmask):
-    """uint32 words of plane p at ``word`` (0 where p >= q: a masked load moves no bytes)."""
-    return tl.load(pool_ptr + tl.load(plane_off_ptr + p) + word, mask=wmask & (word * 0 + p < q),
-                   other=0).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _dot_words(pool_ptr, plane_off_ptr, lut_row, q, rows, kw, KW, K, x_ptr, x_row, x_mask, T_PAD: tl.constexpr):
-    """[T_PAD, R] fp32: W[rows, columns of words kw] @ x[t, those columns] for each token t, word-major.
-
-    Each thread keeps whole plane words and makes all 32 weights of each word itself (no layout
-    change): for j in 0..7, one shift + one and per plane put the codes of columns 32 kw + j + 8 b
-    (b = 0..3) in the 4 bytes of one word, built as 8-bit codes (plane p at bit 7 - p, planes >= q
-    zero) and shifted right by 8 - q, so q stays a runtime value (one compile for every bitwidth);
-    each byte picks the row's LUT entry. rows [R] (clamped to valid rows), lut_row [R] pointers to
-    their LUTs, kw [BKW] word ids (>= KW masked), x_row [T_PAD] element offsets of each token's
-    activation row, stored word-major ([32, KW]: column 32 w + i at i * KW + w, see ``word_major``),
-    x_mask [T_PAD] tokens to read (others contribute 0).
-    Tiles are word-first ([BKW, R]): the plane loads are contiguous along dim 0, and Triton (3.6) lays
-    a gather of unknown contiguity out with dim 0 along the lanes too, so a warp's LUT gather reads
-    one row's LUT (one or two sectors) instead of one LUT per lane (16-32 sectors, measured with ncu
-    on the rows-first tiles: bench/results/ap_moe_notes.md). The products are summed in a tile that takes
-    the gather's layout and reduced over the words once per call (a loop-carried [.., BKW, R]
-    accumulator would keep Triton's default layout, lanes along R, and convert every product to it).
-    """
-    wmask = (kw < KW)[:, None]
-    word = kw[:, None] + rows[None, :] * KW
-    w0 = _words(pool_ptr, plane_off_ptr, 0, q, word, wmask)
-    w1 = _words(pool_ptr, plane_off_ptr, 1, q, word, wmask)
-    w2 = _words(pool_ptr, plane_off_ptr, 2, q, word, wmask)
-    w3 = _words(pool_ptr, plane_off_ptr, 3, q, word, wmask)
-    w4 = _words(pool_ptr, plane_off_ptr, 4, q, word, wmask)
-    w5 = _words(pool_ptr, plane_off_ptr, 5, q, word, wmask)
-    w6 = _words(pool_ptr, plane_off_ptr, 6, q, word, wmask)
-    w7 = _words(pool_ptr, plane_off_ptr, 7, q, word, wmask)
-    shift = (8 - q).to(tl.uint32)
-    for j in tl.static_range(8):
-        c = _bits_to(w0, j, 7) | _bits_to(w1, j, 6) | _bits_to(w2, j, 5) | _bits_to(w3, j, 4)
-        c = (c | _bits_to(w4, j, 3) | _bits_to(w5, j, 2) | _bits_to(w6, j, 1) | _bits_to(w7, j, 0)) >> shift
-        for b in tl.static_range(4):
-            code = ((c >> (8 * b)) & 0xFF).to(tl.int32)
-            w = tl.load(lut_row[None, :] + code).to(tl.float32)
-            col = kw * 32 + (j + 8 * b)
-            xo = (j + 8 * b) * KW + kw  # activations word-major: a warp's lanes read consecutive elements
-            if T_PAD == 1:  # 2-D products: no 3-D layout for Triton to convert the gathered weights to
-                live = col * 0 + tl.sum(x_mask.to(tl.int32)) > 0
-                xv = tl.load(x_ptr + tl.sum(x_row) + xo, mask=(col < K) & live, other=0.0).to(tl.float32)
-                prod = w * xv[:, None]
-            else:
-                xv = tl.load(x_ptr + x_row[:, None] + xo[None, :], mask=x_mask[:, None] & (col < K)[None, :],
-                             other=0.0).to(tl.float32)
-                prod = w[None, :, :] * xv[:, :, None]
-            if j == 0 and b == 0:
-                part = prod
-            else:
-                part += prod
-    if T_PAD == 1:
-        out = tl.sum(part, axis=0)[None, :]
-    else:
-        out = tl.sum(part, axis=1)
-    return out
-
-
-@triton.jit
 def _gemv_gate_up_kernel(
-    x_ptr,  # [T, 32, KW_H] activations (bf16/fp16), word-major (``word_major``), rows stride_xm apart
-    inter_ptr,  # [T*k, 32, KW_I] out: silu(gate) * up in x's dtype, word-major, at each (token, expert)'s 1st pair
+    x_ptr,  # [T, H] activations (bf16/fp16), rows stride_xm apart
+    inter_ptr,  # [T*k, I] out: silu(gate) * up in x's dtype, at each (token, expert)'s first pair row
     ids_ptr,  # [T*k] expert ids, row-major [T, k]
     pool_ptr,  # int32 plane pool
     plane_off_ptr,  # int64 [2E, 8] word offsets of each block's planes
@@ -145,33 +67,53 @@ def _gemv_gate_up_kernel(
     TOPK: tl.constexpr,
     T_PAD: tl.constexpr,  # next power of 2 >= T
     K_PAD: tl.constexpr,  # next power of 2 >= TOPK
-    BLOCK_N: tl.constexpr,  # intermediate columns per program (2 * BLOCK_N gate and up rows)
-    BKW: tl.constexpr,  # plane words (32 columns each) per K step
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPREAD: tl.constexpr,  # code-building variant of weight_tile
 ):
     e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
     blk = 2 * e
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
-    # 2 * BLOCK_N rows, gate and up interleaved, clamped so that every load is in bounds (stores are masked)
+    # one tile of 2 * BLOCK_N rows, gate and up rows interleaved, so that all their plane loads are in flight at once
     r = tl.arange(0, 2 * BLOCK_N)
-    rows = tl.minimum(tl.program_id(1) * BLOCK_N + r // 2, I - 1) + (r % 2) * I
+    n2 = tl.program_id(1) * BLOCK_N + r // 2
+    rmask = n2 < I
+    rows = n2 + (r % 2) * I
     q, lut = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, rows)
     poff = plane_off_ptr + blk * 8
-    kwn = (H + 31) // 32
-    acc = tl.zeros((T_PAD, 2 * BLOCK_N), dtype=tl.float32)
-    for kw0 in range(0, tl.where(lead, kwn, 0), BKW):
-        acc += _dot_words(pool_ptr, poff, lut, q, rows, kw0 + tl.arange(0, BKW), kwn, H, x_ptr, tok * stride_xm,
-                          active, T_PAD)
-    g, u = tl.split(tl.reshape(acc, (T_PAD, BLOCK_N, 2)))
+    kw = (H + 31) // 32
+    k_end = tl.where(lead, H, 0)
+    if T_PAD == 1:
+        acc = tl.zeros((2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, k_end, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+            w = weight_tile(pool_ptr, poff, lut, q, rows, rmask, k0, H, kw, 2 * BLOCK_N, BLOCK_K, SPREAD)
+            acc += w.to(tl.float32) * xk[None, :]
+        gu = tl.reshape(tl.sum(acc, axis=1), (1, BLOCK_N, 2))
+    else:
+        act = active.to(tl.int32)
+        count = tl.sum(act)
+        rank = tl.cumsum(act, 0) - act
+        gu2 = tl.zeros((T_PAD, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k_end, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = weight_tile(pool_ptr, poff, lut, q, rows, rmask, k0, H, kw, 2 * BLOCK_N, BLOCK_K, SPREAD).to(tl.float32)
+            for m in range(0, count):
+                t = tl.sum(tl.where(active & (rank == m), tok, 0))
+                xk = tl.load(x_ptr + t * stride_xm + cols, mask=cols < H, other=0.0).to(tl.float32)
+                gu2 = tl.where((tok == t)[:, None], gu2 + tl.sum(w * xk[None, :], axis=1)[None, :], gu2)
+        gu = tl.reshape(gu2, (T_PAD, BLOCK_N, 2))
+    g, u = tl.split(gu)
     h = g / (1.0 + tl.exp(-g)) * u
-    kwi = (I + 31) // 32
-    tl.store(inter_ptr + row[:, None] * (32 * kwi) + (n % 32) * kwi + n // 32, h.to(inter_ptr.dtype.element_ty),
+    tl.store(inter_ptr + row[:, None] * I + n[None, :], h.to(inter_ptr.dtype.element_ty),
              mask=active[:, None] & nmask[None, :])
 
 
 @triton.jit
 def _gemv_down_kernel(
-    inter_ptr,  # [T*k, 32, KW_I] from _gemv_gate_up_kernel (word-major)
+    inter_ptr,  # [T*k, I] from _gemv_gate_up_kernel
     out_ptr,  # [SPLIT, T*k, H] fp32: per split, routing-weighted partial expert output of every pair
     ids_ptr,  # [T*k] expert ids
     w_ptr,  # [T*k] fp32 routing weights
@@ -187,24 +129,43 @@ def _gemv_down_kernel(
     T_PAD: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BKW: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPREAD: tl.constexpr,
 ):
     e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
     pid_s = tl.program_id(2)
     blk = 2 * e + 1
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
-    rows = tl.minimum(n, H - 1)
-    q, lut = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, rows)
+    q, lut = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, n)
     poff = plane_off_ptr + blk * 8
-    kwn = (I + 31) // 32
-    chunk = tl.cdiv(tl.cdiv(kwn, BKW), tl.num_programs(2)) * BKW
-    kw_lo = pid_s * chunk
-    kw_hi = tl.where(lead, tl.minimum(kwn, kw_lo + chunk), kw_lo)
-    y = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
-    for kw0 in range(kw_lo, kw_hi, BKW):
-        y += _dot_words(pool_ptr, poff, lut, q, rows, kw0 + tl.arange(0, BKW), kwn, I, inter_ptr, row * (32 * kwn),
-                        active, T_PAD)
+    kw = (I + 31) // 32
+    chunk = tl.cdiv(tl.cdiv(I, BLOCK_K), tl.num_programs(2)) * BLOCK_K
+    k_lo = pid_s * chunk
+    k_hi = tl.where(lead, tl.minimum(I, k_lo + chunk), k_lo)
+    if T_PAD == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        r0 = tl.sum(row)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            hk = tl.load(inter_ptr + r0 * I + cols, mask=cols < I, other=0.0).to(tl.float32)
+            wd = weight_tile(pool_ptr, poff, lut, q, n, nmask, k0, I, kw, BLOCK_N, BLOCK_K, SPREAD)
+            acc += wd.to(tl.float32) * hk[None, :]
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
+        act = active.to(tl.int32)
+        count = tl.sum(act)
+        rank = tl.cumsum(act, 0) - act
+        y = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            wd = weight_tile(pool_ptr, poff, lut, q, n, nmask, k0, I, kw, BLOCK_N, BLOCK_K, SPREAD).to(tl.float32)
+            for m in range(0, count):
+                sel = active & (rank == m)
+                t = tl.sum(tl.where(sel, tok, 0))
+                r = tl.sum(tl.where(sel, row, 0))
+                hk = tl.load(inter_ptr + r * I + cols, mask=cols < I, other=0.0).to(tl.float32)
+                y = tl.where((tok == t)[:, None], y + tl.sum(wd * hk[None, :], axis=1)[None, :], y)
     num_pairs = T * TOPK
     for s in tl.static_range(TOPK):
         pair = tok * TOPK + s
@@ -214,49 +175,35 @@ def _gemv_down_kernel(
                  mask=((ids_s == e) & active)[:, None] & nmask[None, :])
 
 
-def word_major(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] -> [T, 32, ceil(K / 32)] (same dtype, zero-padded): column 32 w + i at [t, i, w], the order in
-    which the GEMV's lanes (one plane word each) read activations, so that a warp's loads are contiguous."""
-    t, kdim = x.shape
-    kw = triton.cdiv(kdim, 32)
-    if kdim % 32:
-        x = torch.nn.functional.pad(x, (0, 32 * kw - kdim))
-    return x.reshape(t, kw, 32).transpose(1, 2).contiguous()
-
-
 def gemv_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any, cfg: dict[str, Any],
              workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode MoE output y [T, H] in x's dtype; inputs as ``kernels.ap_moe.ap_moe`` (already checked).
 
-    ``cfg``: ``{"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {BLOCK_N, BLOCK_K, num_warps, SPLIT_K}}``
-    (BLOCK_K: columns per K step, a multiple of 32). With a ``workspace`` (inter [>=T*k, I], out [>=T*k, H]
-    fp32) the down split-K is capped at out.shape[0] // (T*k), and inter is used when I is a multiple of 32
-    (the word-major intermediate [T*k, 32, I / 32] then fits in it; otherwise one is allocated).
+    ``cfg``: ``{"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {BLOCK_N, BLOCK_K, num_warps, SPLIT_K},
+    "SPREAD": 0|1}``. With a ``workspace`` (inter [>=T*k, I], out [>=T*k, H] fp32) the down split-K is
+    capped at out.shape[0] // (T*k) so that nothing is allocated.
     """
     ex = experts
     t, k = topk_ids.shape
     num_pairs = t * k
     gu, dn = cfg["gate_up"], cfg["down"]
     split = dn.get("SPLIT_K", 1)
-    kwi = triton.cdiv(ex.inter, 32)
     if workspace is None:
-        inter = torch.empty(num_pairs, 32 * kwi, dtype=x.dtype, device=x.device)
+        inter = torch.empty(num_pairs, ex.inter, dtype=x.dtype, device=x.device)
         out = torch.empty(split * num_pairs, ex.hidden, dtype=torch.float32, device=x.device)
     else:
         inter, out = workspace
         split = max(1, min(split, out.shape[0] // num_pairs))
-        if ex.inter % 32:
-            inter = torch.empty(num_pairs, 32 * kwi, dtype=x.dtype, device=x.device)
-    xw = word_major(x)
     ids = topk_ids.contiguous().view(-1)
     w = topk_w.contiguous().view(-1).to(torch.float32)
     t_pad, k_pad = triton.next_power_of_2(t), triton.next_power_of_2(k)
+    spread = cfg.get("SPREAD", 1)
     _gemv_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
-        xw, inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
-        xw.stride(0), TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=gu["BLOCK_K"] // 32,
+        x, inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
+        x.stride(0), TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], SPREAD=spread,
         num_warps=gu.get("num_warps", 4))
     _gemv_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn["BLOCK_N"]), split)](
         inter, out, ids, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
-        TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BKW=dn["BLOCK_K"] // 32,
+        TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], SPREAD=spread,
         num_warps=dn.get("num_warps", 4))
     return out[:split * num_pairs].view(split, t, k, ex.hidden).sum((0, 2)).to(x.dtype)
