@@ -14,7 +14,9 @@ move every plane independently):
   * ``bits`` int32 [num_blocks]: committed q_i. Block ids: gate_up of expert e = 2e, down = 2e+1.
     Planes q_i..7 of block i are never read.
 
-Three paths, chosen per call by T and shape from data (``kernels/configs/ap_moe.json``):
+Four paths, chosen per call by T and shape from data (``kernels/configs/ap_moe.json``):
+  * ``gemv1`` (decode, one token): ``kernels/ap_moe_gemv1.py``, word-first GEMV kernels laid out so
+    that a warp's LUT gathers and activation loads are contiguous; no host sync.
   * ``gemv`` (decode, few tokens): ``kernels/ap_moe_gemv.py``, GEMV kernels without tensor cores
     or routing preprocessing: gate_up + SiLU*up fused, down with split-K; no host sync.
   * ``fused`` (medium T): ``_gate_up_kernel`` / ``_down_kernel`` here: per tile of BLOCK_M
@@ -25,7 +27,7 @@ Three paths, chosen per call by T and shape from data (``kernels/configs/ap_moe.
     launcher (deterministic, no atomics).
   * ``dequant`` (prefill): ``_dequant_kernel`` writes every used expert densely once, then
     ``torch._grouped_mm`` runs both units on tensor cores.
-All of them build weights with ``kernels.ap_tile.weight_tile`` (codes from plane words in
+All but ``gemv1`` build weights with ``kernels.ap_tile.weight_tile`` (codes from plane words in
 registers, then the row's LUT). Accumulation is fp32; the intermediate is stored in x's dtype.
 The shared expert runs through the same kernels as an always-selected expert (k = 1, weight =
 its sigmoid gate or 1): see ``ap_moe_shared``.
@@ -45,6 +47,7 @@ import triton
 import triton.language as tl
 
 from kernels.ap_moe_gemv import gemv_moe
+from kernels.ap_moe_gemv1 import gemv1_moe
 from kernels.ap_tile import lut_rows, weight_tile
 from pwrun.ap.format import dequantize
 
@@ -314,6 +317,8 @@ def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, expert
         if inter.shape[0] < num_pairs or inter.shape[1:] != (ex.inter,) or out_pairs.shape[1:] != (ex.hidden,) \
                 or out_pairs.shape[0] < num_pairs or inter.dtype != x.dtype or out_pairs.dtype != torch.float32:
             raise ValueError("workspace must be (inter [>=T*k, I] in x's dtype, out_pairs [>=T*k, H] float32)")
+    if path == "gemv1":  # one token (ValueError otherwise); allocates its small buffers itself
+        return gemv1_moe(x, topk_ids, topk_w, ex, cfg)
     if path == "gemv":
         return gemv_moe(x, topk_ids, topk_w, ex, cfg, workspace)
     if path == "dequant":

@@ -36,6 +36,9 @@ PATHS = {
     "fused": {"path": "fused", "SPREAD": 1, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64},
     "dequant": {"path": "dequant", "SPREAD": 0, "BLOCK_N": 16, "BLOCK_K": 64},
 }
+# one token only (the T = 1 decode path)
+GEMV1 = {"path": "gemv1", "gate_up": {"BLOCK_N": 4, "BLOCK_K": 64},
+         "down": {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2}}
 
 
 def check(t: int, k: int, e: int, hidden: int, inter: int, bits: list[int], dtype: torch.dtype, seed: int,
@@ -202,3 +205,45 @@ def test_dequant_blocks_match_reference_dequantization() -> None:
     for j, b in enumerate([2, 0, 4]):
         planes, lut, _, k = ex.block(b)
         assert torch.equal(got[j], dequantize(planes, lut, k, planes.shape[0], torch.bfloat16))
+
+
+@pytest.mark.parametrize(("k", "e", "hidden", "inter", "dtype"),
+                         [(1, 3, 104, 40, BF), (2, 4, 72, 48, FP), (4, 6, 64, 32, BF), (8, 10, 96 + 8, 40, FP)])
+def test_one_token_word_first_path_ragged_mixed_q(k: int, e: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    """gemv1 (one token): H and I not multiples of 32 or of the tiles, a random mix of q in 2..8 in one launch,
+    top-k 1..8, split-K over the down rows, bf16 and fp16."""
+    bits = torch.randint(2, 9, (2 * e,), generator=torch.Generator().manual_seed(k)).tolist()
+    check(1, k, e, hidden, inter, bits, dtype, seed=40 + k, config=GEMV1)
+
+
+@pytest.mark.parametrize("q", range(2, 9))
+def test_one_token_word_first_path_every_bitwidth(q: int) -> None:
+    check(1, 2, 3, hidden=64, inter=48, bits=[q] * 6, dtype=torch.bfloat16, seed=50 + q, config=GEMV1)
+
+
+def test_one_token_word_first_path_expert_picked_twice_and_wide_tiles() -> None:
+    """A token whose top-k names one expert twice (both slots weighted), tiles wider than the block (masked)."""
+    ids = torch.tensor([[2, 0, 2]])
+    cfg = {"path": "gemv1", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 256}, "down": {"BLOCK_N": 32, "BLOCK_K": 128}}
+    check(1, 3, 4, hidden=72, inter=40, bits=[4, 2, 8, 3, 5, 6, 7, 2], dtype=torch.float16, seed=9, ids=ids,
+          config=cfg)
+
+
+def test_one_token_word_first_path_rejects_several_tokens() -> None:
+    ex = make(2, 64, 32, [4] * 4, torch.bfloat16, 0)
+    x = torch.randn(2, 64).to(torch.bfloat16).to(DEV)
+    ids, w = torch.tensor([[0], [1]]).to(DEV), torch.ones(2, 1).to(DEV)
+    with pytest.raises(ValueError, match="one token"):
+        ap_moe(x, ids, w, ex, config=GEMV1)
+
+
+def test_word_major_layout() -> None:
+    """word_major puts column 32 w + i at [t, i, w] and zero-pads the last word."""
+    from kernels.ap_moe_gemv1 import word_major
+
+    x = torch.arange(2 * 70, dtype=torch.float32).view(2, 70)
+    got = word_major(x)
+    assert got.shape == (2, 32, 3)
+    for t, col in [(0, 0), (1, 33), (0, 69), (1, 64)]:
+        assert got[t, col % 32, col // 32] == x[t, col]
+    assert (got[:, 6:, 2] == 0).all()
