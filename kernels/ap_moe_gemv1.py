@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.ap_moe_gemv import _expert_of
-from kernels.ap_tile import lut_rows
+from kernels.ap_tile import _plane, lut_rows
 
 
 @triton.jit
@@ -40,13 +40,6 @@ def _bits_to(w, j: tl.constexpr, s: tl.constexpr):
         return (w >> (j - s)) & (0x01010101 << s)
     else:
         return (w << (s - j)) & (0x01010101 << s)
-
-
-@triton.jit
-def _words(pool_ptr, plane_off_ptr, p: tl.constexpr, q, word, wmask):
-    """uint32 words of plane p at ``word`` (0 where p >= q: a masked load moves no bytes)."""
-    return tl.load(pool_ptr + tl.load(plane_off_ptr + p) + word, mask=wmask & (word * 0 + p < q),
-                   other=0).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -60,14 +53,14 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_row, q, rows, kw, KW, K, x_ptr, live
     """
     wmask = (kw < KW)[:, None] & (kw * 0 + live > 0)[:, None]
     word = kw[:, None] + rows[None, :] * KW
-    w0 = _words(pool_ptr, plane_off_ptr, 0, q, word, wmask)
-    w1 = _words(pool_ptr, plane_off_ptr, 1, q, word, wmask)
-    w2 = _words(pool_ptr, plane_off_ptr, 2, q, word, wmask)
-    w3 = _words(pool_ptr, plane_off_ptr, 3, q, word, wmask)
-    w4 = _words(pool_ptr, plane_off_ptr, 4, q, word, wmask)
-    w5 = _words(pool_ptr, plane_off_ptr, 5, q, word, wmask)
-    w6 = _words(pool_ptr, plane_off_ptr, 6, q, word, wmask)
-    w7 = _words(pool_ptr, plane_off_ptr, 7, q, word, wmask)
+    w0 = _plane(pool_ptr, plane_off_ptr, 0, q, word, wmask).to(tl.uint32, bitcast=True)
+    w1 = _plane(pool_ptr, plane_off_ptr, 1, q, word, wmask).to(tl.uint32, bitcast=True)
+    w2 = _plane(pool_ptr, plane_off_ptr, 2, q, word, wmask).to(tl.uint32, bitcast=True)
+    w3 = _plane(pool_ptr, plane_off_ptr, 3, q, word, wmask).to(tl.uint32, bitcast=True)
+    w4 = _plane(pool_ptr, plane_off_ptr, 4, q, word, wmask).to(tl.uint32, bitcast=True)
+    w5 = _plane(pool_ptr, plane_off_ptr, 5, q, word, wmask).to(tl.uint32, bitcast=True)
+    w6 = _plane(pool_ptr, plane_off_ptr, 6, q, word, wmask).to(tl.uint32, bitcast=True)
+    w7 = _plane(pool_ptr, plane_off_ptr, 7, q, word, wmask).to(tl.uint32, bitcast=True)
     shift = (8 - q).to(tl.uint32)
     for j in tl.static_range(8):
         c = _bits_to(w0, j, 7) | _bits_to(w1, j, 6) | _bits_to(w2, j, 5) | _bits_to(w3, j, 4)

@@ -243,15 +243,20 @@ def test_teacher_forced_scoring_matches_the_static_model(calibrated_artifacts: P
         torch.testing.assert_close(got, want.float(), atol=2e-4, rtol=0)
 
 
+def _tight_budget(artifacts: Path, params: SamplingParams, reqs: list[list[int]], cont: list[list[int]],
+                  kv_blocks: int) -> int:
+    """Bytes of a budget with the experts near their floors and room for ``kv_blocks`` KV blocks (CPU engine)."""
+    probe = build_engine(MODEL, artifacts, ServeConfig(2**28), params, reqs, set(), device="cpu", forced=cont).info
+    return (probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 6 * 10**6
+            + kv_blocks * probe["kv_block_bytes"])
+
+
 def test_prepared_plans_do_not_provision_past_the_last_token(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
     """Near the end of its requests the planner lowers only what they can still use: the lookahead of the
     prepared plan stops at each request's last token, so no KV blocks sit free while experts were lowered."""
     reqs, cont = _prompts(tok, 4, 100, 100, seed=7), _prompts(tok, 4, 20, 20, seed=8)
     params = SamplingParams(max_new_tokens=1)
-    probe = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**28), params, reqs, set(), device="cpu",
-                         forced=cont).info
-    kv_block = probe["kv_block_bytes"]
-    budget = probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 6 * 10**6 + 32 * kv_block
+    budget = _tight_budget(calibrated_artifacts, params, reqs, cont, 32)
     cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, debug_checks=True))
     e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont).engine
     e.run()
@@ -266,10 +271,7 @@ def test_overlapped_planner_work_is_one_planner_config_field(calibrated_artifact
     CUDA order (commit and start reloads, refresh d_hat after the launch) and still serves under pressure."""
     reqs, cont = _prompts(tok, 4, 100, 100, seed=7), _prompts(tok, 4, 20, 20, seed=8)
     params = SamplingParams(max_new_tokens=1)
-    probe = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**28), params, reqs, set(), device="cpu",
-                         forced=cont).info
-    budget = (probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 6 * 10**6
-              + 32 * probe["kv_block_bytes"])
+    budget = _tight_budget(calibrated_artifacts, params, reqs, cont, 32)
     for overlapped in (None, True):
         cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, debug_checks=True),
                           planner=PlannerConfig(overlapped=overlapped))
@@ -287,10 +289,7 @@ def test_plan_prepared_while_the_device_computes_counts_the_blocks_of_finishing_
     (before any lowering), on a workload where requests finish at different steps under KV pressure."""
     reqs, cont = _prompts(tok, 5, 60, 100, seed=3), _prompts(tok, 5, 10, 60, seed=4)
     params = SamplingParams(max_new_tokens=1)
-    probe = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**28), params, reqs, set(), device="cpu",
-                         forced=cont).info
-    budget = (probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 6 * 10**6
-              + 28 * probe["kv_block_bytes"])
+    budget = _tight_budget(calibrated_artifacts, params, reqs, cont, 28)
     cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, lookahead_tokens=4, debug_checks=True),
                       planner=PlannerConfig(overlapped=True))
     e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont).engine
