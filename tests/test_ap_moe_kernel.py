@@ -207,13 +207,15 @@ def test_dequant_blocks_match_reference_dequantization() -> None:
         assert torch.equal(got[j], dequantize(planes, lut, k, planes.shape[0], torch.bfloat16))
 
 
-@pytest.mark.parametrize(("k", "e", "hidden", "inter", "dtype"),
-                         [(1, 3, 104, 40, BF), (2, 4, 72, 48, FP), (4, 6, 64, 32, BF), (8, 10, 96 + 8, 40, FP)])
-def test_one_token_word_first_path_ragged_mixed_q(k: int, e: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
-    """gemv1 (one token): H and I not multiples of 32 or of the tiles, a random mix of q in 2..8 in one launch,
-    top-k 1..8, split-K over the down rows, bf16 and fp16."""
-    bits = torch.randint(2, 9, (2 * e,), generator=torch.Generator().manual_seed(k)).tolist()
-    check(1, k, e, hidden, inter, bits, dtype, seed=40 + k, config=GEMV1)
+@pytest.mark.parametrize(("t", "k", "e", "hidden", "inter", "dtype"),
+                         [(1, 1, 3, 104, 40, BF), (1, 2, 4, 72, 48, FP), (1, 4, 6, 64, 32, BF),
+                          (1, 8, 10, 96 + 8, 40, FP), (2, 2, 5, 104, 40, FP), (3, 2, 4, 72, 40, BF),
+                          (4, 4, 6, 64, 48, BF), (8, 2, 3, 104, 40, FP)])
+def test_word_first_path_ragged_mixed_q(t: int, k: int, e: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    """gemv1 (1..8 tokens): H and I not multiples of 32 or of the tiles, a random mix of q in 2..8 in one launch,
+    top-k 1..8, tokens sharing experts and experts with no token, split-K over the down rows, bf16 and fp16."""
+    bits = torch.randint(2, 9, (2 * e,), generator=torch.Generator().manual_seed(k + t)).tolist()
+    check(t, k, e, hidden, inter, bits, dtype, seed=40 + k + 7 * t, config=GEMV1)
 
 
 @pytest.mark.parametrize("q", range(2, 9))
@@ -221,19 +223,21 @@ def test_one_token_word_first_path_every_bitwidth(q: int) -> None:
     check(1, 2, 3, hidden=64, inter=48, bits=[q] * 6, dtype=torch.bfloat16, seed=50 + q, config=GEMV1)
 
 
-def test_one_token_word_first_path_expert_picked_twice_and_wide_tiles() -> None:
-    """A token whose top-k names one expert twice (both slots weighted), tiles wider than the block (masked)."""
-    ids = torch.tensor([[2, 0, 2]])
+def test_word_first_path_expert_picked_twice_all_on_one_expert_and_wide_tiles() -> None:
+    """Tokens whose top-k names one expert twice (both slots weighted), all tokens on one expert, tiles wider
+    than the block (masked)."""
     cfg = {"path": "gemv1", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 256}, "down": {"BLOCK_N": 32, "BLOCK_K": 128}}
-    check(1, 3, 4, hidden=72, inter=40, bits=[4, 2, 8, 3, 5, 6, 7, 2], dtype=torch.float16, seed=9, ids=ids,
-          config=cfg)
+    check(1, 3, 4, hidden=72, inter=40, bits=[4, 2, 8, 3, 5, 6, 7, 2], dtype=torch.float16, seed=9,
+          ids=torch.tensor([[2, 0, 2]]), config=cfg)
+    check(3, 2, 4, hidden=72, inter=40, bits=[4, 2, 8, 3, 5, 6, 7, 2], dtype=torch.bfloat16, seed=10,
+          ids=torch.tensor([[1, 1], [1, 3], [3, 1]]), config=cfg)
 
 
-def test_one_token_word_first_path_rejects_several_tokens() -> None:
+def test_word_first_path_rejects_more_than_8_tokens() -> None:
     ex = make(2, 64, 32, [4] * 4, torch.bfloat16, 0)
-    x = torch.randn(2, 64).to(torch.bfloat16).to(DEV)
-    ids, w = torch.tensor([[0], [1]]).to(DEV), torch.ones(2, 1).to(DEV)
-    with pytest.raises(ValueError, match="one token"):
+    x = torch.randn(9, 64).to(torch.bfloat16).to(DEV)
+    ids, w = torch.zeros(9, 1, dtype=torch.int64).to(DEV), torch.ones(9, 1).to(DEV)
+    with pytest.raises(ValueError, match="at most 8 tokens"):
         ap_moe(x, ids, w, ex, config=GEMV1)
 
 
