@@ -218,6 +218,13 @@ def tune_shape(family: str, s: dict, ex: Any, reps: int) -> list[dict[str, Any]]
     buckets = [{"min_tokens": 1, "config": best[1][1]}, {"min_tokens": 2, "config": best[4][1]},
                {"min_tokens": 16, "config": best[16][1]}, {"min_tokens": 64, "config": best[64][1]},
                {"min_tokens": 256, "config": best[256][1]}]
+    # the word-first gemv1 buckets are picked by bench/gemv_compare.py, not here: keep them, and let the tuned
+    # gemv config start where they end
+    old = CONFIGS["by_shape"].get(f"{s['hidden']}x{s['inter']}", CONFIGS["default"])
+    g1 = [b for b in old if b["config"].get("path") == "gemv1"]
+    if g1:
+        end = next((b["min_tokens"] for b in old if b["min_tokens"] > g1[-1]["min_tokens"]), 16)
+        buckets = [*g1, *([{"min_tokens": end, "config": best[4][1]}] if end < 16 else []), *buckets[2:]]
     return [b for i, b in enumerate(buckets) if i == 0 or b["config"] != buckets[i - 1]["config"]]
 
 
