@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from serve_report import render  # bench/ sibling: the markdown report of these rows
 
 from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.engine import EngineConfig
@@ -442,76 +442,6 @@ KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture"
 
 def _pick(s: dict[str, Any]) -> dict[str, Any]:
     return {k: s[k] for k in KEYS if k in s}
-
-
-def _uniform_ms_at(uni: dict[int, float], bits: float) -> float:
-    """Decode step ms of uniform runs {q: ms} at a fractional bits per weight (linear between the nearest two)."""
-    qs = sorted(uni)
-    if len(qs) < 2 or not qs[0] <= bits <= qs[-1]:
-        return math.nan
-    hi = next(q for q in qs if q >= bits)
-    lo = max(q for q in qs if q <= bits)
-    return uni[lo] if hi == lo else uni[lo] + (uni[hi] - uni[lo]) * (bits - lo) / (hi - lo)
-
-
-def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Per batch and repeat: PagedWeight's decode tok/s vs uniform 4-bit (equal committed bytes; issue #8's
-    target) and vs uniform interpolated to the bits a PagedWeight token reads (equal bytes read)."""
-    out = ["", "## PagedWeight vs uniform, per repeat (decode tok/s ratio - 1)", "",
-           "| batch | repeat | PW tok/s | uniform 4-bit tok/s | vs uniform 4-bit | bits read / token | "
-           "vs uniform at equal bits read |", "|---|---|---|---|---|---|---|"]
-    summary: dict[int, list[tuple[float, float]]] = {}
-    for r in rows:
-        if r["system"] != "PagedWeight under pressure":
-            continue
-        b, rep = r["batch"], r.get("rep", 0)
-        uni = {int(u["system"].split()[2].split("-")[0]): u["decode_step_ms_median"] for u in rows
-               if u["system"].startswith("ours uniform") and "eager" not in u["system"] and u["batch"] == b
-               and u.get("rep", 0) == rep}
-        u4 = next((u["decode_tps_measured"] for u in rows if u["system"] == "ours uniform 4-bit"
-                   and u["batch"] == b and u.get("rep", 0) == rep), math.nan)
-        pw = r.get("decode_tps_measured", math.nan)
-        read = r.get("bits_read_per_token", math.nan)
-        # tok/s ratio at equal bytes read = uniform step ms at those bits / PagedWeight step ms
-        matched = _uniform_ms_at(uni, read) / r.get("decode_step_ms_median", math.nan) - 1
-        summary.setdefault(b, []).append((pw / u4 - 1, matched))
-        out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {100 * (pw / u4 - 1):+.1f}% | {read:.2f} | "
-                   f"{100 * matched:+.1f}% |")
-    if any(len(v) > 1 for v in summary.values()):
-        out += ["", "| batch | repeats | vs uniform 4-bit: median (min .. max) | "
-                "vs equal bits read: median (min .. max) |", "|---|---|---|---|"]
-        for b, v in summary.items():
-            a, m = [x for x, _ in v], [y for _, y in v]
-            out.append(f"| {b} | {len(v)} | {100 * statistics.median(a):+.1f}% ({100 * min(a):+.1f} .. "
-                       f"{100 * max(a):+.1f}) | {100 * statistics.median(m):+.1f}% ({100 * min(m):+.1f} .. "
-                       f"{100 * max(m):+.1f}) |")
-    return out if summary else []
-
-
-def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    lines = ["# End-to-end serving speed", "", f"Command: `{meta.get('command', 'python bench/serve_speed.py')}`", "",
-             "`" + json.dumps(meta) + "`", "",
-             "Decode tok/s leaves out the steps that capture a CUDA graph (one-off per engine and batch size; "
-             "the next column keeps them); every timed run follows a 3-token warm-up run of the same prompts "
-             "(Triton JIT compilation is not timed).", "",
-             "| system | batch | prefill tok/s | decode tok/s | incl. capture | floor tok/s | % of floor | "
-             "decode step ms (moving / still) | of which model ms | planner ms/step (+ overlapped) | mean bits | "
-             "bits read / token | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        fl = r.get("floor_tps")
-        dec = r.get("decode_tps_measured", math.nan)
-        peak = r.get("device_peak_bytes", r.get("peak_device_bytes", math.nan))
-        lines.append(
-            f"| {r['system']} | {r['batch']} | {r.get('prefill_tps_measured', math.nan):.0f} | {dec:.1f} | "
-            f"{r.get('decode_tps_incl_capture', math.nan):.1f} | "
-            f"{fl if fl is None else round(fl, 1)} | {'' if fl is None else round(100 * dec / fl, 1)} | "
-            f"{r.get('decode_step_ms_median', math.nan):.2f} ({r.get('decode_step_ms_moving', math.nan):.2f} / "
-            f"{r.get('decode_step_ms_still', math.nan):.2f}) | {r.get('decode_model_ms_median', math.nan):.2f} | "
-            f"{r.get('planner_ms_per_step', math.nan):.3f} (+{r.get('planner_overlapped_ms_per_step', math.nan):.3f})"
-            f" | {r.get('mean_bits_time_avg', math.nan):.2f} | {r.get('bits_read_per_token', math.nan):.2f} | "
-            f"{peak / 2**30:.2f} |")
-    return "\n".join(lines + ratio_lines(rows)) + "\n"
 
 
 if __name__ == "__main__":
