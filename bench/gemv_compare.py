@@ -1,93 +1,146 @@
-"""Decode MoE: the word-first kernels (path gemv1, T <= 8) vs the gemv kernels, same run (GPU time, CUDA graphs).
+"""Decode MoE (path gemv1, T <= 8): tune the word-first kernels and compare them with a baseline, same run.
 
-For each shape, q and T, times ``kernels.ap_moe_gemv.gemv_moe`` with its configs tuned on 2026-11-29 and
-``kernels.ap_moe_gemv1.gemv1_moe`` over a small grid of tiles, checks both against ``ap_moe_ref`` and prints
-the best gemv1 config per row (what the gemv1 entries of ``kernels/configs/ap_moe.json`` by_shape hold).
+For each shape, T and q, times ``kernels.ap_moe_gemv1.gemv1_moe`` over a small grid of tiles (GPU time of
+CUDA-graph replays), checks every result against ``ap_moe_ref`` and prints the best config per row (what the
+gemv1 entries of ``kernels/configs/ap_moe.json`` by_shape hold). The baseline is the decode path that a given
+configs JSON picks (``--baseline-configs``; default: the current one), run with the gemv1 module in
+``--baseline-module`` (a file, e.g. the kernel of an earlier commit: ``git show REV:kernels/ap_moe_gemv1.py``)
+where that config's path is gemv1, or with ``kernels.ap_moe_gemv`` where it is gemv.
+Experts: min(E, T * top-k) of them with distinct ids per token (T = 1 reads top-k experts, as in serving).
 
-Usage: python bench/gemv_compare.py [--ts 1,4] [--qs 4,3,8] [--quick]  (GPU machine; JSON rows + a table)
+Usage: python bench/gemv_compare.py [--ts 1,4,8] [--qs 4,3,8] [--tune-qs 4,8] [--baseline-module F]
+       [--baseline-configs F] [--workers 12]   (GPU machine; JSON rows + a markdown table)
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import sys
+from typing import Any
+
+import torch
 
 sys.path.insert(0, ".")
-from bench.ap_moe_speed import SHAPES, copy_bandwidth, fake_experts, routed
+from bench.ap_moe_speed import SHAPES, copy_bandwidth, precompile
 from bench.gemv_probe import graph_ms
 from kernels import ap_moe_gemv, ap_moe_gemv1
-from kernels.ap_moe import ap_moe_ref
+from kernels.ap_moe import ap_moe_ref, build_experts
 
-GU = [(4, 1024, 4), (8, 1024, 4), (2, 1024, 4), (8, 512, 4), (4, 2048, 8), (8, 1024, 8)]
-DN = [(8, 512, 4, 1), (8, 512, 4, 2), (16, 512, 4, 1), (4, 1024, 4, 1), (8, 1024, 8, 1), (16, 256, 4, 2)]
-
-
-# the gemv path's T = 1 configs as tuned on the H200 on 2026-11-29 (kernels/configs/ap_moe.json before gemv1)
-GEMV_T1 = {"qwen1.5-moe": {"path": "gemv", "SPREAD": 1, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
-                           "down": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 2}},
-           "mixtral-8x7b": {"path": "gemv", "SPREAD": 1, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4},
-                            "down": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 2}}}
+# (BLOCK_N pairs, BLOCK_K, num_warps) and (BLOCK_N, BLOCK_K, num_warps, SPLIT_K). BLOCK_K 512 = 16 words: the
+# tile whose codes are already in the layout of Triton's warp-local gather (q <= 4 path)
+GU = [(16, 512, 4), (8, 512, 4), (32, 512, 4), (16, 512, 8)]
+DN = [(32, 512, 4, 1), (32, 512, 4, 2), (64, 512, 4, 1), (16, 512, 4, 2), (32, 512, 4, 4)]
 
 
-# the gemv path's T >= 2 configs (kernels/configs/ap_moe.json min_tokens 2, tuned 2026-11-29)
-GEMV_T2 = {"qwen1.5-moe": {"path": "gemv", "SPREAD": 0, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
-                           "down": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 2}},
-           "mixtral-8x7b": {"path": "gemv", "SPREAD": 0, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
-                            "down": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "SPLIT_K": 8}}}
-
-
-def cfg(gu, dn):  # type: ignore[no-untyped-def]
+def cfg(gu: tuple, dn: tuple) -> dict[str, Any]:
     return {"path": "gemv1", "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), gu, strict=True)),
             "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"), dn, strict=True))}
 
 
-def timed(fn, ref):  # type: ignore[no-untyped-def]
-    """(GPU ms, relative error of fn() against ref)."""
+def experts(s: dict, q: int, n: int) -> Any:
+    """n experts with the real H and I, every block at q bits, random planes and LUTs."""
+    codes, luts = [], []
+    for i in range(2 * n):
+        rows, kk = (2 * s["inter"], s["hidden"]) if i % 2 == 0 else (s["hidden"], s["inter"])
+        codes.append(torch.randint(-2**31, 2**31 - 1, (8, rows, -(-kk // 32)), dtype=torch.int32, device="cuda"))
+        luts.append({q: torch.randn(rows, 2**q, device="cuda") * 0.01})
+    return build_experts(codes, luts, [q] * (2 * n), s["hidden"], s["inter"], torch.bfloat16, "cuda")
+
+
+def inputs(s: dict, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, s["hidden"], device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.stack([torch.randperm(n, device="cuda", generator=g)[:s["topk"]] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, s["topk"], device="cuda", generator=g), -1)
+    return x, ids, w
+
+
+def load_module(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("baseline_gemv1", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def baseline_config(configs: dict, t: int, hidden: int, inter: int) -> dict[str, Any]:
+    best: dict[str, Any] = {}
+    for row in configs["by_shape"].get(f"{hidden}x{inter}", configs["default"]):
+        if t >= row["min_tokens"] or not best:
+            best = row["config"]
+    return best
+
+
+def timed(fn: Any, ref: torch.Tensor) -> tuple[float, float]:
+    """(GPU us, relative error of fn() against ref)."""
     got = fn().float()
-    return graph_ms(fn), float((got - ref).norm() / ref.norm())
+    return 1e3 * graph_ms(fn), float((got - ref).norm() / ref.norm())
 
 
 def main() -> None:
-    import argparse
-
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ts", default="1", help="token counts, e.g. 1,4")
-    ap.add_argument("--qs", default="4,3,8")
-    ap.add_argument("--quick", action="store_true", help="3 gate_up and 2 down tiles only")
+    ap.add_argument("--ts", default="1", help="token counts, e.g. 1,4,8")
+    ap.add_argument("--qs", default="4,3,8", help="bitwidths timed")
+    ap.add_argument("--tune-qs", default="4,8", help="bitwidths at which the whole grid is tried (others: "
+                    "the winner of the first tuned q of the same path, q <= 4 or q > 4)")
+    ap.add_argument("--shapes", default="qwen1.5-moe,mixtral-8x7b")
+    ap.add_argument("--baseline-module", default="", help="gemv1 module file of the baseline (default: current)")
+    ap.add_argument("--baseline-configs", default="kernels/configs/ap_moe.json")
+    ap.add_argument("--workers", type=int, default=12, help="parallel compile processes")
     args = ap.parse_args()
-    gus, dns = (GU[:3], DN[:2]) if args.quick else (GU, DN)
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    base_mod = load_module(args.baseline_module) if args.baseline_module else ap_moe_gemv1
+    with open(args.baseline_configs) as f:
+        base_cfgs = json.load(f)
+    ts, qs, tune = ([int(v) for v in a.split(",")] for a in (args.ts, args.qs, args.tune_qs))
+    shapes = args.shapes.split(",")
+    grid = [cfg(gu, DN[0]) for gu in GU] + [cfg(GU[0], dn) for dn in DN[1:]]
+    precompile([(f, t, c) for f in shapes for t in ts for c in grid], args.workers)
+    print(f"copy bandwidth {copy_bandwidth() / 1e12:.3f} TB/s", flush=True)
     out = []
-    for family in ("qwen1.5-moe", "mixtral-8x7b"):
+    for family in shapes:
         s = SHAPES[family]
-        for q, t in [(int(q), int(t)) for q in args.qs.split(",") for t in args.ts.split(",")]:
-            ex = fake_experts(s, q)
-            x, ids, w = routed(s, t, t)
-            ids = ids % s["topk"]
-            ref = ap_moe_ref(x, ids, w, ex).float()
-            base = GEMV_T1[family] if t == 1 else GEMV_T2[family]
-            t_main, err_m = timed(lambda: ap_moe_gemv.gemv_moe(x, ids, w, ex, base), ref)  # noqa: B023
-            best: tuple[float, dict, float] = (float("inf"), {}, 0.0)
-            cands = [cfg(gu, dns[0]) for gu in gus] if (q == 4 or family == "qwen1.5-moe") else [cfg(gus[0], dns[0])]
-            for c in cands:
-                ms, err = timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref)  # noqa: B023
-                best = min(best, (ms, c, err), key=lambda b: b[0])
-            gu_b = best[1]["gate_up"]
-            for dn in dns[1:] if q == 4 else []:
-                c = cfg((gu_b["BLOCK_N"], gu_b["BLOCK_K"], gu_b["num_warps"]), dn)
-                ms, err = timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref)  # noqa: B023
-                best = min(best, (ms, c, err), key=lambda b: b[0])
-            row = {"shape": family, "q": q, "T": t, "main_us": round(1e3 * t_main, 1), "main_err": err_m,
-                   "new_us": round(1e3 * best[0], 1), "new_err": best[2], "speedup": round(t_main / best[0], 2),
-                   "new_cfg": best[1]}
-            out.append(row)
-            print(json.dumps(row), flush=True)
-    print("| shape | q | T | gemv us | gemv1 us | speedup | rel err gemv / gemv1 |")
-    print("|---|---|---|---|---|---|---|")
+        for t in ts:
+            n = min(s["experts"], t * s["topk"])
+            won: dict[bool, dict] = {}
+            for q in qs:
+                ex = experts(s, q, n)
+                x, ids, w = inputs(s, t, n)
+                ref = ap_moe_ref(x, ids, w, ex).float()
+                bc = baseline_config(base_cfgs, t, s["hidden"], s["inter"])
+                if bc["path"] == "gemv1":
+                    b_us, b_err = timed(lambda: base_mod.gemv1_moe(x, ids, w, ex, bc), ref)  # noqa: B023
+                else:
+                    b_us, b_err = timed(lambda: ap_moe_gemv.gemv_moe(x, ids, w, ex, bc), ref)  # noqa: B023
+                small = q <= 4
+                if q in tune or small not in won:
+                    gus = [cfg(gu, DN[0]) for gu in GU]
+                    res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
+                           for c in gus]
+                    g_best = min(res, key=lambda r: r[0][0])[1]["gate_up"]
+                    gu_t = (g_best["BLOCK_N"], g_best["BLOCK_K"], g_best["num_warps"])
+                    res += [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
+                            for c in [cfg(gu_t, dn) for dn in DN[1:]]]
+                else:
+                    c = won[small]
+                    res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)]  # noqa: B023
+                (n_us, _), best = min(res, key=lambda r: r[0][0])
+                won.setdefault(small, best)
+                worst_err = max(r[0][1] for r in res)
+                row = {"shape": family, "q": q, "T": t, "experts": n, "base_us": round(b_us, 1),
+                       "base_path": bc["path"], "base_err": b_err, "new_us": round(n_us, 1), "new_err": worst_err,
+                       "speedup": round(b_us / n_us, 2), "new_cfg": best, "tried": len(res)}
+                out.append(row)
+                print(json.dumps(row), flush=True)
+    print("| shape | T | q | experts | baseline us (path) | gemv1 us | speedup | rel err base / new | gemv1 config |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in out:
-        print(f"| {r['shape']} | {r['q']} | {r['T']} | {r['main_us']} | {r['new_us']} | {r['speedup']} | "
-              f"{r['main_err']:.1e} / {r['new_err']:.1e} |")
+        c = r["new_cfg"]
+        cs = "gu {BLOCK_N}x{BLOCK_K} w{num_warps}".format(**c["gate_up"]) + \
+             ", dn {BLOCK_N}x{BLOCK_K} w{num_warps} s{SPLIT_K}".format(**c["down"])
+        print(f"| {r['shape']} | {r['T']} | {r['q']} | {r['experts']} | {r['base_us']} ({r['base_path']}) | "
+              f"{r['new_us']} | {r['speedup']} | {r['base_err']:.1e} / {r['new_err']:.1e} | {cs} |")
 
 
 if __name__ == "__main__":

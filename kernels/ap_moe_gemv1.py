@@ -31,18 +31,35 @@ import triton
 import triton.language as tl
 
 from kernels.ap_moe_gemv import _expert_of
-from kernels.ap_tile import _plane, lut_rows
+from kernels.ap_tile import _plane
 
 MAX_TOKENS = 8  # one [BKW, R] accumulator per token
 
 
 @triton.jit
-def _bits_to(w, j: tl.constexpr, s: tl.constexpr):
-    """Bits j, j+8, j+16, j+24 of uint32 ``w`` moved to bits s, s+8, s+16, s+24 (others 0): one shift, one and."""
-    if j >= s:
-        return (w >> (j - s)) & (0x01010101 << s)
+def _bits_to(w, j: tl.constexpr, s: tl.constexpr, W: tl.constexpr):
+    """Bits j, j+W, j+2W, ... of uint32 ``w`` moved to bits s, s+W, s+2W, ... (others 0), W = 4 or 8: one shift,
+    one and (ptxas fuses the and with the caller's or into one LOP3)."""
+    if W == 4:
+        if j >= s:
+            return (w >> (j - s)) & (0x11111111 << s)
+        else:
+            return (w << (s - j)) & (0x11111111 << s)
     else:
-        return (w << (s - j)) & (0x01010101 << s)
+        if j >= s:
+            return (w >> (j - s)) & (0x01010101 << s)
+        else:
+            return (w << (s - j)) & (0x01010101 << s)
+
+
+@triton.jit
+def _lut16(lut_blk, rbase, q):
+    """[16, R] fp32: the LUTs of R rows (entry e of row r at [e, r], 0 past 2^q), read once per program for the
+    q <= 4 path's warp-shuffle gathers (``tl.gather`` along dim 0; with 16-word tiles the codes are already
+    in the layout Triton's warp-local gather wants, so no layout conversion is made: check the TTGIR)."""
+    ent = tl.arange(0, 16)
+    return tl.load(lut_blk + rbase[None, :] + ent[:, None], mask=ent[:, None] + 0 * rbase[None, :] < (1 << q),
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -52,14 +69,10 @@ def _pick(v, tok, m: tl.constexpr):
 
 
 @triton.jit
-def _fma(p, w, x_ptr, off, xo, cmask, live, FIRST: tl.constexpr):
-    """p + w [BKW, R] * x[off + xo] [BKW] (one token's activations; none read unless live > 0)."""
-    xv = tl.load(x_ptr + off + xo, mask=cmask & (xo * 0 + live > 0), other=0.0).to(tl.float32)
-    if FIRST:
-        out = w * xv[:, None]
-    else:
-        out = p + w * xv[:, None]
-    return out
+def _fma(p, w, xp, col_off: tl.constexpr):
+    """p + w [BKW, R] * x [BKW] (one token's activations at pointers xp + col_off: a constant offset, so the load
+    needs no address arithmetic; unmasked, the buffers are padded)."""
+    return p + w * tl.load(xp + col_off).to(tl.float32)[:, None]
 
 
 @triton.jit
@@ -69,75 +82,72 @@ def _put(out, tok, m: tl.constexpr, p):
 
 
 @triton.jit
-def _dot_words(pool_ptr, plane_off_ptr, lut_row, q, rows, kw, KW, K, x_ptr, x_off, live, T_PAD: tl.constexpr):
-    """[T_PAD, R] fp32: W[rows, columns of words kw] @ x_t for each token t (T_PAD <= 8).
+def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, x_ptr, x_off, KWX: tl.constexpr,
+               T_PAD: tl.constexpr, W: tl.constexpr):
+    """[T_PAD, R] fp32: W[rows, columns of words kw] @ x_t for each token t (T_PAD <= 8), codes W bits wide.
 
-    rows [R] (clamped to valid rows), lut_row [R] pointers to their LUTs, kw [BKW] word ids (>= KW masked);
-    token t's activations are word-major ([32, KW]: column 32 w + i at i * KW + w) at x_ptr + x_off[t], read
-    only where live[t] > 0 (its row of the result is 0 otherwise). For j in 0..7, one shift + one and per plane
-    put the codes of columns 32 kw + j + 8 b (b = 0..3) in the 4 bytes of one word; each byte picks the row's
-    LUT entry, and the weights are used for every token (one [BKW, R] accumulator per token, all in the
-    gather's layout: a 3-D [T, BKW, R] product made Triton convert every gathered tile).
+    rows [R] (clamped to valid rows), rbase [R] uint32 = rows * 2^q (each row's LUT at lut_blk + rbase), lut_t
+    [16, R] fp32 the same LUTs in registers (``_lut16``, used when W = 4), kw [BKW] word ids (>= KW: planes
+    masked). Token t's activations are word-major ([32, KWX]: column 32 w + i at i * KWX + w) at
+    x_ptr + x_off[t], zero past the K columns and up to KWX >= every kw words, so they are read unmasked (x_off
+    of a token with no work must point at finite values: its row of the result is discarded).
+    W = 4 (q <= 4): for j in 0..3, one shift + one and per plane put the codes of columns 32 kw + j + 4 b
+    (b = 0..7) in the 8 nibbles of one word (planes 0..3 only), and each code picks its weight with a warp
+    shuffle (``tl.gather`` on lut_t). W = 8 (q <= 8): 8 planes, codes of columns 32 kw + j + 8 b (b = 0..3) in
+    the 4 bytes, or-ed with the row's LUT base into one index (16-bit load, L1 hit). Plane p sits at bit
+    W - 1 - p of its field and the word is shifted right by W - q (planes >= q are 0, so no bits cross
+    fields). The weights are used for every token (one [BKW, R] accumulator per token, all in the gather's
+    layout: a 3-D [T, BKW, R] product made Triton convert every gathered tile).
     """
     tok = tl.arange(0, T_PAD)
-    n_live = tl.sum(live)
-    wmask = (kw < KW)[:, None] & (kw * 0 + n_live > 0)[:, None]
+    wmask = (kw < KW)[:, None] & (rows >= 0)[None, :]
     word = kw[:, None] + rows[None, :] * KW
     w0 = _plane(pool_ptr, plane_off_ptr, 0, q, word, wmask).to(tl.uint32, bitcast=True)
     w1 = _plane(pool_ptr, plane_off_ptr, 1, q, word, wmask).to(tl.uint32, bitcast=True)
     w2 = _plane(pool_ptr, plane_off_ptr, 2, q, word, wmask).to(tl.uint32, bitcast=True)
     w3 = _plane(pool_ptr, plane_off_ptr, 3, q, word, wmask).to(tl.uint32, bitcast=True)
-    w4 = _plane(pool_ptr, plane_off_ptr, 4, q, word, wmask).to(tl.uint32, bitcast=True)
-    w5 = _plane(pool_ptr, plane_off_ptr, 5, q, word, wmask).to(tl.uint32, bitcast=True)
-    w6 = _plane(pool_ptr, plane_off_ptr, 6, q, word, wmask).to(tl.uint32, bitcast=True)
-    w7 = _plane(pool_ptr, plane_off_ptr, 7, q, word, wmask).to(tl.uint32, bitcast=True)
-    o0, l0 = _pick(x_off, tok, 0), _pick(live, tok, 0)
+    if W == 8:
+        w4 = _plane(pool_ptr, plane_off_ptr, 4, q, word, wmask).to(tl.uint32, bitcast=True)
+        w5 = _plane(pool_ptr, plane_off_ptr, 5, q, word, wmask).to(tl.uint32, bitcast=True)
+        w6 = _plane(pool_ptr, plane_off_ptr, 6, q, word, wmask).to(tl.uint32, bitcast=True)
+        w7 = _plane(pool_ptr, plane_off_ptr, 7, q, word, wmask).to(tl.uint32, bitcast=True)
+    zero = tl.zeros((kw.shape[0], rows.shape[0]), dtype=tl.float32)
+    p0, p1, p2, p3, p4, p5, p6, p7 = zero, zero, zero, zero, zero, zero, zero, zero  # one accumulator per token
+    xp0 = x_ptr + _pick(x_off, tok, 0) + kw
     if T_PAD > 1:
-        o1, l1 = _pick(x_off, tok, 1), _pick(live, tok, 1)
+        xp1 = x_ptr + _pick(x_off, tok, 1) + kw
     if T_PAD > 2:
-        o2, l2 = _pick(x_off, tok, 2), _pick(live, tok, 2)
-        o3, l3 = _pick(x_off, tok, 3), _pick(live, tok, 3)
+        xp2 = x_ptr + _pick(x_off, tok, 2) + kw
+        xp3 = x_ptr + _pick(x_off, tok, 3) + kw
     if T_PAD > 4:
-        o4, l4 = _pick(x_off, tok, 4), _pick(live, tok, 4)
-        o5, l5 = _pick(x_off, tok, 5), _pick(live, tok, 5)
-        o6, l6 = _pick(x_off, tok, 6), _pick(live, tok, 6)
-        o7, l7 = _pick(x_off, tok, 7), _pick(live, tok, 7)
-    shift = (8 - q).to(tl.uint32)
-    for j in tl.static_range(8):
-        c = _bits_to(w0, j, 7) | _bits_to(w1, j, 6) | _bits_to(w2, j, 5) | _bits_to(w3, j, 4)
-        c = (c | _bits_to(w4, j, 3) | _bits_to(w5, j, 2) | _bits_to(w6, j, 1) | _bits_to(w7, j, 0)) >> shift
-        for b in tl.static_range(4):
-            code = ((c >> (8 * b)) & 0xFF).to(tl.int32)
-            w = tl.load(lut_row[None, :] + code).to(tl.float32)
-            cm = kw * 32 + (j + 8 * b) < K
-            xo = (j + 8 * b) * KW + kw
-            if j == 0 and b == 0:
-                p0 = _fma(w, w, x_ptr, o0, xo, cm, l0, True)
-            else:
-                p0 = _fma(p0, w, x_ptr, o0, xo, cm, l0, False)
+        xp4 = x_ptr + _pick(x_off, tok, 4) + kw
+        xp5 = x_ptr + _pick(x_off, tok, 5) + kw
+        xp6 = x_ptr + _pick(x_off, tok, 6) + kw
+        xp7 = x_ptr + _pick(x_off, tok, 7) + kw
+    shift = (W - q).to(tl.uint32)
+    for j in tl.static_range(W):
+        c = _bits_to(w0, j, W - 1, W) | _bits_to(w1, j, W - 2, W) | _bits_to(w2, j, W - 3, W)
+        c = c | _bits_to(w3, j, W - 4, W)
+        if W == 8:
+            c = c | _bits_to(w4, j, 3, W) | _bits_to(w5, j, 2, W) | _bits_to(w6, j, 1, W) | _bits_to(w7, j, 0, W)
+        c = c >> shift
+        for b in tl.static_range(32 // W):
+            code = (c >> (W * b)) & ((1 << W) - 1)
+            if W == 4:  # warp shuffle from the lanes that hold the row's 16 entries (fp32, no convert)
+                w = tl.gather(lut_t, code.to(tl.int32), 0)
+            else:  # one 16-bit load from the row's LUT (L1 hit)
+                w = tl.load(lut_blk + (code | rbase[None, :])).to(tl.float32)
+            p0 = _fma(p0, w, xp0, (j + W * b) * KWX)
             if T_PAD > 1:
-                if j == 0 and b == 0:
-                    p1 = _fma(w, w, x_ptr, o1, xo, cm, l1, True)
-                else:
-                    p1 = _fma(p1, w, x_ptr, o1, xo, cm, l1, False)
+                p1 = _fma(p1, w, xp1, (j + W * b) * KWX)
             if T_PAD > 2:
-                if j == 0 and b == 0:
-                    p2 = _fma(w, w, x_ptr, o2, xo, cm, l2, True)
-                    p3 = _fma(w, w, x_ptr, o3, xo, cm, l3, True)
-                else:
-                    p2 = _fma(p2, w, x_ptr, o2, xo, cm, l2, False)
-                    p3 = _fma(p3, w, x_ptr, o3, xo, cm, l3, False)
+                p2 = _fma(p2, w, xp2, (j + W * b) * KWX)
+                p3 = _fma(p3, w, xp3, (j + W * b) * KWX)
             if T_PAD > 4:
-                if j == 0 and b == 0:
-                    p4 = _fma(w, w, x_ptr, o4, xo, cm, l4, True)
-                    p5 = _fma(w, w, x_ptr, o5, xo, cm, l5, True)
-                    p6 = _fma(w, w, x_ptr, o6, xo, cm, l6, True)
-                    p7 = _fma(w, w, x_ptr, o7, xo, cm, l7, True)
-                else:
-                    p4 = _fma(p4, w, x_ptr, o4, xo, cm, l4, False)
-                    p5 = _fma(p5, w, x_ptr, o5, xo, cm, l5, False)
-                    p6 = _fma(p6, w, x_ptr, o6, xo, cm, l6, False)
-                    p7 = _fma(p7, w, x_ptr, o7, xo, cm, l7, False)
+                p4 = _fma(p4, w, xp4, (j + W * b) * KWX)
+                p5 = _fma(p5, w, xp5, (j + W * b) * KWX)
+                p6 = _fma(p6, w, xp6, (j + W * b) * KWX)
+                p7 = _fma(p7, w, xp7, (j + W * b) * KWX)
     out = _put(tl.zeros((T_PAD, rows.shape[0]), dtype=tl.float32), tok, 0, p0)
     if T_PAD > 1:
         out = _put(out, tok, 1, p1)
@@ -150,8 +160,8 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_row, q, rows, kw, KW, K, x_ptr, x_of
 
 @triton.jit
 def _gemv1_gate_up_kernel(
-    x_ptr,  # [T, 32, KW_H] activations (bf16/fp16), word-major (``word_major``)
-    inter_ptr,  # [T*k, 32, KW_I] out: silu(gate) * up in x's dtype, word-major, at each (token, expert)'s 1st pair
+    x_ptr,  # [T, 32, KWX] activations (bf16/fp16), word-major and zero-padded (``word_major``)
+    inter_ptr,  # [T*k, 32, KWO] out: silu(gate) * up in x's dtype, word-major, at each (token, expert)'s 1st pair
     ids_ptr,  # [T*k] expert ids, row-major [T, k]
     pool_ptr,  # int32 plane pool
     plane_off_ptr,  # int64 [2E, 8] word offsets of each block's planes
@@ -166,6 +176,9 @@ def _gemv1_gate_up_kernel(
     K_PAD: tl.constexpr,  # next power of 2 >= TOPK
     BLOCK_N: tl.constexpr,  # intermediate columns per program (2 * BLOCK_N gate and up rows)
     BKW: tl.constexpr,  # plane words (32 columns each) per K step
+    KWX: tl.constexpr,  # words of an x row (ceil(H / 32) rounded up to a multiple of BKW)
+    KWO: tl.constexpr,  # words of an inter row (down's KWX)
+    PAD_O: tl.constexpr,  # power of 2 >= 32 * KWO - I: inter columns the first program of a pair zeroes
 ):
     e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
     blk = 2 * e
@@ -173,24 +186,37 @@ def _gemv1_gate_up_kernel(
     # 2 * BLOCK_N rows, gate and up interleaved, clamped so that every load is in bounds (stores are masked)
     r = tl.arange(0, 2 * BLOCK_N)
     rows = tl.minimum(tl.program_id(1) * BLOCK_N + r // 2, I - 1) + (r % 2) * I
-    q, lut = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, rows)
+    q = tl.load(bits_ptr + blk)
+    lut = lut_ptr + tl.load(lut_off_ptr + blk)
+    rbase = (rows * (1 << q)).to(tl.uint32)
+    lut_t = _lut16(lut, rbase, q)
     poff = plane_off_ptr + blk * 8
     kwh = (H + 31) // 32
-    live = active.to(tl.int32)
+    kw_end = tl.where(lead, kwh, 0)
+    x_off = tl.minimum(tok, T - 1) * (32 * KWX)  # padded tokens read the last token's (finite) row
     acc = tl.zeros((T_PAD, 2 * BLOCK_N), dtype=tl.float32)
-    for kw0 in range(0, tl.where(lead, kwh, 0), BKW):
-        acc += _dot_words(pool_ptr, poff, lut, q, rows, kw0 + tl.arange(0, BKW), kwh, H, x_ptr, tok * (32 * kwh),
-                          live, T_PAD)
+    if q <= 4:  # nibble codes, warp-shuffle LUT (the branch is uniform: one block per program)
+        for kw0 in range(0, kw_end, BKW):
+            acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwh, x_ptr,
+                              x_off, KWX, T_PAD, 4)
+    else:
+        for kw0 in range(0, kw_end, BKW):
+            acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwh, x_ptr,
+                              x_off, KWX, T_PAD, 8)
     g, u = tl.split(tl.reshape(acc, (T_PAD, BLOCK_N, 2)))
     h = g / (1.0 + tl.exp(-g)) * u
-    kwi = (I + 31) // 32
-    tl.store(inter_ptr + row[:, None] * (32 * kwi) + ((n % 32) * kwi + n // 32)[None, :],
+    tl.store(inter_ptr + row[:, None] * (32 * KWO) + ((n % 32) * KWO + n // 32)[None, :],
              h.to(inter_ptr.dtype.element_ty), mask=active[:, None] & (n < I)[None, :])
+    if tl.program_id(1) == 0:  # down reads whole padded rows unmasked: columns I .. 32 * KWO - 1 are 0
+        c = I + tl.arange(0, PAD_O)
+        tl.store(inter_ptr + row[:, None] * (32 * KWO) + ((c % 32) * KWO + c // 32)[None, :],
+                 tl.zeros((T_PAD, PAD_O), dtype=inter_ptr.dtype.element_ty),
+                 mask=active[:, None] & (c < 32 * KWO)[None, :])
 
 
 @triton.jit
 def _gemv1_down_kernel(
-    inter_ptr,  # [T*k, 32, KW_I] from _gemv1_gate_up_kernel (word-major)
+    inter_ptr,  # [T*k, 32, KWX] from _gemv1_gate_up_kernel (word-major, zero-padded)
     out_ptr,  # [SPLIT, T*k, H] fp32: per split, routing-weighted partial expert output of every pair
     ids_ptr,  # [T*k] expert ids
     w_ptr,  # [T*k] fp32 routing weights
@@ -207,6 +233,7 @@ def _gemv1_down_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BKW: tl.constexpr,
+    KWX: tl.constexpr,  # words of an inter row (ceil(I / 32) rounded up so that every split's K steps fit)
 ):
     e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
     pid_s = tl.program_id(2)
@@ -214,16 +241,26 @@ def _gemv1_down_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     rows = tl.minimum(n, H - 1)
-    q, lut = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, rows)
+    q = tl.load(bits_ptr + blk)
+    lut = lut_ptr + tl.load(lut_off_ptr + blk)
+    rbase = (rows * (1 << q)).to(tl.uint32)
+    lut_t = _lut16(lut, rbase, q)
     poff = plane_off_ptr + blk * 8
     kwi = (I + 31) // 32
     chunk = tl.cdiv(tl.cdiv(kwi, BKW), tl.num_programs(2)) * BKW
     kw_lo = pid_s * chunk
     kw_hi = tl.where(lead, tl.minimum(kwi, kw_lo + chunk), kw_lo)
+    # tokens with no work read the first active token's row (written by gate_up, finite)
+    x_off = tl.where(active, row, tl.min(tl.where(active, row, T * TOPK))) * (32 * KWX)
     y = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
-    for kw0 in range(kw_lo, kw_hi, BKW):
-        y += _dot_words(pool_ptr, poff, lut, q, rows, kw0 + tl.arange(0, BKW), kwi, I, inter_ptr, row * (32 * kwi),
-                        active.to(tl.int32), T_PAD)
+    if q <= 4:
+        for kw0 in range(kw_lo, kw_hi, BKW):
+            y += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwi, inter_ptr,
+                            x_off, KWX, T_PAD, 4)
+    else:
+        for kw0 in range(kw_lo, kw_hi, BKW):
+            y += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwi, inter_ptr,
+                            x_off, KWX, T_PAD, 8)
     num_pairs = T * TOPK
     for s in tl.static_range(TOPK):  # every slot (t, s) that picked e (a token may pick e twice)
         pair = tok * TOPK + s
@@ -233,12 +270,22 @@ def _gemv1_down_kernel(
                  mask=((ids_s == e) & active)[:, None] & nmask[None, :])
 
 
-def word_major(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] -> [T, 32, ceil(K / 32)] (same dtype, zero-padded): column 32 w + i at [t, i, w], the order in
-    which the word-first kernels' lanes (one plane word each) read activations."""
+def padded_words(k: int, bkw: int, split: int = 1) -> int:
+    """Words of a word-major activation row for K = k columns read in K steps of ``bkw`` words by ``split``
+    split-K programs: ceil(k / 32) rounded up so that no step reads past the row."""
+    steps = triton.cdiv(triton.cdiv(k, 32), bkw)
+    return triton.cdiv(steps, split) * split * bkw
+
+
+def word_major(x: torch.Tensor, words: int | None = None) -> torch.Tensor:
+    """x [T, K] -> [T, 32, W] (same dtype, zero-padded; W = ``words``, default ceil(K / 32)): column 32 w + i at
+    [t, i, w], the order in which the word-first kernels' lanes (one plane word each) read activations.
+    Raises ``ValueError`` if ``words`` < ceil(K / 32)."""
     t, kdim = x.shape
-    kw = triton.cdiv(kdim, 32)
-    if kdim % 32:
+    kw = triton.cdiv(kdim, 32) if words is None else words
+    if 32 * kw < kdim:
+        raise ValueError(f"{words} words hold {32 * kw} columns, fewer than K = {kdim}")
+    if 32 * kw > kdim:
         x = torch.nn.functional.pad(x, (0, 32 * kw - kdim))
     return x.reshape(t, kw, 32).transpose(1, 2).contiguous()
 
@@ -248,7 +295,8 @@ def gemv1_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
     """MoE output y [T, H] in x's dtype for T <= 8 tokens x [T, H]; ids/weights [T, k] (checked by ``ap_moe``).
 
     ``cfg``: ``{"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {BLOCK_N, BLOCK_K, num_warps, SPLIT_K}}``
-    (BLOCK_K: columns per K step, a multiple of 32; BLOCK_N of gate_up counts gate/up row pairs).
+    (BLOCK_K: columns per K step, a multiple of 32; BLOCK_N of gate_up counts gate/up row pairs). The word
+    counts of the padded activation rows are compile-time constants, so each (H, I) compiles its own kernels.
     Raises ``ValueError`` for more than 8 tokens.
     """
     ex = experts
@@ -258,17 +306,19 @@ def gemv1_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
     num_pairs = t * k
     gu, dn = cfg["gate_up"], cfg["down"]
     split = dn.get("SPLIT_K", 1)
-    inter = torch.empty(num_pairs, 32 * triton.cdiv(ex.inter, 32), dtype=x.dtype, device=x.device)
+    bkw_gu, bkw_dn = gu["BLOCK_K"] // 32, dn["BLOCK_K"] // 32
+    kwx, kwo = padded_words(ex.hidden, bkw_gu), padded_words(ex.inter, bkw_dn, split)
+    inter = torch.empty(num_pairs, 32 * kwo, dtype=x.dtype, device=x.device)
     out = torch.empty(split * num_pairs, ex.hidden, dtype=torch.float32, device=x.device)
     ids = topk_ids.contiguous().view(-1)
     w = topk_w.contiguous().view(-1).to(torch.float32)
     t_pad, k_pad = triton.next_power_of_2(t), triton.next_power_of_2(k)
     _gemv1_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
-        word_major(x), inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
-        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=gu["BLOCK_K"] // 32,
-        num_warps=gu.get("num_warps", 4))
+        word_major(x, kwx), inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
+        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu, KWX=kwx, KWO=kwo,
+        PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)), num_warps=gu.get("num_warps", 4))
     _gemv1_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn["BLOCK_N"]), split)](
         inter, out, ids, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
-        TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BKW=dn["BLOCK_K"] // 32,
+        TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BKW=bkw_dn, KWX=kwo,
         num_warps=dn.get("num_warps", 4))
     return out.view(split, t, k, ex.hidden).sum((0, 2)).to(x.dtype)
