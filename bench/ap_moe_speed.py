@@ -259,7 +259,8 @@ def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, rep
                 r = reps if t <= 64 else max(5, reps // 2)
                 t_k = timeit(lambda: ap_moe(x, ids, w, ex, check=False), r)  # noqa: B023
                 path = pick_config(t, hdim, inter)["path"]
-                t_graph = graph_time(lambda: ap_moe(x, ids, w, ex, check=False), r) if path == "gemv" else float("nan")  # noqa: B023
+                decode = path in ("gemv", "gemv1")
+                t_graph = graph_time(lambda: ap_moe(x, ids, w, ex, check=False), r) if decode else float("nan")  # noqa: B023
                 try:
                     t_g = timeit(lambda: dense_grouped(x, ids, w, gate_up, down), r)  # noqa: B023
                 except (RuntimeError, AttributeError):  # grouped mm unavailable for this layout/build

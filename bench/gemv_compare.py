@@ -28,10 +28,11 @@ from bench.gemv_probe import graph_ms
 from kernels import ap_moe_gemv, ap_moe_gemv1
 from kernels.ap_moe import ap_moe_ref, build_experts
 
-# (BLOCK_N pairs, BLOCK_K, num_warps) and (BLOCK_N, BLOCK_K, num_warps, SPLIT_K). BLOCK_K 512 = 16 words: the
-# tile whose codes are already in the layout of Triton's warp-local gather (q <= 4 path)
-GU = [(16, 512, 4), (8, 512, 4), (32, 512, 4), (16, 512, 8)]
-DN = [(32, 512, 4, 1), (32, 512, 4, 2), (64, 512, 4, 1), (16, 512, 4, 2), (32, 512, 4, 4)]
+# (BLOCK_N pairs, BLOCK_K, num_warps) and (BLOCK_N, BLOCK_K, num_warps, SPLIT_K). BLOCK_K 1024 = 32 words: the
+# tile whose codes are already in the layout of Triton's warp-local gather with a 32-entry LUT (q <= 5 by
+# shuffle); 512 = 16 words: 16-entry LUT (q <= 4 by shuffle), less padding where K / 32 is not a multiple of 32
+GU = [(16, 1024, 4), (8, 1024, 4), (32, 1024, 4), (16, 512, 4)]
+DN = [(32, 1024, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 2), (64, 1024, 4, 1), (32, 1024, 4, 4)]
 
 
 def cfg(gu: tuple, dn: tuple) -> dict[str, Any]:
@@ -83,12 +84,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", default="1", help="token counts, e.g. 1,4,8")
     ap.add_argument("--qs", default="4,3,8", help="bitwidths timed")
-    ap.add_argument("--tune-qs", default="4,8", help="bitwidths at which the whole grid is tried (others: "
-                    "the winner of the first tuned q of the same path, q <= 4 or q > 4)")
+    ap.add_argument("--tune-qs", default="4,5,8", help="bitwidths at which the whole grid is tried (others: "
+                    "the winner of the first tuned q of the same path: q <= 4, q = 5, q >= 6)")
     ap.add_argument("--shapes", default="qwen1.5-moe,mixtral-8x7b")
     ap.add_argument("--baseline-module", default="", help="gemv1 module file of the baseline (default: current)")
     ap.add_argument("--baseline-configs", default="kernels/configs/ap_moe.json")
     ap.add_argument("--workers", type=int, default=12, help="parallel compile processes")
+    ap.add_argument("--write-configs", default="", help="configs JSON to update with the winners (T=1 -> bucket "
+                    "min_tokens 1, T=4 -> 2, T=8 -> 5; only where gemv1 beat the baseline at q=4)")
     args = ap.parse_args()
     base_mod = load_module(args.baseline_module) if args.baseline_module else ap_moe_gemv1
     with open(args.baseline_configs) as f:
@@ -103,7 +106,7 @@ def main() -> None:
         s = SHAPES[family]
         for t in ts:
             n = min(s["experts"], t * s["topk"])
-            won: dict[bool, dict] = {}
+            won: dict[int, dict] = {}
             for q in qs:
                 ex = experts(s, q, n)
                 x, ids, w = inputs(s, t, n)
@@ -113,8 +116,8 @@ def main() -> None:
                     b_us, b_err = timed(lambda: base_mod.gemv1_moe(x, ids, w, ex, bc), ref)  # noqa: B023
                 else:
                     b_us, b_err = timed(lambda: ap_moe_gemv.gemv_moe(x, ids, w, ex, bc), ref)  # noqa: B023
-                small = q <= 4
-                if q in tune or small not in won:
+                kpath = 4 if q <= 4 else 5 if q == 5 else 8  # code paths: q <= 4, q = 5, q >= 6
+                if q in tune or kpath not in won:
                     gus = [cfg(gu, DN[0]) for gu in GU]
                     res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
                            for c in gus]
@@ -123,10 +126,10 @@ def main() -> None:
                     res += [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
                             for c in [cfg(gu_t, dn) for dn in DN[1:]]]
                 else:
-                    c = won[small]
+                    c = won[kpath]
                     res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)]  # noqa: B023
                 (n_us, _), best = min(res, key=lambda r: r[0][0])
-                won.setdefault(small, best)
+                won.setdefault(kpath, best)
                 worst_err = max(r[0][1] for r in res)
                 row = {"shape": family, "q": q, "T": t, "experts": n, "base_us": round(b_us, 1),
                        "base_path": bc["path"], "base_err": b_err, "new_us": round(n_us, 1), "new_err": worst_err,
@@ -141,6 +144,38 @@ def main() -> None:
              ", dn {BLOCK_N}x{BLOCK_K} w{num_warps} s{SPLIT_K}".format(**c["down"])
         print(f"| {r['shape']} | {r['T']} | {r['q']} | {r['experts']} | {r['base_us']} ({r['base_path']}) | "
               f"{r['new_us']} | {r['speedup']} | {r['base_err']:.1e} / {r['new_err']:.1e} | {cs} |")
+    if args.write_configs:
+        write_configs(args.write_configs, out)
+
+
+BUCKET = {1: 1, 4: 2, 8: 5}  # tuned T -> min_tokens of the bucket it stands for (gemv1 takes at most 8 tokens)
+
+
+def write_configs(path: str, rows: list[dict]) -> None:
+    """Put each shape's q=4 winner into its bucket of ``path`` where gemv1 beat the baseline; the bucket after
+    the last gemv1 one (min_tokens 9) keeps the config that covered 9 tokens before."""
+    with open(path) as f:
+        configs = json.load(f)
+    for family in {r["shape"] for r in rows}:
+        s = SHAPES[family]
+        key = f"{s['hidden']}x{s['inter']}"
+        old = configs["by_shape"].get(key, configs["default"])
+        buckets = {b["min_tokens"]: b["config"] for b in old}
+        for r in rows:
+            if r["shape"] == family and r["q"] == 4 and r["T"] in BUCKET and r["speedup"] > 1.0:
+                buckets[BUCKET[r["T"]]] = r["new_cfg"]
+        won = {BUCKET[r["T"]] for r in rows if r["shape"] == family and r["q"] == 4 and r["T"] in BUCKET
+               and r["speedup"] > 1.0}
+        for m in (2, 5, 9):  # a bucket that lost (or 9+) keeps what covered it before, not a smaller winner
+            if m not in won and m not in buckets and buckets[max(k for k in buckets if k < m)]["path"] == "gemv1":
+                buckets[m] = baseline_config({"by_shape": {key: old}, "default": old}, m, s["hidden"], s["inter"])
+        assert baseline_config({"by_shape": {key: [{"min_tokens": m, "config": c} for m, c in buckets.items()]},
+                                "default": old}, 9, s["hidden"], s["inter"])["path"] != "gemv1"
+        configs["by_shape"][key] = [{"min_tokens": m, "config": buckets[m]} for m in sorted(buckets)]
+    with open(path, "w") as f:
+        json.dump(configs, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

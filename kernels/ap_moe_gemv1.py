@@ -53,11 +53,12 @@ def _bits_to(w, j: tl.constexpr, s: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _lut16(lut_blk, rbase, q):
-    """[16, R] fp32: the LUTs of R rows (entry e of row r at [e, r], 0 past 2^q), read once per program for the
-    q <= 4 path's warp-shuffle gathers (``tl.gather`` along dim 0; with 16-word tiles the codes are already
-    in the layout Triton's warp-local gather wants, so no layout conversion is made: check the TTGIR)."""
-    ent = tl.arange(0, 16)
+def _lut(lut_blk, rbase, q, LE: tl.constexpr):
+    """[LE, R] fp32: entries 0..LE-1 of the LUTs of R rows (entry e of row r at [e, r], 0 past 2^q), read once per
+    program for the warp-shuffle gathers of codes < LE (``tl.gather`` along dim 0). LE is 32 for 32-word tiles
+    (q <= 5) and 16 for 16-word ones (q <= 4): then the codes are already in the layout of Triton's warp-local
+    gather, one lane per entry, and no layout conversion is made (check the TTGIR when tiles or Triton change)."""
+    ent = tl.arange(0, LE)
     return tl.load(lut_blk + rbase[None, :] + ent[:, None], mask=ent[:, None] + 0 * rbase[None, :] < (1 << q),
                    other=0.0).to(tl.float32)
 
@@ -83,7 +84,7 @@ def _put(out, tok, m: tl.constexpr, p):
 
 @triton.jit
 def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, x_ptr, x_off, KWX: tl.constexpr,
-               T_PAD: tl.constexpr, W: tl.constexpr):
+               T_PAD: tl.constexpr, W: tl.constexpr, NPL: tl.constexpr):
     """[T_PAD, R] fp32: W[rows, columns of words kw] @ x_t for each token t (T_PAD <= 8), codes W bits wide.
 
     rows [R] (clamped to valid rows), rbase [R] uint32 = rows * 2^q (each row's LUT at lut_blk + rbase), lut_t
@@ -106,8 +107,9 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
     w1 = _plane(pool_ptr, plane_off_ptr, 1, q, word, wmask).to(tl.uint32, bitcast=True)
     w2 = _plane(pool_ptr, plane_off_ptr, 2, q, word, wmask).to(tl.uint32, bitcast=True)
     w3 = _plane(pool_ptr, plane_off_ptr, 3, q, word, wmask).to(tl.uint32, bitcast=True)
-    if W == 8:
+    if NPL > 4:
         w4 = _plane(pool_ptr, plane_off_ptr, 4, q, word, wmask).to(tl.uint32, bitcast=True)
+    if NPL > 5:
         w5 = _plane(pool_ptr, plane_off_ptr, 5, q, word, wmask).to(tl.uint32, bitcast=True)
         w6 = _plane(pool_ptr, plane_off_ptr, 6, q, word, wmask).to(tl.uint32, bitcast=True)
         w7 = _plane(pool_ptr, plane_off_ptr, 7, q, word, wmask).to(tl.uint32, bitcast=True)
@@ -128,12 +130,14 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
     for j in tl.static_range(W):
         c = _bits_to(w0, j, W - 1, W) | _bits_to(w1, j, W - 2, W) | _bits_to(w2, j, W - 3, W)
         c = c | _bits_to(w3, j, W - 4, W)
-        if W == 8:
-            c = c | _bits_to(w4, j, 3, W) | _bits_to(w5, j, 2, W) | _bits_to(w6, j, 1, W) | _bits_to(w7, j, 0, W)
+        if NPL > 4:
+            c = c | _bits_to(w4, j, 3, W)
+        if NPL > 5:
+            c = c | _bits_to(w5, j, 2, W) | _bits_to(w6, j, 1, W) | _bits_to(w7, j, 0, W)
         c = c >> shift
         for b in tl.static_range(32 // W):
             code = (c >> (W * b)) & ((1 << W) - 1)
-            if W == 4:  # warp shuffle from the lanes that hold the row's 16 entries (fp32, no convert)
+            if NPL <= 4 or (NPL == 5 and lut_t.shape[0] == 32):  # warp shuffle from the lanes holding the entries
                 w = tl.gather(lut_t, code.to(tl.int32), 0)
             else:  # one 16-bit load from the row's LUT (L1 hit)
                 w = tl.load(lut_blk + (code | rbase[None, :])).to(tl.float32)
@@ -176,6 +180,7 @@ def _gemv1_gate_up_kernel(
     K_PAD: tl.constexpr,  # next power of 2 >= TOPK
     BLOCK_N: tl.constexpr,  # intermediate columns per program (2 * BLOCK_N gate and up rows)
     BKW: tl.constexpr,  # plane words (32 columns each) per K step
+    LE: tl.constexpr,  # LUT entries held in registers for shuffles: 32 if BKW >= 32 else 16
     KWX: tl.constexpr,  # words of an x row (ceil(H / 32) rounded up to a multiple of BKW)
     KWO: tl.constexpr,  # words of an inter row (down's KWX)
     PAD_O: tl.constexpr,  # power of 2 >= 32 * KWO - I: inter columns the first program of a pair zeroes
@@ -189,20 +194,25 @@ def _gemv1_gate_up_kernel(
     q = tl.load(bits_ptr + blk)
     lut = lut_ptr + tl.load(lut_off_ptr + blk)
     rbase = (rows * (1 << q)).to(tl.uint32)
-    lut_t = _lut16(lut, rbase, q)
+    lut_t = _lut(lut, rbase, q, LE)
     poff = plane_off_ptr + blk * 8
     kwh = (H + 31) // 32
     kw_end = tl.where(lead, kwh, 0)
     x_off = tl.minimum(tok, T - 1) * (32 * KWX)  # padded tokens read the last token's (finite) row
     acc = tl.zeros((T_PAD, 2 * BLOCK_N), dtype=tl.float32)
-    if q <= 4:  # nibble codes, warp-shuffle LUT (the branch is uniform: one block per program)
+    # the branch is uniform (one block per program): nibble codes + shuffle, 5-plane bytes + shuffle, 8-plane bytes
+    if q <= 4:
         for kw0 in range(0, kw_end, BKW):
             acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwh, x_ptr,
-                              x_off, KWX, T_PAD, 4)
+                              x_off, KWX, T_PAD, 4, 4)
+    elif q == 5:
+        for kw0 in range(0, kw_end, BKW):
+            acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwh, x_ptr,
+                              x_off, KWX, T_PAD, 8, 5)
     else:
         for kw0 in range(0, kw_end, BKW):
             acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwh, x_ptr,
-                              x_off, KWX, T_PAD, 8)
+                              x_off, KWX, T_PAD, 8, 8)
     g, u = tl.split(tl.reshape(acc, (T_PAD, BLOCK_N, 2)))
     h = g / (1.0 + tl.exp(-g)) * u
     tl.store(inter_ptr + row[:, None] * (32 * KWO) + ((n % 32) * KWO + n // 32)[None, :],
@@ -233,6 +243,7 @@ def _gemv1_down_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BKW: tl.constexpr,
+    LE: tl.constexpr,
     KWX: tl.constexpr,  # words of an inter row (ceil(I / 32) rounded up so that every split's K steps fit)
 ):
     e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
@@ -244,7 +255,7 @@ def _gemv1_down_kernel(
     q = tl.load(bits_ptr + blk)
     lut = lut_ptr + tl.load(lut_off_ptr + blk)
     rbase = (rows * (1 << q)).to(tl.uint32)
-    lut_t = _lut16(lut, rbase, q)
+    lut_t = _lut(lut, rbase, q, LE)
     poff = plane_off_ptr + blk * 8
     kwi = (I + 31) // 32
     chunk = tl.cdiv(tl.cdiv(kwi, BKW), tl.num_programs(2)) * BKW
@@ -256,11 +267,15 @@ def _gemv1_down_kernel(
     if q <= 4:
         for kw0 in range(kw_lo, kw_hi, BKW):
             y += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwi, inter_ptr,
-                            x_off, KWX, T_PAD, 4)
+                            x_off, KWX, T_PAD, 4, 4)
+    elif q == 5:
+        for kw0 in range(kw_lo, kw_hi, BKW):
+            y += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwi, inter_ptr,
+                            x_off, KWX, T_PAD, 8, 5)
     else:
         for kw0 in range(kw_lo, kw_hi, BKW):
             y += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwi, inter_ptr,
-                            x_off, KWX, T_PAD, 8)
+                            x_off, KWX, T_PAD, 8, 8)
     num_pairs = T * TOPK
     for s in tl.static_range(TOPK):  # every slot (t, s) that picked e (a token may pick e twice)
         pair = tok * TOPK + s
@@ -268,6 +283,11 @@ def _gemv1_down_kernel(
         w_s = tl.load(w_ptr + pair, mask=tok < T, other=0.0)
         tl.store(out_ptr + (pid_s * num_pairs + pair[:, None]) * H + n[None, :], y * w_s[:, None],
                  mask=((ids_s == e) & active)[:, None] & nmask[None, :])
+
+
+def _entries(bkw: int) -> int:
+    """LUT entries kept in registers: one per lane of the words dimension (32 words: q <= 5 by shuffle)."""
+    return 32 if bkw >= 32 else 16
 
 
 def padded_words(k: int, bkw: int, split: int = 1) -> int:
@@ -315,10 +335,10 @@ def gemv1_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
     t_pad, k_pad = triton.next_power_of_2(t), triton.next_power_of_2(k)
     _gemv1_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
         word_major(x, kwx), inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
-        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu, KWX=kwx, KWO=kwo,
-        PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)), num_warps=gu.get("num_warps", 4))
+        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu, LE=_entries(bkw_gu), KWX=kwx,
+        KWO=kwo, PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)), num_warps=gu.get("num_warps", 4))
     _gemv1_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn["BLOCK_N"]), split)](
         inter, out, ids, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
-        TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BKW=bkw_dn, KWX=kwo,
+        TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BKW=bkw_dn, LE=_entries(bkw_dn), KWX=kwo,
         num_warps=dn.get("num_warps", 4))
     return out.view(split, t, k, ex.hidden).sum((0, 2)).to(x.dtype)
