@@ -232,6 +232,36 @@ def test_word_first_path_expert_picked_twice_all_on_one_expert_and_wide_tiles() 
           ids=torch.tensor([[1, 1], [1, 3], [3, 1]]), config=cfg)
 
 
+def test_word_first_path_poisoned_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemv1's scratch buffers come back NaN-filled: the padded intermediate columns (I = 40 -> 64 read) must be
+    zeroed by gate_up and rows of tokens without work never stored, or the output turns NaN."""
+    import kernels.ap_moe_gemv1 as g
+
+    real_empty = torch.empty
+
+    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real_empty(*args, **kwargs)  # type: ignore[call-overload]
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(g.torch, "empty", poisoned)
+    cfg = {"path": "gemv1", "gate_up": {"BLOCK_N": 16, "BLOCK_K": 1024}, "down": {"BLOCK_N": 32, "BLOCK_K": 1024}}
+    check(3, 2, 4, hidden=72, inter=40, bits=[4, 5, 8, 3, 6, 2, 7, 4], dtype=torch.bfloat16, seed=11,
+          ids=torch.tensor([[1, 3], [1, 0], [3, 1]]), config=cfg)
+
+
+def test_padded_word_major_rows() -> None:
+    """word_major pads to the words asked for (zeros) and refuses too few; padded_words covers every K step."""
+    from kernels.ap_moe_gemv1 import padded_words, word_major
+
+    x = torch.randn(2, 70)
+    got = word_major(x, 5)
+    assert got.shape == (2, 32, 5) and (got[:, :, 3:] == 0).all() and got[1, 5, 2] == x[1, 69]
+    with pytest.raises(ValueError, match="fewer than K"):
+        word_major(x, 2)
+    assert padded_words(1408, 32) == 64 and padded_words(1408, 16) == 48 and padded_words(1408, 16, 2) == 64
+    assert padded_words(2048, 32) == 64 and padded_words(72, 1, 2) == 4
+
+
 def test_word_first_path_rejects_more_than_8_tokens() -> None:
     ex = make(2, 64, 32, [4] * 4, torch.bfloat16, 0)
     x = torch.randn(9, 64).to(torch.bfloat16).to(DEV)
