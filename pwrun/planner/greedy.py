@@ -4,9 +4,11 @@ What it does: ``predicted_damage`` forms d_hat_i^{b->b'} = max(eps, mu_beta(i) *
 (Eq. 8); ``lower_step`` picks, under one floor stage, each block's best demotion (lowest
 d_hat / Delta, within its floor and depth cap) and takes blocks in that order until the freed bytes
 reach D; ``raise_step`` does the reverse (highest damage avoided per byte) within a byte
-allowance; ``fit_budget`` repeats lowering steps, escalating floor stages only when a stage can
-free nothing more, until the blocks fit a byte budget (the offline use of the same planner, by
-``pwcal search-buckets``; a banded policy lowers with the neutral policy down to its band first).
+allowance; ``lower_until`` repeats lowering steps, escalating floor stages only when a stage can
+free nothing more (the runtime planner's ``plan_lower`` and the offline ``fit_budget`` both use it);
+``fit_budget`` lowers from the top bitwidth until the blocks fit a byte budget (the offline use of the
+same planner, by ``pwcal search-buckets``; a banded policy lowers with the neutral policy down to its
+band first).
 No Python loop runs over blocks. Bitwidths are handled as indices into ``BlockTable.bits``.
 """
 
@@ -110,6 +112,34 @@ def raise_step(table: BlockTable, q_idx: np.ndarray, allowance: float, d_hat: np
     return Plan(fits, best[fits], -int(cost[fits, best[fits]].sum()), -float(avoided[fits, best[fits]].sum()), 0)
 
 
+def lower_until(table: BlockTable, q_idx: np.ndarray, need_bytes: float, d_hat: np.ndarray, bucket: np.ndarray,
+                policy: BucketPolicy, movable: np.ndarray | None = None, step_fraction: float | None = None,
+                max_rounds: int = 100_000) -> tuple[np.ndarray, int, float, int]:
+    """Greedy ``lower_step`` rounds from floor stage 0 on until >= ``need_bytes`` are freed (Algorithm 1).
+
+    A stage is left only when it can free nothing more. With ``step_fraction``, each round asks for at most
+    that fraction of the current bytes (small rounds: close to a global greedy by damage per byte; offline),
+    else for all that is still needed (runtime). Returns (new bit indices [n], bytes freed, predicted
+    damage, last stage); fewer bytes than asked if the last stage runs out.
+    """
+    q = q_idx.copy()
+    freed, damage, stage, rounds = 0, 0.0, 0, 0
+    for stage in range(len(policy.floors)):
+        while freed < need_bytes and rounds < max_rounds:
+            ask = need_bytes - freed
+            if step_fraction is not None:
+                ask = min(ask, max(1.0, step_fraction * table.total_bytes(q)))
+            p = lower_step(table, q, ask, d_hat, bucket, policy, stage, movable)
+            rounds += 1
+            if p.empty:
+                break
+            q[p.blocks] = p.to_idx
+            freed, damage = freed + p.freed, damage + p.damage
+        if freed >= need_bytes:
+            break
+    return q, freed, damage, stage
+
+
 def fit_budget(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: np.ndarray | None = None,
                step_fraction: float = 0.01, max_steps: int = 100_000) -> np.ndarray | None:
     """Bit indices [n] that fit ``budget_bytes`` starting from the top bitwidth, or None if infeasible.
@@ -130,19 +160,7 @@ def _fit(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: np.nda
          step_fraction: float, max_steps: int) -> np.ndarray | None:
     """``fit_budget`` from bit indices ``q`` [n] with one (unbanded) policy."""
     bucket = policy.assign(table)
-    d_hat = predicted_damage(table, bucket, policy, eta)
-    stage = 0
-    for _ in range(max_steps):
-        total = table.total_bytes(q)
-        need = total - budget_bytes
-        if need <= 0:
-            return q
-        plan = lower_step(table, q, min(need, max(1.0, step_fraction * total)), d_hat, bucket, policy, stage)
-        if plan.empty:
-            if stage + 1 >= len(policy.floors):
-                return None
-            stage += 1
-            continue
-        q = q.copy()
-        q[plan.blocks] = plan.to_idx
-    return None
+    need = table.total_bytes(q) - budget_bytes
+    q, freed, _, _ = lower_until(table, q, need, predicted_damage(table, bucket, policy, eta), bucket, policy,
+                                 step_fraction=step_fraction, max_rounds=max_steps)
+    return q if freed >= need else None

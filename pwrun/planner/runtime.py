@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pwrun.planner.buckets import BucketPolicy
-from pwrun.planner.greedy import Plan, lower_step, predicted_damage, raise_step
+from pwrun.planner.greedy import Plan, lower_until, predicted_damage, raise_step
 from pwrun.planner.online import OnlineStats, ResidualHeads
 from pwrun.planner.tables import BlockTable
 
@@ -128,30 +128,16 @@ class Planner:
         if need_bytes <= 0:
             return _empty()
         d_hat, bucket = self._state()
-        table, policy = self.table, self.policy.without_band()
-        q = q_idx.copy()
-        freed, damage, stage = 0, 0.0, 0
-        if self.band_bytes is not None:
+        table, q = self.table, q_idx
+        freed, damage = 0, 0.0
+        if self.band_bytes is not None and (above := table.total_bytes(q) - self.band_bytes) > 0:
             assert self._neutral_d_hat is not None
-            zero = np.zeros(table.n, np.int64)
-            while freed < need_bytes and (above := table.total_bytes(q) - self.band_bytes) > 0:
-                p = lower_step(table, q, min(need_bytes - freed, above), self._neutral_d_hat, zero, self._neutral, 0,
-                               movable)
-                if p.empty:
-                    break
-                q[p.blocks] = p.to_idx
-                freed, damage = freed + p.freed, damage + p.damage
-        for stage in range(len(policy.floors)):
-            while freed < need_bytes:
-                p = lower_step(table, q, need_bytes - freed, d_hat, bucket, policy, stage, movable)
-                if p.empty:
-                    break
-                q[p.blocks] = p.to_idx
-                freed, damage = freed + p.freed, damage + p.damage
-            if freed >= need_bytes:
-                break
+            q, freed, damage, _ = lower_until(table, q, min(need_bytes, above), self._neutral_d_hat,
+                                              np.zeros(table.n, np.int64), self._neutral, movable)
+        q, more, dmg, stage = lower_until(table, q, need_bytes - freed, d_hat, bucket, self.policy.without_band(),
+                                          movable)
         blocks = np.flatnonzero(q != q_idx)
-        return Plan(blocks, q[blocks], freed, damage, stage)
+        return Plan(blocks, q[blocks], freed + more, damage + dmg, stage)
 
     def plan_raise(self, q_idx: np.ndarray, allowance: float, movable: np.ndarray | None = None) -> Plan:
         """Promotions by damage avoided per byte within ``allowance`` bytes (empty without page movement).
