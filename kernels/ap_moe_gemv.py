@@ -51,6 +51,19 @@ def _expert_of(ids_ptr, j, T, TOPK: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl
 
 
 @triton.jit
+def store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK: tl.constexpr):
+    """Write y [T_PAD, BLOCK_N] (expert e's down rows n for each token) times the routing weight into every
+    (token, slot) pair that picked e (a token may pick e twice) of split ``pid_s`` of out [SPLIT, T*k, H]."""
+    num_pairs = T * TOPK
+    for s in tl.static_range(TOPK):
+        pair = tok * TOPK + s
+        ids_s = tl.load(ids_ptr + pair, mask=tok < T, other=-1)
+        w_s = tl.load(w_ptr + pair, mask=tok < T, other=0.0)
+        tl.store(out_ptr + (pid_s * num_pairs + pair[:, None]) * H + n[None, :], y * w_s[:, None],
+                 mask=((ids_s == e) & active)[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _gemv_gate_up_kernel(
     x_ptr,  # [T, H] activations (bf16/fp16), rows stride_xm apart
     inter_ptr,  # [T*k, I] out: silu(gate) * up in x's dtype, at each (token, expert)'s first pair row
@@ -166,13 +179,7 @@ def _gemv_down_kernel(
                 r = tl.sum(tl.where(sel, row, 0))
                 hk = tl.load(inter_ptr + r * I + cols, mask=cols < I, other=0.0).to(tl.float32)
                 y = tl.where((tok == t)[:, None], y + tl.sum(wd * hk[None, :], axis=1)[None, :], y)
-    num_pairs = T * TOPK
-    for s in tl.static_range(TOPK):
-        pair = tok * TOPK + s
-        ids_s = tl.load(ids_ptr + pair, mask=tok < T, other=-1)
-        w_s = tl.load(w_ptr + pair, mask=tok < T, other=0.0)
-        tl.store(out_ptr + (pid_s * num_pairs + pair[:, None]) * H + n[None, :], y * w_s[:, None],
-                 mask=((ids_s == e) & active)[:, None] & nmask[None, :])
+    store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK)
 
 
 def gemv_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any, cfg: dict[str, Any],

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ap_moe_gemv import _expert_of
+from kernels.ap_moe_gemv import _expert_of, store_pairs
 from kernels.ap_tile import _plane
 
 MAX_TOKENS = 8  # one [BKW, R] accumulator per token
@@ -276,13 +276,7 @@ def _gemv1_down_kernel(
         for kw0 in range(kw_lo, kw_hi, BKW):
             y += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwi, inter_ptr,
                             x_off, KWX, T_PAD, 8, 8)
-    num_pairs = T * TOPK
-    for s in tl.static_range(TOPK):  # every slot (t, s) that picked e (a token may pick e twice)
-        pair = tok * TOPK + s
-        ids_s = tl.load(ids_ptr + pair, mask=tok < T, other=-1)
-        w_s = tl.load(w_ptr + pair, mask=tok < T, other=0.0)
-        tl.store(out_ptr + (pid_s * num_pairs + pair[:, None]) * H + n[None, :], y * w_s[:, None],
-                 mask=((ids_s == e) & active)[:, None] & nmask[None, :])
+    store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK)
 
 
 def _entries(bkw: int) -> int:
