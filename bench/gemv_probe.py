@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.ap_moe_gemv1 import _bits_to
 from kernels.ap_tile import _merge
 
 
@@ -105,15 +106,6 @@ def _probe_kernel(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, x_ptr
 
 
 @triton.jit
-def _bit(w, j: tl.constexpr, s: tl.constexpr):
-    """Bits j, j+8, j+16, j+24 of uint32 w moved to bits s, s+8, s+16, s+24 (others 0)."""
-    if j >= s:
-        return (w >> (j - s)) & (0x01010101 << s)
-    else:
-        return (w << (s - j)) & (0x01010101 << s)
-
-
-@triton.jit
 def _wm_plane(pool_ptr, poff, p: tl.constexpr, q, word, m):
     off = tl.multiple_of(tl.load(poff + p), 4)
     return tl.load(pool_ptr + off + word, mask=m & (word * 0 + p < q), other=0).to(tl.uint32, bitcast=True)
@@ -154,8 +146,8 @@ def _wm_kernel(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, x_ptr, o
             w6 = _wm_plane(pool_ptr, poff, 6, q, word, m)
             w7 = _wm_plane(pool_ptr, poff, 7, q, word, m)
         for j in tl.static_range(8):
-            c = _bit(w0, j, 7) | _bit(w1, j, 6) | _bit(w2, j, 5) | _bit(w3, j, 4)
-            c = c | _bit(w4, j, 3) | _bit(w5, j, 2) | _bit(w6, j, 1) | _bit(w7, j, 0)
+            c = _bits_to(w0, j, 7, 8) | _bits_to(w1, j, 6, 8) | _bits_to(w2, j, 5, 8) | _bits_to(w3, j, 4, 8)
+            c = c | _bits_to(w4, j, 3, 8) | _bits_to(w5, j, 2, 8) | _bits_to(w6, j, 1, 8) | _bits_to(w7, j, 0, 8)
             c = c >> (8 - q).to(tl.uint32)
             for b in tl.static_range(4):
                 code = ((c >> (8 * b)) & 0xFF).to(tl.int32)
