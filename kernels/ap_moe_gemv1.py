@@ -3,17 +3,23 @@
 What it does: the same math as ``kernels.ap_moe.ap_moe_ref`` for T <= 8 (decode), as two launches like
 ``kernels.ap_moe_gemv`` (gate_up with SiLU-and-mul, then down with split-K and the routing weight; the
 program of an expert's first (token, slot) pair does the expert's work for all its tokens), laid out for
-the memory pipe rather than for instruction count:
+the memory pipe and for few instructions per weight:
   * **word-major**: a thread keeps whole int32 plane words and makes the 32 weights of each itself with
-    constant shifts (``_bits_to``): codes are built as 8-bit (plane p at bit 7 - p, planes >= q zero) and
-    shifted right by 8 - q, so q stays a runtime value and one compile serves every bitwidth;
+    constant shifts (``_bits_to``); q stays a runtime value and one compile serves every bitwidth, with one
+    uniform branch per program (one block each): q <= 4 builds nibble codes from 4 planes, q = 5 byte
+    codes from 5, q >= 6 byte codes from 8 (plane p at the field's bit W - 1 - p, shifted right by W - q);
+  * **LUT by warp shuffle** (q <= 5 on 32-word tiles, q <= 4 on 16-word ones): the rows' LUTs sit in
+    registers as an fp32 [32 or 16, R] tile, one entry per lane, and ``tl.gather`` along the entries
+    becomes one SHFL.IDX per weight (no load, no bf16 convert), because the codes already have the
+    gather's layout (words along the lanes). q >= 6 loads each weight from its row's LUT (one 32-bit index
+    off one base, L1 hit). sm_90 SASS per weight at T = 1: 5.9 / 7.2 / 12.2 (``bench/sass_count.py``);
   * **word-first tiles** ([BKW words, R rows]): plane loads are contiguous along dim 0, and Triton (3.6,
-    the GPU machine's) lays out a gather whose contiguity it cannot prove with dim 0 along the lanes too,
-    so a warp's LUT gather reads one row's LUT (one or two sectors). Rows-first tiles made each warp
-    gather from 16-32 rows' LUTs (ncu on ``kernels.ap_moe_gemv``: 16 / 32 sectors per gather, ideal 2);
-  * **word-major activations** (``word_major``: column 32 w + i at [i, w]): the lanes, one word each,
-    read consecutive activations instead of elements 64 bytes apart; gate_up writes the intermediate
-    word-major for down;
+    the GPU machine's) lays out a load whose contiguity it cannot prove with dim 0 along the lanes too,
+    so a warp's LUT loads (q >= 6) read one row's LUT. Rows-first tiles made each warp gather from 16-32
+    rows' LUTs (ncu on ``kernels.ap_moe_gemv``: 16 / 32 sectors per gather, ideal 2);
+  * **word-major activations** (``word_major``: column 32 w + i at [i, w]), rows padded to whole K steps
+    and strided by constexpr word counts: the lanes, one word each, read consecutive activations, unmasked,
+    at constant offsets; gate_up writes the intermediate word-major (zeroing its padded columns) for down;
   * one [BKW, R] accumulator per token in the gather's layout, reduced over the words once per K step
     (a [T, BKW, R] product, or a loop-carried tile accumulator, kept Triton's default layout and converted
     every gathered tile through shared memory).
@@ -88,16 +94,17 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
     """[T_PAD, R] fp32: W[rows, columns of words kw] @ x_t for each token t (T_PAD <= 8), codes W bits wide.
 
     rows [R] (clamped to valid rows), rbase [R] uint32 = rows * 2^q (each row's LUT at lut_blk + rbase), lut_t
-    [16, R] fp32 the same LUTs in registers (``_lut16``, used when W = 4), kw [BKW] word ids (>= KW: planes
+    [LE, R] fp32 the same LUTs in registers (``_lut``, for the shuffle paths), kw [BKW] word ids (>= KW: planes
     masked). Token t's activations are word-major ([32, KWX]: column 32 w + i at i * KWX + w) at
     x_ptr + x_off[t], zero past the K columns and up to KWX >= every kw words, so they are read unmasked (x_off
     of a token with no work must point at finite values: its row of the result is discarded).
-    W = 4 (q <= 4): for j in 0..3, one shift + one and per plane put the codes of columns 32 kw + j + 4 b
-    (b = 0..7) in the 8 nibbles of one word (planes 0..3 only), and each code picks its weight with a warp
-    shuffle (``tl.gather`` on lut_t). W = 8 (q <= 8): 8 planes, codes of columns 32 kw + j + 8 b (b = 0..3) in
-    the 4 bytes, or-ed with the row's LUT base into one index (16-bit load, L1 hit). Plane p sits at bit
+    NPL planes are merged into W-bit codes: W = 4 (q <= 4, NPL 4): for j in 0..3, one shift + one and per
+    plane put the codes of columns 32 kw + j + 4 b (b = 0..7) in the 8 nibbles of one word; W = 8 (NPL 5 for
+    q = 5, 8 for q >= 6): codes of columns 32 kw + j + 8 b (b = 0..3) in the 4 bytes. Plane p sits at bit
     W - 1 - p of its field and the word is shifted right by W - q (planes >= q are 0, so no bits cross
-    fields). The weights are used for every token (one [BKW, R] accumulator per token, all in the gather's
+    fields). A code picks its weight by warp shuffle (``tl.gather`` on lut_t) when lut_t holds all 2^q
+    entries (q <= 4, or q = 5 with LE = 32), else by a 16-bit load at the row's LUT base or-ed with the code
+    (L1 hit). The weights are used for every token (one [BKW, R] accumulator per token, all in the gather's
     layout: a 3-D [T, BKW, R] product made Triton convert every gathered tile).
     """
     tok = tl.arange(0, T_PAD)
