@@ -8,8 +8,10 @@ configs JSON picks (``--baseline-configs``; default: the current one), run with 
 where that config's path is gemv1, or with ``kernels.ap_moe_gemv`` where it is gemv.
 Experts: min(E, T * top-k) of them with distinct ids per token (T = 1 reads top-k experts, as in serving).
 
-Usage: python bench/gemv_compare.py [--ts 1,4,8] [--qs 4,3,8] [--tune-qs 4,8] [--baseline-module F]
-       [--baseline-configs F] [--workers 12]   (GPU machine; JSON rows + a markdown table)
+Usage: python bench/gemv_compare.py [--ts 1,4,8] [--qs 4,3,8] [--tune-qs 4,5,8] [--baseline-module F]
+       [--baseline-configs F] [--workers 12] [--grid small] [--time-limit S] [--write-configs F]
+       (GPU machine; JSON rows + a markdown table). Each (shape, T) group compiles its tiles first: ~15 s per
+       config at T = 1, 1-4 min at T_PAD 4-8 (Triton 3.6), so keep --grid small and --time-limit for T > 1.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import time
 from typing import Any
 
 import torch
@@ -90,6 +93,11 @@ def main() -> None:
     ap.add_argument("--baseline-module", default="", help="gemv1 module file of the baseline (default: current)")
     ap.add_argument("--baseline-configs", default="kernels/configs/ap_moe.json")
     ap.add_argument("--workers", type=int, default=12, help="parallel compile processes")
+    ap.add_argument("--grid", choices=("full", "small"), default="full",
+                    help="small: 2 gate_up x 3 down tiles (gemv1 compiles take ~1-4 min per config at T_PAD 4-8)")
+    ap.add_argument("--time-limit", type=float, default=0.0,
+                    help="seconds; (shape, T) groups that would start past it are skipped, so the table and "
+                    "--write-configs still come out (0: no limit)")
     ap.add_argument("--write-configs", default="", help="configs JSON to update with the winners (T=1 -> bucket "
                     "min_tokens 1, T=4 -> 2, T=8 -> 5; only where gemv1 beat the baseline at q=4)")
     args = ap.parse_args()
@@ -98,44 +106,48 @@ def main() -> None:
         base_cfgs = json.load(f)
     ts, qs, tune = ([int(v) for v in a.split(",")] for a in (args.ts, args.qs, args.tune_qs))
     shapes = args.shapes.split(",")
-    grid = [cfg(gu, DN[0]) for gu in GU] + [cfg(GU[0], dn) for dn in DN[1:]]
-    precompile([(f, t, c) for f in shapes for t in ts for c in grid], args.workers)
+    gu_grid, dn_grid = (GU[:2], DN[:3]) if args.grid == "small" else (GU, DN)
+    grid = [cfg(gu, dn_grid[0]) for gu in gu_grid] + [cfg(gu_grid[0], dn) for dn in dn_grid[1:]]
     print(f"copy bandwidth {copy_bandwidth() / 1e12:.3f} TB/s", flush=True)
+    start = time.monotonic()
     out = []
-    for family in shapes:
+    for family, t in [(f, t) for f in shapes for t in ts]:
         s = SHAPES[family]
-        for t in ts:
-            n = min(s["experts"], t * s["topk"])
-            won: dict[int, dict] = {}
-            for q in qs:
-                ex = experts(s, q, n)
-                x, ids, w = inputs(s, t, n)
-                ref = ap_moe_ref(x, ids, w, ex).float()
-                bc = baseline_config(base_cfgs, t, s["hidden"], s["inter"])
-                if bc["path"] == "gemv1":
-                    b_us, b_err = timed(lambda: base_mod.gemv1_moe(x, ids, w, ex, bc), ref)  # noqa: B023
-                else:
-                    b_us, b_err = timed(lambda: ap_moe_gemv.gemv_moe(x, ids, w, ex, bc), ref)  # noqa: B023
-                kpath = 4 if q <= 4 else 5 if q == 5 else 8  # code paths: q <= 4, q = 5, q >= 6
-                if q in tune or kpath not in won:
-                    gus = [cfg(gu, DN[0]) for gu in GU]
-                    res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
-                           for c in gus]
-                    g_best = min(res, key=lambda r: r[0][0])[1]["gate_up"]
-                    gu_t = (g_best["BLOCK_N"], g_best["BLOCK_K"], g_best["num_warps"])
-                    res += [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
-                            for c in [cfg(gu_t, dn) for dn in DN[1:]]]
-                else:
-                    c = won[kpath]
-                    res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)]  # noqa: B023
-                (n_us, _), best = min(res, key=lambda r: r[0][0])
-                won.setdefault(kpath, best)
-                worst_err = max(r[0][1] for r in res)
-                row = {"shape": family, "q": q, "T": t, "experts": n, "base_us": round(b_us, 1),
-                       "base_path": bc["path"], "base_err": b_err, "new_us": round(n_us, 1), "new_err": worst_err,
-                       "speedup": round(b_us / n_us, 2), "new_cfg": best, "tried": len(res)}
-                out.append(row)
-                print(json.dumps(row), flush=True)
+        if args.time_limit and time.monotonic() - start > args.time_limit:
+            print(f"skipped {family} T={t}: past --time-limit {args.time_limit:.0f} s", flush=True)
+            continue
+        precompile([(family, t, c) for c in grid], args.workers)  # per group: partial results come out
+        n = min(s["experts"], t * s["topk"])
+        won: dict[int, dict] = {}
+        for q in qs:
+            ex = experts(s, q, n)
+            x, ids, w = inputs(s, t, n)
+            ref = ap_moe_ref(x, ids, w, ex).float()
+            bc = baseline_config(base_cfgs, t, s["hidden"], s["inter"])
+            if bc["path"] == "gemv1":
+                b_us, b_err = timed(lambda: base_mod.gemv1_moe(x, ids, w, ex, bc), ref)  # noqa: B023
+            else:
+                b_us, b_err = timed(lambda: ap_moe_gemv.gemv_moe(x, ids, w, ex, bc), ref)  # noqa: B023
+            kpath = 4 if q <= 4 else 5 if q == 5 else 8  # code paths: q <= 4, q = 5, q >= 6
+            if q in tune or kpath not in won:
+                gus = [cfg(gu, dn_grid[0]) for gu in gu_grid]
+                res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
+                       for c in gus]
+                g_best = min(res, key=lambda r: r[0][0])[1]["gate_up"]
+                gu_t = (g_best["BLOCK_N"], g_best["BLOCK_K"], g_best["num_warps"])
+                res += [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
+                        for c in [cfg(gu_t, dn) for dn in dn_grid[1:]]]
+            else:
+                c = won[kpath]
+                res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)]  # noqa: B023
+            (n_us, _), best = min(res, key=lambda r: r[0][0])
+            won.setdefault(kpath, best)
+            worst_err = max(r[0][1] for r in res)
+            row = {"shape": family, "q": q, "T": t, "experts": n, "base_us": round(b_us, 1),
+                   "base_path": bc["path"], "base_err": b_err, "new_us": round(n_us, 1), "new_err": worst_err,
+                   "speedup": round(b_us / n_us, 2), "new_cfg": best, "tried": len(res)}
+            out.append(row)
+            print(json.dumps(row), flush=True)
     print("| shape | T | q | experts | baseline us (path) | gemv1 us | speedup | rel err base / new | gemv1 config |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in out:
