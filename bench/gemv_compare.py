@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, ".")
-from bench.ap_moe_speed import SHAPES, copy_bandwidth, precompile
+from bench.ap_moe_speed import SHAPES, copy_bandwidth, fake_experts, precompile
 from bench.gemv_probe import graph_ms
 from kernels import ap_moe_gemv, ap_moe_gemv1
-from kernels.ap_moe import ap_moe_ref, build_experts
+from kernels.ap_moe import ap_moe_ref, pick_config
 
 # (BLOCK_N pairs, BLOCK_K, num_warps) and (BLOCK_N, BLOCK_K, num_warps, SPLIT_K). BLOCK_K 1024 = 32 words: the
 # tile whose codes are already in the layout of Triton's warp-local gather with a 32-entry LUT (q <= 5 by
@@ -41,16 +41,6 @@ DN = [(32, 1024, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 2), (64, 1024, 4, 1), (32
 def cfg(gu: tuple, dn: tuple) -> dict[str, Any]:
     return {"path": "gemv1", "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), gu, strict=True)),
             "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"), dn, strict=True))}
-
-
-def experts(s: dict, q: int, n: int) -> Any:
-    """n experts with the real H and I, every block at q bits, random planes and LUTs."""
-    codes, luts = [], []
-    for i in range(2 * n):
-        rows, kk = (2 * s["inter"], s["hidden"]) if i % 2 == 0 else (s["hidden"], s["inter"])
-        codes.append(torch.randint(-2**31, 2**31 - 1, (8, rows, -(-kk // 32)), dtype=torch.int32, device="cuda"))
-        luts.append({q: torch.randn(rows, 2**q, device="cuda") * 0.01})
-    return build_experts(codes, luts, [q] * (2 * n), s["hidden"], s["inter"], torch.bfloat16, "cuda")
 
 
 def inputs(s: dict, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,14 +57,6 @@ def load_module(path: str) -> Any:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def baseline_config(configs: dict, t: int, hidden: int, inter: int) -> dict[str, Any]:
-    best: dict[str, Any] = {}
-    for row in configs["by_shape"].get(f"{hidden}x{inter}", configs["default"]):
-        if t >= row["min_tokens"] or not best:
-            best = row["config"]
-    return best
 
 
 def timed(fn: Any, ref: torch.Tensor) -> tuple[float, float]:
@@ -120,10 +102,10 @@ def main() -> None:
         n = min(s["experts"], t * s["topk"])
         won: dict[int, dict] = {}
         for q in qs:
-            ex = experts(s, q, n)
+            ex = fake_experts(s, q, n)
             x, ids, w = inputs(s, t, n)
             ref = ap_moe_ref(x, ids, w, ex).float()
-            bc = baseline_config(base_cfgs, t, s["hidden"], s["inter"])
+            bc = pick_config(t, s["hidden"], s["inter"], base_cfgs)
             if bc["path"] == "gemv1":
                 b_us, b_err = timed(lambda: base_mod.gemv1_moe(x, ids, w, ex, bc), ref)  # noqa: B023
             else:
@@ -180,9 +162,10 @@ def write_configs(path: str, rows: list[dict]) -> None:
                and r["speedup"] > 1.0}
         for m in (2, 5, 9):  # a bucket that lost (or 9+) keeps what covered it before, not a smaller winner
             if m not in won and m not in buckets and buckets[max(k for k in buckets if k < m)]["path"] == "gemv1":
-                buckets[m] = baseline_config({"by_shape": {key: old}, "default": old}, m, s["hidden"], s["inter"])
-        assert baseline_config({"by_shape": {key: [{"min_tokens": m, "config": c} for m, c in buckets.items()]},
-                                "default": old}, 9, s["hidden"], s["inter"])["path"] != "gemv1"
+                buckets[m] = pick_config(m, s["hidden"], s["inter"], {"by_shape": {key: old}, "default": old})
+        assert pick_config(9, s["hidden"], s["inter"], {"by_shape": {key: [{"min_tokens": m, "config": c}
+                                                                          for m, c in sorted(buckets.items())]},
+                                                       "default": old})["path"] != "gemv1"
         configs["by_shape"][key] = [{"min_tokens": m, "config": buckets[m]} for m in sorted(buckets)]
     with open(path, "w") as f:
         json.dump(configs, f, indent=1)

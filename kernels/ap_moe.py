@@ -234,11 +234,14 @@ def _dequant_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
-def pick_config(num_tokens: int, hidden: int | None = None, inter: int | None = None) -> dict[str, Any]:
-    """Config for ``num_tokens`` tokens from ``configs/ap_moe.json``: the buckets of shape "HxI" if
-    tuned, else the default buckets; the largest ``min_tokens`` <= T wins. Read-only (shared)."""
+def pick_config(num_tokens: int, hidden: int | None = None, inter: int | None = None,
+                configs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Config for ``num_tokens`` tokens from ``configs/ap_moe.json`` (or ``configs``, the same layout): the
+    buckets of shape "HxI" if tuned, else the default buckets; the largest ``min_tokens`` <= T wins.
+    Read-only (shared)."""
+    table = CONFIGS if configs is None else configs
     best: dict[str, Any] = {}
-    for row in CONFIGS["by_shape"].get(f"{hidden}x{inter}", CONFIGS["default"]):
+    for row in table["by_shape"].get(f"{hidden}x{inter}", table["default"]):
         if num_tokens >= row["min_tokens"] or not best:
             best = row["config"]
     return best

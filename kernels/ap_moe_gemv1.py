@@ -170,6 +170,34 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
 
 
 @triton.jit
+def _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, kw_lo, kw_hi, KW, x_ptr, x_off,
+               KWX: tl.constexpr, T_PAD: tl.constexpr, BKW: tl.constexpr, LE: tl.constexpr):
+    """[T_PAD, R] fp32: rows ``rows`` [R] of linear block ``blk`` times each token's activations over plane
+    words kw_lo .. kw_hi - 1 (K steps of BKW words; KW = words per plane row), at the block's committed q.
+    One uniform branch per program (one block each): nibble codes + shuffle (q <= 4), 5-plane byte codes +
+    shuffle (q = 5), 8-plane byte codes + LUT loads (q >= 6); see ``_dot_words``."""
+    q = tl.load(bits_ptr + blk)
+    lut = lut_ptr + tl.load(lut_off_ptr + blk)
+    rbase = (rows * (1 << q)).to(tl.uint32)
+    lut_t = _lut(lut, rbase, q, LE)
+    poff = plane_off_ptr + blk * 8
+    acc = tl.zeros((T_PAD, rows.shape[0]), dtype=tl.float32)
+    if q <= 4:
+        for kw0 in range(kw_lo, kw_hi, BKW):
+            acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr,
+                              x_off, KWX, T_PAD, 4, 4)
+    elif q == 5:
+        for kw0 in range(kw_lo, kw_hi, BKW):
+            acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr,
+                              x_off, KWX, T_PAD, 8, 5)
+    else:
+        for kw0 in range(kw_lo, kw_hi, BKW):
+            acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr,
+                              x_off, KWX, T_PAD, 8, 8)
+    return acc
+
+
+@triton.jit
 def _gemv1_gate_up_kernel(
     x_ptr,  # [T, 32, KWX] activations (bf16/fp16), word-major and zero-padded (``word_major``)
     inter_ptr,  # [T*k, 32, KWO] out: silu(gate) * up in x's dtype, word-major, at each (token, expert)'s 1st pair
@@ -198,28 +226,10 @@ def _gemv1_gate_up_kernel(
     # 2 * BLOCK_N rows, gate and up interleaved, clamped so that every load is in bounds (stores are masked)
     r = tl.arange(0, 2 * BLOCK_N)
     rows = tl.minimum(tl.program_id(1) * BLOCK_N + r // 2, I - 1) + (r % 2) * I
-    q = tl.load(bits_ptr + blk)
-    lut = lut_ptr + tl.load(lut_off_ptr + blk)
-    rbase = (rows * (1 << q)).to(tl.uint32)
-    lut_t = _lut(lut, rbase, q, LE)
-    poff = plane_off_ptr + blk * 8
     kwh = (H + 31) // 32
-    kw_end = tl.where(lead, kwh, 0)
     x_off = tl.minimum(tok, T - 1) * (32 * KWX)  # padded tokens read the last token's (finite) row
-    acc = tl.zeros((T_PAD, 2 * BLOCK_N), dtype=tl.float32)
-    # the branch is uniform (one block per program): nibble codes + shuffle, 5-plane bytes + shuffle, 8-plane bytes
-    if q <= 4:
-        for kw0 in range(0, kw_end, BKW):
-            acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwh, x_ptr,
-                              x_off, KWX, T_PAD, 4, 4)
-    elif q == 5:
-        for kw0 in range(0, kw_end, BKW):
-            acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwh, x_ptr,
-                              x_off, KWX, T_PAD, 8, 5)
-    else:
-        for kw0 in range(0, kw_end, BKW):
-            acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwh, x_ptr,
-                              x_off, KWX, T_PAD, 8, 8)
+    acc = _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, 0, tl.where(lead, kwh, 0),
+                     kwh, x_ptr, x_off, KWX, T_PAD, BKW, LE)
     g, u = tl.split(tl.reshape(acc, (T_PAD, BLOCK_N, 2)))
     h = g / (1.0 + tl.exp(-g)) * u
     tl.store(inter_ptr + row[:, None] * (32 * KWO) + ((n % 32) * KWO + n // 32)[None, :],
@@ -259,30 +269,14 @@ def _gemv1_down_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     rows = tl.minimum(n, H - 1)
-    q = tl.load(bits_ptr + blk)
-    lut = lut_ptr + tl.load(lut_off_ptr + blk)
-    rbase = (rows * (1 << q)).to(tl.uint32)
-    lut_t = _lut(lut, rbase, q, LE)
-    poff = plane_off_ptr + blk * 8
     kwi = (I + 31) // 32
     chunk = tl.cdiv(tl.cdiv(kwi, BKW), tl.num_programs(2)) * BKW
     kw_lo = pid_s * chunk
     kw_hi = tl.where(lead, tl.minimum(kwi, kw_lo + chunk), kw_lo)
     # tokens with no work read the first active token's row (written by gate_up, finite)
     x_off = tl.where(active, row, tl.min(tl.where(active, row, T * TOPK))) * (32 * KWX)
-    y = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
-    if q <= 4:
-        for kw0 in range(kw_lo, kw_hi, BKW):
-            y += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwi, inter_ptr,
-                            x_off, KWX, T_PAD, 4, 4)
-    elif q == 5:
-        for kw0 in range(kw_lo, kw_hi, BKW):
-            y += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwi, inter_ptr,
-                            x_off, KWX, T_PAD, 8, 5)
-    else:
-        for kw0 in range(kw_lo, kw_hi, BKW):
-            y += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), kwi, inter_ptr,
-                            x_off, KWX, T_PAD, 8, 8)
+    y = _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, kw_lo, kw_hi, kwi, inter_ptr,
+                   x_off, KWX, T_PAD, BKW, LE)
     store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK)
 
 
