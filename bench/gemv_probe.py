@@ -24,8 +24,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ap_moe_gemv1 import _bits_to
 from kernels.ap_tile import _merge
+
+
+@triton.jit
+def _bits_to(w, j: tl.constexpr, s: tl.constexpr, W: tl.constexpr):
+    """Bits j, j+W, j+2W, ... of uint32 ``w`` moved to bits s, s+W, s+2W, ... (others 0), W = 4 or 8: one shift,
+    one and (ptxas fuses the and with the caller's or into one LOP3)."""
+    if W == 4:
+        if j >= s:
+            return (w >> (j - s)) & (0x11111111 << s)
+        else:
+            return (w << (s - j)) & (0x11111111 << s)
+    else:
+        if j >= s:
+            return (w >> (j - s)) & (0x01010101 << s)
+        else:
+            return (w << (s - j)) & (0x01010101 << s)
 
 
 @triton.jit

@@ -5,14 +5,16 @@ What it does: the same math as ``kernels.ap_moe.ap_moe_ref`` for T <= 8 (decode)
 program of an expert's first (token, slot) pair does the expert's work for all its tokens), laid out for
 the memory pipe and for few instructions per weight:
   * **word-major**: a thread keeps whole int32 plane words and makes the 32 weights of each itself with
-    constant shifts (``_bits_to``); q stays a runtime value and one compile serves every bitwidth, with one
-    uniform branch per program (one block each): q <= 4 builds nibble codes from 4 planes, q = 5 byte
-    codes from 5, q >= 6 byte codes from 8 (plane p at the field's bit W - 1 - p, shifted right by W - q);
+    a bit-matrix transpose (``_transpose4`` / ``_transpose8``: 4 / 12 delta swaps per 32 codes); q stays a
+    runtime value and one compile serves every bitwidth, with one uniform branch per program (one block
+    each): q <= 4 builds nibble codes from 4 planes, q = 5 byte codes from 5, q >= 6 byte codes from 8 (plane
+    p at the field's bit W - 1 - p, shifted right by W - q);
   * **LUT by warp shuffle** (q <= 5 on 32-word tiles, q <= 4 on 16-word ones): the rows' LUTs sit in
     registers as an fp32 [32 or 16, R] tile, one entry per lane, and ``tl.gather`` along the entries
     becomes one SHFL.IDX per weight (no load, no bf16 convert), because the codes already have the
-    gather's layout (words along the lanes). q >= 6 loads each weight from its row's LUT (one 32-bit index
-    off one base, L1 hit). sm_90 SASS per weight at T = 1: 5.9 / 7.2 / 12.2 (``bench/sass_count.py``);
+    gather's layout (words along the lanes). q >= 6 loads each weight from its row's LUT (L1 hit). sm_90
+    SASS per weight at T = 1 (down, 32 rows x 32 words): 5.7 / 6.4 / 9.5 (``bench/sass_count.py``; merging
+    plane by plane instead of the transpose: 5.9 / 7.2 / 12.4);
   * **word-first tiles** ([BKW words, R rows]): plane loads are contiguous along dim 0, and Triton (3.6,
     the GPU machine's) lays out a load whose contiguity it cannot prove with dim 0 along the lanes too,
     so a warp's LUT loads (q >= 6) read one row's LUT. Rows-first tiles made each warp gather from 16-32
@@ -40,22 +42,6 @@ from kernels.ap_moe_gemv import _expert_of, store_pairs
 from kernels.ap_tile import _plane
 
 MAX_TOKENS = 8  # one [BKW, R] accumulator per token
-
-
-@triton.jit
-def _bits_to(w, j: tl.constexpr, s: tl.constexpr, W: tl.constexpr):
-    """Bits j, j+W, j+2W, ... of uint32 ``w`` moved to bits s, s+W, s+2W, ... (others 0), W = 4 or 8: one shift,
-    one and (ptxas fuses the and with the caller's or into one LOP3)."""
-    if W == 4:
-        if j >= s:
-            return (w >> (j - s)) & (0x11111111 << s)
-        else:
-            return (w << (s - j)) & (0x11111111 << s)
-    else:
-        if j >= s:
-            return (w >> (j - s)) & (0x01010101 << s)
-        else:
-            return (w << (s - j)) & (0x01010101 << s)
 
 
 @triton.jit
@@ -89,6 +75,93 @@ def _put(out, tok, m: tl.constexpr, p):
 
 
 @triton.jit
+def _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, off: tl.constexpr,
+             T_PAD: tl.constexpr):
+    """Each token's accumulator p_t [BKW, R] plus w * its activations at xp_t + off (tokens < T_PAD)."""
+    p0 = _fma(p0, w, xp0, off)
+    if T_PAD > 1:
+        p1 = _fma(p1, w, xp1, off)
+    if T_PAD > 2:
+        p2 = _fma(p2, w, xp2, off)
+        p3 = _fma(p3, w, xp3, off)
+    if T_PAD > 4:
+        p4 = _fma(p4, w, xp4, off)
+        p5 = _fma(p5, w, xp5, off)
+        p6 = _fma(p6, w, xp6, off)
+        p7 = _fma(p7, w, xp7, off)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _swap(a, b, s: tl.constexpr, m: tl.constexpr):
+    """One delta swap of a bit-matrix transpose: bit c + s of every byte of a trades places with bit c of the same
+    byte of b, for the bits c with c & s == 0 (``m`` marks them)."""
+    t = ((a >> s) ^ b) & m
+    return a ^ (t << s), b ^ t
+
+
+@triton.jit
+def _transpose8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """Transpose the 8 x 8 bit matrix in each byte lane k (0..3) of 8 uint32 words: bit c of byte k of a_r comes
+    out as bit r of byte k of word c. With a_r = plane 7 - r, byte k of output word i is the 8-bit code
+    (plane p at bit 7 - p) of column 8 k + i: 12 delta swaps (about 5 integer ops each) per 32 codes, where
+    merging plane by plane costs 2 ops per plane per 4 codes (Hacker's Delight 7-3)."""
+    a0, a4 = _swap(a0, a4, 4, 0x0F0F0F0F)
+    a1, a5 = _swap(a1, a5, 4, 0x0F0F0F0F)
+    a2, a6 = _swap(a2, a6, 4, 0x0F0F0F0F)
+    a3, a7 = _swap(a3, a7, 4, 0x0F0F0F0F)
+    a0, a2 = _swap(a0, a2, 2, 0x33333333)
+    a1, a3 = _swap(a1, a3, 2, 0x33333333)
+    a4, a6 = _swap(a4, a6, 2, 0x33333333)
+    a5, a7 = _swap(a5, a7, 2, 0x33333333)
+    a0, a1 = _swap(a0, a1, 1, 0x55555555)
+    a2, a3 = _swap(a2, a3, 1, 0x55555555)
+    a4, a5 = _swap(a4, a5, 1, 0x55555555)
+    a6, a7 = _swap(a6, a7, 1, 0x55555555)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _transpose4(a0, a1, a2, a3):
+    """Transpose the 4 x 4 bit matrix in each nibble lane k (0..7) of 4 uint32 words: bit c of nibble k of a_r comes
+    out as bit r of nibble k of word c. With a_r = plane 3 - r, nibble k of output word i is the 4-bit code
+    (plane p at bit 3 - p) of column 4 k + i (4 delta swaps per 32 codes)."""
+    a0, a2 = _swap(a0, a2, 2, 0x33333333)
+    a1, a3 = _swap(a1, a3, 2, 0x33333333)
+    a0, a1 = _swap(a0, a1, 1, 0x55555555)
+    a2, a3 = _swap(a2, a3, 1, 0x55555555)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _nibbles_word(o, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, xp0, xp1, xp2, xp3, xp4, xp5, xp6,
+                  xp7, KWX: tl.constexpr, T_PAD: tl.constexpr):
+    """Accumulate the 8 weights whose codes are the nibbles of ``o`` (nibble k: column 4 k + i of each word), by
+    warp shuffle on lut_t."""
+    for k in tl.static_range(8):
+        w = tl.gather(lut_t, ((o >> (4 * k)) & 15).to(tl.int32), 0)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5,
+                                                  xp6, xp7, (4 * k + i) * KWX, T_PAD)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _bytes_word(o, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1, xp2, xp3, xp4, xp5,
+                xp6, xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, NPL: tl.constexpr):
+    """Accumulate the 4 weights whose codes are the bytes of ``o`` (byte k: column 8 k + i of each word): by warp
+    shuffle on lut_t (NPL 5, 32-entry tile) or by a 16-bit load at the row's LUT (lut_row [1, R] pointers)."""
+    for k in tl.static_range(4):
+        code = ((o >> (8 * k)) & 0xFF).to(tl.int32)
+        if NPL == 5 and lut_t.shape[0] == 32:
+            w = tl.gather(lut_t, code, 0)
+        else:
+            w = tl.load(lut_row + code).to(tl.float32)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5,
+                                                  xp6, xp7, (8 * k + i) * KWX, T_PAD)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
 def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, x_ptr, x_off, KWX: tl.constexpr,
                T_PAD: tl.constexpr, W: tl.constexpr, NPL: tl.constexpr):
     """[T_PAD, R] fp32: W[rows, columns of words kw] @ x_t for each token t (T_PAD <= 8), codes W bits wide.
@@ -98,14 +171,14 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
     masked). Token t's activations are word-major ([32, KWX]: column 32 w + i at i * KWX + w) at
     x_ptr + x_off[t], zero past the K columns and up to KWX >= every kw words, so they are read unmasked (x_off
     of a token with no work must point at finite values: its row of the result is discarded).
-    NPL planes are merged into W-bit codes: W = 4 (q <= 4, NPL 4): for j in 0..3, one shift + one and per
-    plane put the codes of columns 32 kw + j + 4 b (b = 0..7) in the 8 nibbles of one word; W = 8 (NPL 5 for
-    q = 5, 8 for q >= 6): codes of columns 32 kw + j + 8 b (b = 0..3) in the 4 bytes. Plane p sits at bit
-    W - 1 - p of its field and the word is shifted right by W - q (planes >= q are 0, so no bits cross
-    fields). A code picks its weight by warp shuffle (``tl.gather`` on lut_t) when lut_t holds all 2^q
-    entries (q <= 4, or q = 5 with LE = 32), else by a 16-bit load at the row's LUT base or-ed with the code
-    (L1 hit). The weights are used for every token (one [BKW, R] accumulator per token, all in the gather's
-    layout: a 3-D [T, BKW, R] product made Triton convert every gathered tile).
+    NPL planes become W-bit codes by a bit-matrix transpose of the plane words (``_transpose4`` /
+    ``_transpose8``): W = 4 (q <= 4, NPL 4): nibble k of output word i holds column 32 kw + 4 k + i; W = 8
+    (NPL 5 for q = 5, 8 for q >= 6): byte k of output word i holds column 32 kw + 8 k + i. Plane p sits at
+    bit W - 1 - p of its field and each output word is shifted right by W - q (planes >= q are 0, so no
+    bits cross fields). A code picks its weight by warp shuffle (``tl.gather`` on lut_t) when lut_t holds
+    all 2^q entries (q <= 4, or q = 5 with LE = 32), else by a 16-bit load at its row's LUT (L1 hit). The
+    weights are used for every token (one [BKW, R] accumulator per token, all in the gather's layout: a 3-D
+    [T, BKW, R] product made Triton convert every gathered tile).
     """
     tok = tl.arange(0, T_PAD)
     wmask = (kw < KW)[:, None] & (rows >= 0)[None, :]
@@ -123,6 +196,7 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
     zero = tl.zeros((kw.shape[0], rows.shape[0]), dtype=tl.float32)
     p0, p1, p2, p3, p4, p5, p6, p7 = zero, zero, zero, zero, zero, zero, zero, zero  # one accumulator per token
     xp0 = x_ptr + _pick(x_off, tok, 0) + kw
+    xp1, xp2, xp3, xp4, xp5, xp6, xp7 = xp0, xp0, xp0, xp0, xp0, xp0, xp0  # tokens >= T_PAD: never read
     if T_PAD > 1:
         xp1 = x_ptr + _pick(x_off, tok, 1) + kw
     if T_PAD > 2:
@@ -133,32 +207,41 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
         xp5 = x_ptr + _pick(x_off, tok, 5) + kw
         xp6 = x_ptr + _pick(x_off, tok, 6) + kw
         xp7 = x_ptr + _pick(x_off, tok, 7) + kw
-    shift = (W - q).to(tl.uint32)
-    for j in tl.static_range(W):
-        c = _bits_to(w0, j, W - 1, W) | _bits_to(w1, j, W - 2, W) | _bits_to(w2, j, W - 3, W)
-        c = c | _bits_to(w3, j, W - 4, W)
-        if NPL > 4:
-            c = c | _bits_to(w4, j, 3, W)
-        if NPL > 5:
-            c = c | _bits_to(w5, j, 2, W) | _bits_to(w6, j, 1, W) | _bits_to(w7, j, 0, W)
-        c = c >> shift
-        for b in tl.static_range(32 // W):
-            code = (c >> (W * b)) & ((1 << W) - 1)
-            if NPL <= 4 or (NPL == 5 and lut_t.shape[0] == 32):  # warp shuffle from the lanes holding the entries
-                w = tl.gather(lut_t, code.to(tl.int32), 0)
-            else:  # one 16-bit load from the row's LUT (L1 hit)
-                w = tl.load(lut_blk + (code | rbase[None, :])).to(tl.float32)
-            p0 = _fma(p0, w, xp0, (j + W * b) * KWX)
-            if T_PAD > 1:
-                p1 = _fma(p1, w, xp1, (j + W * b) * KWX)
-            if T_PAD > 2:
-                p2 = _fma(p2, w, xp2, (j + W * b) * KWX)
-                p3 = _fma(p3, w, xp3, (j + W * b) * KWX)
-            if T_PAD > 4:
-                p4 = _fma(p4, w, xp4, (j + W * b) * KWX)
-                p5 = _fma(p5, w, xp5, (j + W * b) * KWX)
-                p6 = _fma(p6, w, xp6, (j + W * b) * KWX)
-                p7 = _fma(p7, w, xp7, (j + W * b) * KWX)
+    lut_row = lut_blk + rbase[None, :]  # [1, R] pointers to each row's LUT
+    if W == 4:  # nibble codes by a 4 x 4 bit-matrix transpose per nibble lane (``_transpose4``)
+        o0, o1, o2, o3 = _transpose4(w3, w2, w1, w0)
+        shift = (4 - q).to(tl.uint32)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o0 >> shift, 0, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
+                                                       xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o1 >> shift, 1, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
+                                                       xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o2 >> shift, 2, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
+                                                       xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o3 >> shift, 3, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
+                                                       xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
+    else:  # byte codes by an 8 x 8 bit-matrix transpose per byte lane (``_transpose8``)
+        z = tl.zeros_like(w0)
+        if NPL == 5:
+            o0, o1, o2, o3, o4, o5, o6, o7 = _transpose8(z, z, z, w4, w3, w2, w1, w0)
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = _transpose8(w7, w6, w5, w4, w3, w2, w1, w0)
+        shift = (8 - q).to(tl.uint32)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o0 >> shift, 0, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
+                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o1 >> shift, 1, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
+                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o2 >> shift, 2, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
+                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o3 >> shift, 3, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
+                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o4 >> shift, 4, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
+                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o5 >> shift, 5, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
+                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o6 >> shift, 6, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
+                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o7 >> shift, 7, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
+                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
     out = _put(tl.zeros((T_PAD, rows.shape[0]), dtype=tl.float32), tok, 0, p0)
     if T_PAD > 1:
         out = _put(out, tok, 1, p1)
