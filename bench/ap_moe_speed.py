@@ -139,16 +139,16 @@ def candidates(t: int) -> list[dict[str, Any]]:
     return (FUSED + DEQUANT) if t <= 64 else DEQUANT  # the T = 4 winner compiles on demand
 
 
-def fake_experts(s: dict, q: int, n: int | None = None) -> Any:
+def fake_experts(s: dict, q: int, n: int | None = None, device: str = "cuda") -> Any:
     """n experts (default top-k: enough to compile the same kernels) with the real H and I, every block at q bits,
     random planes and LUTs."""
     n = s["topk"] if n is None else n
     codes, luts = [], []
     for i in range(2 * n):
-        n, kk = (2 * s["inter"], s["hidden"]) if i % 2 == 0 else (s["hidden"], s["inter"])
-        codes.append(torch.randint(-2**31, 2**31 - 1, (8, n, -(-kk // 32)), dtype=torch.int32, device="cuda"))
-        luts.append({q: torch.randn(n, 2**q, device="cuda") * 0.01})
-    return build_experts(codes, luts, [q] * (2 * n), s["hidden"], s["inter"], torch.bfloat16, "cuda")
+        rows, kk = (2 * s["inter"], s["hidden"]) if i % 2 == 0 else (s["hidden"], s["inter"])
+        codes.append(torch.randint(-2**31, 2**31 - 1, (8, rows, -(-kk // 32)), dtype=torch.int32, device=device))
+        luts.append({q: torch.randn(rows, 2**q, device=device) * 0.01})
+    return build_experts(codes, luts, [q] * (2 * n), s["hidden"], s["inter"], torch.bfloat16, device)
 
 
 def _compile(job: tuple[str, int, dict[str, Any]]) -> str:
