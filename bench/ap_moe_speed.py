@@ -40,6 +40,8 @@ from pwrun.ap.format import pack_planes
 
 SHAPES = {"qwen1.5-moe": dict(hidden=2048, inter=1408, experts=60, topk=4),
           "mixtral-8x7b": dict(hidden=4096, inter=14336, experts=8, topk=2)}
+# plus the shared expert of Qwen1.5-MoE, which serving runs as its own launch (one expert, top-1, I = 5632)
+ALL_SHAPES = {**SHAPES, "qwen1.5-moe-shared": dict(hidden=2048, inter=5632, experts=1, topk=1)}
 
 
 def timeit(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
@@ -153,7 +155,7 @@ def fake_experts(s: dict, q: int, n: int | None = None, device: str = "cuda") ->
 
 def _compile(job: tuple[str, int, dict[str, Any]]) -> str:
     family, t, cfg = job
-    s = SHAPES[family]
+    s = ALL_SHAPES[family]
     try:
         ex = fake_experts(s, 4)
         x = torch.randn(t, s["hidden"], device="cuda", dtype=torch.bfloat16)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, ".")
-from bench.ap_moe_speed import SHAPES, copy_bandwidth, fake_experts, precompile
+from bench.ap_moe_speed import ALL_SHAPES, copy_bandwidth, fake_experts, precompile
 from bench.gemv_probe import graph_ms
 from kernels import ap_moe_gemv, ap_moe_gemv1
 from kernels.ap_moe import ap_moe_ref, pick_config
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--qs", default="4,3,8", help="bitwidths timed")
     ap.add_argument("--tune-qs", default="4,5,8", help="bitwidths at which the whole grid is tried (others: "
                     "the winner of the first tuned q of the same path: q <= 4, q = 5, q >= 6)")
-    ap.add_argument("--shapes", default="qwen1.5-moe,mixtral-8x7b")
+    ap.add_argument("--shapes", default="qwen1.5-moe,mixtral-8x7b", help=f"of {', '.join(ALL_SHAPES)}")
     ap.add_argument("--baseline-module", default="", help="gemv1 module file of the baseline (default: current)")
     ap.add_argument("--baseline-configs", default="kernels/configs/ap_moe.json")
     ap.add_argument("--workers", type=int, default=12, help="parallel compile processes")
@@ -94,7 +94,7 @@ def main() -> None:
     start = time.monotonic()
     out = []
     for family, t in [(f, t) for f in shapes for t in ts]:
-        s = SHAPES[family]
+        s = ALL_SHAPES[family]
         if args.time_limit and time.monotonic() - start > args.time_limit:
             print(f"skipped {family} T={t}: past --time-limit {args.time_limit:.0f} s", flush=True)
             continue
@@ -151,7 +151,7 @@ def write_configs(path: str, rows: list[dict]) -> None:
     with open(path) as f:
         configs = json.load(f)
     for family in {r["shape"] for r in rows}:
-        s = SHAPES[family]
+        s = ALL_SHAPES[family]
         key = f"{s['hidden']}x{s['inter']}"
         old = configs["by_shape"].get(key, configs["default"])
         buckets = {b["min_tokens"]: b["config"] for b in old}

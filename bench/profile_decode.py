@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--pressure", action="store_true",
+                    help="PagedWeight under pressure, as bench/serve_speed.py runs it at batch 1 (else uniform --bits)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     model = sp.random_model(args.config_dir, torch.bfloat16, "cuda")
@@ -36,11 +38,18 @@ def main() -> None:
     torch.cuda.empty_cache()
     src = sp.SyntheticAP(model.spec, torch.bfloat16)
     table = sp.synthetic_table(model.spec)
-    cfg = ServeConfig(40 * 2**30, "uniform", args.bits, EngineConfig(max_batch=1, max_step_tokens=2048,
-                                                                     cuda_graphs=False))
-    reqs = sp.prompts(1, args.prompt_len, model.spec.vocab_size, 0)
-    e = assemble_engine(model, src, table, BucketPolicy.neutral(3), None, None, cfg,
-                        SamplingParams(max_new_tokens=args.steps + 4), reqs, set()).engine
+    if args.pressure:
+        reqs, budget = sp.pressure_setup(model.spec, model, table, 1, args.prompt_len, args.steps + 4)
+        cfg = ServeConfig(budget, "pagedweight", None, EngineConfig(max_batch=1, max_step_tokens=2048,
+                                                                     cuda_graphs=False), sp.PLANNER)
+        pol = sp.PRESSURE_POLICY
+    else:
+        reqs = sp.prompts(1, args.prompt_len, model.spec.vocab_size, 0)
+        cfg = ServeConfig(40 * 2**30, "uniform", args.bits, EngineConfig(max_batch=1, max_step_tokens=2048,
+                                                                         cuda_graphs=False))
+        pol = BucketPolicy.neutral(3)
+    e = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=args.steps + 4), reqs,
+                        set()).engine
     for _ in range(3):  # prefill + warm-up decode steps
         e.step()
     torch.cuda.synchronize()
@@ -50,8 +59,11 @@ def main() -> None:
         torch.cuda.synchronize()
     events = [ev for ev in prof.key_averages() if ev.device_time_total > 0]
     total = sum(ev.self_device_time_total for ev in events)
-    lines = [f"{args.steps} decode steps, uniform {args.bits}-bit, prompt {args.prompt_len}: GPU self time "
-             f"{total / 1e3 / args.steps:.3f} ms/step", ""]
+    last = e.totals.trace[-1]
+    what = "PagedWeight under pressure" if args.pressure else f"uniform {args.bits}-bit"
+    lines = [f"{args.steps} decode steps, {what}, prompt {args.prompt_len}: GPU self time "
+             f"{total / 1e3 / args.steps:.3f} ms/step; committed bits of the shared / routed expert blocks "
+             f"{last.get('shared_bits', float('nan')):.2f} / {last.get('routed_bits', float('nan')):.2f}", ""]
     groups = {"ap_moe": 0.0, "paged_attention": 0.0, "gemm": 0.0, "other": 0.0}
     for ev in events:
         k = ev.key.lower()

@@ -223,16 +223,34 @@ def prompts(batch: int, n: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for _ in range(batch)]
 
 
+def pressure_setup(spec: Any, stripped: LeanMoEModel, table: BlockTable, b: int, prompt_len: int,
+                   gen: int) -> tuple[list[list[int]], int]:
+    """(requests, budget in bytes) of the PagedWeight-under-pressure run at batch b: b long requests, then b short
+    ones (max_batch b): the long ones force demotions (budget = 16-bit weights + workspace + every block at 4
+    bits + 70% of the long requests' KV); once they finish the short ones leave room, so planes are reloaded
+    while the short ones decode (copies in flight)."""
+    reqs = prompts(b, prompt_len, spec.vocab_size, 7 + b) + prompts(b, 256, spec.vocab_size, 9 + b)
+    a = spec.layers[0].attention
+    kv_req = (prompt_len + gen) * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2
+    fixed = stripped.weights.num_bytes()
+    work = workspace_bytes(spec, 2048, b, max(prompt_len, 256) + gen, 2, cuda=DEV == "cuda")
+    at4 = int(sum(table_at(table, spec, 4)))
+    return reqs, int(fixed + work + at4 + 0.7 * b * kv_req)
+
+
+PRESSURE_POLICY = BucketPolicy((0.5, 0.85), (1.0, 1.0, 1.0), ((4, 5, 6), (3, 4, 5)), (2, 2, 2))
+PLANNER = PlannerConfig(free_threshold=4, reload_threshold=16)
+
+
 def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy: str, bits: int | None,
                budget: int, reqs: list[list[int]], gen: int, max_batch: int, fused: bool = True,
                warmup: bool = True) -> dict[str, Any]:
     """One timed serving run. ``warmup``: first serve the same prompts for 3 tokens in a throw-away engine,
     so that Triton's JIT compilation (a one-off per kernel config and process) is not timed; the steps that
     capture a CUDA graph (a one-off per engine and batch size) are left out of the decode statistics."""
-    pol = BucketPolicy((0.5, 0.85), (1.0, 1.0, 1.0), ((4, 5, 6), (3, 4, 5)), (2, 2, 2))
+    pol = PRESSURE_POLICY
     cfg = ServeConfig(budget, policy, bits, EngineConfig(max_batch=max_batch, max_step_tokens=2048,
-                                                         fused_kernels=fused),
-                      PlannerConfig(free_threshold=4, reload_threshold=16))
+                                                         fused_kernels=fused), PLANNER)
     if warmup:
         w = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=3), reqs, set())
         w.engine.run()
@@ -383,15 +401,7 @@ def main() -> None:
         save()
 
     def pressure_row(b: int, rep: int = 0) -> None:
-        # b long requests, then b short ones (max_batch b): the long ones force demotions; once they finish
-        # the short ones leave room, so planes are reloaded while the short ones decode (copies in flight)
-        reqs = prompts(b, args.prompt_len, spec.vocab_size, 7 + b) + prompts(b, 256, spec.vocab_size, 9 + b)
-        a = spec.layers[0].attention
-        kv_req = (args.prompt_len + args.gen) * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2
-        fixed = stripped.weights.num_bytes()
-        work = workspace_bytes(spec, 2048, b, max(args.prompt_len, 256) + args.gen, 2, cuda=DEV == "cuda")
-        at4 = int(sum(table_at(table, spec, 4)))
-        budget = int(fixed + work + at4 + 0.7 * b * kv_req)
+        reqs, budget = pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen)
         s = engine_run(stripped, src, table, "pagedweight", None, budget, reqs, args.gen, b)
         rows.append({"system": "PagedWeight under pressure", "batch": b, "rep": rep, **_pick(s),
                      "floor_tps": floor_tokens_per_s(spec, model, s.get("mean_bits_time_avg", 4.0), b, ctx, bw)})
