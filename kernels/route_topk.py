@@ -8,7 +8,10 @@ the shared expert's weight is ``sigmoid(gate logit)`` (fp32 [T]) or 1.
 With ``stats`` it also adds the live routing statistics of SPEC section 6 for this layer
 (what ``pwrun.engine.experts.ExpertStore`` reads every few steps): ``mass[e] += w`` and
 ``acc[e] += (w, w*n, w*n^2)``, ``acc[e, 3] = max(acc[e, 3], n)`` for n = ||x_t||_2 (fp32), and for
-the shared expert (column E) weight 1 per token. Atomic adds: the sums are not bit-deterministic.
+the shared expert (column E) weight 1 per token. Atomic adds: the sums are not bit-deterministic. The atomics
+are relaxed: fire-and-forget REDG on sm_90 (nothing in this launch reads them back). Triton's default
+acq_rel put a MEMBAR.ALL.GPU, an L1 invalidation and a returning ATOMG around each of the 12; the launch
+with statistics took 7.6 us against 1.6 us without, at one token on the H200.
 Eagerly this is ~25 launches per layer (softmax, topk, renorm, casts, index_add in float64...).
 What it does not do: the router matmul (cuBLAS does it), or grouped / biased routers
 (families with those keep the eager ``route``).
@@ -122,17 +125,17 @@ def _route_kernel(
             xv = tl.load(x_ptr + t * stride_xt + c, mask=c < H, other=0.0).to(tl.float32)
             sq += xv * xv
         n = tl.sqrt(tl.sum(sq, axis=0))
-        tl.atomic_add(mass_ptr + top_i, top_w, mask=km)
-        tl.atomic_add(acc_ptr + top_i * 4, top_w, mask=km)
-        tl.atomic_add(acc_ptr + top_i * 4 + 1, top_w * n, mask=km)
-        tl.atomic_add(acc_ptr + top_i * 4 + 2, top_w * n * n, mask=km)
-        tl.atomic_max(acc_ptr + top_i * 4 + 3, top_w * 0 + n, mask=km)
+        tl.atomic_add(mass_ptr + top_i, top_w, mask=km, sem="relaxed")
+        tl.atomic_add(acc_ptr + top_i * 4, top_w, mask=km, sem="relaxed")
+        tl.atomic_add(acc_ptr + top_i * 4 + 1, top_w * n, mask=km, sem="relaxed")
+        tl.atomic_add(acc_ptr + top_i * 4 + 2, top_w * n * n, mask=km, sem="relaxed")
+        tl.atomic_max(acc_ptr + top_i * 4 + 3, top_w * 0 + n, mask=km, sem="relaxed")
         if HAS_SHARED:
-            tl.atomic_add(mass_ptr + E, 1.0)
-            tl.atomic_add(acc_ptr + E * 4, 1.0)
-            tl.atomic_add(acc_ptr + E * 4 + 1, n)
-            tl.atomic_add(acc_ptr + E * 4 + 2, n * n)
-            tl.atomic_max(acc_ptr + E * 4 + 3, n)
+            tl.atomic_add(mass_ptr + E, 1.0, sem="relaxed")
+            tl.atomic_add(acc_ptr + E * 4, 1.0, sem="relaxed")
+            tl.atomic_add(acc_ptr + E * 4 + 1, n, sem="relaxed")
+            tl.atomic_add(acc_ptr + E * 4 + 2, n * n, sem="relaxed")
+            tl.atomic_max(acc_ptr + E * 4 + 3, n, sem="relaxed")
 
 
 def route_topk(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_k: int, renorm: bool,
