@@ -40,10 +40,11 @@ class Plan:
 
 
 def predicted_damage(table: BlockTable, bucket: np.ndarray, policy: BucketPolicy,
-                     eta: np.ndarray | None = None) -> np.ndarray:
-    """d_hat [n, nb, nb] (Eq. 8): d_hat[i, a, c] for moving block i from bits[a] to bits[c]."""
+                     eta: np.ndarray | None = None, g: np.ndarray | None = None) -> np.ndarray:
+    """d_hat [n, nb, nb] (Eq. 8): d_hat[i, a, c] for moving block i from bits[a] to bits[c]. ``g``: the table's
+    ``global_damage()`` if the caller keeps it (it depends on the offline table only)."""
     mu = np.asarray(policy.mu)[bucket][:, None, None]
-    g = table.global_damage()
+    g = table.global_damage() if g is None else g
     return np.maximum(EPS_DAMAGE, mu * g * (1.0 if eta is None else eta))
 
 
@@ -100,7 +101,7 @@ def raise_step(table: BlockTable, q_idx: np.ndarray, allowance: float, d_hat: np
     if movable is not None:
         valid &= movable[:, None]
     cost = table.bytes - table.bytes[rows, q_idx][:, None]  # bytes needed to raise to c
-    avoided = np.take_along_axis(d_hat, np.broadcast_to(q_idx[:, None, None], (n, nb, 1)), axis=2)[..., 0]
+    avoided = d_hat[rows, :, q_idx]  # [n, nb]: damage avoided by raising from bits[c] back to the current bits
     benefit = np.where(valid & (cost > 0), avoided / np.maximum(cost, 1), -np.inf)
     best = benefit.argmax(axis=1)
     best_b = benefit[rows, best]
