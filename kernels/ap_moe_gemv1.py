@@ -209,39 +209,22 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
         xp7 = x_ptr + _pick(x_off, tok, 7) + kw
     lut_row = lut_blk + rbase[None, :]  # [1, R] pointers to each row's LUT
     if W == 4:  # nibble codes by a 4 x 4 bit-matrix transpose per nibble lane (``_transpose4``)
-        o0, o1, o2, o3 = _transpose4(w3, w2, w1, w0)
+        o = _transpose4(w3, w2, w1, w0)
         shift = (4 - q).to(tl.uint32)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o0 >> shift, 0, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
-                                                       xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o1 >> shift, 1, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
-                                                       xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o2 >> shift, 2, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
-                                                       xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o3 >> shift, 3, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
-                                                       xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
+        for i in tl.static_range(4):
+            p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o[i] >> shift, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
+                                                           xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
     else:  # byte codes by an 8 x 8 bit-matrix transpose per byte lane (``_transpose8``)
         z = tl.zeros_like(w0)
         if NPL == 5:
-            o0, o1, o2, o3, o4, o5, o6, o7 = _transpose8(z, z, z, w4, w3, w2, w1, w0)
+            o = _transpose8(z, z, z, w4, w3, w2, w1, w0)
         else:
-            o0, o1, o2, o3, o4, o5, o6, o7 = _transpose8(w7, w6, w5, w4, w3, w2, w1, w0)
+            o = _transpose8(w7, w6, w5, w4, w3, w2, w1, w0)
         shift = (8 - q).to(tl.uint32)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o0 >> shift, 0, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
-                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o1 >> shift, 1, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
-                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o2 >> shift, 2, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
-                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o3 >> shift, 3, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
-                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o4 >> shift, 4, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
-                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o5 >> shift, 5, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
-                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o6 >> shift, 6, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
-                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o7 >> shift, 7, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
-                                                     xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+        for i in tl.static_range(8):
+            p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o[i] >> shift, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
+                                                         lut_row, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD,
+                                                         NPL)
     out = _put(tl.zeros((T_PAD, rows.shape[0]), dtype=tl.float32), tok, 0, p0)
     if T_PAD > 1:
         out = _put(out, tok, 1, p1)
