@@ -39,7 +39,7 @@ import torch
 from serve_report import render  # bench/ sibling: the markdown report of these rows
 
 from pwrun.engine.budget import workspace_bytes
-from pwrun.engine.engine import EngineConfig
+from pwrun.engine.engine import HOST_PHASES, EngineConfig
 from pwrun.engine.report import summarize
 from pwrun.engine.serve import ServeConfig, assemble_engine, strip_experts
 from pwrun.model.checkpoint import LayerWeights, ModelWeights, _attention, _moe
@@ -280,7 +280,8 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
                      ("still", [r for r in dec if r["bytes_in_flight"] == 0])):
         if rs:  # where a step's host time goes (medians, ms)
             s[f"breakdown_{name}_ms"] = {k: round(1e3 * float(np.median([r[k] for r in rs])), 3) for k in (
-                "seconds", "model_seconds", "reload_seconds", "after_seconds", "sync_seconds")}
+                "seconds", "model_seconds", "reload_seconds", "after_seconds", "sync_seconds",
+                *(f"{p}_seconds" for p in HOST_PHASES))}
     s["bits_read_per_token"] = bits_read_per_token(e.model.spec, dec)
     s["device_peak_bytes"] = peak()
     del e, built

@@ -100,6 +100,13 @@ def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: 
     assert sums[True][1] > 0  # the bundled model has a shared expert
     assert trace[-1]["shared_bits"] == pytest.approx(sums[True][0] / sums[True][1])
     assert trace[-1]["routed_bits"] == pytest.approx(sums[False][0] / sums[False][1])
+    # host time by phase: the steps that started reloads spent time planning and starting them, within the step
+    from pwrun.engine.engine import HOST_PHASES
+
+    started = [r for r in trace if r["raise_started"] > 0]
+    assert started and all(r["raise_plan_seconds"] > 0 and r["raise_start_seconds"] > 0 for r in started)
+    assert all(r["raise_start_seconds"] == 0 for r in trace if r["pressure_bytes"] > 0)  # lowering, no reload
+    assert all(0 <= sum(r[f"{p}_seconds"] for p in HOST_PHASES) <= r["seconds"] for r in trace)
     # the same workload with its seed gives the same outputs (per-request generators)
     again = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu").engine
     again.run()

@@ -34,6 +34,8 @@ from pwrun.planner.runtime import Planner
 from pwrun.pool.pages import KV, WEIGHT, PagePool
 from pwrun.sampling import SamplingParams, sample
 
+HOST_PHASES = ("poll", "refresh", "raise_plan", "raise_start", "prepare")  # per-step host timings in the trace
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -106,6 +108,8 @@ class Engine:
         self._captured = False
         self._phases = (0.0, 0.0)
         self._reload_s = 0.0
+        # host seconds of this step's overlapped work by phase (what a step that moves planes spends its host on)
+        self._host_s: dict[str, float] = {}
         # commit and start reloads and refresh d_hat while the device computes each step (host work hidden; CUDA),
         # or after sampling, where they see the blocks just freed (CPU: nothing runs concurrently)
         self._overlap = planner is not None and bool(planner.cfg.overlapped)
@@ -186,8 +190,11 @@ class Engine:
         t0 = time.perf_counter()
         self.planner.refresh_if_stale()
         self._planner_time(t0, overlapped=True)
+        t1 = time.perf_counter()
         self._reload(overlapped=True)
+        t2 = time.perf_counter()
         self._prepare_next(self._finishing(plan), overlapped=True)
+        self._host_s.update(refresh=t1 - t0, prepare=time.perf_counter() - t2)
 
     def _finishing(self, plan: StepPlan) -> list[Sequence]:
         """Requests that sample their last token (length limit) in ``plan``'s step; an EOS is not foreseen."""
@@ -214,10 +221,12 @@ class Engine:
         allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
         plan = self.planner.plan_raise(self.q_idx(), allowance, self.store.movable())
         self._planner_time(t0, overlapped)
+        t1 = time.perf_counter()
         if not plan.empty and allowance > 0:
             k = self.cfg.max_raise_blocks  # the plan is in benefit-per-byte order: take its head
             started = self.store.begin_raise(plan.blocks[:k], self.store.table.bits[plan.to_idx[:k]])
             self._step_actions["raising"] += len(started)
+        self._host_s.update(raise_plan=t1 - t0, raise_start=time.perf_counter() - t1)
 
     def _next_need(self, finishing: list[Sequence] | None = None) -> int:
         """Bytes to free for the pressure expected ``lookahead_tokens`` from now: KV blocks the running requests
@@ -272,6 +281,7 @@ class Engine:
         """One engine step (raises ``RuntimeError`` if no progress is possible)."""
         t_step = time.perf_counter()
         self._step_actions = {"lowered": 0, "raising": 0, "D": 0}
+        self._host_s = {}
         self._captured = False
         raised: list[int] = [] if self._overlap else self.store.poll()  # CPU: copies are done, commit now
         plan = self.scheduler.schedule(self)
@@ -284,6 +294,7 @@ class Engine:
         # step's kernels in stream order, so the next step reads them) and start new ones
         if self._overlap:
             raised = self.store.poll()
+            self._host_s["poll"] = time.perf_counter() - t_launched
             self._plan_overlapped(plan)
         self.totals.promoted_blocks += len(raised)
         self._reload_s = time.perf_counter() - t_launched
@@ -338,6 +349,9 @@ class Engine:
             # host seconds in: planner + lowering after sampling, waiting for the device at the end
             "after_seconds": self._phases[0], "sync_seconds": self._phases[1],
             "reload_seconds": self._reload_s,  # committing + planning + starting reloads, overlapped with compute
+            # host seconds by phase (0: did not run): poll (commit finished reloads, table writes), refresh
+            # (d_hat), raise_plan, raise_start (page table + copy launches), prepare (next demotion plan)
+            **{f"{k}_seconds": self._host_s.get(k, 0.0) for k in HOST_PHASES},
             "free_blocks": self.alloc.num_free,
             "kv_pages": self.pool.count(KV), "weight_pages": self.pool.count(WEIGHT), "free_pages": self.pool.num_free,
             "pressure_bytes": int(self._step_actions["D"]), "lowered": self._step_actions["lowered"],
