@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--baseline-configs", default="kernels/configs/ap_moe.json")
     ap.add_argument("--workers", type=int, default=12, help="parallel compile processes")
     ap.add_argument("--grid", choices=("full", "small"), default="full",
-                    help="small: 2 gate_up x 3 down tiles (gemv1 compiles take ~1-4 min per config at T_PAD 4-8)")
+                    help="small: 2 gate_up x 4 down tiles, split-K 1 / 2 / 4 among them (Mixtral's down wants 4; gemv1 "
+                         "compiles take ~1-4 min per config at T_PAD 4-8)")
     ap.add_argument("--time-limit", type=float, default=0.0,
                     help="seconds; (shape, T) groups that would start past it are skipped, so the table and "
                     "--write-configs still come out (0: no limit)")
@@ -88,7 +89,7 @@ def main() -> None:
         base_cfgs = json.load(f)
     ts, qs, tune = ([int(v) for v in a.split(",")] for a in (args.ts, args.qs, args.tune_qs))
     shapes = args.shapes.split(",")
-    gu_grid, dn_grid = (GU[:2], DN[:3]) if args.grid == "small" else (GU, DN)
+    gu_grid, dn_grid = (GU[:2], [*DN[:3], DN[4]]) if args.grid == "small" else (GU, DN)
     grid = [cfg(gu, dn_grid[0]) for gu in gu_grid] + [cfg(gu_grid[0], dn) for dn in dn_grid[1:]]
     print(f"copy bandwidth {copy_bandwidth() / 1e12:.3f} TB/s", flush=True)
     start = time.monotonic()
