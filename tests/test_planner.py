@@ -160,8 +160,8 @@ def test_runtime_planner_follows_the_band() -> None:
     low = np.zeros(t.n, np.int64)
     allowance = (band - t.total_bytes(low)) // 2  # reloads that stay below the band: the policy's plan
     a, c = banded.plan_raise(low, allowance), plain.plan_raise(low, allowance)
-    assert sorted(zip(a.blocks.tolist(), a.to_idx.tolist(), strict=True)) == \
-        sorted(zip(c.blocks.tolist(), c.to_idx.tolist(), strict=True))
+    # the same moves in the same order (by benefit per byte: the runtime starts the head of the plan)
+    assert a.blocks.size > 1 and (a.blocks == c.blocks).all() and (a.to_idx == c.to_idx).all()
     q = fit_budget(t, BucketPolicy.neutral(3), t.uniform_bytes(4.8))
     assert q is not None
     allowance = t.uniform_bytes(5.3) - t.total_bytes(q)  # past the band: within the allowance, one move each

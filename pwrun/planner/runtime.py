@@ -147,7 +147,8 @@ class Planner:
         """Promotions by damage avoided per byte within ``allowance`` bytes (empty without page movement).
 
         With a banded policy, bytes spent below ``band_bytes`` follow the policy, the rest the neutral policy
-        (each block moves at most once per plan, as in one ``raise_step``).
+        (each block moves at most once per plan, as in one ``raise_step``). Blocks come in the order they are worth
+        starting: by damage avoided per byte, the policy's part first (the runtime starts the head of the plan).
         """
         if allowance <= 0 or not self.cfg.movement:
             return _empty()
@@ -159,18 +160,21 @@ class Planner:
         table, q = self.table, q_idx.copy()
         free_to_move = np.ones(table.n, bool) if movable is None else movable.copy()
         spent, damage = 0, 0.0
+        parts: list[np.ndarray] = []  # each part in its benefit-per-byte order: the runtime starts the head
         below = self.band_bytes - table.total_bytes(q)
         if below > 0:
             p = raise_step(table, q, min(allowance, below), d_hat, bucket, policy, free_to_move)
             q[p.blocks] = p.to_idx
             free_to_move[p.blocks] = False
             spent, damage = -p.freed, p.damage
+            parts.append(p.blocks)
         if allowance > below and allowance - spent > 0:  # the allowance reaches past the band
             p = raise_step(table, q, allowance - spent, self._neutral_d_hat, np.zeros(table.n, np.int64),
                            self._neutral, free_to_move)
             q[p.blocks] = p.to_idx
             spent, damage = spent - p.freed, damage + p.damage
-        blocks = np.flatnonzero(q != q_idx)
+            parts.append(p.blocks)
+        blocks = np.concatenate(parts) if parts else np.empty(0, np.int64)
         return Plan(blocks, q[blocks], -spent, damage, 0)
 
     def prepare(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> None:
