@@ -40,11 +40,10 @@ class Plan:
 
 
 def predicted_damage(table: BlockTable, bucket: np.ndarray, policy: BucketPolicy,
-                     eta: np.ndarray | None = None, g: np.ndarray | None = None) -> np.ndarray:
-    """d_hat [n, nb, nb] (Eq. 8): d_hat[i, a, c] for moving block i from bits[a] to bits[c]. ``g``: the table's
-    ``global_damage()`` if the caller keeps it (it depends on the offline table only)."""
+                     eta: np.ndarray | None = None) -> np.ndarray:
+    """d_hat [n, nb, nb] (Eq. 8): d_hat[i, a, c] for moving block i from bits[a] to bits[c]."""
     mu = np.asarray(policy.mu)[bucket][:, None, None]
-    g = table.global_damage() if g is None else g
+    g = table.global_damage()
     return np.maximum(EPS_DAMAGE, mu * g * (1.0 if eta is None else eta))
 
 

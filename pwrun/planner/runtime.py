@@ -76,7 +76,6 @@ class Planner:
         self.heads = heads if cfg.use_residual else None
         self.stats = stats
         self._d_hat: np.ndarray | None = None
-        self._g: np.ndarray | None = None  # the table's global_damage() (Eq. 4), kept: it never changes
         self._bucket: np.ndarray | None = None
         self.prepared: Plan | None = None
         self._prepared_q: np.ndarray | None = None
@@ -101,12 +100,9 @@ class Planner:
         eta = None
         if self.heads is not None and self.stats is not None and self.stats.steps:
             eta = self.heads.eta(self.table.bits, self.table.unit, self.stats.block_log_features(), self.cfg.alpha)
-        if self._g is None:
-            self._g = self.table.global_damage()  # offline tables only: computed once
-        self._d_hat = predicted_damage(self.table, self._bucket, self.policy, eta, self._g)
+        self._d_hat = predicted_damage(self.table, self._bucket, self.policy, eta)
         if self.band_bytes is not None:
-            self._neutral_d_hat = predicted_damage(self.table, np.zeros(table.n, np.int64), self._neutral, eta,
-                                                   self._g)
+            self._neutral_d_hat = predicted_damage(self.table, np.zeros(table.n, np.int64), self._neutral, eta)
         self.prepared = None
         self.stale = False
 

@@ -10,6 +10,7 @@ Global damage g_i^{b->b'} (Eq. 4) and freed bytes Delta (Eq. 3) are derived on d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -54,8 +55,15 @@ class BlockTable:
         return int(b_lo + (bits - lo) * (b_hi - b_lo))
 
     def global_damage(self) -> np.ndarray:
-        """g [n, nb, nb]: g[i, a, c] = max(s_i^{bits[c]} - s_i^{bits[a]}, 0) (Eq. 4; only c < a matters)."""
-        return np.maximum(self.sens[:, None, :] - self.sens[:, :, None], 0.0)
+        """g [n, nb, nb] float64, read-only: g[i, a, c] = max(s_i^{bits[c]} - s_i^{bits[a]}, 0) (Eq. 4; only c < a
+        matters). Computed once per table (the runtime planner refreshes d_hat from it every few steps)."""
+        return self._global_damage
+
+    @cached_property
+    def _global_damage(self) -> np.ndarray:
+        g = np.maximum(self.sens[:, None, :] - self.sens[:, :, None], 0.0)
+        g.setflags(write=False)
+        return g
 
     def freed(self) -> np.ndarray:
         """Delta [n, nb, nb]: Delta[i, a, c] = M_i^{bits[a]} - M_i^{bits[c]} (Eq. 3)."""
