@@ -1,0 +1,101 @@
+"""Decode GEMV for 16-bit weights (Triton), with its PyTorch reference twin: y = x W^T (+ b) for 1..8 tokens.
+
+What it computes: for x [T, K] and a 16-bit weight W [N, K] (optional bias b [N]), ``y [T, N]`` in x's
+dtype, accumulated in fp32 with the bias added before the one rounding (what ``torch.nn.functional.linear``
+does). It is for the non-expert linears of a decode step (fused q/k/v, o_proj, router, LM head), whose
+weights are read once per step: at 1..8 tokens cuBLAS picks split-K GEMMs whose second pass and short
+grids keep an 8 MB weight near 1.5 TB/s on the H200 (``bench/results/dense_gemv_h200.md``). Here each
+program reads BLOCK_N whole rows in K steps of BLOCK_K columns (contiguous, 16-byte loads) and reduces
+them against every token's activations; no split-K, so no second pass and no atomics: the grid is
+N / BLOCK_N programs, which BLOCK_N keeps in the hundreds.
+What it does not do: more than ``MAX_TOKENS`` tokens (use ``F.linear``), transposed weights, or fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 8
+
+# (BLOCK_N, BLOCK_K, num_warps) by the number of rows N; tuned on the H200 (bench/dense_gemv_speed.py)
+DEFAULT_CONFIG: dict[str, int] = {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference twin: ``F.linear`` (x [T, K], weight [N, K], bias [N] or None -> [T, N], x's dtype)."""
+    return F.linear(x, weight, bias)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [T, K] activations, rows stride_xt apart, columns contiguous
+    w_ptr,  # [N, K] weight, rows stride_wn apart, columns contiguous
+    b_ptr,  # [N] bias (unused when not HAS_BIAS)
+    y_ptr,  # [T, N] out, contiguous, x's dtype
+    T,
+    N,
+    K,
+    stride_xt,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    T_PAD: tl.constexpr,  # next power of 2 >= T
+    BLOCK_N: tl.constexpr,  # rows per program
+    BLOCK_K: tl.constexpr,  # columns per K step
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    rows = tl.minimum(n, N - 1).to(tl.int64)  # clamped: loads stay in bounds, the store is masked
+    tok = tl.arange(0, T_PAD)
+    acc = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+        for t in tl.static_range(T_PAD):
+            xt = tl.load(x_ptr + tl.minimum(t, T - 1) * stride_xt + k, mask=kmask, other=0.0).to(tl.float32)
+            s = tl.sum(w * xt[None, :], axis=1)
+            acc = tl.where((tok == t)[:, None], acc + s[None, :], acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
+    tl.store(y_ptr + tok[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(tok < T)[:, None] & nmask[None, :])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: dict[str, Any] | None = None) -> torch.Tensor:
+    """``gemv_ref`` by the Triton kernel: x [T, K] (T <= 8), weight [N, K], bias [N] or None, all one 16-bit
+    dtype on one CUDA device (or Triton's interpreter), columns contiguous. Returns a new [T, N] tensor.
+
+    ``config``: ``{BLOCK_N, BLOCK_K, num_warps}`` (default ``DEFAULT_CONFIG``). Raises ``ValueError`` on
+    more than ``MAX_TOKENS`` tokens, mismatched shapes, dtypes or devices, or non-contiguous columns.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [T, K] and weight [N, K] with the same K; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    t, k = x.shape
+    n = weight.shape[0]
+    if t > MAX_TOKENS:
+        raise ValueError(f"gemv takes at most {MAX_TOKENS} tokens, got {t} (use F.linear)")
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share one 16-bit dtype; got {x.dtype}, {weight.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{n}] tensor of x's dtype")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight must have contiguous columns")
+    if weight.device != x.device or (bias is not None and bias.device != x.device):
+        raise ValueError("x, weight and bias must be on one device")
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return y
+    cfg = config or DEFAULT_CONFIG
+    bn = cfg["BLOCK_N"]
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        x, weight, bias if bias is not None else weight, y, t, n, k, x.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None, T_PAD=triton.next_power_of_2(t), BLOCK_N=bn,
+        BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(k)), num_warps=cfg.get("num_warps", 4))
+    return y
