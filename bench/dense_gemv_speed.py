@@ -3,8 +3,9 @@
 
 What it does: for the 16-bit linears a decode step reads once (Qwen1.5-MoE and Mixtral shapes: q, k, v
 separately and fused, o_proj, router + shared gate, LM head), at T = 1 and 4 tokens, times (GPU time of
-a CUDA-graph replay of 20 calls, median of 5) ``F.linear`` as the lean model calls it, the fused-q/k/v
-``F.linear``, and the Triton GEMV over a small grid of tiles; checks every Triton result against
+a CUDA-graph replay of 24 calls cycling over copies of the weight that make 240 MB, so that each call
+reads its weight from HBM as in a decode step; median of 5) ``F.linear`` and the Triton GEMV over a
+small grid of tiles; checks every Triton result against
 ``F.linear`` (max |diff| / max |ref|) and prints one table: us per call, % of the copy bandwidth (weight
 bytes / time against the device-to-device copy rate, read + write counted as the floor convention of
 ``bench/ap_moe_speed.py``), the best tile per shape. Usage::
@@ -38,18 +39,18 @@ SHAPES = {
 }
 
 
-def graph_us(fn, calls: int = 20) -> float:
-    """GPU microseconds per call of ``fn`` (CUDA-graph replay of ``calls`` calls, median of 5)."""
+def graph_us(fn, calls: int = 24) -> float:
+    """GPU microseconds per call of ``fn(i)``, i = 0..calls-1 (CUDA-graph replay, median of 5)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
+        for i in range(3):
+            fn(i)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
     ts = []
     for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -64,7 +65,7 @@ def graph_us(fn, calls: int = 20) -> float:
 def copy_bandwidth() -> float:
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    us = graph_us(lambda: y.copy_(x), calls=5)
+    us = graph_us(lambda i: y.copy_(x), calls=5)
     return 2 * x.numel() / (us * 1e-6)
 
 
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 tiles instead of the grid")
     ap.add_argument("--ts", default="1,4")
     ap.add_argument("--out-md", type=Path)
+    ap.add_argument("--write-configs", type=Path, help="write the best T = 1 tile per shape into this JSON "
+                    "(kernels/configs/dense_gemv.json layout, by_shape)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -83,16 +86,20 @@ def main() -> None:
                 dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)]
     rows = []
     for (name, (n, k, has_bias)), t in itertools.product(SHAPES.items(), [int(v) for v in args.ts.split(",")]):
-        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        # as many copies of the weight as make 240 MB, called in turn: as in a decode step, every call reads its
+        # weight from HBM (one copy would stay in the 50 MB L2 across calls)
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+              for _ in range(max(1, -(-240 * 2**20 // (2 * n * k))))]
+        w = ws[0]
         b = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
         x = torch.randn(t, k, dtype=torch.bfloat16, device="cuda")
         ref = F.linear(x, w, b).float()
-        base = graph_us(lambda: F.linear(x, w, b))
+        base = graph_us(lambda i: F.linear(x, ws[i % len(ws)], b))
         best, best_cfg, worst_err = float("inf"), None, 0.0
         for cfg in grid:
             try:
                 y = gemv(x, w, b, cfg)
-                us = graph_us(lambda: gemv(x, w, b, cfg))
+                us = graph_us(lambda i: gemv(x, ws[i % len(ws)], b, cfg))
             except Exception as err:  # a tile that does not compile is reported, not fatal
                 print(f"{name} T={t} {cfg}: {type(err).__name__} {str(err)[:120]}")
                 continue
@@ -109,10 +116,17 @@ def main() -> None:
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=str(datetime.date.today()),
                 copy_bandwidth_TBps=bw / 1e12, command="python bench/dense_gemv_speed.py " +
                 (" ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False))))
+    if args.write_configs:
+        cfgs = json.loads(args.write_configs.read_text())
+        for r in rows:
+            if r["t"] == 1 and r["config"]:
+                cfgs["by_shape"][f"{r['n']}x{r['k']}"] = r["config"]
+        args.write_configs.write_text(json.dumps(cfgs, indent=1) + "\n")
     if args.out_md:
         lines = ["# Decode GEMV of the 16-bit linears: cuBLAS (F.linear) vs kernels/dense_gemv.py", "",
                  f"`{json.dumps(meta)}`", "",
-                 "GPU time per call of a CUDA-graph replay (20 calls, median of 5); % bw = weight bytes / time "
+                 "GPU time per call of a CUDA-graph replay (24 calls cycling over copies of the weight that make "
+                 "240 MB, so that each call reads from HBM, not L2; median of 5); % bw = weight bytes / time "
                  "against the copy bandwidth (read + write counted, as the floors elsewhere); rel. err = the worst "
                  "Triton tile's max |diff| / max |F.linear|.", "",
                  "| linear | N x K | T | F.linear us | % bw | Triton us | % bw | speed-up | tile (BN, BK, warps) "

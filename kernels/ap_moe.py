@@ -30,7 +30,9 @@ Four paths, chosen per call by T and shape from data (``kernels/configs/ap_moe.j
 All but ``gemv1`` build weights with ``kernels.ap_tile.weight_tile`` (codes from plane words in
 registers, then the row's LUT). Accumulation is fp32; the intermediate is stored in x's dtype.
 The shared expert runs through the same kernels as an always-selected expert (k = 1, weight =
-its sigmoid gate or 1): see ``ap_moe_shared``.
+its sigmoid gate or 1): see ``ap_moe_shared``; ``ap_moe_block`` runs a layer's routed and shared experts
+and, on the ``gemv1`` path, sums both sets of partial outputs in one launch (word-major activations
+built once).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import triton
 import triton.language as tl
 
 from kernels.ap_moe_gemv import gemv_moe
-from kernels.ap_moe_gemv1 import gemv1_moe
+from kernels.ap_moe_gemv1 import combine, gemv1_moe, gemv1_partials
 from kernels.ap_tile import lut_rows, weight_tile
 from pwrun.ap.format import dequantize
 
@@ -406,6 +408,32 @@ def ap_moe_shared(x: torch.Tensor, shared: APExperts, gate: torch.Tensor | None 
     w = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device) if gate is None else torch.sigmoid(
         gate.float())
     return ap_moe(x, ids, w, shared, check=check)
+
+
+def ap_moe_block(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
+                 shared: APExperts | None = None, shared_w: torch.Tensor | None = None,
+                 shared_ids: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+    """A layer's MoE output y [T, H] (x's dtype): the routed experts (as ``ap_moe``) plus, if ``shared`` is given,
+    the shared expert times ``shared_w`` [T, 1] fp32 (its gate already applied), as an always-selected expert.
+
+    ``shared_ids``: optional [T, 1] int64 zeros to reuse (saves a fill per call). On the ``gemv1`` path (both
+    configs) the two sets of fp32 partials are summed and rounded once, in one launch; elsewhere the two
+    outputs are added in x's dtype. Raises ``ValueError`` as ``ap_moe`` does.
+    """
+    if shared is None:
+        return ap_moe(x, topk_ids, topk_w, experts, check=check)
+    t = x.shape[0]
+    if shared_w is None or shared_w.shape != (t, 1):
+        raise ValueError(f"shared_w must be [T, 1] = [{t}, 1]")
+    sid = shared_ids if shared_ids is not None else torch.zeros(t, 1, dtype=torch.int64, device=x.device)
+    cr, cs = pick_config(t, experts.hidden, experts.inter), pick_config(t, shared.hidden, shared.inter)
+    if t and cr.get("path") == "gemv1" and cs.get("path") == "gemv1" and t * topk_ids.shape[1] > 0:
+        _check(x, topk_ids, topk_w, experts, sync=check)
+        _check(x, sid, shared_w, shared, sync=check)
+        a, xw = gemv1_partials(x, topk_ids, topk_w, experts, cr)
+        b, _ = gemv1_partials(x, sid, shared_w, shared, cs, xw)
+        return combine(a, b, x.dtype)
+    return ap_moe(x, topk_ids, topk_w, experts, check=check) + ap_moe(x, sid, shared_w, shared, check=check)
 
 
 def build_experts(codes: list[torch.Tensor], luts: list[dict[int, torch.Tensor]], bits: list[int], hidden: int,

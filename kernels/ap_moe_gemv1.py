@@ -371,9 +371,54 @@ def word_major(x: torch.Tensor, words: int | None = None) -> torch.Tensor:
     return x.reshape(t, kw, 32).transpose(1, 2).contiguous()
 
 
-def gemv1_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,
-              cfg: dict[str, Any]) -> torch.Tensor:
-    """MoE output y [T, H] in x's dtype for T <= 8 tokens x [T, H]; ids/weights [T, k] (checked by ``ap_moe``).
+@triton.jit
+def _combine_kernel(
+    a_ptr,  # [SA, T, KA, H] fp32 partial outputs (split-K part s, token t, slot j), contiguous
+    b_ptr,  # [SB, T, KB, H] fp32 second set (unused when not HAS_B), contiguous
+    y_ptr,  # [T, H] out, the activations' dtype
+    T,
+    H,
+    SA,
+    KA,
+    SB,
+    KB,
+    HAS_B: tl.constexpr,
+    BLOCK: tl.constexpr,  # columns per program
+):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SA):
+        for j in range(KA):
+            acc += tl.load(a_ptr + ((s * T + t) * KA + j).to(tl.int64) * H + c, mask=m, other=0.0)
+    if HAS_B:
+        for s in range(SB):
+            for j in range(KB):
+                acc += tl.load(b_ptr + ((s * T + t) * KB + j).to(tl.int64) * H + c, mask=m, other=0.0)
+    tl.store(y_ptr + t * H + c, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def combine(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """y [T, H] in ``dtype`` = a [SA, T, KA, H].sum((0, 2)) (+ b [SB, T, KB, H].sum((0, 2))), fp32 sums and one
+    rounding, in one launch (instead of a reduction, a cast and an add per set)."""
+    sa, t, ka, h = a.shape
+    y = torch.empty(t, h, dtype=dtype, device=a.device)
+    sb, kb = (b.shape[0], b.shape[2]) if b is not None else (0, 0)
+    if b is not None and (b.shape[1] != t or b.shape[3] != h):
+        raise ValueError(f"partials of one block must agree in T and H: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if t:
+        block = min(1024, triton.next_power_of_2(h))
+        _combine_kernel[(t, triton.cdiv(h, block))](a, b if b is not None else a, y, t, h, sa, ka, sb, kb,
+                                                    HAS_B=b is not None, BLOCK=block)
+    return y
+
+
+def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,
+                   cfg: dict[str, Any], xw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing-weighted partial outputs [SPLIT, T, k, H] fp32 of T <= 8 tokens x [T, H] (ids/weights [T, k],
+    checked by ``ap_moe``), and the word-major activations [T, 32, KWX] they were computed from (``xw``: reuse
+    them, e.g. for the shared expert of the same x, when the gate_up tiles give the same KWX).
 
     ``cfg``: ``{"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {BLOCK_N, BLOCK_K, num_warps, SPLIT_K}}``
     (BLOCK_K: columns per K step, a multiple of 32; BLOCK_N of gate_up counts gate/up row pairs). The word
@@ -389,17 +434,26 @@ def gemv1_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
     split = dn.get("SPLIT_K", 1)
     bkw_gu, bkw_dn = gu["BLOCK_K"] // 32, dn["BLOCK_K"] // 32
     kwx, kwo = padded_words(ex.hidden, bkw_gu), padded_words(ex.inter, bkw_dn, split)
+    if xw is None or xw.shape != (t, 32, kwx):
+        xw = word_major(x, kwx)
     inter = torch.empty(num_pairs, 32 * kwo, dtype=x.dtype, device=x.device)
     out = torch.empty(split * num_pairs, ex.hidden, dtype=torch.float32, device=x.device)
     ids = topk_ids.contiguous().view(-1)
     w = topk_w.contiguous().view(-1).to(torch.float32)
     t_pad, k_pad = triton.next_power_of_2(t), triton.next_power_of_2(k)
     _gemv1_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
-        word_major(x, kwx), inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
+        xw, inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
         ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu, LE=_entries(bkw_gu), KWX=kwx,
         KWO=kwo, PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)), num_warps=gu.get("num_warps", 4))
     _gemv1_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn["BLOCK_N"]), split)](
         inter, out, ids, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
         TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BKW=bkw_dn, LE=_entries(bkw_dn), KWX=kwo,
         num_warps=dn.get("num_warps", 4))
-    return out.view(split, t, k, ex.hidden).sum((0, 2)).to(x.dtype)
+    return out.view(split, t, k, ex.hidden), xw
+
+
+def gemv1_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,
+              cfg: dict[str, Any]) -> torch.Tensor:
+    """MoE output y [T, H] in x's dtype for T <= 8 tokens x [T, H]; ids/weights [T, k] (checked by ``ap_moe``);
+    ``cfg`` and errors as in ``gemv1_partials``."""
+    return combine(gemv1_partials(x, topk_ids, topk_w, experts, cfg)[0], None, x.dtype)

@@ -13,6 +13,8 @@ What it does not do: more than ``MAX_TOKENS`` tokens (use ``F.linear``), transpo
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,9 +23,19 @@ import triton
 import triton.language as tl
 
 MAX_TOKENS = 8
+# tiles {BLOCK_N, BLOCK_K, num_warps}: "default", "small_n" (N < SMALL_N rows: routers) and "by_shape" ("NxK"),
+# tuned on the H200 by ``bench/dense_gemv_speed.py --write-configs``; "max_tokens": T up to which ``linear``
+# takes the Triton kernel (above it cuBLAS wins; see that bench's results)
+CONFIGS: dict[str, Any] = json.loads((Path(__file__).parent / "configs" / "dense_gemv.json").read_text())
+SMALL_N = 256
 
-# (BLOCK_N, BLOCK_K, num_warps) by the number of rows N; tuned on the H200 (bench/dense_gemv_speed.py)
-DEFAULT_CONFIG: dict[str, int] = {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}
+
+def pick_config(n: int, k: int) -> dict[str, int]:
+    """Tile for an [N, K] weight from ``configs/dense_gemv.json`` (read-only, shared)."""
+    by = CONFIGS["by_shape"].get(f"{n}x{k}")
+    if by is not None:
+        return by
+    return CONFIGS["small_n" if n < SMALL_N else "default"]
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +83,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``gemv_ref`` by the Triton kernel: x [T, K] (T <= 8), weight [N, K], bias [N] or None, all one 16-bit
     dtype on one CUDA device (or Triton's interpreter), columns contiguous. Returns a new [T, N] tensor.
 
-    ``config``: ``{BLOCK_N, BLOCK_K, num_warps}`` (default ``DEFAULT_CONFIG``). Raises ``ValueError`` on
+    ``config``: ``{BLOCK_N, BLOCK_K, num_warps}`` (default: ``pick_config``). Raises ``ValueError`` on
     more than ``MAX_TOKENS`` tokens, mismatched shapes, dtypes or devices, or non-contiguous columns.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -92,10 +104,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0 or n == 0:
         return y
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or pick_config(n, k)
     bn = cfg["BLOCK_N"]
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, t, n, k, x.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, T_PAD=triton.next_power_of_2(t), BLOCK_N=bn,
         BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(k)), num_warps=cfg.get("num_warps", 4))
     return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for the runtime's decode steps: the Triton GEMV for up to ``CONFIGS["max_tokens"]`` tokens of
+    a 16-bit x [T, K] on CUDA with contiguous columns, else ``F.linear`` itself (same shapes and dtype rules)."""
+    if (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= CONFIGS["max_tokens"] and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
+            and (bias is None or bias.is_contiguous())):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ap_moe import APExperts, ap_moe, ap_moe_ref, ap_moe_shared, build_experts, dequant_blocks
+from kernels.ap_moe import (APExperts, ap_moe, ap_moe_block, ap_moe_ref, ap_moe_shared, build_experts,
+                            dequant_blocks, pick_config)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -110,6 +111,30 @@ def test_shared_expert_path() -> None:
     ids = torch.zeros(5, 1, dtype=torch.int64, device=DEV)
     ref = ap_moe_ref(x, ids, torch.sigmoid(gate), ex).float()
     assert (got - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_routed_and_shared_block(t: int) -> None:
+    """``ap_moe_block``: routed + gated shared expert (its own I) against the two references summed; at T = 1
+    both run gemv1 and are combined in one launch (partials summed in fp32), at T = 3 the two outputs are added."""
+    h, i_r, i_s = 72, 40, 104
+    ex = make(4, h, i_r, torch.randint(2, 9, (8,)).tolist(), torch.bfloat16, 60 + t)
+    sh = make(1, h, i_s, [6, 3], torch.bfloat16, 61 + t)
+    g = torch.Generator().manual_seed(62 + t)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(t)]).to(DEV)
+    w = torch.rand(t, 2, generator=g).to(DEV)
+    sw = torch.rand(t, 1, generator=g).to(DEV)
+    assert (pick_config(t, h, i_r)["path"] == "gemv1") == (t == 1)
+    got = ap_moe_block(x, ids, w, ex, sh, sw).float()
+    zero = torch.zeros(t, 1, dtype=torch.int64, device=DEV)
+    ref = ap_moe_ref(x, ids, w, ex).float() + ap_moe_ref(x, zero, sw, sh).float()
+    assert torch.isfinite(got).all()
+    assert (got - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
+    # the shared expert matters: leaving it out is caught
+    assert (ap_moe(x, ids, w, ex).float() - ref).abs().max() > 4 * 2**-7 * ref.abs().max()
+    with pytest.raises(ValueError, match="shared_w"):
+        ap_moe_block(x, ids, w, ex, sh, sw[:, 0])
 
 
 @pytest.mark.parametrize(("path", "t", "out_rows"), [("gemv", 1, 2), ("gemv", 9, 18), ("gemv", 9, 40),

@@ -298,27 +298,28 @@ class ExpertStore:
 
     def _moe_kernel(self, x: torch.Tensor, layer: int, lw: MoEWeights, spec: Any) -> torch.Tensor:
         """CUDA path: router matmul (router and shared gate in one), one routing kernel (top-k, gate,
-        statistics), the fused AP kernels for the routed experts and for the shared expert."""
-        from kernels.ap_moe import ap_moe
+        statistics), the fused AP kernels for the routed experts and the shared expert (``ap_moe_block``)."""
+        from kernels.ap_moe import ap_moe, ap_moe_block
+        from kernels.dense_gemv import linear
         from kernels.route_topk import route_topk
 
         e = spec.num_experts
         has_gate = lw.shared_gate is not None
         weight = self._router_gate.get(layer, lw.router)
-        logits = torch.nn.functional.linear(x, weight)
+        logits = linear(x, weight)
         stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max else None
         w, ids, shared_w = route_topk(logits, x, e, spec.top_k, spec.norm_topk_prob, has_gate, stats,
                                       has_shared=lw.shared is not None)
         if self.observe and stats is None:
             self._observe(layer, x, ids, w, e, lw.shared is not None)
-        y = ap_moe(x, ids, w, self.experts(layer), check=False)
-        if lw.shared is not None:
-            t = x.shape[0]
-            sid = self._shared_ids.get(t)
-            if sid is None:
-                sid = self._shared_ids[t] = torch.zeros(t, 1, dtype=torch.int64, device=x.device)
-            y = y + ap_moe(x, sid, shared_w[:, None], self.experts(layer, "shared"), check=False)
-        return y
+        if lw.shared is None:
+            return ap_moe(x, ids, w, self.experts(layer), check=False)
+        t = x.shape[0]
+        sid = self._shared_ids.get(t)
+        if sid is None:
+            sid = self._shared_ids[t] = torch.zeros(t, 1, dtype=torch.int64, device=x.device)
+        return ap_moe_block(x, ids, w, self.experts(layer), self.experts(layer, "shared"), shared_w[:, None], sid,
+                            check=False)
 
     def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  shared: bool) -> None:

@@ -31,6 +31,7 @@ from pwrun.kv.blocks import blocks_needed
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, resolve_device, resolve_dtype
+from pwrun.model.weights import fuse_qkv
 from pwrun.planner.buckets import BucketPolicy
 from pwrun.planner.greedy import fit_budget
 from pwrun.planner.online import FEATURES, OnlineStats, ResidualHeads
@@ -112,7 +113,8 @@ def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) ->
 
 
 def strip_experts(model: LeanMoEModel, device: torch.device) -> LeanMoEModel:
-    """Move the non-expert weights to ``device`` and drop the 16-bit expert tensors (the pool holds AP ones)."""
+    """Move the non-expert weights to ``device`` and drop the 16-bit expert tensors (the pool holds AP ones);
+    q, k and v become views of one tensor (``fuse_qkv``: one projection GEMM per step)."""
     w = model.weights
     empty = torch.empty(0, dtype=model.dtype, device=device)
     tied = w.lm_head is w.embed
@@ -124,6 +126,7 @@ def strip_experts(model: LeanMoEModel, device: torch.device) -> LeanMoEModel:
         for k, v in vars(lw.attn).items():
             if v is not None:
                 setattr(lw.attn, k, v.to(device))
+        fuse_qkv(lw.attn)
         if lw.mlp is not None:
             lw.mlp.gate_up, lw.mlp.down = lw.mlp.gate_up.to(device), lw.mlp.down.to(device)
         if lw.moe is not None:

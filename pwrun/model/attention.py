@@ -20,7 +20,11 @@ from pwrun.model.step import StepTensors
 from pwrun.model.weights import AttentionWeights
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, fused: bool = False) -> torch.Tensor:
+    if fused:
+        from kernels.dense_gemv import linear
+
+        return linear(x, w, b)
     return F.linear(x, w, b)
 
 
@@ -29,11 +33,16 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
     """Self-attention output [T, H] for normalised hidden states x [T, H] of one step.
 
     The step's keys/values are written to ``cache`` at ``step.slots`` before attending. ``fused``:
-    RoPE and the KV write in one kernel where the cache offers ``write_rope`` (CUDA runtime).
+    RoPE and the KV write in one kernel where the cache offers ``write_rope``, and the decode GEMV of
+    ``kernels.dense_gemv`` for the projections of few tokens (CUDA runtime). With ``w.qkv`` (``fuse_qkv``)
+    q, k and v come from one projection.
     """
     t = x.shape[0]
     hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q, k, v = _linear(x, w.q, w.q_bias), _linear(x, w.k, w.k_bias), _linear(x, w.v, w.v_bias)
+    if w.qkv is not None:
+        q, k, v = _linear(x, w.qkv, w.qkv_bias, fused).split((hq * d, hkv * d, hkv * d), dim=-1)
+    else:
+        q, k, v = _linear(x, w.q, w.q_bias), _linear(x, w.k, w.k_bias), _linear(x, w.v, w.v_bias)
     if spec.qk_norm == "full":
         assert w.q_norm is not None and w.k_norm is not None
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
@@ -55,7 +64,7 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
     if fast is not None and step.decode_only:
         o = fast(layer, q, step, d**-0.5)
         if o is not None:
-            return F.linear(o.reshape(t, hq * d), w.o)
+            return _linear(o.reshape(t, hq * d), w.o, None, fused)
 
     out = torch.empty_like(q)
     groups = hq // hkv

@@ -91,4 +91,8 @@ class LeanMoEModel:
         elif logits_for != "all":
             raise ValueError(f"logits_for must be 'last' or 'all', got {logits_for!r}")
         _, h = norm(h, delta, w.final_norm, spec.rms_norm_eps)
+        if fused:
+            from kernels.dense_gemv import linear
+
+            return linear(h, w.lm_head).float()
         return F.linear(h, w.lm_head).float()
