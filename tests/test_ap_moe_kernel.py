@@ -12,8 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ap_moe import (APExperts, ap_moe, ap_moe_block, ap_moe_ref, ap_moe_shared, build_experts,
-                            dequant_blocks, pick_config)
+from kernels.ap_moe import (
+    APExperts,
+    ap_moe,
+    ap_moe_block,
+    ap_moe_ref,
+    ap_moe_shared,
+    build_experts,
+    dequant_blocks,
+    pick_config,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

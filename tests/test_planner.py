@@ -168,3 +168,43 @@ def test_runtime_planner_follows_the_band() -> None:
     a = banded.plan_raise(q, allowance)
     assert band < t.total_bytes(q) - a.freed <= t.total_bytes(q) + allowance
     assert len(set(a.blocks.tolist())) == a.blocks.size and (a.to_idx == q[a.blocks] + 1).all()
+
+
+def test_next_raises_walks_one_plan_until_it_no_longer_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While reloads are under way the runtime starts a few blocks per step: ``next_raises`` hands out the head of
+    one plan in its order (skipping blocks started or done), re-plans only when d_hat is refreshed or the
+    bitwidths change otherwise (a lowering), and never exceeds the allowance or the block count."""
+    t = random_table(n=300, seed=9)
+    planner = Planner(t, BucketPolicy.neutral(3), PlannerConfig())
+    q = np.zeros(t.n, np.int64)
+    allowance = (t.total_bytes(np.full(t.n, 2)) - t.total_bytes(q)) // 2
+    full = planner.plan_raise(q, allowance)
+    assert full.blocks.size > 12
+    calls = []
+    real = planner.plan_raise
+    monkeypatch.setattr(planner, "plan_raise", lambda *a: calls.append(1) or real(*a))
+    movable = np.ones(t.n, bool)
+    first = planner.next_raises(q, allowance, movable, 4)
+    assert (first.blocks == full.blocks[:4]).all() and (first.to_idx == full.to_idx[:4]).all() and len(calls) == 1
+    movable[first.blocks] = False  # started, copies in flight
+    second = planner.next_raises(q, allowance, movable, 4)
+    assert (second.blocks == full.blocks[4:8]).all() and len(calls) == 1  # the same plan, its next head
+    q = q.copy()
+    q[first.blocks] = first.to_idx  # the first ones committed
+    movable[first.blocks] = True
+    movable[second.blocks] = False
+    third = planner.next_raises(q, allowance, movable, 4)
+    assert (third.blocks == full.blocks[8:12]).all() and len(calls) == 1
+    # the plan fits the allowance it is given now: a smaller one takes a shorter head
+    cost = t.bytes[full.blocks[8], full.to_idx[8]] - t.bytes[full.blocks[8], 0]
+    assert planner.next_raises(q, cost, movable, 4).blocks.tolist() == [full.blocks[8]] and len(calls) == 1
+    # a bitwidth the plan did not set (here one past the plan's target) or a refresh of d_hat: a fresh plan
+    q_other = q.copy()
+    q_other[full.blocks[-1]] = full.to_idx[-1] + 1
+    planner.next_raises(q_other, allowance, movable, 4)
+    assert len(calls) == 2
+    planner.refresh()
+    fresh = planner.next_raises(q, allowance, movable, 4)
+    expect = real(q, allowance, movable)
+    assert len(calls) == 3 and (fresh.blocks == expect.blocks[:4]).all()
+    assert planner.next_raises(q, 0, movable, 4).empty and planner.next_raises(q, allowance, movable, 0).empty

@@ -219,12 +219,12 @@ class Engine:
         soon += sum(self.tables.extra_blocks(s.rid, len(s.prompt) + s.max_new_tokens)
                     for s in self.scheduler.running)
         allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
-        plan = self.planner.plan_raise(self.q_idx(), allowance, self.store.movable())
+        # the head of the plan (benefit-per-byte order), kept across steps while it holds
+        plan = self.planner.next_raises(self.q_idx(), allowance, self.store.movable(), self.cfg.max_raise_blocks)
         self._planner_time(t0, overlapped)
         t1 = time.perf_counter()
-        if not plan.empty and allowance > 0:
-            k = self.cfg.max_raise_blocks  # the plan is in benefit-per-byte order: take its head
-            started = self.store.begin_raise(plan.blocks[:k], self.store.table.bits[plan.to_idx[:k]])
+        if not plan.empty:
+            started = self.store.begin_raise(plan.blocks, self.store.table.bits[plan.to_idx])
             self._step_actions["raising"] += len(started)
         self._host_s.update(raise_plan=t1 - t0, raise_start=time.perf_counter() - t1)
 
