@@ -229,10 +229,13 @@ class ExpertStore:
         wpp, epp = self.page_bytes // 4, self.page_bytes // LUT_BYTES
         starts = w.plane_start[ii]
         offs = np.where((np.arange(8)[None, :] < w.q[ii][:, None]) & (starts >= 0), starts * wpp, 0)
-        rows = self._to_device(self.table_row[ii])
-        self._plane_offset[rows] = self._to_device(offs.astype(np.int64))
-        self._lut_offset[rows] = self._to_device((w.lut_start[ii] * epp).astype(np.int64))
-        self._bits[rows] = self._to_device(w.q[ii].astype(np.int32))
+        # one host -> device copy of [m, 11] int64: table row, 8 plane offsets, LUT offset, bits
+        packed = self._to_device(np.concatenate([self.table_row[ii][:, None], offs, (w.lut_start[ii] * epp)[:, None],
+                                                 w.q[ii][:, None]], axis=1).astype(np.int64))
+        rows = packed[:, 0]
+        self._plane_offset[rows] = packed[:, 1:9]
+        self._lut_offset[rows] = packed[:, 9]
+        self._bits[rows] = packed[:, 10].to(torch.int32)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """``a`` on the device without blocking the host: on CUDA through pinned memory, so that a table update

@@ -13,9 +13,10 @@ each other:
 
 ``check`` verifies conservation (KV + weight + free = pool). It owns no memory: the runtime maps
 page ids to byte ranges of one device tensor. Control plane: numpy only, no torch. Weight runs are
-found in a table of the free runs (starts, lengths), built with one O(pages) numpy pass and then
-updated in place by each run allocation, so a batch of reloads (tens of runs) costs one pass, not
-one per run; any other change to the free set (a release, KV pages) drops the table.
+found in a table of the free runs (starts, lengths), built with one O(pages) numpy pass (int8
+arithmetic: 0.07 ms at 114k pages on the CPU machine, 1.3 ms with the int64 diff it replaced) and
+then updated in place by each run allocation, so a batch of reloads (tens of runs) costs one pass,
+not one per run; any other change to the free set (a release, KV pages) drops the table.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ class PagePool:
 
     def _free_runs(self) -> tuple[np.ndarray, np.ndarray]:
         if self._runs is None:
-            f = np.concatenate(([0], (self._kind == FREE).astype(np.int8), [0]))
-            d = np.diff(f)
+            f = np.zeros(self.cfg.num_pages + 2, dtype=np.int8)
+            f[1:-1] = self._kind == FREE
+            d = f[1:] - f[:-1]  # int8: +1 where a free run starts, -1 one past its end
             starts = np.flatnonzero(d == 1)
             self._runs = (starts, np.flatnonzero(d == -1) - starts)
         return self._runs
