@@ -35,7 +35,11 @@ from kernels.ap_moe import ap_moe_ref, pick_config
 # tile whose codes are already in the layout of Triton's warp-local gather with a 32-entry LUT (q <= 5 by
 # shuffle); 512 = 16 words: 16-entry LUT (q <= 4 by shuffle), less padding where K / 32 is not a multiple of 32
 GU = [(16, 1024, 4), (8, 1024, 4), (32, 1024, 4), (16, 512, 4)]
-DN = [(32, 1024, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 2), (64, 1024, 4, 1), (32, 1024, 4, 4)]
+DN = [(32, 1024, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 2), (64, 1024, 4, 1), (32, 1024, 4, 4), (16, 1024, 4, 4),
+      (32, 1024, 4, 8)]
+# the small grid: 2 gate_up x these down tiles (split-K 1 / 2 / 4 / 8: Mixtral's down wants 4; a one-expert down
+# such as Qwen's shared expert has only H / BLOCK_N programs per split, ncu: 0.3 waves at split 2)
+DN_SMALL = [DN[0], DN[1], DN[2], DN[4], DN[5], DN[6]]
 
 
 def cfg(gu: tuple, dn: tuple) -> dict[str, Any]:
@@ -76,11 +80,15 @@ def main() -> None:
     ap.add_argument("--baseline-configs", default="kernels/configs/ap_moe.json")
     ap.add_argument("--workers", type=int, default=12, help="parallel compile processes")
     ap.add_argument("--grid", choices=("full", "small"), default="full",
-                    help="small: 2 gate_up x 4 down tiles, split-K 1 / 2 / 4 among them (Mixtral's down wants 4; gemv1 "
+                    help="small: 2 gate_up x 6 down tiles (DN_SMALL, split-K 1 / 2 / 4 / 8; gemv1 "
                          "compiles take ~1-4 min per config at T_PAD 4-8)")
     ap.add_argument("--time-limit", type=float, default=0.0,
                     help="seconds; (shape, T) groups that would start past it are skipped, so the table and "
                     "--write-configs still come out (0: no limit)")
+    ap.add_argument("--pick", choices=("q4", "sum"), default="q4",
+                    help="the config --write-configs takes per (shape, T): the q = 4 winner, or (sum) the one of every "
+                    "q's winners with the least time summed over --qs (blocks whose bitwidth varies at run time, "
+                    "e.g. the always-read shared expert under PagedWeight)")
     ap.add_argument("--write-configs", default="", help="configs JSON to update with the winners (T=1 -> bucket "
                     "min_tokens 1, T=4 -> 2, T=8 -> 5; only where gemv1 beat the baseline at q=4)")
     args = ap.parse_args()
@@ -89,7 +97,7 @@ def main() -> None:
         base_cfgs = json.load(f)
     ts, qs, tune = ([int(v) for v in a.split(",")] for a in (args.ts, args.qs, args.tune_qs))
     shapes = args.shapes.split(",")
-    gu_grid, dn_grid = (GU[:2], [*DN[:3], DN[4]]) if args.grid == "small" else (GU, DN)
+    gu_grid, dn_grid = (GU[:2], DN_SMALL) if args.grid == "small" else (GU, DN)
     grid = [cfg(gu, dn_grid[0]) for gu in gu_grid] + [cfg(gu_grid[0], dn) for dn in dn_grid[1:]]
     print(f"copy bandwidth {copy_bandwidth() / 1e12:.3f} TB/s", flush=True)
     start = time.monotonic()
@@ -131,6 +139,9 @@ def main() -> None:
                    "speedup": round(b_us / n_us, 2), "new_cfg": best, "tried": len(res)}
             out.append(row)
             print(json.dumps(row), flush=True)
+        if args.pick == "sum":
+            out.append(pick_sum(family, t, n, qs, [r for r in out if r["shape"] == family and r["T"] == t]))
+            print(json.dumps(out[-1]), flush=True)
     print("| shape | T | q | experts | baseline us (path) | gemv1 us | speedup | rel err base / new | gemv1 config |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in out:
@@ -143,11 +154,30 @@ def main() -> None:
         write_configs(args.write_configs, out)
 
 
+def pick_sum(family: str, t: int, n: int, qs: list[int], rows: list[dict]) -> dict:
+    """A row (q "sum") for the candidate among ``rows``' winners with the least GPU time summed over ``qs``."""
+    s = ALL_SHAPES[family]
+    cands = list({json.dumps(r["new_cfg"], sort_keys=True): r["new_cfg"] for r in rows}.values())
+    total = [0.0] * len(cands)
+    for q in qs:
+        ex = fake_experts(s, q, n)
+        x, ids, w = inputs(s, t, n)
+        ref = ap_moe_ref(x, ids, w, ex).float()
+        for i, c in enumerate(cands):
+            total[i] += timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref)[0]  # noqa: B023
+    best = min(range(len(cands)), key=lambda i: total[i])
+    base = sum(r["base_us"] for r in rows)
+    return {"shape": family, "q": "sum", "T": t, "experts": n, "base_us": round(base, 1), "base_path": "gemv1",
+            "base_err": 0.0, "new_us": round(total[best], 1), "new_err": 0.0, "speedup": round(base / total[best], 2),
+            "new_cfg": cands[best], "tried": len(cands), "sums_us": [round(v, 1) for v in total]}
+
+
 BUCKET = {1: 1, 4: 2, 8: 5}  # tuned T -> min_tokens of the bucket it stands for (gemv1 takes at most 8 tokens)
 
 
 def write_configs(path: str, rows: list[dict]) -> None:
-    """Put each shape's q=4 winner into its bucket of ``path`` where gemv1 beat the baseline; the bucket after
+    """Put each shape's q=4 winner (or its --pick sum row) into its bucket of ``path`` where gemv1 beat the
+    baseline; the bucket after
     the last gemv1 one (min_tokens 9) keeps the config that covered 9 tokens before."""
     with open(path) as f:
         configs = json.load(f)
@@ -156,10 +186,11 @@ def write_configs(path: str, rows: list[dict]) -> None:
         key = f"{s['hidden']}x{s['inter']}"
         old = configs["by_shape"].get(key, configs["default"])
         buckets = {b["min_tokens"]: b["config"] for b in old}
+        pick = "sum" if any(r["q"] == "sum" for r in rows if r["shape"] == family) else 4
         for r in rows:
-            if r["shape"] == family and r["q"] == 4 and r["T"] in BUCKET and r["speedup"] > 1.0:
+            if r["shape"] == family and r["q"] == pick and r["T"] in BUCKET and r["speedup"] > 1.0:
                 buckets[BUCKET[r["T"]]] = r["new_cfg"]
-        won = {BUCKET[r["T"]] for r in rows if r["shape"] == family and r["q"] == 4 and r["T"] in BUCKET
+        won = {BUCKET[r["T"]] for r in rows if r["shape"] == family and r["q"] == pick and r["T"] in BUCKET
                and r["speedup"] > 1.0}
         for m in (2, 5, 9):  # a bucket that lost (or 9+) keeps what covered it before, not a smaller winner
             if m not in won and m not in buckets and buckets[max(k for k in buckets if k < m)]["path"] == "gemv1":

@@ -313,3 +313,13 @@ def test_word_major_layout() -> None:
     for t, col in [(0, 0), (1, 33), (0, 69), (1, 64)]:
         assert got[t, col % 32, col // 32] == x[t, col]
     assert (got[:, 6:, 2] == 0).all()
+
+
+def test_word_first_path_more_splits_than_k_steps() -> None:
+    """gemv1's down with split-K 8 over fewer K steps (I = 104: one 32-word step; I = 300: 5 two-word steps):
+    the splits past the last step add nothing and must still write their (zero) partials."""
+    cfg = {"path": "gemv1", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 1024},
+           "down": {"BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT_K": 8}}
+    check(1, 2, 4, hidden=72, inter=104, bits=[8, 3, 6, 4, 5, 8, 2, 7], dtype=torch.bfloat16, seed=5, config=cfg)
+    cfg["down"]["BLOCK_K"] = 64
+    check(1, 2, 4, hidden=72, inter=300, bits=[8, 3, 6, 4, 5, 8, 2, 7], dtype=torch.bfloat16, seed=6, config=cfg)
