@@ -34,12 +34,16 @@ from kernels.ap_moe import ap_moe_ref, pick_config
 # (BLOCK_N pairs, BLOCK_K, num_warps) and (BLOCK_N, BLOCK_K, num_warps, SPLIT_K). BLOCK_K 1024 = 32 words: the
 # tile whose codes are already in the layout of Triton's warp-local gather with a 32-entry LUT (q <= 5 by
 # shuffle); 512 = 16 words: 16-entry LUT (q <= 4 by shuffle), less padding where K / 32 is not a multiple of 32
-GU = [(16, 1024, 4), (8, 1024, 4), (32, 1024, 4), (16, 512, 4)]
+# 8 warps: the same tile over twice the threads holds half the registers per thread (sm_90, bench/sass_count.py:
+# down 32 x 32 words 255 -> 105, gate_up 8 pairs x 32 words 128 -> 64) for ~5-10% more instructions per weight;
+# ncu found every gemv1 launch limited by registers (occupancy 12-38%), and no tuned config had tried it yet
+GU = [(16, 1024, 4), (8, 1024, 4), (32, 1024, 4), (16, 512, 4), (8, 1024, 8), (16, 1024, 8)]
 DN = [(32, 1024, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 2), (64, 1024, 4, 1), (32, 1024, 4, 4), (16, 1024, 4, 4),
-      (32, 1024, 4, 8)]
-# the small grid: 2 gate_up x these down tiles (split-K 1 / 2 / 4 / 8: Mixtral's down wants 4; a one-expert down
+      (32, 1024, 4, 8), (32, 1024, 8, 1), (32, 1024, 8, 2), (32, 1024, 8, 4)]
+# the small grid: 3 gate_up x these down tiles (split-K 1 / 2 / 4 / 8: Mixtral's down wants 4; a one-expert down
 # such as Qwen's shared expert has only H / BLOCK_N programs per split, ncu: 0.3 waves at split 2)
-DN_SMALL = [DN[0], DN[1], DN[2], DN[4], DN[5], DN[6]]
+GU_SMALL = [GU[0], GU[1], GU[4]]
+DN_SMALL = [DN[0], DN[1], DN[2], DN[4], DN[5], DN[6], DN[8]]
 
 
 def cfg(gu: tuple, dn: tuple) -> dict[str, Any]:
@@ -80,7 +84,7 @@ def main() -> None:
     ap.add_argument("--baseline-configs", default="kernels/configs/ap_moe.json")
     ap.add_argument("--workers", type=int, default=12, help="parallel compile processes")
     ap.add_argument("--grid", choices=("full", "small"), default="full",
-                    help="small: 2 gate_up x 6 down tiles (DN_SMALL, split-K 1 / 2 / 4 / 8; gemv1 "
+                    help="small: GU_SMALL x DN_SMALL (split-K 1 / 2 / 4 / 8, 4 and 8 warps; gemv1 "
                          "compiles take ~1-4 min per config at T_PAD 4-8)")
     ap.add_argument("--time-limit", type=float, default=0.0,
                     help="seconds; (shape, T) groups that would start past it are skipped, so the table and "
@@ -97,7 +101,7 @@ def main() -> None:
         base_cfgs = json.load(f)
     ts, qs, tune = ([int(v) for v in a.split(",")] for a in (args.ts, args.qs, args.tune_qs))
     shapes = args.shapes.split(",")
-    gu_grid, dn_grid = (GU[:2], DN_SMALL) if args.grid == "small" else (GU, DN)
+    gu_grid, dn_grid = (GU_SMALL, DN_SMALL) if args.grid == "small" else (GU, DN)
     grid = [cfg(gu, dn_grid[0]) for gu in gu_grid] + [cfg(gu_grid[0], dn) for dn in dn_grid[1:]]
     print(f"copy bandwidth {copy_bandwidth() / 1e12:.3f} TB/s", flush=True)
     start = time.monotonic()

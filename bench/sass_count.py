@@ -25,8 +25,9 @@ from typing import Any
 sys.path.insert(0, ".")
 
 
-def compile_sm90(kernel: Any, args: dict[str, Any], num_warps: int) -> tuple[str, str]:
-    """(SASS text, TTGIR text) of ``kernel`` for sm_90; ``args``: pointer/int types as strings, constexprs as values."""
+def compile_sm90(kernel: Any, args: dict[str, Any], num_warps: int) -> tuple[str, str, str]:
+    """(SASS text, TTGIR text, "N registers, M spilled") of ``kernel`` for sm_90; ``args``: pointer/int types as
+    strings, constexprs as values."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -41,7 +42,10 @@ def compile_sm90(kernel: Any, args: dict[str, Any], num_warps: int) -> tuple[str
         f.flush()
         sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    return sass, ck.asm["ttgir"]
+        res = subprocess.run([f"{bin_dir}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res)
+    return sass, ck.asm["ttgir"], f"{m.group(1)} registers, {m.group(2)} B local (spills)" if m else res.strip()
 
 
 def loops(sass: str) -> list[collections.Counter]:
@@ -77,9 +81,9 @@ def main() -> None:
     else:
         args = {"inter_ptr": "*bf16", "out_ptr": "*fp32", "w_ptr": "*fp32", **common, "KWX": 64}
         kernel, rows = g._gemv1_down_kernel, a.block_n
-    sass, ttgir = compile_sm90(kernel, args, a.warps)
+    sass, ttgir, regs = compile_sm90(kernel, args, a.warps)
     per_thread = rows * a.bkw * 32 / (32 * a.warps)
-    print(f"{a.kernel}: T_PAD {a.t_pad}, {rows} rows x {a.bkw} words, {a.warps} warps; "
+    print(f"{a.kernel}: T_PAD {a.t_pad}, {rows} rows x {a.bkw} words, {a.warps} warps; {regs}; "
           f"convert_layout in TTGIR: {ttgir.count('convert_layout')}")
     for i, ops in enumerate(loops(sass)):
         n = sum(ops.values())
