@@ -279,6 +279,8 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex: AP
         raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
     if x.stride(1) != 1:
         raise ValueError("x must be contiguous along the hidden dim")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_ids.shape != topk_w.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids and topk_w must both be [T, k] with T = {x.shape[0]}")
     if ex.lut_pool.dtype != x.dtype:
@@ -425,6 +427,9 @@ def ap_moe_block(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, 
     t = x.shape[0]
     if shared_w is None or shared_w.shape != (t, 1):
         raise ValueError(f"shared_w must be [T, 1] = [{t}, 1]")
+    if shared.hidden != experts.hidden or shared.lut_pool.dtype != experts.lut_pool.dtype:
+        raise ValueError(f"the shared expert (hidden {shared.hidden}, LUT {shared.lut_pool.dtype}) must match the "
+                         f"routed experts (hidden {experts.hidden}, LUT {experts.lut_pool.dtype})")
     sid = shared_ids if shared_ids is not None else torch.zeros(t, 1, dtype=torch.int64, device=x.device)
     cr, cs = pick_config(t, experts.hidden, experts.inter), pick_config(t, shared.hidden, shared.inter)
     if t and cr.get("path") == "gemv1" and cs.get("path") == "gemv1" and t * topk_ids.shape[1] > 0:

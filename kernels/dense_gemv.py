@@ -14,6 +14,7 @@ What it does not do: more than ``MAX_TOKENS`` tokens (use ``F.linear``), transpo
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     dtype on one CUDA device (or Triton's interpreter), columns contiguous. Returns a new [T, N] tensor.
 
     ``config``: ``{BLOCK_N, BLOCK_K, num_warps}`` (default: ``pick_config``). Raises ``ValueError`` on
-    more than ``MAX_TOKENS`` tokens, mismatched shapes, dtypes or devices, or non-contiguous columns.
+    more than ``MAX_TOKENS`` tokens, mismatched shapes, dtypes or devices, non-contiguous columns, a CPU
+    tensor outside Triton's interpreter, or a config whose BLOCK_N / BLOCK_K are not powers of 2.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [T, K] and weight [N, K] with the same K; got {tuple(x.shape)}, "
@@ -101,10 +103,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("x and weight must have contiguous columns")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
         raise ValueError("x, weight and bias must be on one device")
-    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    if t == 0 or n == 0:
-        return y
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("gemv runs on a CUDA device (or in Triton's interpreter: TRITON_INTERPRET=1); "
+                         "use kernels.dense_gemv.linear, which falls back to F.linear")
     cfg = config or pick_config(n, k)
+    if not all(isinstance(cfg.get(key), int) and cfg[key] > 0 and cfg[key] & (cfg[key] - 1) == 0
+               for key in ("BLOCK_N", "BLOCK_K")):
+        raise ValueError(f"config needs BLOCK_N and BLOCK_K as powers of 2, got {cfg}")
+    if t == 0 or n == 0 or k == 0:  # nothing to read: F.linear's result (zeros, plus the bias)
+        return F.linear(x, weight, bias)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     bn = cfg["BLOCK_N"]
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, t, n, k, x.stride(0), weight.stride(0),

@@ -143,6 +143,10 @@ def test_routed_and_shared_block(t: int) -> None:
     assert (ap_moe(x, ids, w, ex).float() - ref).abs().max() > 4 * 2**-7 * ref.abs().max()
     with pytest.raises(ValueError, match="shared_w"):
         ap_moe_block(x, ids, w, ex, sh, sw[:, 0])
+    with pytest.raises(ValueError, match="must match the routed experts"):
+        ap_moe_block(x, ids, w, ex, make(1, h + 8, i_s, [4, 4], torch.bfloat16, 1), sw)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        ap_moe_block(x, ids.float(), w, ex, sh, sw)
 
 
 @pytest.mark.parametrize(("path", "t", "out_rows"), [("gemv", 1, 2), ("gemv", 9, 18), ("gemv", 9, 40),

@@ -47,6 +47,24 @@ def test_gemv_rejects_bad_input() -> None:
         gemv(x, w, torch.zeros(3, dtype=torch.bfloat16, device=DEV))
     with pytest.raises(ValueError, match="contiguous columns"):
         gemv(x, torch.randn(8, 4, dtype=torch.bfloat16, device=DEV).T)
+    with pytest.raises(ValueError, match="powers of 2"):
+        gemv(x, w, None, {"BLOCK_N": 3, "BLOCK_K": 64})
+    with pytest.raises(ValueError, match="powers of 2"):
+        gemv(x, w, None, {"BLOCK_N": 2})
+    # K = 0 reads nothing: F.linear's zeros plus the bias
+    b = torch.randn(4, dtype=torch.bfloat16, device=DEV)
+    empty = {"dtype": torch.bfloat16, "device": DEV}
+    y = gemv(torch.empty(2, 0, **empty), torch.empty(4, 0, **empty), b)
+    assert torch.equal(y, b.expand(2, 4))
+
+
+def test_gemv_names_the_device_outside_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEV == "cuda":
+        pytest.skip("CPU tensors only")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, w = torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA device"):
+        gemv(x, w)
 
 
 def test_pick_config_and_linear_dispatch() -> None:
@@ -71,3 +89,11 @@ def test_fuse_qkv_keeps_projections() -> None:
     torch.testing.assert_close(qkv[:, 64:80], F.linear(x, k, kb))
     with pytest.raises(ValueError, match="bias"):
         fuse_qkv(AttentionWeights(q, k, v, q, qb, None, None))
+    with pytest.raises(ValueError, match="one dtype"):
+        fuse_qkv(AttentionWeights(q, k.double(), v, q))
+    # replacing a projection after fusing: the next fuse_qkv takes the new one (the fused weight is not stale)
+    new_k = torch.randn(16, 32, generator=g)
+    a.k = new_k.clone()
+    fuse_qkv(a)
+    assert torch.equal(a.qkv[64:80], new_k) and torch.equal(a.q, q)
+    assert a.k.untyped_storage().data_ptr() == a.qkv.untyped_storage().data_ptr()

@@ -208,3 +208,18 @@ def test_next_raises_walks_one_plan_until_it_no_longer_holds(monkeypatch: pytest
     expect = real(q, allowance, movable)
     assert len(calls) == 3 and (fresh.blocks == expect.blocks[:4]).all()
     assert planner.next_raises(q, 0, movable, 4).empty and planner.next_raises(q, allowance, movable, 0).empty
+
+
+def test_next_raises_on_the_cpu_path_replans_once_the_statistics_changed() -> None:
+    """Not overlapped (the CPU runtime): a plan is refreshed by the first plan after the statistics changed, so a
+    held reload plan must not outlive that either."""
+    t = random_table(n=100, seed=10)
+    planner = Planner(t, BucketPolicy.neutral(3), PlannerConfig(overlapped=False))
+    q = np.zeros(t.n, np.int64)
+    movable = np.ones(t.n, bool)
+    allowance = (t.total_bytes(np.full(t.n, 2)) - t.total_bytes(q)) // 2
+    planner.next_raises(q, allowance, movable, 4)
+    version = planner._version
+    planner.stale = True
+    planner.next_raises(q, allowance, movable, 4)
+    assert planner._version == version + 1 and not planner.stale

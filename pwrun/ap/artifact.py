@@ -32,7 +32,7 @@ class APArtifact:
         mf = self.path / "manifest.json"
         if not mf.is_file():
             raise PagedWeightError(f"{self.path} is not a PagedWeight artifact (no manifest.json): run "
-                                   "`pwcal quantize MODEL --out DIR` first")
+                                   "`pwcal run-all MODEL --out DIR` (or its first stage, `pwcal quantize`) first")
         try:
             self.manifest: dict[str, Any] = json.loads(mf.read_text())
         except json.JSONDecodeError as exc:

@@ -119,12 +119,18 @@ def dense_weight(model: Any, block: LinearBlock) -> torch.Tensor:
 def fuse_qkv(attn: AttentionWeights) -> None:
     """Concatenate q, k, v (and their biases, if any) into ``attn.qkv`` [(Hq + 2 Hkv) * D, H] and make the three
     views of it, so that a step projects with one GEMM instead of three (no extra memory once the old tensors
-    are dropped). Idempotent. Raises ``ValueError`` if only some of the three have a bias."""
-    if attn.qkv is not None:
+    are dropped). Idempotent while q, k, v are still its views; if one was replaced since, fuses again. Raises
+    ``ValueError`` if only some of the three have a bias, or they differ in dtype, device or input size."""
+    parts = (attn.q, attn.k, attn.v)
+    if attn.qkv is not None and all(t.untyped_storage().data_ptr() == attn.qkv.untyped_storage().data_ptr()
+                                    for t in parts):
         return
     biases = (attn.q_bias, attn.k_bias, attn.v_bias)
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise ValueError("q, k and v must all have a bias or none")
+    if len({(t.dtype, t.device, t.shape[1:]) for t in parts}) != 1:
+        raise ValueError("q, k and v must share one dtype, device and input size to be fused: "
+                         f"{[(t.dtype, str(t.device), tuple(t.shape)) for t in parts]}")
     sizes = [attn.q.shape[0], attn.k.shape[0], attn.v.shape[0]]
     attn.qkv = torch.cat([attn.q, attn.k, attn.v])
     attn.q, attn.k, attn.v = attn.qkv.split(sizes)

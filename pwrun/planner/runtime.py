@@ -202,7 +202,7 @@ class Planner:
         return _empty()  # unreachable: the fresh pass returns
 
     def _raise_holds(self, q_idx: np.ndarray) -> bool:
-        if self._raise is None:
+        if self._raise is None or (self.stale and not self.cfg.overlapped):  # a fresh plan would refresh d_hat
             return False
         _, q0, target, version = self._raise
         changed = np.flatnonzero(q_idx != q0)
