@@ -7,6 +7,7 @@ Commands: ``generate`` (text from prompts), ``ppl`` (perplexity on bundled or lo
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import sys
@@ -184,6 +185,11 @@ def generate(
                 end_stream()
             else:
                 _write_results(results, output)
+                reasons = collections.Counter(r.finish_reason for r in results)
+                console.print(f"{len(results)} of {len(texts)} requests completed ("
+                              + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())) + ")"
+                              + (f" -> {output}" if output is not None else ""),
+                              style="dim", highlight=False, soft_wrap=True)
             console.print(format_summary(summary), style="dim", highlight=False, soft_wrap=True)
             if summary_json is not None:
                 summary_json.write_text(json.dumps(summary, indent=1, default=str) + "\n")

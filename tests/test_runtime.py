@@ -220,6 +220,8 @@ def test_cli_serves_a_batch_with_trace_and_policies(calibrated_artifacts: Path, 
         rows = [json.loads(x) for x in out.read_text().splitlines()]
         assert len(rows) == 3 and all(x["new_tokens"] == 6 or x["finish_reason"] == "eos" for x in rows)
         assert "demotions" in r.stderr and "tokens/s" in r.stderr
+        done = sum(x["finish_reason"] == "length" for x in rows)
+        assert "3 of 3 requests completed (" in r.stderr and (not done or f"length: {done}" in r.stderr)
     import pandas as pd
 
     df = pd.read_parquet(trace)
