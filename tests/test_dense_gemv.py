@@ -26,7 +26,8 @@ def test_gemv_matches_linear(dtype: torch.dtype, t: int, n: int, k: int, bias: b
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV)
     b = torch.randn(n, generator=g).to(dtype).to(DEV) if bias else None
     ref = gemv_ref(xs.float(), w.float(), None if b is None else b.float())
-    for cfg in ({"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 4}, {"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 2}):
+    for cfg in ({"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 4}, {"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 2},
+                {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "DOT": 1}):
         y = gemv(xs, w, b, cfg)
         assert y.shape == (t, n) and y.dtype == dtype
         # within two units of the output's rounding, relative to the row's largest value
@@ -51,6 +52,8 @@ def test_gemv_rejects_bad_input() -> None:
         gemv(x, w, None, {"BLOCK_N": 3, "BLOCK_K": 64})
     with pytest.raises(ValueError, match="powers of 2"):
         gemv(x, w, None, {"BLOCK_N": 2})
+    with pytest.raises(ValueError, match=">= 16"):
+        gemv(x, w, None, {"BLOCK_N": 8, "BLOCK_K": 64, "DOT": 1})
     # K = 0 reads nothing: F.linear's zeros plus the bias
     b = torch.randn(4, dtype=torch.bfloat16, device=DEV)
     empty = {"dtype": torch.bfloat16, "device": DEV}
