@@ -184,9 +184,8 @@ def floor_tokens_per_s(spec: Any, model: LeanMoEModel, bits: float | None, batch
     """B / (bytes one decode step reads / bandwidth): non-expert weights (no embedding table), experts the
     batch routes to (expected distinct experts), KV of every sequence."""
     w = model.weights
-    non_expert = sum(t.numel() * t.element_size() for lw in w.layers for k, t in vars(lw.attn).items()
-                     if t is not None and k not in ("qkv", "qkv_bias")  # fused: q, k, v are views of qkv
-                     ) + w.lm_head.numel() * w.lm_head.element_size()
+    non_expert = sum(t.numel() * t.element_size() for lw in w.layers for t in lw.attn.tensors()) \
+        + w.lm_head.numel() * w.lm_head.element_size()
     experts = 0.0
     for ls in spec.layers:
         m = ls.moe

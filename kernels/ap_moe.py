@@ -416,11 +416,13 @@ def ap_moe_block(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, 
                  shared: APExperts | None = None, shared_w: torch.Tensor | None = None,
                  shared_ids: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """A layer's MoE output y [T, H] (x's dtype): the routed experts (as ``ap_moe``) plus, if ``shared`` is given,
-    the shared expert times ``shared_w`` [T, 1] fp32 (its gate already applied), as an always-selected expert.
+    the shared expert times ``shared_w`` [T, 1] fp32 (its gate already applied), as an always-selected expert
+    (SPEC section 7: one fused path for routed and shared experts).
 
     ``shared_ids``: optional [T, 1] int64 zeros to reuse (saves a fill per call). On the ``gemv1`` path (both
     configs) the two sets of fp32 partials are summed and rounded once, in one launch; elsewhere the two
-    outputs are added in x's dtype. Raises ``ValueError`` as ``ap_moe`` does.
+    outputs are added in x's dtype. Raises ``ValueError`` as ``ap_moe`` does, and if ``shared_w`` is not [T, 1] or
+    the shared expert's hidden size or LUT dtype differs from the routed experts'.
     """
     if shared is None:
         return ap_moe(x, topk_ids, topk_w, experts, check=check)
@@ -432,7 +434,7 @@ def ap_moe_block(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, 
                          f"routed experts (hidden {experts.hidden}, LUT {experts.lut_pool.dtype})")
     sid = shared_ids if shared_ids is not None else torch.zeros(t, 1, dtype=torch.int64, device=x.device)
     cr, cs = pick_config(t, experts.hidden, experts.inter), pick_config(t, shared.hidden, shared.inter)
-    if t and cr.get("path") == "gemv1" and cs.get("path") == "gemv1" and t * topk_ids.shape[1] > 0:
+    if cr.get("path") == "gemv1" and cs.get("path") == "gemv1" and topk_ids.numel() > 0:
         _check(x, topk_ids, topk_w, experts, sync=check)
         _check(x, sid, shared_w, shared, sync=check)
         a, xw = gemv1_partials(x, topk_ids, topk_w, experts, cr)

@@ -400,8 +400,9 @@ def _combine_kernel(
 
 
 def combine(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """y [T, H] in ``dtype`` = a [SA, T, KA, H].sum((0, 2)) (+ b [SB, T, KB, H].sum((0, 2))), fp32 sums and one
-    rounding, in one launch (instead of a reduction, a cast and an add per set)."""
+    """y [T, H] in ``dtype`` = a [SA, T, KA, H].sum((0, 2)) (+ b [SB, T, KB, H].sum((0, 2))): fp32 partials (split-K
+    part, token, top-k slot) summed in fp32 and rounded once, in one launch (instead of a reduction, a cast and an
+    add per set); the weighted accumulation of SPEC section 7. Raises ``ValueError`` if a and b differ in T or H."""
     sa, t, ka, h = a.shape
     y = torch.empty(t, h, dtype=dtype, device=a.device)
     sb, kb = (b.shape[0], b.shape[2]) if b is not None else (0, 0)

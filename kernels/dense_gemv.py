@@ -139,8 +139,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for the runtime's decode steps: the Triton GEMV for up to ``CONFIGS["max_tokens"]`` tokens of
-    a 16-bit x [T, K] on CUDA with contiguous columns, else ``F.linear`` itself (same shapes and dtype rules)."""
+    """``F.linear`` for the runtime's decode steps: y [T, N] = x [T, K] W [N, K]^T (+ b [N]), the Triton GEMV for up
+    to ``CONFIGS["max_tokens"]`` tokens of a 16-bit x on CUDA with contiguous columns, else ``F.linear`` itself
+    (whose shape and dtype errors it raises). Not a SPEC equation: the non-expert part of the decode step
+    (SPEC section 9's serving numbers)."""
     if (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= CONFIGS["max_tokens"] and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
             and (bias is None or bias.is_contiguous())):

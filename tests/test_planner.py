@@ -219,7 +219,8 @@ def test_next_raises_on_the_cpu_path_replans_once_the_statistics_changed() -> No
     movable = np.ones(t.n, bool)
     allowance = (t.total_bytes(np.full(t.n, 2)) - t.total_bytes(q)) // 2
     planner.next_raises(q, allowance, movable, 4)
-    version = planner._version
+    d_hat = planner._d_hat
     planner.stale = True
     planner.next_raises(q, allowance, movable, 4)
-    assert planner._version == version + 1 and not planner.stale
+    assert planner._d_hat is not d_hat and not planner.stale and planner._raise is not None
+    assert planner._raise[3] is planner._d_hat  # the held plan was made again, with the refreshed d_hat

@@ -35,6 +35,10 @@ class AttentionWeights:
     qkv: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold bytes, each once: q/k/v (views of ``qkv`` when fused) and the rest, not ``qkv``."""
+        return [t for k, t in vars(self).items() if t is not None and k not in ("qkv", "qkv_bias")]
+
 
 @dataclass
 class MLPWeights:
@@ -84,9 +88,8 @@ class ModelWeights:
         for t in (self.embed, self.lm_head, self.final_norm):
             add(t)
         for layer in self.layers:
-            for k, t in vars(layer.attn).items():
-                if k not in ("qkv", "qkv_bias"):  # fused: q, k, v (and their biases) are views of it
-                    add(t)
+            for t in layer.attn.tensors():
+                add(t)
             add(layer.attn_norm)
             add(layer.ffn_norm)
             for block in (layer.moe, layer.mlp):

@@ -80,9 +80,9 @@ class Planner:
         self.prepared: Plan | None = None
         self._prepared_q: np.ndarray | None = None
         self.stale = True  # the live statistics changed since d_hat was computed
-        self._version = 0  # bumped by every refresh of d_hat
-        # the last reload plan (``next_raises``): the plan, the bit indices it was made from, those it aims at
-        self._raise: tuple[Plan, np.ndarray, np.ndarray, int] | None = None
+        # the last reload plan (``next_raises``): the plan, the bit indices it was made from, those it aims at, and
+        # the d_hat it was made with (each refresh makes a new array)
+        self._raise: tuple[Plan, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @staticmethod
     def _bit_drop_sens(table: BlockTable) -> np.ndarray:
@@ -108,7 +108,6 @@ class Planner:
             self._neutral_d_hat = predicted_damage(self.table, np.zeros(table.n, np.int64), self._neutral, eta)
         self.prepared = None
         self.stale = False
-        self._version += 1
 
     def refresh_if_stale(self) -> bool:
         """Refresh now if the live statistics changed (the runtime calls this while the device computes a step,
@@ -178,35 +177,40 @@ class Planner:
         return Plan(blocks, q[blocks], -spent, damage, 0)
 
     def next_raises(self, q_idx: np.ndarray, allowance: float, movable: np.ndarray, max_blocks: int) -> Plan:
-        """The next <= ``max_blocks`` promotions to start (Algorithm 1, reload) within ``allowance`` bytes, in the
-        plan's benefit-per-byte order: the head of the last ``plan_raise`` that still holds, i.e. d_hat was not
-        refreshed since and the bitwidths changed only by its own raises (entries already started, i.e. not
-        ``movable``, or done are skipped), else the head of a fresh plan. Saves re-planning every block at every
-        step while reloads are under way (the runtime starts a few blocks per step). ``freed`` is minus the
-        bytes the head needs; ``damage`` is not computed (0)."""
+        """The next <= ``max_blocks`` promotions to start (SPEC section 5, Algorithm 1's reload) within
+        ``allowance`` bytes, in benefit-per-byte order: the head of the last ``plan_raise`` while it holds (made
+        with the current d_hat, and the bit indices ``q_idx`` [n] changed only by its own raises; entries already
+        started, i.e. not ``movable`` [n], or done are skipped), else of a fresh plan. The runtime starts a few
+        blocks per step, so this saves re-planning every block at every step while reloads are under way.
+        ``freed`` is minus the bytes the head needs; ``damage`` is not computed (0)."""
         if allowance <= 0 or not self.cfg.movement or max_blocks <= 0:
             return _empty()
-        for fresh in (False, True):
-            if fresh or not self._raise_holds(q_idx):
-                p = self.plan_raise(q_idx, allowance, movable)
-                target = q_idx.copy()
-                target[p.blocks] = p.to_idx
-                self._raise = (p, q_idx.copy(), target, self._version)
-            p = self._raise[0]  # type: ignore[index]
-            todo = movable[p.blocks] & (q_idx[p.blocks] != p.to_idx)
-            blocks, to = p.blocks[todo], p.to_idx[todo]
-            cost = self.table.bytes[blocks, to] - self.table.bytes[blocks, q_idx[blocks]]
-            head = np.flatnonzero(np.cumsum(cost) <= allowance)[:max_blocks]
-            if head.size or fresh:
-                return Plan(blocks[head], to[head], -int(cost[head].sum()), 0.0, 0)
-        return _empty()  # unreachable: the fresh pass returns
+        d_hat, _ = self._state()  # refreshes d_hat where a fresh plan would (the non-overlapped path)
+        held = self._raise is not None and self._raise[3] is d_hat and self._raise_holds(q_idx)
+        head = self._raise_head(q_idx, allowance, movable, max_blocks) if held else None
+        if head is None or head.empty:  # nothing held, or the held plan is used up: plan again
+            p = self.plan_raise(q_idx, allowance, movable)
+            target = q_idx.copy()
+            target[p.blocks] = p.to_idx
+            self._raise = (p, q_idx.copy(), target, d_hat)
+            head = self._raise_head(q_idx, allowance, movable, max_blocks)
+        return head
 
     def _raise_holds(self, q_idx: np.ndarray) -> bool:
-        if self._raise is None or (self.stale and not self.cfg.overlapped):  # a fresh plan would refresh d_hat
-            return False
-        _, q0, target, version = self._raise
+        """Every bit index that differs from the held plan's start is one of its targets."""
+        assert self._raise is not None
+        _, q0, target, _ = self._raise
         changed = np.flatnonzero(q_idx != q0)
-        return version == self._version and bool((q_idx[changed] == target[changed]).all())
+        return bool((q_idx[changed] == target[changed]).all())
+
+    def _raise_head(self, q_idx: np.ndarray, allowance: float, movable: np.ndarray, max_blocks: int) -> Plan:
+        assert self._raise is not None
+        p = self._raise[0]
+        todo = movable[p.blocks] & (q_idx[p.blocks] != p.to_idx)
+        blocks, to = p.blocks[todo], p.to_idx[todo]
+        cost = self.table.bytes[blocks, to] - self.table.bytes[blocks, q_idx[blocks]]
+        head = np.flatnonzero(np.cumsum(cost) <= allowance)[:max_blocks]
+        return Plan(blocks[head], to[head], -int(cost[head].sum()), 0.0, 0)
 
     def prepare(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> None:
         """Plan ahead for ``need_bytes`` (the pressure a few steps from now) and queue the plan."""
