@@ -81,10 +81,6 @@ def main() -> None:
     bw = copy_bandwidth()
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw) for bn, bk, nw in
             itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048), (4, 8))]
-    # tokens by tl.dot (padded to 16): for T = 2..8, where the per-token reductions lost to cuBLAS (0.65-0.75x at
-    # T = 4 on the big shapes, dense_gemv_h200.md)
-    grid += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, DOT=1) for bn, bk, nw in
-             ((16, 256, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 8))]
     if args.quick:
         grid = [dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4), dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),
                 dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)]
@@ -122,7 +118,7 @@ def main() -> None:
                 (" ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False))))
     if args.write_configs:
         cfgs = json.loads(args.write_configs.read_text())
-        for r in rows:  # T = 1 only: configs are per shape, and T >= 2 goes to F.linear (max_tokens)
+        for r in rows:  # T = 1 only: configs are per shape (T >= 2: max_tokens / max_tokens_small_n)
             if r["t"] == 1 and r["config"]:
                 cfgs["by_shape"][f"{r['n']}x{r['k']}"] = r["config"]
         args.write_configs.write_text(json.dumps(cfgs, indent=1) + "\n")
@@ -141,7 +137,7 @@ def main() -> None:
             lines.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['t']} | {r['cublas_us']:.1f} | "
                          f"{r['cublas_pct_bw']:.1f} | {r['triton_us']:.1f} | {r['triton_pct_bw']:.1f} | "
                          f"{r['speedup']:.2f}x | {c.get('BLOCK_N')}, {c.get('BLOCK_K')}, {c.get('num_warps')}"
-                         f"{', dot' if c.get('DOT') else ''} | "
+                         " | "
                          f"{r['rel_err']:.1e} |")
         args.out_md.write_text("\n".join(lines) + "\n")
         args.out_md.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -7,9 +7,10 @@ weights are read once per step: at 1..8 tokens cuBLAS picks split-K GEMMs whose 
 grids keep an 8 MB weight near 1.5 TB/s on the H200 (``bench/results/dense_gemv_h200.md``). Here each
 program reads BLOCK_N whole rows in K steps of BLOCK_K columns (contiguous, 16-byte loads) and reduces
 them against every token's activations; no split-K, so no second pass and no atomics: the grid is
-N / BLOCK_N programs, which BLOCK_N keeps in the hundreds. A ``DOT`` config pads the tokens to 16 and
-multiplies on tensor cores instead of reducing once per token and K step (for 2..8 tokens; not yet
-measured on the GPU, so no committed config uses it).
+N / BLOCK_N programs, which BLOCK_N keeps in the hundreds. At 2..4 tokens it beats cuBLAS only on the
+small router weights (2-3x: N < 256 rows, ``max_tokens_small_n``); on the big weights it loses from T = 4
+(0.72-0.88x), and a tensor-core variant (tokens padded to 16, ``tl.dot``) lost there too (measured on the
+H200, ninth session: ``bench/results/dense_gemv_h200.md``; not kept).
 What it does not do: more than ``MAX_TOKENS`` tokens (use ``F.linear``), transposed weights, or fp32.
 """
 
@@ -27,8 +28,8 @@ import triton.language as tl
 
 MAX_TOKENS = 8
 # tiles {BLOCK_N, BLOCK_K, num_warps}: "default", "small_n" (N < SMALL_N rows: routers) and "by_shape" ("NxK"),
-# tuned on the H200 by ``bench/dense_gemv_speed.py --write-configs``; "max_tokens": T up to which ``linear``
-# takes the Triton kernel (above it cuBLAS wins; see that bench's results)
+# tuned on the H200 by ``bench/dense_gemv_speed.py --write-configs``; "max_tokens" / "max_tokens_small_n": T up
+# to which ``linear`` takes the Triton kernel for N >= / < SMALL_N rows (above it cuBLAS wins; that bench's results)
 CONFIGS: dict[str, Any] = json.loads((Path(__file__).parent / "configs" / "dense_gemv.json").read_text())
 SMALL_N = 256
 
@@ -39,6 +40,12 @@ def pick_config(n: int, k: int) -> dict[str, int]:
     if by is not None:
         return by
     return CONFIGS["small_n" if n < SMALL_N else "default"]
+
+
+def max_tokens(n: int) -> int:
+    """The most tokens for which ``linear`` takes the Triton kernel on an [N, K] weight (``configs/dense_gemv.json``:
+    routers, N < SMALL_N rows, up to ``max_tokens_small_n``; the rest up to ``max_tokens``)."""
+    return int(CONFIGS["max_tokens_small_n" if n < SMALL_N else "max_tokens"])
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,11 +65,9 @@ def _gemv_kernel(
     stride_xt,
     stride_wn,
     HAS_BIAS: tl.constexpr,
-    T_PAD: tl.constexpr,  # next power of 2 >= T (>= 16 with DOT)
-    BLOCK_N: tl.constexpr,  # rows per program (>= 16 with DOT)
-    BLOCK_K: tl.constexpr,  # columns per K step (>= 16 with DOT)
-    DOT: tl.constexpr,  # tokens x rows by tl.dot (tensor cores; for 2..8 tokens), else one reduction per token
-    DOT_FP32: tl.constexpr,  # the dot in fp32 (Triton's interpreter has no 16-bit dot)
+    T_PAD: tl.constexpr,  # next power of 2 >= T
+    BLOCK_N: tl.constexpr,  # rows per program
+    BLOCK_K: tl.constexpr,  # columns per K step
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -73,19 +78,11 @@ def _gemv_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=kmask[None, :], other=0.0)
-        if DOT:
-            xs = tl.load(x_ptr + tl.minimum(tok, T - 1)[:, None] * stride_xt + k[None, :], mask=kmask[None, :],
-                         other=0.0)
-            if DOT_FP32:
-                acc = tl.dot(xs.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
-            else:
-                acc = tl.dot(xs, tl.trans(w), acc)
-        else:
-            wf = w.to(tl.float32)
-            for t in tl.static_range(T_PAD):
-                xt = tl.load(x_ptr + tl.minimum(t, T - 1) * stride_xt + k, mask=kmask, other=0.0).to(tl.float32)
-                s = tl.sum(wf * xt[None, :], axis=1)
-                acc = tl.where((tok == t)[:, None], acc + s[None, :], acc)
+        wf = w.to(tl.float32)
+        for t in tl.static_range(T_PAD):
+            xt = tl.load(x_ptr + tl.minimum(t, T - 1) * stride_xt + k, mask=kmask, other=0.0).to(tl.float32)
+            s = tl.sum(wf * xt[None, :], axis=1)
+            acc = tl.where((tok == t)[:, None], acc + s[None, :], acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
     tl.store(y_ptr + tok[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -97,8 +94,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``gemv_ref`` by the Triton kernel: x [T, K] (T <= 8), weight [N, K], bias [N] or None, all one 16-bit
     dtype on one CUDA device (or Triton's interpreter), columns contiguous. Returns a new [T, N] tensor.
 
-    ``config``: ``{BLOCK_N, BLOCK_K, num_warps}`` and optionally ``DOT: 1`` (tokens padded to 16 and multiplied
-    by ``tl.dot``; BLOCK_N, BLOCK_K >= 16) (default: ``pick_config``). Raises ``ValueError`` on
+    ``config``: ``{BLOCK_N, BLOCK_K, num_warps}`` (default: ``pick_config``). Raises ``ValueError`` on
     more than ``MAX_TOKENS`` tokens, mismatched shapes, dtypes or devices, non-contiguous columns, a CPU
     tensor outside Triton's interpreter, or a config whose BLOCK_N / BLOCK_K are not powers of 2.
     """
@@ -127,23 +123,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if t == 0 or n == 0 or k == 0:  # nothing to read: F.linear's result (zeros, plus the bias)
         return F.linear(x, weight, bias)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    bn, dot = cfg["BLOCK_N"], bool(cfg.get("DOT", 0))
-    if dot and (bn < 16 or cfg["BLOCK_K"] < 16):
-        raise ValueError(f"a DOT config needs BLOCK_N and BLOCK_K >= 16, got {cfg}")
+    bn = cfg["BLOCK_N"]
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, t, n, k, x.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, T_PAD=max(triton.next_power_of_2(t), 16 if dot else 1), BLOCK_N=bn,
-        BLOCK_K=max(min(cfg["BLOCK_K"], triton.next_power_of_2(k)), 16 if dot else 1), DOT=dot,
-        DOT_FP32=not x.is_cuda, num_warps=cfg.get("num_warps", 4))
+        HAS_BIAS=bias is not None, T_PAD=triton.next_power_of_2(t), BLOCK_N=bn,
+        BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(k)), num_warps=cfg.get("num_warps", 4))
     return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for the runtime's decode steps: y [T, N] = x [T, K] W [N, K]^T (+ b [N]), the Triton GEMV for up
-    to ``CONFIGS["max_tokens"]`` tokens of a 16-bit x on CUDA with contiguous columns, else ``F.linear`` itself
+    to ``max_tokens(N)`` tokens of a 16-bit x on CUDA with contiguous columns, else ``F.linear`` itself
     (whose shape and dtype errors it raises). Not a SPEC equation: the non-expert part of the decode step
     (SPEC section 9's serving numbers)."""
-    if (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= CONFIGS["max_tokens"] and x.dtype == weight.dtype
+    if (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= max_tokens(weight.shape[0]) and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
             and (bias is None or bias.is_contiguous())):
         return gemv(x, weight, bias)
