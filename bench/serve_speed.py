@@ -377,6 +377,10 @@ def main() -> None:
     ctx = args.prompt_len + args.gen // 2
 
     def save() -> None:
+        if rows:
+            r = rows[-1]
+            print(f"{time.time() - t_start:6.0f} s  {r['system']}, batch {r['batch']}: decode "
+                  f"{r.get('decode_tps_measured', float('nan')):.1f} tok/s", flush=True)
         out = {"meta": meta, "rows": rows}
         args.out_md.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
         args.out_md.write_text(render(meta, rows))

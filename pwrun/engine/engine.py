@@ -45,7 +45,9 @@ class EngineConfig:
     routing statistics (each read is a small device -> host copy); ``max_raise_blocks``: blocks whose
     reload may start in one step (spreads the host-side copy launches over steps); ``fused_kernels``:
     on CUDA, the Triton kernels for residual+RMSNorm, RoPE+KV write and routing+statistics instead of
-    the eager ops (``kernels/fused_norm.py``, ``rope_kv.py``, ``route_topk.py``)."""
+    the eager ops (``kernels/fused_norm.py``, ``rope_kv.py``, ``route_topk.py``); ``precompile_workers``: on CUDA,
+    processes that compile the decode MoE kernels for 1..``max_batch`` tokens before the page pool is allocated
+    (``kernels/warmup.py``; -1: one per CPU core up to 8, 0: compile on first use)."""
 
     block_size: int = 16
     max_batch: int = 16
@@ -56,6 +58,7 @@ class EngineConfig:
     stats_every: int = 4
     max_raise_blocks: int = 16
     fused_kernels: bool = True
+    precompile_workers: int = -1
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_batch < 1 or self.max_step_tokens < 1 or self.lookahead_tokens < 0:

@@ -11,6 +11,7 @@ budget below what the floors and the longest request need, stating the minimum; 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,18 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
                            else None, _calib_features(art, table), cfg, params, requests, eos, forced)
 
 
+def moe_shapes(model: LeanMoEModel) -> list[Any]:
+    """The distinct expert shapes (``kernels.warmup.MoEShape``) of ``model``'s MoE layers, for
+    ``kernels.warmup.precompile_decode``."""
+    from kernels.warmup import MoEShape  # Triton is imported only where kernels run
+
+    spec = model.spec
+    return list(dict.fromkeys(
+        MoEShape(spec.hidden_size, ls.moe.expert_intermediate, ls.moe.top_k, ls.moe.shared_intermediate,
+                 str(model.dtype).removeprefix("torch."))
+        for ls in spec.layers if ls.moe is not None))
+
+
 def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy: BucketPolicy,
                     heads: ResidualHeads | None, calib_features: np.ndarray | None, cfg: ServeConfig,
                     params: SamplingParams, requests: list[list[int]], eos: set[int],
@@ -237,6 +250,12 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             f"{format_size(min_kv_pages * page_bytes)} of KV, besides {format_size(fixed)} of non-expert weights "
             f"({dtype_label(dt)}) and {format_size(work)} of step workspace (lower --max-step-tokens / --max-batch "
             f"to shrink it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
+    if dev.type == "cuda" and ecfg.precompile_workers != 0:  # before the pool takes the device's memory
+        from kernels.warmup import precompile_decode
+
+        for msg in precompile_decode(moe_shapes(model), ecfg.max_batch,
+                                     None if ecfg.precompile_workers < 0 else ecfg.precompile_workers):
+            warnings.warn(f"decode kernels compile on first use instead: {msg}", stacklevel=2)
     pool = PagePool(PoolConfig(int(num_pages), page_bytes))
     try:
         memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)

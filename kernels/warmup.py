@@ -1,0 +1,107 @@
+"""Compile the decode-step MoE kernels before serving, in parallel worker processes (issue 8: no stall at run time).
+
+Why: Triton compiles a kernel specialization on its first launch, in the launching process, one at a time. The
+word-first decode kernels (``kernels/ap_moe_gemv1.py``) at 2..8 tokens take 1-5 minutes each to compile, almost
+all of it in Triton's ``TritonGPUCoalesce`` pass (73 of 74 s for the Qwen down kernel at T_PAD 4, measured with
+``MLIR_ENABLE_TIMING=1`` on the CPU machine for sm_90), and one batch size needs a gate_up and a down kernel per
+expert shape. An engine serving 4 requests from a cold cache spent more than 9 minutes of its first decode steps
+compiling on the H200 (ninth session). Here one worker process per (expert shape, token count) runs the same
+``ap_moe_block`` call the decode step makes, on random experts of that shape, so the kernels land in Triton's
+on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), from which the serving process then loads them.
+The routed and the shared experts compile in separate workers (their kernels differ in shape constants).
+
+What it does not do: compile the prefill paths (T > 8; they compile in seconds) or anything on the CPU (the
+runtime's CPU path uses no Triton kernel).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+import torch
+
+from kernels.ap_moe import ap_moe, build_experts
+from kernels.ap_moe_gemv1 import MAX_TOKENS
+
+_done: set[tuple[int, int, int, str, int]] = set()  # warmed in this process (the on-disk cache outlives it)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One layer's expert shapes: ``hidden`` H, ``inter`` I of a routed expert, ``topk`` experts per token,
+    ``shared_inter`` the shared expert's intermediate size (0: none), ``dtype`` of activations and LUTs."""
+
+    hidden: int
+    inter: int
+    topk: int
+    shared_inter: int = 0
+    dtype: str = "bfloat16"
+
+
+def decode_token_counts(max_batch: int) -> list[int]:
+    """Token counts whose decode kernels differ (one compile each: 1, 2, 4, 8 = the padded token counts of the
+    word-first kernels), up to ``max_batch`` rounded up to the next of them and at most 8."""
+    out = [1]
+    while out[-1] < min(max_batch, MAX_TOKENS):
+        out.append(2 * out[-1])
+    return out
+
+
+def _random_experts(hidden: int, inter: int, n: int, dtype: torch.dtype) -> object:
+    """n experts of the given shape at 4 bits (random planes and LUTs; the bitwidth is a run-time value of the
+    kernels, so one compile serves every q)."""
+    codes, luts = [], []
+    for i in range(2 * n):
+        rows, k = (2 * inter, hidden) if i % 2 == 0 else (hidden, inter)
+        codes.append(torch.randint(-2**31, 2**31 - 1, (8, rows, -(-k // 32)), dtype=torch.int32, device="cuda"))
+        luts.append({4: torch.randn(rows, 16, device="cuda") * 0.01})
+    return build_experts(codes, luts, [4] * (2 * n), hidden, inter, dtype, "cuda")
+
+
+def _warm(job: tuple[int, int, int, str, int]) -> str:
+    """Worker: one decode MoE call of ``t`` tokens on random experts (H, I, top-k; the shared expert is top-1 of
+    one expert), as ``ap_moe_block`` makes it; "" or the error."""
+    hidden, inter, topk, dt, t = job
+    try:
+        dtype = getattr(torch, dt)
+        experts = _random_experts(hidden, inter, topk, dtype)
+        x = torch.randn(t, hidden, device="cuda", dtype=dtype)
+        ids = torch.arange(t * topk, device="cuda").view(t, topk) % topk
+        ap_moe(x, ids, torch.rand(t, topk, device="cuda"), experts, check=False)  # type: ignore[arg-type]
+        torch.cuda.synchronize()
+        return ""
+    except Exception as err:
+        return f"experts {hidden}x{inter} top-{topk} {dt}, {t} tokens: {type(err).__name__}: {str(err)[:200]}"
+
+
+def default_workers() -> int:
+    """Worker processes: the CPU cores, at most 8 (each holds a CUDA context of a few hundred MiB)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | None = None) -> list[str]:
+    """Compile the decode kernels of every shape in ``shapes`` for 1..``max_batch`` tokens (see
+    ``decode_token_counts``) into Triton's on-disk cache, ``workers`` processes at a time (default
+    ``default_workers()``; 0: do nothing). Needs CUDA. Jobs already done in this process are skipped.
+    Returns one message per job that failed (its kernels then compile on first use; nothing is raised)."""
+    sets = [(s.hidden, s.inter, s.topk, s.dtype) for s in shapes]
+    sets += [(s.hidden, s.shared_inter, 1, s.dtype) for s in shapes if s.shared_inter]
+    jobs = [(*e, t) for e in dict.fromkeys(sets) for t in decode_token_counts(max_batch) if (*e, t) not in _done]
+    n = default_workers() if workers is None else workers
+    if not jobs or n <= 0 or not torch.cuda.is_available():
+        return []
+    errors: list[str] = []
+    try:
+        with ProcessPoolExecutor(min(n, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
+            for job, msg in zip(jobs, pool.map(_warm, jobs), strict=True):
+                if msg:
+                    errors.append(msg)
+                else:
+                    _done.add(job)
+    except BrokenProcessPool as err:  # a compiler crash took a worker down: the rest compile on first use
+        errors.append(f"precompile stopped: {err}")
+    return errors
