@@ -49,7 +49,8 @@ import triton
 import triton.language as tl
 
 from kernels.ap_moe_gemv import gemv_moe
-from kernels.ap_moe_gemv1 import combine, gemv1_moe, gemv1_partials
+from kernels.ap_moe_gemv1 import gemv1_moe, gemv1_partials
+from kernels.ap_moe_layout import combine
 from kernels.ap_tile import lut_rows, weight_tile
 from pwrun.ap.format import dequantize
 

@@ -25,6 +25,13 @@ the memory pipe and for few instructions per weight:
   * one [BKW, R] accumulator per token in the gather's layout, reduced over the words once per K step
     (a [T, BKW, R] product, or a loop-carried tile accumulator, kept Triton's default layout and converted
     every gathered tile through shared memory).
+  * **compile time**: at one token the 32 codes of a word are unrolled in Triton's IR (``tl.static_range``); at
+    2..8 tokens they are a loop of 8 (nibbles) or 4 (bytes) that LLVM unrolls (T_PAD 2, 4) or keeps (T_PAD 8),
+    because Triton's coalesce pass grows with the loads in the IR times its size: unrolled, a T_PAD 4 kernel
+    took 73-90 s to compile (72 of 74 s in ``TritonGPUCoalesce``), looped 9 s, with the same SASS per weight
+    within 2%; at T_PAD 8 about 10 min against 15 s, for ~10% more SASS per weight (the loop LLVM keeps: 82
+    instructions per 4 codes of 8 tokens, vs 18.85 per weight unrolled; gate_up) (``bench/sass_count.py``,
+    sm_90, ninth session). ``kernels/warmup.py`` compiles them before serving.
 Measured on the H200: ``bench/gemv_compare.py`` (bench/results/gemv_probe/). Nothing here syncs with the
 host (tables are read at every call).
 What it does not do: validate inputs (``kernels.ap_moe.ap_moe`` does) or take more than 8 tokens.
@@ -39,6 +46,7 @@ import triton
 import triton.language as tl
 
 from kernels.ap_moe_gemv import _expert_of, store_pairs
+from kernels.ap_moe_layout import combine, padded_words, word_major
 from kernels.ap_tile import _plane
 
 MAX_TOKENS = 8  # one [BKW, R] accumulator per token
@@ -62,9 +70,9 @@ def _pick(v, tok, m: tl.constexpr):
 
 
 @triton.jit
-def _fma(p, w, xp, col_off: tl.constexpr):
-    """p + w [BKW, R] * x [BKW] (one token's activations at pointers xp + col_off: a constant offset, so the load
-    needs no address arithmetic; unmasked, the buffers are padded)."""
+def _fma(p, w, xp, col_off):
+    """p + w [BKW, R] * x [BKW] (one token's activations at pointers xp + col_off: a constant offset once the loops
+    are unrolled, so the load needs no address arithmetic; unmasked, the buffers are padded)."""
     return p + w * tl.load(xp + col_off).to(tl.float32)[:, None]
 
 
@@ -75,7 +83,7 @@ def _put(out, tok, m: tl.constexpr, p):
 
 
 @triton.jit
-def _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, off: tl.constexpr,
+def _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, off,
              T_PAD: tl.constexpr):
     """Each token's accumulator p_t [BKW, R] plus w * its activations at xp_t + off (tokens < T_PAD)."""
     p0 = _fma(p0, w, xp0, off)
@@ -137,28 +145,54 @@ def _transpose4(a0, a1, a2, a3):
 def _nibbles_word(o, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, xp0, xp1, xp2, xp3, xp4, xp5, xp6,
                   xp7, KWX: tl.constexpr, T_PAD: tl.constexpr):
     """Accumulate the 8 weights whose codes are the nibbles of ``o`` (nibble k: column 4 k + i of each word), by
-    warp shuffle on lut_t."""
-    for k in tl.static_range(8):
-        w = tl.gather(lut_t, ((o >> (4 * k)) & 15).to(tl.int32), 0)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5,
-                                                  xp6, xp7, (4 * k + i) * KWX, T_PAD)
+    warp shuffle on lut_t. The nibble loop is unrolled in Triton's IR at one token and by LLVM at more (see
+    ``_dot_words``: compile time)."""
+    if T_PAD == 1:
+        for k in tl.static_range(8):
+            p0, p1, p2, p3, p4, p5, p6, p7 = _nibble(o, k, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, xp0, xp1, xp2, xp3,
+                                                     xp4, xp5, xp6, xp7, KWX, T_PAD)
+    else:
+        for k in range(8):
+            p0, p1, p2, p3, p4, p5, p6, p7 = _nibble(o, k, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, xp0, xp1, xp2, xp3,
+                                                     xp4, xp5, xp6, xp7, KWX, T_PAD)
     return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _nibble(o, k, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7,
+            KWX: tl.constexpr, T_PAD: tl.constexpr):
+    """Accumulate the weight whose code is nibble k of ``o`` (column 4 k + i of each word)."""
+    w = tl.gather(lut_t, ((o >> (4 * k)) & 15).to(tl.int32), 0)
+    return _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, (4 * k + i) * KWX, T_PAD)
 
 
 @triton.jit
 def _bytes_word(o, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1, xp2, xp3, xp4, xp5,
                 xp6, xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, NPL: tl.constexpr):
     """Accumulate the 4 weights whose codes are the bytes of ``o`` (byte k: column 8 k + i of each word): by warp
-    shuffle on lut_t (NPL 5, 32-entry tile) or by a 16-bit load at the row's LUT (lut_row [1, R] pointers)."""
-    for k in tl.static_range(4):
-        code = ((o >> (8 * k)) & 0xFF).to(tl.int32)
-        if NPL == 5 and lut_t.shape[0] == 32:
-            w = tl.gather(lut_t, code, 0)
-        else:
-            w = tl.load(lut_row + code).to(tl.float32)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5,
-                                                  xp6, xp7, (8 * k + i) * KWX, T_PAD)
+    shuffle on lut_t (NPL 5, 32-entry tile) or by a 16-bit load at the row's LUT (lut_row [1, R] pointers). The
+    byte loop is unrolled in Triton's IR at one token and by LLVM at more (see ``_dot_words``: compile time)."""
+    if T_PAD == 1:
+        for k in tl.static_range(4):
+            p0, p1, p2, p3, p4, p5, p6, p7 = _byte(o, k, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1,
+                                                   xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+    else:
+        for k in range(4):
+            p0, p1, p2, p3, p4, p5, p6, p7 = _byte(o, k, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1,
+                                                   xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
     return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _byte(o, k, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1, xp2, xp3, xp4, xp5, xp6,
+          xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, NPL: tl.constexpr):
+    """Accumulate the weight whose code is byte k of ``o`` (column 8 k + i of each word)."""
+    code = ((o >> (8 * k)) & 0xFF).to(tl.int32)
+    if NPL == 5 and lut_t.shape[0] == 32:
+        w = tl.gather(lut_t, code, 0)
+    else:
+        w = tl.load(lut_row + code).to(tl.float32)
+    return _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, (8 * k + i) * KWX, T_PAD)
 
 
 @triton.jit
@@ -349,70 +383,6 @@ def _gemv1_down_kernel(
 def _entries(bkw: int) -> int:
     """LUT entries kept in registers: one per lane of the words dimension (32 words: q <= 5 by shuffle)."""
     return 32 if bkw >= 32 else 16
-
-
-def padded_words(k: int, bkw: int, split: int = 1) -> int:
-    """Words of a word-major activation row for K = k columns read in K steps of ``bkw`` words by ``split``
-    split-K programs: ceil(k / 32) rounded up so that no step reads past the row."""
-    steps = triton.cdiv(triton.cdiv(k, 32), bkw)
-    return triton.cdiv(steps, split) * split * bkw
-
-
-def word_major(x: torch.Tensor, words: int | None = None) -> torch.Tensor:
-    """x [T, K] -> [T, 32, W] (same dtype, zero-padded; W = ``words``, default ceil(K / 32)): column 32 w + i at
-    [t, i, w], the order in which the word-first kernels' lanes (one plane word each) read activations.
-    Raises ``ValueError`` if ``words`` < ceil(K / 32)."""
-    t, kdim = x.shape
-    kw = triton.cdiv(kdim, 32) if words is None else words
-    if 32 * kw < kdim:
-        raise ValueError(f"{words} words hold {32 * kw} columns, fewer than K = {kdim}")
-    if 32 * kw > kdim:
-        x = torch.nn.functional.pad(x, (0, 32 * kw - kdim))
-    return x.reshape(t, kw, 32).transpose(1, 2).contiguous()
-
-
-@triton.jit
-def _combine_kernel(
-    a_ptr,  # [SA, T, KA, H] fp32 partial outputs (split-K part s, token t, slot j), contiguous
-    b_ptr,  # [SB, T, KB, H] fp32 second set (unused when not HAS_B), contiguous
-    y_ptr,  # [T, H] out, the activations' dtype
-    T,
-    H,
-    SA,
-    KA,
-    SB,
-    KB,
-    HAS_B: tl.constexpr,
-    BLOCK: tl.constexpr,  # columns per program
-):
-    t = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = c < H
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SA):
-        for j in range(KA):
-            acc += tl.load(a_ptr + ((s * T + t) * KA + j).to(tl.int64) * H + c, mask=m, other=0.0)
-    if HAS_B:
-        for s in range(SB):
-            for j in range(KB):
-                acc += tl.load(b_ptr + ((s * T + t) * KB + j).to(tl.int64) * H + c, mask=m, other=0.0)
-    tl.store(y_ptr + t * H + c, acc.to(y_ptr.dtype.element_ty), mask=m)
-
-
-def combine(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """y [T, H] in ``dtype`` = a [SA, T, KA, H].sum((0, 2)) (+ b [SB, T, KB, H].sum((0, 2))): fp32 partials (split-K
-    part, token, top-k slot) summed in fp32 and rounded once, in one launch (instead of a reduction, a cast and an
-    add per set); the weighted accumulation of SPEC section 7. Raises ``ValueError`` if a and b differ in T or H."""
-    sa, t, ka, h = a.shape
-    y = torch.empty(t, h, dtype=dtype, device=a.device)
-    sb, kb = (b.shape[0], b.shape[2]) if b is not None else (0, 0)
-    if b is not None and (b.shape[1] != t or b.shape[3] != h):
-        raise ValueError(f"partials of one block must agree in T and H: {tuple(a.shape)} vs {tuple(b.shape)}")
-    if t:
-        block = min(1024, triton.next_power_of_2(h))
-        _combine_kernel[(t, triton.cdiv(h, block))](a, b if b is not None else a, y, t, h, sa, ka, sb, kb,
-                                                    HAS_B=b is not None, BLOCK=block)
-    return y
 
 
 def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,

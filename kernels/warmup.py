@@ -1,16 +1,16 @@
 """Compile the decode-step MoE kernels before serving, in parallel worker processes (issue 8: no stall at run time).
 
-Why: Triton compiles a kernel specialization on its first launch, in the launching process, one at a time. The
-word-first decode kernels (``kernels/ap_moe_gemv1.py``) at 2..8 tokens take 1-5 minutes each to compile, almost
-all of it in Triton's ``TritonGPUCoalesce`` pass (73 of 74 s for the Qwen down kernel at T_PAD 4, measured with
-``MLIR_ENABLE_TIMING=1`` on the CPU machine for sm_90), and one batch size needs a gate_up and a down kernel per
-expert shape. An engine serving 4 requests from a cold cache spent more than 9 minutes of its first decode steps
-compiling on the H200 (ninth session). Here one worker process per (expert shape, token count) runs the same
-``ap_moe_block`` call the decode step makes, on random experts of that shape, so the kernels land in Triton's
-on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), from which the serving process then loads them.
-The routed and the shared experts compile in separate workers (their kernels differ in shape constants).
+Why: Triton compiles a kernel specialization on its first launch, in the launching process, one at a time. A
+decode step needs a gate_up and a down kernel per expert shape and padded token count (1, 2, 4, 8), 10-20 s each
+for sm_90 (``bench/results/gemv_probe/compile_time_cpu.md``; before the codes of a word became a loop at 2..8
+tokens, 1.5 min at 4 tokens and ~10 min at 8, almost all in Triton's ``TritonGPUCoalesce`` pass). An engine
+serving 4 requests from a cold cache produced nothing in 590 s on the H200 (ninth session, unrolled kernels);
+with this warm-up (6 workers) the same kernels compiled in 175.5 s before serving started. Here one worker process
+per (expert set, token count) runs the decode-step MoE call on random experts of that shape, so the kernels land
+in Triton's on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), from which the serving process then
+loads them. The routed and the shared experts compile in separate workers (their kernels differ in shape constants).
 
-What it does not do: compile the prefill paths (T > 8; they compile in seconds) or anything on the CPU (the
+What it does not do: compile the prefill paths (T > 8: they compile on first use) or anything on the CPU (the
 runtime's CPU path uses no Triton kernel).
 """
 

@@ -288,7 +288,7 @@ def test_word_first_path_poisoned_buffers(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_padded_word_major_rows() -> None:
     """word_major pads to the words asked for (zeros) and refuses too few; padded_words covers every K step."""
-    from kernels.ap_moe_gemv1 import padded_words, word_major
+    from kernels.ap_moe_layout import padded_words, word_major
 
     x = torch.randn(2, 70)
     got = word_major(x, 5)
@@ -309,7 +309,7 @@ def test_word_first_path_rejects_more_than_8_tokens() -> None:
 
 def test_word_major_layout() -> None:
     """word_major puts column 32 w + i at [t, i, w] and zero-pads the last word."""
-    from kernels.ap_moe_gemv1 import word_major
+    from kernels.ap_moe_layout import word_major
 
     x = torch.arange(2 * 70, dtype=torch.float32).view(2, 70)
     got = word_major(x)
@@ -317,6 +317,24 @@ def test_word_major_layout() -> None:
     for t, col in [(0, 0), (1, 33), (0, 69), (1, 64)]:
         assert got[t, col % 32, col // 32] == x[t, col]
     assert (got[:, 6:, 2] == 0).all()
+
+
+@pytest.mark.parametrize("with_b", [False, True])
+def test_combine_sums_partials_and_rounds_once(with_b: bool) -> None:
+    """combine = a.sum((0, 2)) (+ b.sum((0, 2))) in fp32, one rounding; ragged H (not a multiple of the block)."""
+    from kernels.ap_moe_layout import combine
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(3, 2, 4, 1100, generator=g).to(DEV)
+    b = torch.randn(2, 2, 1, 1100, generator=g).to(DEV) if with_b else None
+    ref = a.sum((0, 2)) + (b.sum((0, 2)) if b is not None else 0)
+    got = combine(a, b, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 1100)
+    # one rounding to nearest: the bf16 of the fp32 sum, but where summation order moves the sum across a tie
+    close = (got.float() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-5  # half an ulp
+    assert close.all() and (got == ref.to(torch.bfloat16)).float().mean() > 0.99
+    with pytest.raises(ValueError, match="agree"):
+        combine(a, torch.zeros(1, 3, 1, 1100, device=DEV), torch.bfloat16)
 
 
 def test_word_first_path_more_splits_than_k_steps() -> None:
