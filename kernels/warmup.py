@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -95,6 +96,8 @@ def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | Non
     if not jobs or n <= 0 or not torch.cuda.is_available():
         return []
     errors: list[str] = []
+    print(f"compiling the decode MoE kernels ({len(jobs)} jobs on {min(n, len(jobs))} processes; a warm Triton cache "
+          f"makes this quick)", file=sys.stderr, flush=True)
     try:
         with ProcessPoolExecutor(min(n, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
             for job, msg in zip(jobs, pool.map(_warm, jobs), strict=True):
