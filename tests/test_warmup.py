@@ -43,3 +43,11 @@ def test_precompile_on_cuda_compiles_without_errors_and_only_once() -> None:
     assert precompile_decode([shape], 1, workers=1) == []
     # a second call finds the job done in this process and starts no worker
     assert precompile_decode([shape], 1, workers=1) == []
+
+
+def test_engine_config_refuses_a_negative_worker_count() -> None:
+    from pwrun.engine.engine import EngineConfig
+
+    assert EngineConfig(precompile_workers=0).precompile_workers == 0
+    with pytest.raises(ValueError, match="precompile_workers"):
+        EngineConfig(precompile_workers=-2)
