@@ -46,9 +46,12 @@ GU_SMALL = [GU[0], GU[1], GU[4]]
 DN_SMALL = [DN[0], DN[1], DN[2], DN[4], DN[5], DN[6], DN[8]]
 
 
+RAW = {"RAW_SHFL": 0}  # --raw-shfl sets 1: every candidate tile shuffles by inline shfl.sync (32-word K steps)
+
+
 def cfg(gu: tuple, dn: tuple) -> dict[str, Any]:
-    return {"path": "gemv1", "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), gu, strict=True)),
-            "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"), dn, strict=True))}
+    return {"path": "gemv1", "gate_up": {**dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), gu, strict=True)), **RAW},
+            "down": {**dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"), dn, strict=True)), **RAW}}
 
 
 def inputs(s: dict, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,9 +96,12 @@ def main() -> None:
                     help="the config --write-configs takes per (shape, T): the q = 4 winner, or (sum) the one of every "
                     "q's winners with the least time summed over --qs (blocks whose bitwidth varies at run time, "
                     "e.g. the always-read shared expert under PagedWeight)")
+    ap.add_argument("--raw-shfl", action="store_true", help="candidates shuffle by inline shfl.sync (tile key "
+                    "RAW_SHFL; only 32-word K steps, i.e. BLOCK_K 1024, use it) against the baseline's tl.gather")
     ap.add_argument("--write-configs", default="", help="configs JSON to update with the winners (T=1 -> bucket "
                     "min_tokens 1, T=4 -> 2, T=8 -> 5; only where gemv1 beat the baseline at q=4)")
     args = ap.parse_args()
+    RAW["RAW_SHFL"] = int(args.raw_shfl)
     base_mod = load_module(args.baseline_module) if args.baseline_module else ap_moe_gemv1
     with open(args.baseline_configs) as f:
         base_cfgs = json.load(f)

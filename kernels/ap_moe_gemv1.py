@@ -59,8 +59,21 @@ def _lut(lut_blk, rbase, q, LE: tl.constexpr):
     (q <= 5) and 16 for 16-word ones (q <= 4): then the codes are already in the layout of Triton's warp-local
     gather, one lane per entry, and no layout conversion is made (check the TTGIR when tiles or Triton change)."""
     ent = tl.arange(0, LE)
+    ent = tl.where(q <= 4, ent & 15, ent)  # q <= 4: lanes 16..31 hold a copy of entries 0..15 (see ``_shfl``)
     return tl.load(lut_blk + rbase[None, :] + ent[:, None], mask=ent[:, None] + 0 * rbase[None, :] < (1 << q),
                    other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _shfl(lut_t, idx):
+    """[32, R] fp32: lane w gets lut_t[idx[w, r] & 31, r] from the lane that holds it, by one ``shfl.sync.idx``
+    (inline PTX): the instruction reads only the low 5 bits of the index, so the codes need no mask and no
+    bounds check (``tl.gather`` adds both: 1.75 instructions per weight at q <= 4). Needs lut_t and idx in one
+    layout with the 32 entries / words along the 32 lanes of a warp (a [32, R] tile of Triton's default blocked
+    layout for these loads: sizePerThread 1, threadsPerWarp [32, 1]; check the TTGIR when tiles or Triton change)."""
+    return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r",
+                                     [lut_t.to(tl.int32, bitcast=True), idx.to(tl.int32, bitcast=True)],
+                                     dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -143,52 +156,57 @@ def _transpose4(a0, a1, a2, a3):
 
 @triton.jit
 def _nibbles_word(o, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, xp0, xp1, xp2, xp3, xp4, xp5, xp6,
-                  xp7, KWX: tl.constexpr, T_PAD: tl.constexpr):
+                  xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, RAW: tl.constexpr):
     """Accumulate the 8 weights whose codes are the nibbles of ``o`` (nibble k: column 4 k + i of each word), by
     warp shuffle on lut_t. The nibble loop is unrolled in Triton's IR at one token and by LLVM at more (see
     ``_dot_words``: compile time)."""
     if T_PAD == 1:
         for k in tl.static_range(8):
             p0, p1, p2, p3, p4, p5, p6, p7 = _nibble(o, k, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, xp0, xp1, xp2, xp3,
-                                                     xp4, xp5, xp6, xp7, KWX, T_PAD)
+                                                     xp4, xp5, xp6, xp7, KWX, T_PAD, RAW)
     else:
         for k in range(8):
             p0, p1, p2, p3, p4, p5, p6, p7 = _nibble(o, k, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, xp0, xp1, xp2, xp3,
-                                                     xp4, xp5, xp6, xp7, KWX, T_PAD)
+                                                     xp4, xp5, xp6, xp7, KWX, T_PAD, RAW)
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
 @triton.jit
 def _nibble(o, k, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7,
-            KWX: tl.constexpr, T_PAD: tl.constexpr):
+            KWX: tl.constexpr, T_PAD: tl.constexpr, RAW: tl.constexpr):
     """Accumulate the weight whose code is nibble k of ``o`` (column 4 k + i of each word)."""
-    w = tl.gather(lut_t, ((o >> (4 * k)) & 15).to(tl.int32), 0)
+    if RAW:  # the shuffle reads 5 index bits: bit 4 (the next nibble's) picks the LUT's copy in lanes 16..31
+        w = _shfl(lut_t, o >> (4 * k))
+    else:
+        w = tl.gather(lut_t, ((o >> (4 * k)) & 15).to(tl.int32), 0)
     return _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, (4 * k + i) * KWX, T_PAD)
 
 
 @triton.jit
 def _bytes_word(o, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1, xp2, xp3, xp4, xp5,
-                xp6, xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, NPL: tl.constexpr):
+                xp6, xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, NPL: tl.constexpr, RAW: tl.constexpr):
     """Accumulate the 4 weights whose codes are the bytes of ``o`` (byte k: column 8 k + i of each word): by warp
     shuffle on lut_t (NPL 5, 32-entry tile) or by a 16-bit load at the row's LUT (lut_row [1, R] pointers). The
     byte loop is unrolled in Triton's IR at one token and by LLVM at more (see ``_dot_words``: compile time)."""
     if T_PAD == 1:
         for k in tl.static_range(4):
             p0, p1, p2, p3, p4, p5, p6, p7 = _byte(o, k, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1,
-                                                   xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+                                                   xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL, RAW)
     else:
         for k in range(4):
             p0, p1, p2, p3, p4, p5, p6, p7 = _byte(o, k, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1,
-                                                   xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL)
+                                                   xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, NPL, RAW)
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
 @triton.jit
 def _byte(o, k, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1, xp2, xp3, xp4, xp5, xp6,
-          xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, NPL: tl.constexpr):
+          xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, NPL: tl.constexpr, RAW: tl.constexpr):
     """Accumulate the weight whose code is byte k of ``o`` (column 8 k + i of each word)."""
     code = ((o >> (8 * k)) & 0xFF).to(tl.int32)
-    if NPL == 5 and lut_t.shape[0] == 32:
+    if NPL == 5 and RAW:  # 5-bit codes: the shuffle's 5 index bits are the code itself
+        w = _shfl(lut_t, o >> (8 * k))
+    elif NPL == 5 and lut_t.shape[0] == 32:
         w = tl.gather(lut_t, code, 0)
     else:
         w = tl.load(lut_row + code).to(tl.float32)
@@ -197,7 +215,7 @@ def _byte(o, k, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
 
 @triton.jit
 def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, x_ptr, x_off, KWX: tl.constexpr,
-               T_PAD: tl.constexpr, W: tl.constexpr, NPL: tl.constexpr):
+               T_PAD: tl.constexpr, W: tl.constexpr, NPL: tl.constexpr, RAW: tl.constexpr):
     """[T_PAD, R] fp32: W[rows, columns of words kw] @ x_t for each token t (T_PAD <= 8), codes W bits wide.
 
     rows [R] (clamped to valid rows), rbase [R] uint32 = rows * 2^q (each row's LUT at lut_blk + rbase), lut_t
@@ -247,7 +265,7 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
         shift = (4 - q).to(tl.uint32)
         for i in tl.static_range(4):
             p0, p1, p2, p3, p4, p5, p6, p7 = _nibbles_word(o[i] >> shift, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
-                                                           xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD)
+                                                           xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD, RAW)
     else:  # byte codes by an 8 x 8 bit-matrix transpose per byte lane (``_transpose8``)
         z = tl.zeros_like(w0)
         if NPL == 5:
@@ -258,7 +276,7 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
         for i in tl.static_range(8):
             p0, p1, p2, p3, p4, p5, p6, p7 = _bytes_word(o[i] >> shift, i, p0, p1, p2, p3, p4, p5, p6, p7, lut_t,
                                                          lut_row, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, KWX, T_PAD,
-                                                         NPL)
+                                                         NPL, RAW)
     out = _put(tl.zeros((T_PAD, rows.shape[0]), dtype=tl.float32), tok, 0, p0)
     if T_PAD > 1:
         out = _put(out, tok, 1, p1)
@@ -271,7 +289,7 @@ def _dot_words(pool_ptr, plane_off_ptr, lut_t, lut_blk, rbase, q, rows, kw, KW, 
 
 @triton.jit
 def _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, kw_lo, kw_hi, KW, x_ptr, x_off,
-               KWX: tl.constexpr, T_PAD: tl.constexpr, BKW: tl.constexpr, LE: tl.constexpr):
+               KWX: tl.constexpr, T_PAD: tl.constexpr, BKW: tl.constexpr, LE: tl.constexpr, RAW: tl.constexpr):
     """[T_PAD, R] fp32: rows ``rows`` [R] of linear block ``blk`` times each token's activations over plane
     words kw_lo .. kw_hi - 1 (K steps of BKW words; KW = words per plane row), at the block's committed q.
     One uniform branch per program (one block each): nibble codes + shuffle (q <= 4), 5-plane byte codes +
@@ -285,15 +303,15 @@ def _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, row
     if q <= 4:
         for kw0 in range(kw_lo, kw_hi, BKW):
             acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr,
-                              x_off, KWX, T_PAD, 4, 4)
+                              x_off, KWX, T_PAD, 4, 4, RAW)
     elif q == 5:
         for kw0 in range(kw_lo, kw_hi, BKW):
             acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr,
-                              x_off, KWX, T_PAD, 8, 5)
+                              x_off, KWX, T_PAD, 8, 5, RAW)
     else:
         for kw0 in range(kw_lo, kw_hi, BKW):
             acc += _dot_words(pool_ptr, poff, lut_t, lut, rbase, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr,
-                              x_off, KWX, T_PAD, 8, 8)
+                              x_off, KWX, T_PAD, 8, 8, RAW)
     return acc
 
 
@@ -316,6 +334,7 @@ def _gemv1_gate_up_kernel(
     BLOCK_N: tl.constexpr,  # intermediate columns per program (2 * BLOCK_N gate and up rows)
     BKW: tl.constexpr,  # plane words (32 columns each) per K step
     LE: tl.constexpr,  # LUT entries held in registers for shuffles: 32 if BKW >= 32 else 16
+    RAW: tl.constexpr,  # shuffles by shfl.sync (inline PTX, BKW == 32 on CUDA only), else tl.gather
     KWX: tl.constexpr,  # words of an x row (ceil(H / 32) rounded up to a multiple of BKW)
     KWO: tl.constexpr,  # words of an inter row (down's KWX)
     PAD_O: tl.constexpr,  # power of 2 >= 32 * KWO - I: inter columns the first program of a pair zeroes
@@ -329,7 +348,7 @@ def _gemv1_gate_up_kernel(
     kwh = (H + 31) // 32
     x_off = tl.minimum(tok, T - 1) * (32 * KWX)  # padded tokens read the last token's (finite) row
     acc = _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, 0, tl.where(lead, kwh, 0),
-                     kwh, x_ptr, x_off, KWX, T_PAD, BKW, LE)
+                     kwh, x_ptr, x_off, KWX, T_PAD, BKW, LE, RAW)
     g, u = tl.split(tl.reshape(acc, (T_PAD, BLOCK_N, 2)))
     h = g / (1.0 + tl.exp(-g)) * u
     tl.store(inter_ptr + row[:, None] * (32 * KWO) + ((n % 32) * KWO + n // 32)[None, :],
@@ -361,6 +380,7 @@ def _gemv1_down_kernel(
     BLOCK_N: tl.constexpr,
     BKW: tl.constexpr,
     LE: tl.constexpr,
+    RAW: tl.constexpr,
     KWX: tl.constexpr,  # words of an inter row (ceil(I / 32) rounded up so that every split's K steps fit)
 ):
     e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
@@ -376,8 +396,14 @@ def _gemv1_down_kernel(
     # tokens with no work read the first active token's row (written by gate_up, finite)
     x_off = tl.where(active, row, tl.min(tl.where(active, row, T * TOPK))) * (32 * KWX)
     y = _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, kw_lo, kw_hi, kwi, inter_ptr,
-                   x_off, KWX, T_PAD, BKW, LE)
+                   x_off, KWX, T_PAD, BKW, LE, RAW)
     store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK)
+
+
+def _raw(tile: dict[str, Any], bkw: int, x: torch.Tensor) -> bool:
+    """Whether a kernel's shuffles are raw ``shfl.sync`` (``_shfl``): asked for by the tile (``RAW_SHFL: 1``), on a
+    32-word K step (one word per lane, the LUT tile's shape) and on CUDA (Triton's interpreter runs no PTX)."""
+    return bool(tile.get("RAW_SHFL", 0)) and bkw == 32 and x.is_cuda
 
 
 def _entries(bkw: int) -> int:
@@ -414,12 +440,13 @@ def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     t_pad, k_pad = triton.next_power_of_2(t), triton.next_power_of_2(k)
     _gemv1_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
         xw, inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
-        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu, LE=_entries(bkw_gu), KWX=kwx,
-        KWO=kwo, PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)), num_warps=gu.get("num_warps", 4))
+        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu, LE=_entries(bkw_gu),
+        RAW=_raw(gu, bkw_gu, x), KWX=kwx, KWO=kwo, PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)),
+        num_warps=gu.get("num_warps", 4))
     _gemv1_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn["BLOCK_N"]), split)](
         inter, out, ids, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
-        TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BKW=bkw_dn, LE=_entries(bkw_dn), KWX=kwo,
-        num_warps=dn.get("num_warps", 4))
+        TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BKW=bkw_dn, LE=_entries(bkw_dn),
+        RAW=_raw(dn, bkw_dn, x), KWX=kwo, num_warps=dn.get("num_warps", 4))
     return out.view(split, t, k, ex.hidden), xw
 
 

@@ -17,7 +17,10 @@ from kernels.rounding import round_to
 
 def padded_words(k: int, bkw: int, split: int = 1) -> int:
     """Words of a word-major activation row for K = k columns read in K steps of ``bkw`` words by ``split``
-    split-K programs: ceil(k / 32) rounded up so that no step reads past the row."""
+    split-K programs: ceil(k / 32) rounded up so that no step reads past the row. Raises ``ValueError`` unless
+    bkw and split are >= 1."""
+    if bkw < 1 or split < 1:
+        raise ValueError(f"words per K step and split-K parts must be >= 1, got {bkw}, {split}")
     steps = triton.cdiv(triton.cdiv(k, 32), bkw)
     return triton.cdiv(steps, split) * split * bkw
 
@@ -66,13 +69,19 @@ def _combine_kernel(
 def combine(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """y [T, H] in ``dtype`` = a [SA, T, KA, H].sum((0, 2)) (+ b [SB, T, KB, H].sum((0, 2))): fp32 partials (split-K
     part, token, top-k slot) summed in fp32 and rounded once, in one launch (instead of a reduction, a cast and an
-    add per set); the weighted accumulation of SPEC section 7. Raises ``ValueError`` if a and b differ in T or H."""
+    add per set); the weighted accumulation of SPEC section 7. Non-contiguous partials are copied first. Raises
+    ``ValueError`` if a or b is not 4-D fp32 or they differ in T or H."""
+    for name, v in (("a", a), ("b", b)):
+        if v is not None and (v.dim() != 4 or v.dtype != torch.float32):
+            raise ValueError(f"{name} must be fp32 partials [S, T, K, H], got {v.dtype} {tuple(v.shape)}")
+    a = a.contiguous()
+    b = b.contiguous() if b is not None else None
     sa, t, ka, h = a.shape
     y = torch.empty(t, h, dtype=dtype, device=a.device)
     sb, kb = (b.shape[0], b.shape[2]) if b is not None else (0, 0)
     if b is not None and (b.shape[1] != t or b.shape[3] != h):
         raise ValueError(f"partials of one block must agree in T and H: {tuple(a.shape)} vs {tuple(b.shape)}")
-    if t:
+    if t and h:
         block = min(1024, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, block))](a, b if b is not None else a, y, t, h, sa, ka, sb, kb,
                                                     HAS_B=b is not None, BLOCK=block)

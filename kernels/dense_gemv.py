@@ -26,6 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.rounding import round_to
+
 MAX_TOKENS = 8
 # tiles {BLOCK_N, BLOCK_K, num_warps}: "default", "small_n" (N < SMALL_N rows: routers) and "by_shape" ("NxK"),
 # tuned on the H200 by ``bench/dense_gemv_speed.py --write-configs``; "max_tokens" / "max_tokens_small_n": T up
@@ -85,7 +87,7 @@ def _gemv_kernel(
             acc = tl.where((tok == t)[:, None], acc + s[None, :], acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
-    tl.store(y_ptr + tok[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + tok[:, None] * N + n[None, :], round_to(acc, y_ptr.dtype.element_ty),  # nearest-even, interp. too
              mask=(tok < T)[:, None] & nmask[None, :])
 
 
@@ -138,6 +140,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (SPEC section 9's serving numbers)."""
     if (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= max_tokens(weight.shape[0]) and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
-            and (bias is None or bias.is_contiguous())):
+            and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype and bias.is_contiguous()
+                                  and bias.device == x.device))):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)

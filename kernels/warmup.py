@@ -42,6 +42,10 @@ class MoEShape:
     shared_inter: int = 0
     dtype: str = "bfloat16"
 
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.inter, self.topk) < 1 or self.shared_inter < 0:
+            raise ValueError(f"expert shapes must be positive (shared_inter >= 0), got {self}")
+
 
 def decode_token_counts(max_batch: int) -> list[int]:
     """Token counts whose decode kernels differ (one compile each: 1, 2, 4, 8 = the padded token counts of the
@@ -87,8 +91,12 @@ def default_workers() -> int:
 def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | None = None) -> list[str]:
     """Compile the decode kernels of every shape in ``shapes`` for 1..``max_batch`` tokens (see
     ``decode_token_counts``) into Triton's on-disk cache, ``workers`` processes at a time (default
-    ``default_workers()``; 0: do nothing). Needs CUDA. Jobs already done in this process are skipped.
-    Returns one message per job that failed (its kernels then compile on first use; nothing is raised)."""
+    ``default_workers()``; 0: do nothing). Needs CUDA. Jobs already done in this process are skipped, and shapes
+    whose dtype is not bf16 / fp16 (the AP MoE kernels take only those). Returns one message per job that failed
+    (its kernels then compile on first use). Raises ``ValueError`` for a negative or non-integer ``workers``."""
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+        raise ValueError(f"workers must be an integer >= 0 (or None: one per core, up to 8), got {workers!r}")
+    shapes = [s for s in shapes if s.dtype in ("bfloat16", "float16")]
     sets = [(s.hidden, s.inter, s.topk, s.dtype) for s in shapes]
     sets += [(s.hidden, s.shared_inter, 1, s.dtype) for s in shapes if s.shared_inter]
     jobs = [(*e, t) for e in dict.fromkeys(sets) for t in decode_token_counts(max_batch) if (*e, t) not in _done]

@@ -259,6 +259,18 @@ def test_word_first_path_every_bitwidth() -> None:
         check(1, 1, 2, hidden=64, inter=32, bits=[q] * 4, dtype=torch.bfloat16, seed=50 + q, config=GEMV1)
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="inline PTX: CUDA only (the interpreter takes tl.gather)")
+@pytest.mark.parametrize("t", [1, 3])
+def test_word_first_path_raw_shuffles(t: int) -> None:
+    """RAW_SHFL tiles (32-word K steps, shuffles by inline shfl.sync that read 5 index bits): every q in 2..8 in
+    one launch, ragged H and I, bf16 and fp16, against the reference."""
+    raw = {"path": "gemv1", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 1024, "RAW_SHFL": 1},
+           "down": {"BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT_K": 2, "RAW_SHFL": 1}}
+    bits = [2, 3, 4, 5, 6, 7, 8, 4, 5, 3, 2, 8, 6, 5]
+    for dtype in (torch.bfloat16, torch.float16):
+        check(t, 4, 7, hidden=1064, inter=1400, bits=bits, dtype=dtype, seed=70 + t, config=raw)
+
+
 def test_word_first_path_expert_picked_twice_all_on_one_expert_and_wide_tiles() -> None:
     """Tokens whose top-k names one expert twice (both slots weighted), all tokens on one expert, tiles wider
     than the block (masked)."""
@@ -317,6 +329,11 @@ def test_word_major_layout() -> None:
     for t, col in [(0, 0), (1, 33), (0, 69), (1, 64)]:
         assert got[t, col % 32, col // 32] == x[t, col]
     assert (got[:, 6:, 2] == 0).all()
+    from kernels.ap_moe_layout import padded_words
+
+    assert padded_words(70, 2) == 4 and padded_words(70, 1, 2) == 4
+    with pytest.raises(ValueError, match=">= 1"):
+        padded_words(64, 0)
 
 
 @pytest.mark.parametrize("with_b", [False, True])
@@ -335,6 +352,12 @@ def test_combine_sums_partials_and_rounds_once(with_b: bool) -> None:
     assert close.all() and (got == ref.to(torch.bfloat16)).float().mean() > 0.99
     with pytest.raises(ValueError, match="agree"):
         combine(a, torch.zeros(1, 3, 1, 1100, device=DEV), torch.bfloat16)
+    # non-contiguous partials (a transposed view) give the same sums; no columns: an empty result
+    at = a.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not at.is_contiguous() and torch.equal(combine(at, b, torch.bfloat16), got)
+    assert combine(a[..., :0], None, torch.bfloat16).shape == (2, 0)
+    with pytest.raises(ValueError, match="fp32 partials"):
+        combine(a[0], None, torch.bfloat16)
 
 
 def test_word_first_path_more_splits_than_k_steps() -> None:

@@ -37,6 +37,16 @@ def test_precompile_without_cuda_does_nothing() -> None:
     assert precompile_decode([MoEShape(64, 32, 2)], 4, workers=2) == []
 
 
+def test_bad_shapes_and_worker_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        MoEShape(0, 32, 2)
+    with pytest.raises(ValueError, match="positive"):
+        MoEShape(64, 32, 2, shared_inter=-5)
+    for bad in (-3, 2.5, True):
+        with pytest.raises(ValueError, match="workers"):
+            precompile_decode([MoEShape(64, 32, 2)], 4, workers=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_precompile_on_cuda_compiles_without_errors_and_only_once() -> None:
     shape = MoEShape(256, 96, 2, 128)
@@ -49,5 +59,6 @@ def test_engine_config_refuses_a_negative_worker_count() -> None:
     from pwrun.engine.engine import EngineConfig
 
     assert EngineConfig(precompile_workers=0).precompile_workers == 0
-    with pytest.raises(ValueError, match="precompile_workers"):
-        EngineConfig(precompile_workers=-2)
+    for bad in (-2, 2.5, True):
+        with pytest.raises(ValueError, match="precompile_workers"):
+            EngineConfig(precompile_workers=bad)  # type: ignore[arg-type]

@@ -63,7 +63,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_batch < 1 or self.max_step_tokens < 1 or self.lookahead_tokens < 0:
             raise ValueError("block_size, max_batch and max_step_tokens must be >= 1, lookahead_tokens >= 0")
-        if self.precompile_workers < -1:
+        if (not isinstance(self.precompile_workers, int) or isinstance(self.precompile_workers, bool)
+                or self.precompile_workers < -1):
             raise ValueError(f"precompile_workers must be -1 (one per core, up to 8), 0 (off) or a process count, "
                              f"got {self.precompile_workers}")
 
