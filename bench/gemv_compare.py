@@ -46,7 +46,7 @@ GU_SMALL = [GU[0], GU[1], GU[4]]
 DN_SMALL = [DN[0], DN[1], DN[2], DN[4], DN[5], DN[6], DN[8]]
 
 
-RAW = {"RAW_SHFL": 0}  # --raw-shfl sets 1: every candidate tile shuffles by inline shfl.sync (32-word K steps)
+RAW = {"RAW_SHFL": 0}  # --raw-shfl sets 1: every candidate tile shuffles by inline shfl.sync (16/32-word K steps)
 
 
 def cfg(gu: tuple, dn: tuple) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def main() -> None:
                     "q's winners with the least time summed over --qs (blocks whose bitwidth varies at run time, "
                     "e.g. the always-read shared expert under PagedWeight)")
     ap.add_argument("--raw-shfl", action="store_true", help="candidates shuffle by inline shfl.sync (tile key "
-                    "RAW_SHFL; only 32-word K steps, i.e. BLOCK_K 1024, use it) against the baseline's tl.gather")
+                    "RAW_SHFL; only 16- and 32-word K steps, BLOCK_K 512 / 1024, use it) vs the baseline's tl.gather")
     ap.add_argument("--write-configs", default="", help="configs JSON to update with the winners (T=1 -> bucket "
                     "min_tokens 1, T=4 -> 2, T=8 -> 5; only where gemv1 beat the baseline at q=4)")
     args = ap.parse_args()

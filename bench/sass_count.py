@@ -72,12 +72,12 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=8, help="gate/up row pairs (gate_up) or rows (down)")
     ap.add_argument("--bkw", type=int, default=32, help="plane words per K step (BLOCK_K / 32)")
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--raw-shfl", action="store_true", help="shuffles by inline shfl.sync (tile RAW_SHFL; 32 words)")
+    ap.add_argument("--raw-shfl", action="store_true", help="inline shfl.sync shuffles (RAW_SHFL; 16/32 words)")
     a = ap.parse_args()
     common = {"ids_ptr": "*i32", "pool_ptr": "*i32", "plane_off_ptr": "*i64", "lut_ptr": "*bf16",
               "lut_off_ptr": "*i64", "bits_ptr": "*i32", "T": "i32", "H": "i32", "I": "i32", "TOPK": 4,
               "T_PAD": a.t_pad, "K_PAD": 4, "BLOCK_N": a.block_n, "BKW": a.bkw, "LE": 32 if a.bkw >= 32 else 16,
-              "RAW": int(a.raw_shfl and a.bkw == 32)}
+              "RAW": int(a.raw_shfl and a.bkw in (16, 32))}
     if a.kernel == "gate_up":  # Qwen1.5-MoE: H 2048 (64 words), I 1408 (44 words, padded to 64)
         args = {"x_ptr": "*bf16", "inter_ptr": "*bf16", **common, "KWX": 64, "KWO": 64, "PAD_O": 256}
         kernel, rows = g._gemv1_gate_up_kernel, 2 * a.block_n

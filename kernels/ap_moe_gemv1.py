@@ -66,14 +66,21 @@ def _lut(lut_blk, rbase, q, LE: tl.constexpr):
 
 @triton.jit
 def _shfl(lut_t, idx):
-    """[32, R] fp32: lane w gets lut_t[idx[w, r] & 31, r] from the lane that holds it, by one ``shfl.sync.idx``
-    (inline PTX): the instruction reads only the low 5 bits of the index, so the codes need no mask and no
-    bounds check (``tl.gather`` adds both: 1.75 instructions per weight at q <= 4). Needs lut_t and idx in one
-    layout with the 32 entries / words along the 32 lanes of a warp (a [32, R] tile of Triton's default blocked
-    layout for these loads: sizePerThread 1, threadsPerWarp [32, 1]; check the TTGIR when tiles or Triton change)."""
-    return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r",
-                                     [lut_t.to(tl.int32, bitcast=True), idx.to(tl.int32, bitcast=True)],
-                                     dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    """[LE, R] fp32 (LE = 32 or 16): element [w, r] = lut_t[idx[w, r] mod LE, r], fetched from the lane that holds it
+    by one ``shfl.sync.idx`` (inline PTX). The instruction reads only the low 5 bits of the index (4 within a
+    16-lane segment), so the codes need no mask and no bounds check (``tl.gather`` adds both: 1.75 instructions
+    per weight at q <= 4). Needs lut_t and idx in one layout with the entries / words along the lanes: [32, R]
+    tiles get threadsPerWarp [32, 1] (one word per lane), [16, R] tiles [16, 2] (two rows per warp, one per
+    16-lane segment, hence the segment mask 0x10 in the shuffle's c operand); sizePerThread 1 (Triton 3.6's
+    layouts for these loads; check the TTGIR when tiles or Triton change)."""
+    v, i = lut_t.to(tl.int32, bitcast=True), idx.to(tl.int32, bitcast=True)
+    if lut_t.shape[0] == 32:
+        w = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r", [v, i], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        w = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x100f, -1;", "=r,r,r", [v, i], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    return w.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -204,7 +211,7 @@ def _byte(o, k, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row,
           xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, NPL: tl.constexpr, RAW: tl.constexpr):
     """Accumulate the weight whose code is byte k of ``o`` (column 8 k + i of each word)."""
     code = ((o >> (8 * k)) & 0xFF).to(tl.int32)
-    if NPL == 5 and RAW:  # 5-bit codes: the shuffle's 5 index bits are the code itself
+    if NPL == 5 and RAW and lut_t.shape[0] == 32:  # 5-bit codes: the shuffle's 5 index bits are the code itself
         w = _shfl(lut_t, o >> (8 * k))
     elif NPL == 5 and lut_t.shape[0] == 32:
         w = tl.gather(lut_t, code, 0)
@@ -334,7 +341,7 @@ def _gemv1_gate_up_kernel(
     BLOCK_N: tl.constexpr,  # intermediate columns per program (2 * BLOCK_N gate and up rows)
     BKW: tl.constexpr,  # plane words (32 columns each) per K step
     LE: tl.constexpr,  # LUT entries held in registers for shuffles: 32 if BKW >= 32 else 16
-    RAW: tl.constexpr,  # shuffles by shfl.sync (inline PTX, BKW == 32 on CUDA only), else tl.gather
+    RAW: tl.constexpr,  # shuffles by shfl.sync (inline PTX, BKW 16 or 32, CUDA only), else tl.gather
     KWX: tl.constexpr,  # words of an x row (ceil(H / 32) rounded up to a multiple of BKW)
     KWO: tl.constexpr,  # words of an inter row (down's KWX)
     PAD_O: tl.constexpr,  # power of 2 >= 32 * KWO - I: inter columns the first program of a pair zeroes
@@ -402,8 +409,8 @@ def _gemv1_down_kernel(
 
 def _raw(tile: dict[str, Any], bkw: int, x: torch.Tensor) -> bool:
     """Whether a kernel's shuffles are raw ``shfl.sync`` (``_shfl``): asked for by the tile (``RAW_SHFL: 1``), on a
-    32-word K step (one word per lane, the LUT tile's shape) and on CUDA (Triton's interpreter runs no PTX)."""
-    return bool(tile.get("RAW_SHFL", 0)) and bkw == 32 and x.is_cuda
+    32- or 16-word K step (the LUT tile's shape, words along the lanes) and on CUDA (the interpreter runs no PTX)."""
+    return bool(tile.get("RAW_SHFL", 0)) and bkw in (16, 32) and x.is_cuda
 
 
 def _entries(bkw: int) -> int:

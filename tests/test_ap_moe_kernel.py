@@ -262,13 +262,14 @@ def test_word_first_path_every_bitwidth() -> None:
 @pytest.mark.skipif(DEV != "cuda", reason="inline PTX: CUDA only (the interpreter takes tl.gather)")
 @pytest.mark.parametrize("t", [1, 3])
 def test_word_first_path_raw_shuffles(t: int) -> None:
-    """RAW_SHFL tiles (32-word K steps, shuffles by inline shfl.sync that read 5 index bits): every q in 2..8 in
-    one launch, ragged H and I, bf16 and fp16, against the reference."""
-    raw = {"path": "gemv1", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 1024, "RAW_SHFL": 1},
-           "down": {"BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT_K": 2, "RAW_SHFL": 1}}
+    """RAW_SHFL tiles (shuffles by inline shfl.sync that read 5 index bits, or 4 within 16-lane segments): 32-word
+    and 16-word K steps, every q in 2..8 in one launch, ragged H and I, bf16 and fp16, against the reference."""
     bits = [2, 3, 4, 5, 6, 7, 8, 4, 5, 3, 2, 8, 6, 5]
-    for dtype in (torch.bfloat16, torch.float16):
-        check(t, 4, 7, hidden=1064, inter=1400, bits=bits, dtype=dtype, seed=70 + t, config=raw)
+    for bk_gu, bk_dn in ((1024, 1024), (512, 512), (1024, 512)):
+        raw = {"path": "gemv1", "gate_up": {"BLOCK_N": 8, "BLOCK_K": bk_gu, "RAW_SHFL": 1},
+               "down": {"BLOCK_N": 32, "BLOCK_K": bk_dn, "SPLIT_K": 2, "RAW_SHFL": 1}}
+        for dtype in (torch.bfloat16, torch.float16):
+            check(t, 4, 7, hidden=1064, inter=1400, bits=bits, dtype=dtype, seed=70 + t + bk_dn, config=raw)
 
 
 def test_word_first_path_expert_picked_twice_all_on_one_expert_and_wide_tiles() -> None:
