@@ -68,7 +68,7 @@ def _lut(lut_blk, rbase, q, LE: tl.constexpr):
 def _shfl(lut_t, idx):
     """[LE, R] fp32 (LE = 32 or 16): element [w, r] = lut_t[idx[w, r] mod LE, r], fetched from the lane that holds it
     by one ``shfl.sync.idx`` (inline PTX). The instruction reads only the low 5 bits of the index (4 within a
-    16-lane segment), so the codes need no mask and no bounds check (``tl.gather`` adds both: 1.75 instructions
+    16-lane segment), so the codes need no mask and no bounds check (``tl.gather`` adds both: 0.9-1.8 instructions
     per weight at q <= 4). Needs lut_t and idx in one layout with the entries / words along the lanes: [32, R]
     tiles get threadsPerWarp [32, 1] (one word per lane), [16, R] tiles [16, 2] (two rows per warp, one per
     16-lane segment, hence the segment mask 0x10 in the shuffle's c operand); sizePerThread 1 (Triton 3.6's
