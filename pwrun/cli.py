@@ -112,7 +112,9 @@ def generate(
     bits: Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")
                     ] = None,
     trace: Annotated[Path | None, typer.Option(help="Write one row per engine step here (Parquet).")] = None,
-    max_batch: Annotated[int, typer.Option(min=1, help="Most requests running at once.")] = 16,
+    max_batch: Annotated[int, typer.Option(min=1, help="Most requests running at once. On a GPU the decode kernels "
+                                           "are compiled for 1..max-batch tokens before serving (parallel processes; "
+                                           "once per machine, then cached by Triton).")] = 16,
     max_step_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per engine step (longer prompts are "
                                                  "prefilled in chunks).")] = 512,
     debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
