@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.ap_moe import CONFIGS, ap_moe, ap_moe_ref, build_experts, pick_config
+from kernels.warmup import random_experts, run_in_workers
 from pwrun.ap.format import pack_planes
 
 SHAPES = {"qwen1.5-moe": dict(hidden=2048, inter=1408, experts=60, topk=4),
@@ -143,14 +141,8 @@ def candidates(t: int) -> list[dict[str, Any]]:
 
 def fake_experts(s: dict, q: int, n: int | None = None, device: str = "cuda") -> Any:
     """n experts (default top-k: enough to compile the same kernels) with the real H and I, every block at q bits,
-    random planes and LUTs."""
-    n = s["topk"] if n is None else n
-    codes, luts = [], []
-    for i in range(2 * n):
-        rows, kk = (2 * s["inter"], s["hidden"]) if i % 2 == 0 else (s["hidden"], s["inter"])
-        codes.append(torch.randint(-2**31, 2**31 - 1, (8, rows, -(-kk // 32)), dtype=torch.int32, device=device))
-        luts.append({q: torch.randn(rows, 2**q, device=device) * 0.01})
-    return build_experts(codes, luts, [q] * (2 * n), s["hidden"], s["inter"], torch.bfloat16, device)
+    random planes and LUTs (``kernels.warmup.random_experts``, bf16)."""
+    return random_experts(s["hidden"], s["inter"], s["topk"] if n is None else n, q, torch.bfloat16, device)
 
 
 def _compile(job: tuple[str, int, dict[str, Any]]) -> str:
@@ -168,13 +160,8 @@ def _compile(job: tuple[str, int, dict[str, Any]]) -> str:
 
 
 def precompile(jobs: list[tuple[str, int, dict[str, Any]]], workers: int) -> None:
-    try:
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            for msg in pool.map(_compile, jobs):
-                if msg:
-                    print("compile failed:", msg, flush=True)
-    except BrokenProcessPool as err:  # a compiler crash took a worker down: the rest compile on demand
-        print("precompile stopped:", err, flush=True)
+    for msg in run_in_workers(_compile, jobs, workers):  # what failed compiles on demand (or is not a candidate)
+        print("compile failed:", msg, flush=True)
 
 
 def make_layer(s: dict, bits: list[int], codes: list, luts: list) -> Any:

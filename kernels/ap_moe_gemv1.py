@@ -210,13 +210,12 @@ def _bytes_word(o, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_r
 def _byte(o, k, i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7, lut_t, lut_row, xp0, xp1, xp2, xp3, xp4, xp5, xp6,
           xp7, KWX: tl.constexpr, T_PAD: tl.constexpr, NPL: tl.constexpr, RAW: tl.constexpr):
     """Accumulate the weight whose code is byte k of ``o`` (column 8 k + i of each word)."""
-    code = ((o >> (8 * k)) & 0xFF).to(tl.int32)
     if NPL == 5 and RAW and lut_t.shape[0] == 32:  # 5-bit codes: the shuffle's 5 index bits are the code itself
         w = _shfl(lut_t, o >> (8 * k))
     elif NPL == 5 and lut_t.shape[0] == 32:
-        w = tl.gather(lut_t, code, 0)
+        w = tl.gather(lut_t, ((o >> (8 * k)) & 0xFF).to(tl.int32), 0)
     else:
-        w = tl.load(lut_row + code).to(tl.float32)
+        w = tl.load(lut_row + ((o >> (8 * k)) & 0xFF).to(tl.int32)).to(tl.float32)
     return _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp6, xp7, (8 * k + i) * KWX, T_PAD)
 
 

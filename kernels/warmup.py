@@ -1,5 +1,7 @@
 """Compile the decode-step MoE kernels before serving, in parallel worker processes (issue 8: no stall at run time).
 
+Not a SPEC equation: it serves SPEC section 7's kernels to the runtime of sections 5-6 without a first-use stall.
+
 Why: Triton compiles a kernel specialization on its first launch, in the launching process, one at a time. A
 decode step needs a gate_up and a down kernel per expert shape and padded token count (1, 2, 4, 8), 10-20 s each
 for sm_90 (``bench/results/gemv_probe/compile_time_cpu.md``; before the codes of a word became a loop at 2..8
@@ -19,14 +21,18 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-from kernels.ap_moe import ap_moe, build_experts
+from kernels.ap_moe import APExperts, ap_moe, build_experts
 from kernels.ap_moe_gemv1 import MAX_TOKENS
+
+J = TypeVar("J")
 
 _done: set[tuple[int, int, int, str, int]] = set()  # warmed in this process (the on-disk cache outlives it)
 
@@ -34,7 +40,8 @@ _done: set[tuple[int, int, int, str, int]] = set()  # warmed in this process (th
 @dataclass(frozen=True)
 class MoEShape:
     """One layer's expert shapes: ``hidden`` H, ``inter`` I of a routed expert, ``topk`` experts per token,
-    ``shared_inter`` the shared expert's intermediate size (0: none), ``dtype`` of activations and LUTs."""
+    ``shared_inter`` the shared expert's intermediate size (0: none), ``dtype`` of activations and LUTs (a torch
+    dtype name). Raises ``ValueError`` for a size below 1 (``shared_inter`` below 0)."""
 
     hidden: int
     inter: int
@@ -56,15 +63,18 @@ def decode_token_counts(max_batch: int) -> list[int]:
     return out
 
 
-def _random_experts(hidden: int, inter: int, n: int, dtype: torch.dtype) -> object:
-    """n experts of the given shape at 4 bits (random planes and LUTs; the bitwidth is a run-time value of the
-    kernels, so one compile serves every q)."""
+def random_experts(hidden: int, inter: int, n: int, q: int = 4, dtype: torch.dtype = torch.bfloat16,
+                   device: str = "cuda") -> APExperts:
+    """n experts of shape H = ``hidden``, I = ``inter`` (gate_up [2I, H], down [H, I]), every block at q bits: random
+    int32 planes [8, N, ceil(K / 32)] and LUTs [N, 2^q] (x 0.01) laid out by ``build_experts``. For compiling and
+    timing kernels only (the values mean nothing; the bitwidth is a run-time value of the kernels, so one compile
+    serves every q)."""
     codes, luts = [], []
     for i in range(2 * n):
         rows, k = (2 * inter, hidden) if i % 2 == 0 else (hidden, inter)
-        codes.append(torch.randint(-2**31, 2**31 - 1, (8, rows, -(-k // 32)), dtype=torch.int32, device="cuda"))
-        luts.append({4: torch.randn(rows, 16, device="cuda") * 0.01})
-    return build_experts(codes, luts, [4] * (2 * n), hidden, inter, dtype, "cuda")
+        codes.append(torch.randint(-2**31, 2**31 - 1, (8, rows, -(-k // 32)), dtype=torch.int32, device=device))
+        luts.append({q: torch.randn(rows, 2**q, device=device) * 0.01})
+    return build_experts(codes, luts, [q] * (2 * n), hidden, inter, dtype, device)
 
 
 def _warm(job: tuple[int, int, int, str, int]) -> str:
@@ -73,10 +83,10 @@ def _warm(job: tuple[int, int, int, str, int]) -> str:
     hidden, inter, topk, dt, t = job
     try:
         dtype = getattr(torch, dt)
-        experts = _random_experts(hidden, inter, topk, dtype)
+        experts = random_experts(hidden, inter, topk, dtype=dtype)
         x = torch.randn(t, hidden, device="cuda", dtype=dtype)
         ids = torch.arange(t * topk, device="cuda").view(t, topk) % topk
-        ap_moe(x, ids, torch.rand(t, topk, device="cuda"), experts, check=False)  # type: ignore[arg-type]
+        ap_moe(x, ids, torch.rand(t, topk, device="cuda"), experts, check=False)
         torch.cuda.synchronize()
         return ""
     except Exception as err:
@@ -86,6 +96,19 @@ def _warm(job: tuple[int, int, int, str, int]) -> str:
 def default_workers() -> int:
     """Worker processes: the CPU cores, at most 8 (each holds a CUDA context of a few hundred MiB)."""
     return max(1, min(8, os.cpu_count() or 1))
+
+
+def run_in_workers(fn: Callable[[J], str], jobs: Sequence[J], workers: int) -> list[str]:
+    """``fn(job)`` for every job in ``workers`` spawned processes (``fn`` importable at module level; it returns "" or
+    an error message). Returns the messages of the jobs that failed, in order; a worker crash (e.g. in Triton's
+    compiler) ends the pool with one message instead of raising."""
+    errors: list[str] = []
+    try:
+        with ProcessPoolExecutor(max(1, min(workers, len(jobs))), mp_context=mp.get_context("spawn")) as pool:
+            errors += [msg for msg in pool.map(fn, jobs) if msg]
+    except BrokenProcessPool as err:
+        errors.append(f"worker pool stopped: {err}")
+    return errors
 
 
 def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | None = None) -> list[str]:
@@ -103,16 +126,9 @@ def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | Non
     n = default_workers() if workers is None else workers
     if not jobs or n <= 0 or not torch.cuda.is_available():
         return []
-    errors: list[str] = []
     print(f"compiling the decode MoE kernels ({len(jobs)} jobs on {min(n, len(jobs))} processes; a warm Triton cache "
           f"makes this quick)", file=sys.stderr, flush=True)
-    try:
-        with ProcessPoolExecutor(min(n, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
-            for job, msg in zip(jobs, pool.map(_warm, jobs), strict=True):
-                if msg:
-                    errors.append(msg)
-                else:
-                    _done.add(job)
-    except BrokenProcessPool as err:  # a compiler crash took a worker down: the rest compile on first use
-        errors.append(f"precompile stopped: {err}")
+    errors = run_in_workers(_warm, jobs, n)
+    if not errors:  # failed jobs compile on first use; a failed one is tried again by the next call
+        _done.update(jobs)
     return errors

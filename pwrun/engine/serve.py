@@ -14,7 +14,7 @@ import math
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -40,6 +40,9 @@ from pwrun.planner.runtime import Planner, PlannerConfig
 from pwrun.planner.tables import UNITS, BlockTable
 from pwrun.pool.pages import WEIGHT, PagePool, PoolConfig
 from pwrun.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kernels.warmup import MoEShape
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,9 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
                            else None, _calib_features(art, table), cfg, params, requests, eos, forced)
 
 
-def moe_shapes(model: LeanMoEModel) -> list[Any]:
-    """The distinct expert shapes (``kernels.warmup.MoEShape``) of ``model``'s MoE layers, for
-    ``kernels.warmup.precompile_decode``."""
+def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
+    """The distinct expert shapes of ``model``'s MoE layers (SPEC section 3's units, by shape), for
+    ``kernels.warmup.precompile_decode``; [] for a model without MoE layers."""
     from kernels.warmup import MoEShape  # Triton is imported only where kernels run
 
     spec = model.spec
