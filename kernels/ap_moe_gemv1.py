@@ -408,8 +408,10 @@ def _gemv1_down_kernel(
 
 def _raw(tile: dict[str, Any], bkw: int, x: torch.Tensor) -> bool:
     """Whether a kernel's shuffles are raw ``shfl.sync`` (``_shfl``): asked for by the tile (``RAW_SHFL: 1``), on a
-    32- or 16-word K step (the LUT tile's shape, words along the lanes) and on CUDA (the interpreter runs no PTX)."""
-    return bool(tile.get("RAW_SHFL", 0)) and bkw in (16, 32) and x.is_cuda
+    32- or 16-word K step (the LUT tile's shape, words along the lanes) and on NVIDIA CUDA: the interpreter runs no
+    PTX, and ROCm builds of torch also report ``is_cuda`` but compile for AMD GPUs (there the tile falls back to
+    ``tl.gather``)."""
+    return bool(tile.get("RAW_SHFL", 0)) and bkw in (16, 32) and x.is_cuda and torch.version.hip is None
 
 
 def _entries(bkw: int) -> int:

@@ -272,6 +272,22 @@ def test_word_first_path_raw_shuffles(t: int) -> None:
             check(t, 4, 7, hidden=1064, inter=1400, bits=bits, dtype=dtype, seed=70 + t + bk_dn, config=raw)
 
 
+def test_raw_shuffles_only_on_nvidia_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RAW_SHFL is inline PTX: asked for by the tile, it is used only on NVIDIA CUDA tensors with a 16- or 32-word K
+    step; CPU (interpreter), ROCm (torch.version.hip set, is_cuda also true) and other K steps keep tl.gather."""
+    from types import SimpleNamespace
+
+    from kernels.ap_moe_gemv1 import _raw
+
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    tile = {"RAW_SHFL": 1}
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert _raw(tile, 32, cuda) and _raw(tile, 16, cuda)  # type: ignore[arg-type]
+    assert not _raw(tile, 8, cuda) and not _raw({}, 32, cuda) and not _raw(tile, 32, cpu)  # type: ignore[arg-type]
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    assert not _raw(tile, 32, cuda)  # type: ignore[arg-type]
+
+
 def test_word_first_path_expert_picked_twice_all_on_one_expert_and_wide_tiles() -> None:
     """Tokens whose top-k names one expert twice (both slots weighted), all tokens on one expert, tiles wider
     than the block (masked)."""
