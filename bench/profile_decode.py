@@ -1,16 +1,20 @@
-"""Where a decode step's GPU time goes at a seed model's real size (torch.profiler, eager, no graphs).
+"""Where a decode (or prefill) step's GPU time goes at a seed model's real size (torch.profiler, eager).
 
 What it does: builds the serving engine exactly as ``bench/serve_speed.py`` does (random Qwen1.5-MoE
 weights, synthetic AP planes, uniform ``--bits``), serves one ``--prompt-len`` prompt, and profiles
-``--steps`` decode steps: prints the top CUDA kernels by total time and the share of the MoE kernels,
-the paged attention kernel and everything else. Usage::
+``--steps`` decode steps (no CUDA graphs): prints the top CUDA kernels by total time and the share of the
+MoE kernels, attention and everything else. With ``--prefill`` it profiles the prompt's prefill step
+instead (one step of ``--prompt-len`` tokens, after a 3-token run of the same prompt has compiled the
+kernels, as ``serve_speed`` times it) and also prints the step's wall time. Usage::
 
     python bench/profile_decode.py --bits 4 --out bench/results/profile_decode_h200.txt
+    python bench/profile_decode.py --bits 4 --prefill --out bench/results/profile_prefill_h200.txt
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import serve_speed as sp  # type: ignore[import-not-found]
@@ -31,6 +35,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--pressure", action="store_true",
                     help="PagedWeight under pressure, as bench/serve_speed.py runs it at batch 1 (else uniform --bits)")
+    ap.add_argument("--prefill", action="store_true", help="profile the prefill step instead of decode steps")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     model = sp.random_model(args.config_dir, torch.bfloat16, "cuda")
@@ -48,31 +53,42 @@ def main() -> None:
         cfg = ServeConfig(40 * 2**30, "uniform", args.bits, EngineConfig(max_batch=1, max_step_tokens=2048,
                                                                          cuda_graphs=False))
         pol = BucketPolicy.neutral(3)
+    if args.prefill:  # compile every kernel of the prefill and first decode steps, then a fresh engine
+        assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=3), reqs,
+                        set()).engine.run()
     e = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=args.steps + 4), reqs,
                         set()).engine
-    for _ in range(3):  # prefill + warm-up decode steps
-        e.step()
+    steps = 1 if args.prefill else args.steps
+    if not args.prefill:
+        for _ in range(3):  # prefill + warm-up decode steps
+            e.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
+        t0 = time.perf_counter()
+        for _ in range(steps):
             e.step()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     events = [ev for ev in prof.key_averages() if ev.device_time_total > 0]
     total = sum(ev.self_device_time_total for ev in events)
     last = e.totals.trace[-1]
     what = "PagedWeight under pressure" if args.pressure else f"uniform {args.bits}-bit"
-    lines = [f"{args.steps} decode steps, {what}, prompt {args.prompt_len}: GPU self time "
-             f"{total / 1e3 / args.steps:.3f} ms/step; committed bits of the shared / routed expert blocks "
+    kind = "prefill step" if args.prefill else "decode steps"
+    lines = [f"{steps} {kind}, {what}, prompt {args.prompt_len}: GPU self time "
+             f"{total / 1e3 / steps:.3f} ms/step, wall {1e3 * wall / steps:.3f} ms/step (under the profiler); "
+             f"committed bits of the shared / routed expert blocks "
              f"{last.get('shared_bits', float('nan')):.2f} / {last.get('routed_bits', float('nan')):.2f}", ""]
-    groups = {"ap_moe": 0.0, "paged_attention": 0.0, "gemm": 0.0, "other": 0.0}
+    groups = {"ap_moe": 0.0, "paged_attention": 0.0, "prefill_attention": 0.0, "gemm": 0.0, "other": 0.0}
     for ev in events:
         k = ev.key.lower()
-        g = ("ap_moe" if any(x in k for x in ("gemv", "gate_up", "_down", "dequant")) else
+        g = ("gemm" if k.startswith("_gemv_kernel") else  # kernels.dense_gemv: the 16-bit linears
+             "ap_moe" if any(x in k for x in ("gemv", "gate_up", "_down", "dequant", "_combine")) else
              "paged_attention" if "decode_kernel" in k or "merge_kernel" in k else
+             "prefill_attention" if any(x in k for x in ("fmha", "flash", "attention", "efficient")) else
              "gemm" if any(x in k for x in ("gemm", "gemv", "cutlass", "nvjet", "sm90")) else "other")
         groups[g] += ev.self_device_time_total
     for g, t in groups.items():
-        lines.append(f"{g:16s} {t / 1e3 / args.steps:8.3f} ms/step  {100 * t / max(total, 1):5.1f}%")
+        lines.append(f"{g:17s} {t / 1e3 / steps:8.3f} ms/step  {100 * t / max(total, 1):5.1f}%")
     lines += ["", prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)]
     text = "\n".join(lines)
     args.out.write_text(text)
