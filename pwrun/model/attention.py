@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from pwrun.kv.cache import PagedKVCache
 from pwrun.model.ops import apply_rope, rms_norm, rope_cos_sin
@@ -26,6 +27,19 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, fused: boo
 
         return linear(x, w, b)
     return F.linear(x, w, b)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of a sequence's n newest positions q [n, heads, d] over its whole context k, v [ctx, heads, d]
+    (n <= ctx; the queries are positions ctx - n .. ctx - 1, as ``StepTensors.build`` makes every step): query i
+    sees keys 0 .. ctx - n + i. Returns [heads, n, d]. A whole prompt (n == ctx) runs SDPA's ``is_causal``
+    (flash attention on CUDA), a chunk of a longer context its lower-right causal bias (no [n, ctx] mask
+    tensor is built), one token no mask at all."""
+    n, ctx = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if n == ctx or n == 1:
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=n > 1, scale=scale)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(n, ctx), scale=scale)
 
 
 def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec, eps: float, layer: int,
@@ -73,9 +87,5 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
         ctx = step.context_lens[s]
         ks, vs = cache.gather(layer, step.block_tables[s], ctx)
         ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-        qpos = step.positions[lo:hi]
-        mask = torch.arange(ctx, device=x.device)[None, :] <= qpos[:, None]  # [n, ctx]
-        o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                                           attn_mask=mask, scale=d**-0.5)
-        out[lo:hi] = o.transpose(0, 1)
+        out[lo:hi] = _causal_attention(q[lo:hi], ks, vs, d**-0.5).transpose(0, 1)
     return F.linear(out.reshape(t, hq * d), w.o)
