@@ -1,8 +1,8 @@
 """Artifact manifests and atomic writes (STYLE.md rule 4: artifacts carry their own meaning).
 
 What it does: fingerprints a model checkpoint (sha256 of config.json; sha256 of the weight
-files, and a quick fingerprint from their names and sizes that the runtime can check without
-reading gigabytes), reads/writes ``manifest.json``, and writes files atomically (``.tmp`` then
+files, and quick fingerprints from their names, sizes and ~256 KiB of sampled content per file that the
+runtime can check without reading gigabytes), reads/writes ``manifest.json``, and writes files atomically (``.tmp`` then
 rename). It imports no torch.
 """
 
@@ -36,11 +36,37 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+SAMPLE_CHUNKS, SAMPLE_BYTES = 64, 4096
+
+
+def _sample_sha256(files: list[Path]) -> str:
+    """sha256 of each file's name, size and SAMPLE_CHUNKS chunks of SAMPLE_BYTES at evenly spaced offsets (the
+    whole file when it is smaller): reads at most 256 KiB per file, yet tells a fine-tune (every tensor changed,
+    same names and sizes) from its base model."""
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size};".encode())
+        with f.open("rb") as fh:
+            if size <= SAMPLE_CHUNKS * SAMPLE_BYTES:
+                h.update(fh.read())
+                continue
+            step = (size - SAMPLE_BYTES) // (SAMPLE_CHUNKS - 1)
+            for i in range(SAMPLE_CHUNKS):
+                fh.seek(i * step)
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
 def model_fingerprint(model_dir: Path, full: bool = True) -> dict[str, str]:
-    """{config_sha256, weights_quick, weights_sha256 (if ``full``)} of a checkpoint directory."""
+    """{config_sha256, weights_quick, weights_sample, weights_sha256 (if ``full``)} of a checkpoint directory.
+
+    weights_quick: names and sizes of the safetensors files; weights_sample: also ~256 KiB of sampled content per
+    file (``_sample_sha256``), what the runtime checks; weights_sha256: every byte (``pwcal quantize``)."""
     files = sorted(model_dir.glob("*.safetensors"))
     quick = hashlib.sha256("".join(f"{f.name}:{f.stat().st_size};" for f in files).encode()).hexdigest()
-    out = {"config_sha256": _sha256(model_dir / "config.json"), "weights_quick": quick}
+    out = {"config_sha256": _sha256(model_dir / "config.json"), "weights_quick": quick,
+           "weights_sample": _sample_sha256(files)}
     if full:
         h = hashlib.sha256()
         for f in files:
@@ -84,6 +110,9 @@ def check_same_model(manifest: dict[str, Any], model_dir: Path, artifact_dir: Pa
                                "model the artifact was made from")
     fp = model_fingerprint(model_dir, full=False)
     want = manifest.get("model", {})
-    if want.get("config_sha256") != fp["config_sha256"] or want.get("weights_quick") != fp["weights_quick"]:
+    same = want.get("config_sha256") == fp["config_sha256"] and want.get("weights_quick") == fp["weights_quick"]
+    if same and "weights_sample" in want:  # artifacts written before the sampled fingerprint lack it
+        same = want["weights_sample"] == fp["weights_sample"]
+    if not same:
         raise PagedWeightError(f"artifact {artifact_dir} was made for another model ({want.get('path', '?')}), not "
                                f"{model_dir}: pass the matching --model or re-run pwcal quantize")

@@ -85,6 +85,18 @@ def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Pa
     (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
     with pytest.raises(PagedWeightError, match="made for another model"):
         APArtifact(artifact).check_model(other)
+    # a fine-tune: the same config.json, file names and sizes, every float tensor changed a little
+    tuned = tmp_path / "tuned"
+    shutil.copytree(MODEL, tuned)
+    for shard in sorted(tuned.glob("*.safetensors")):
+        size = shard.stat().st_size
+        tensors = load_file(shard)
+        save_file({k: v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v for k, v in tensors.items()},
+                  shard, metadata={"format": "pt"})
+        assert shard.stat().st_size == size
+    APArtifact(artifact).check_model(MODEL)  # its own model passes
+    with pytest.raises(PagedWeightError, match="made for another model"):
+        APArtifact(artifact).check_model(tuned)
 
 
 def test_nan_in_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
