@@ -40,7 +40,7 @@ import pandas as pd
 
 from pwcal.calib_data import calibration_windows
 from pwcal.manifest import read_manifest
-from pwcal.stages import begin_stage, finish_stage
+from pwcal.stages import begin_stage, finish_stage, start_writing
 from pwcal.tables import read_table, write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.errors import PagedWeightError
@@ -197,6 +197,7 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     chosen = candidates[best]
     if best != 0:
         chosen = replace(chosen, neutral_from_bits=neutral_from(list(cfg.budgets_bits), gains))
+    start_writing(artifact_dir, "search-buckets")
     write_table(pd.DataFrame(rows), artifact_dir / "bucket_search.parquet", "bucket_search")
     write_table(policy_frame(chosen), artifact_dir / "buckets.parquet", "buckets")
     info = {"config": asdict(cfg), "files": ["buckets.parquet", "bucket_search.parquet"],

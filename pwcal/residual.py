@@ -35,7 +35,7 @@ import pandas as pd
 from pwcal.calib_data import calibration_windows
 from pwcal.manifest import read_manifest
 from pwcal.sensitivity import column_errors
-from pwcal.stages import begin_stage, finish_stage
+from pwcal.stages import begin_stage, finish_stage, start_writing
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.hessian import HessianDiag
@@ -147,6 +147,7 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
     if heads.empty:
         raise PagedWeightError("no residual head could be fit: use more --prompts (and a --heldout-fraction in "
                                "(0, 1))")
+    start_writing(artifact_dir, "fit-residual")
     write_table(heads, artifact_dir / "residual_heads.parquet", "residual_heads")
     info = {"config": asdict(cfg), "files": ["residual_heads.parquet"], "rows": len(rows), "heads": len(heads),
             "mean_r2_heldout": float(heads.r2_heldout.mean()), "heads_r2_positive": int((heads.r2_heldout > 0).sum()),

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from pwcal.calib_data import calibration_windows
-from pwcal.stages import begin_stage, finish_stage
+from pwcal.stages import begin_stage, finish_stage, start_writing
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.hessian import HessianDiag
@@ -124,6 +124,7 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
     h = block_hessians(hess, blocks, cfg.min_tokens)
     errors = column_errors(model, art, blocks)
     table = sensitivity_table(blocks, h, errors, art.bits, art.seed_bits)
+    start_writing(artifact_dir, "sensitivity")
     write_table(table, artifact_dir / "sensitivity.parquet", "sensitivity")
     m = mass.mass()
     routing = pd.DataFrame([{"layer": layer, "expert": e, "mass": float(m[layer, e]),

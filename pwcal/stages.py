@@ -2,7 +2,9 @@
 
 What it does: ``begin_stage`` decides whether a stage must run (not done, or ``force``), refuses
 to silently redo a completed stage with other parameters, and checks that the previous stage is
-complete and that the artifact belongs to the given model; ``finish_stage`` records the stage
+complete and that the artifact belongs to the given model; ``start_writing`` marks the stage and later
+ones incomplete just before the stage writes (so bad input found while it computes changes nothing);
+``finish_stage`` records the stage
 (config, outputs, timing, warnings) in ``manifest.json`` atomically. It imports no torch.
 """
 
@@ -36,12 +38,19 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
         if done.get("config") == json.loads(json.dumps(config)):  # as stored: tuples become lists
             return False
         raise PagedWeightError(f"{artifact_dir}: '{stage}' already ran with other parameters; pass --force to redo it")
-    # the stage's tables are about to be rewritten: until it finishes, it and later stages are not complete
+    return True  # the manifest is untouched until ``start_writing``: a run refused or stopped before it loses nothing
+
+
+def start_writing(artifact_dir: Path, stage: str) -> None:
+    """Call right before ``stage`` writes its first table: until ``finish_stage``, it and later stages are recorded
+    as not complete (their tables may mix this run's and the previous run's)."""
+    manifest = read_manifest(artifact_dir)
+    stages = manifest.get("stages", {})
     for name in ORDER[ORDER.index(stage):]:
         if name in stages:
             stages[name]["complete"] = False
+            stages[name]["stale_because"] = f"{stage} was being re-run and did not finish"
     write_manifest(artifact_dir, manifest)
-    return True
 
 
 def finish_stage(artifact_dir: Path, stage: str, info: dict[str, Any]) -> dict[str, Any]:

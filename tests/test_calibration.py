@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,28 @@ def test_search_buckets_names_the_text_of_its_perplexity(tmp_path: Path, pipelin
     assert "perplexity on held-out c4-calib text (512 tokens past the calibration ones)" in r.stderr, r.stderr
     info = json.loads((again / "manifest.json").read_text())["stages"]["search-buckets"]
     assert info["heldout_dataset"] == "c4-calib" and info["heldout_tokens"] == 512
+
+
+def test_refused_force_run_leaves_the_manifest_as_it_was(tmp_path: Path, pipeline: Path) -> None:
+    """Bad input found while a --force stage prepares (a dataset with no window) changes nothing: the stage and
+    later ones stay complete; start_writing is what marks them incomplete."""
+    import shutil
+
+    from pwcal.stages import start_writing
+
+    again = tmp_path / "ap"
+    shutil.copytree(pipeline, again)
+    before = (again / "manifest.json").read_text()
+    short = tmp_path / "short.txt"
+    short.write_text("too short\n")
+    r = runner.invoke(app, ["sensitivity", str(MODEL), "--artifacts", str(again), "--force", "--dataset", str(short),
+                            *SMALL])
+    assert r.exit_code == 2 and "window" in r.stderr, r.stderr
+    assert (again / "manifest.json").read_text() == before
+    start_writing(again, "fit-residual")
+    stages = json.loads((again / "manifest.json").read_text())["stages"]
+    assert stages["sensitivity"]["complete"] and not stages["fit-residual"]["complete"]
+    assert not stages["search-buckets"]["complete"] and "did not finish" in stages["search-buckets"]["stale_because"]
 
 
 def test_stage_order_is_enforced(tmp_path: Path, pipeline: Path) -> None:

@@ -68,6 +68,30 @@ def test_missing_optional_tables_warn_once_or_error(calibrated_artifacts: Path, 
     assert "search-buckets" in lines[0] and "--force" in lines[0]
 
 
+def test_tables_of_an_incomplete_stage_warn_and_are_not_used(calibrated_artifacts: Path, tmp_path: Path) -> None:
+    """sensitivity re-ran (or was interrupted): fit-residual and search-buckets are recorded incomplete, so their
+    files are from an older run: one warning each, and serving goes on as without them."""
+    from pwrun.ap.artifact import APArtifact
+    from pwrun.engine.serve import _read
+
+    stale = tmp_path / "stale"
+    shutil.copytree(calibrated_artifacts, stale)
+    manifest = json.loads((stale / "manifest.json").read_text())
+    for stage in ("fit-residual", "search-buckets"):
+        manifest["stages"][stage]["complete"] = False
+        manifest["stages"][stage]["stale_because"] = "sensitivity was re-run"
+    (stale / "manifest.json").write_text(json.dumps(manifest))
+    code, err = _serve(stale)
+    warnings = _warnings(err)
+    assert code == 0 and len(warnings) == 2, err
+    assert "residual_heads.parquet" in warnings[0] and "out of date (sensitivity was re-run)" in warnings[0]
+    assert "buckets.parquet" in warnings[1] and "`pwcal search-buckets " in warnings[1] and "--force" in warnings[1]
+    art = APArtifact(stale)
+    assert _read(art, "buckets") is None and _read(art, "residual_heads") is None
+    assert _read(art, "sensitivity") is not None  # its own stage is complete
+    assert _read(APArtifact(calibrated_artifacts), "buckets") is not None
+
+
 def test_eval_warns_like_generate(calibrated_artifacts: Path, tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     never_ran = _never_ran(calibrated_artifacts, tmp_path)

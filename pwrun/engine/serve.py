@@ -64,6 +64,20 @@ OPTIONAL_TABLES = {
 }
 
 
+TABLE_STAGE = {"sensitivity": "sensitivity", "routing": "sensitivity", "block_features": "sensitivity",
+               "residual_heads": "fit-residual", "buckets": "search-buckets"}
+
+
+def _stale(art: APArtifact, name: str) -> str | None:
+    """Why the table ``name`` of ``art`` must not be used although its file exists, or None: its pwcal stage is
+    recorded in the manifest as not complete (an upstream stage re-ran with --force, or the stage itself was
+    interrupted), so the file is from an earlier, inconsistent run."""
+    st = art.manifest.get("stages", {}).get(TABLE_STAGE[name])
+    if st is None or st.get("complete", True):
+        return None
+    return str(st.get("stale_because") or f"stage '{TABLE_STAGE[name]}' did not complete")
+
+
 def _uses(policy: str, name: str) -> bool:
     """Whether ``policy`` reads the optional table ``name`` (see ``policies.py``)."""
     pcfg = planner_config(policy, PlannerConfig())
@@ -82,10 +96,16 @@ def missing_tables(art: APArtifact, policy: str, model_dir: Path | str = "MODEL"
     out = []
     for name, (stage, loss) in OPTIONAL_TABLES.items():
         path = art.path / f"{name}.parquet"
-        if not _uses(policy, name) or path.is_file():
+        if not _uses(policy, name):
+            continue
+        fix = f"`pwcal {stage} {model_dir} --artifacts {art.path}"
+        if path.is_file():
+            why = _stale(art, name)
+            if why is not None:
+                out.append(f"{path.name} in {art.path} is out of date ({why}): serving {loss}; remake it with "
+                           f"{fix} --force`")
             continue
         done = stages.get(stage, {})
-        fix = f"`pwcal {stage} {model_dir} --artifacts {art.path}"
         if done.get("complete") and path.name in done.get("files", []):
             raise PagedWeightError(f"{path} is missing, though the manifest records stage '{stage}' as complete: "
                                    f"remake it with {fix} --force`")
@@ -97,7 +117,7 @@ def _read(art: APArtifact, name: str) -> pd.DataFrame | None:
     from pwcal.tables import read_table
 
     path = art.path / f"{name}.parquet"
-    return read_table(path, name) if path.is_file() else None
+    return read_table(path, name) if path.is_file() and _stale(art, name) is None else None
 
 
 def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) -> BlockTable:
@@ -106,7 +126,7 @@ def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) ->
     if sens is not None and routing is not None:
         return BlockTable.from_frames(sens, routing)
     if need_calibration:
-        raise PagedWeightError(f"{art.path} has no calibration tables (sensitivity/routing): run "
+        raise PagedWeightError(f"{art.path} has no complete calibration tables (sensitivity/routing): run "
                                f"`pwcal run-all MODEL --out {art.path}` first, or use --policy uniform --bits B")
     blocks = sorted(expert_blocks(model.spec), key=lambda b: (b.layer, b.expert, b.unit))
     bits = np.asarray(art.bits)
