@@ -80,13 +80,18 @@ def _write_results(results: list[Any], output: Path | None) -> None:
     if output is None:
         sys.stdout.write(lines)
         return
-    tmp = output.with_name(output.name + ".tmp")
+    _write_file("--output", output, lines)
+
+
+def _write_file(flag: str, path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (``.tmp`` then rename); ``PagedWeightError`` on failure."""
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(lines)
-        tmp.replace(output)
+        tmp.write_text(text)
+        tmp.replace(path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise PagedWeightError(f"cannot write --output {output}: {exc.strerror}") from exc
+        raise PagedWeightError(f"cannot write {flag} {path}: {exc.strerror}") from exc
 
 
 @app.command()
@@ -137,6 +142,14 @@ def generate(
             raise PagedWeightError(f"--top-p {top_p} is not allowed: give a number in (0, 1] (1 = no nucleus cut)")
         if prompt is not None and not prompt.strip():
             raise PagedWeightError("--prompt is empty: give some text")
+        if prompt is not None:
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # bytes the shell passed that are not UTF-8 (surrogate escapes)
+                raise PagedWeightError("--prompt is not valid UTF-8 text: convert it (e.g. iconv -f latin1 -t utf-8) "
+                                       "or pass it in a UTF-8 --prompts file") from exc
+        if not 0 <= seed < 2**63:
+            raise PagedWeightError(f"--seed {seed} is out of range: give an integer in [0, 2^63)")
         texts = [prompt] if prompt is not None else _read_prompts(prompts)  # type: ignore[arg-type]
         if artifacts is None and (gpu_memory or trace or summary_json or bits is not None or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy, --bits, --trace and --summary-json need --artifacts DIR "
@@ -194,7 +207,10 @@ def generate(
                               style="dim", highlight=False, soft_wrap=True)
             console.print(format_summary(summary), style="dim", highlight=False, soft_wrap=True)
             if summary_json is not None:
-                summary_json.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+                _write_file("--summary-json", summary_json, json.dumps(summary, indent=1, default=str) + "\n")
+            if summary.get("trace_error"):
+                kept = f"the results are in {output}" if output is not None else "the results were printed"
+                raise PagedWeightError(f"{summary['trace_error']} ({kept})")
             return
         spec, _ = load_spec(model_dir)
         encode_prompts(tok, texts, spec.max_position_embeddings, max_new_tokens)  # too long: refused before loading

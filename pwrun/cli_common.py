@@ -10,6 +10,7 @@ It does no work of its own.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -53,12 +54,28 @@ def default_model() -> Path:
 
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Print ``PagedWeightError`` as one line and exit 2 instead of a traceback."""
+    """Print ``PagedWeightError`` and failures of the file system (disk full, read-only, no permission: OSError and
+    safetensors' write errors) as one ``error:`` line and exit 2, Ctrl-C as one line and exit 130, instead of a
+    traceback. Every writer here writes ``.tmp`` then renames, so none of these leaves a half-written file."""
+    from safetensors import SafetensorError
+
     try:
         yield
     except PagedWeightError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        hint = "; free some space or write elsewhere" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        typer.echo(f"error: {exc.strerror or exc}{where}{hint}", err=True)
+        sys.exit(2)
+    except SafetensorError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted: nothing half-written was kept (completed pwcal stages are; rerun to resume)",
+                   err=True)
+        sys.exit(130)
 
 
 def check_writable_file(flag: str, path: Path) -> None:

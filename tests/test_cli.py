@@ -154,6 +154,9 @@ NO_MODEL = ["--model", "/nonexistent/model"]  # an error about the model would m
         (["--prompt", "x", "--temperature", "1", "--top-p", "1.5"], "--top-p 1.5 is not allowed"),
         (["--prompt", ""], "--prompt is empty"),
         (["--prompt", "  \n"], "--prompt is empty"),
+        (["--prompt", "caf\udce9 river"], "--prompt is not valid UTF-8"),  # what Python makes of a latin-1 argv byte
+        (["--prompt", "x", "--seed", "99999999999999999999"], "--seed 99999999999999999999 is out of range"),
+        (["--prompt", "x", "--seed", "-1"], "--seed -1 is out of range"),
     ],
 )
 def test_bad_generate_options_are_refused_before_loading(args: list[str], message: str) -> None:
@@ -212,3 +215,35 @@ def test_piped_output_is_not_wrapped_at_80_columns() -> None:
                                     for line in r.stdout.splitlines()), r.stdout
     code, _, err = run("generate", "--prompt", "The river", "--max-new-tokens", "3")
     assert code == 0 and any("request(s) on cpu" in line and "tokens/s" in line for line in err.splitlines()), err
+
+
+def test_user_errors_turn_file_system_failures_and_ctrl_c_into_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Disk full (OSError ENOSPC, or safetensors' own write error), and Ctrl-C: one line on stderr, exit 2 / 130."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from pwrun.cli_common import user_errors
+
+    cases: list[tuple[BaseException, int, str]] = [
+        (OSError(errno.ENOSPC, "No space left on device", "/x/sensitivity.parquet.tmp"), 2,
+         "error: No space left on device: /x/sensitivity.parquet.tmp; free some space or write elsewhere"),
+        (PermissionError(errno.EACCES, "Permission denied", "/x/o.jsonl"), 2, "error: Permission denied: /x/o.jsonl"),
+        (SafetensorError("Error while serializing: No space left on device (os error 28)"), 2,
+         "error: Error while serializing: No space left on device (os error 28)"),
+        (KeyboardInterrupt(), 130, "interrupted: nothing half-written was kept"),
+    ]
+    for exc, code, line in cases:
+        with pytest.raises(SystemExit) as e, user_errors():
+            raise exc
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == code and len(err) == 1 and err[0].startswith(line), err
+
+
+def test_budget_sizes_beyond_any_device_are_refused() -> None:
+    from pwrun.engine.budget import parse_size
+    from pwrun.errors import PagedWeightError
+
+    assert parse_size("48MiB") == 48 * 2**20 and parse_size("1024TiB") == 2**50
+    with pytest.raises(PagedWeightError, match="larger than any device"):
+        parse_size("99999999999999999999999GiB")

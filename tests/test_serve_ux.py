@@ -126,3 +126,26 @@ def test_budget_messages_name_the_dtype_of_non_expert_weights(calibrated_artifac
     assert code == 0 and "non-expert weights (fp32)" in err, err
     code, err = _serve(calibrated_artifacts, "--gpu-memory", "1MiB")
     assert code == 2 and "of non-expert weights (fp32)" in err and "16-bit" not in err, err
+
+
+def test_a_trace_that_cannot_be_written_loses_no_result(calibrated_artifacts: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills while the trace is written: --output and --summary-json are still written, whole, and the
+    run ends with one error line that says where the results are."""
+    import pwrun.engine.run
+
+    def full_disk(engine: object, path: Path) -> None:
+        raise PagedWeightError(f"cannot write --trace {path}: No space left on device")
+
+    monkeypatch.setattr(pwrun.engine.run, "write_trace", full_disk)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("The river", "In 1990", "A cat")))
+    out, summary = tmp_path / "o.jsonl", tmp_path / "s.json"
+    r = runner.invoke(app, ["generate", "--prompts", str(prompts), "--artifacts", str(calibrated_artifacts),
+                            "--gpu-memory", "64MiB", "--max-new-tokens", "2", "--device", "cpu", "--output", str(out),
+                            "--trace", str(tmp_path / "t.parquet"), "--summary-json", str(summary)])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and lines[-1].startswith("error: cannot write --trace") and str(out) in lines[-1], r.stderr
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["The river", "In 1990", "A cat"]
+    assert json.loads(summary.read_text())["trace_error"].endswith("No space left on device")
+    assert not (tmp_path / "t.parquet").exists()

@@ -36,6 +36,9 @@ def parse_size(text: str) -> int:
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value <= 0:
         raise PagedWeightError(f"the size {text!r} must be positive")
+    if value > 2**50:
+        raise PagedWeightError(f"the size {text!r} is larger than any device (over 1 PiB): give the memory to use, "
+                               "e.g. 40GiB")
     return int(value)
 
 

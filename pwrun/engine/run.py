@@ -16,6 +16,7 @@ from typing import Any
 from pwrun.engine.report import summarize, write_trace
 from pwrun.engine.scheduler import Sequence
 from pwrun.engine.serve import ServeConfig, build_engine
+from pwrun.errors import PagedWeightError
 from pwrun.generate import Generation, encode_prompts
 from pwrun.model.loader import load_spec
 from pwrun.sampling import SamplingParams
@@ -28,7 +29,8 @@ def serve_prompts(model_dir: Path, artifact_dir: Path, prompts: list[str], token
                   ) -> tuple[list[Generation], dict[str, Any]]:
     """Serve ``prompts`` under ``cfg``; returns generations (in prompt order) and the run summary.
 
-    ``on_progress(finished requests, generated tokens)`` is called after every sampled token.
+    ``on_progress(finished requests, generated tokens)`` is called after every sampled token. A ``trace`` that
+    cannot be written does not lose the generations: the summary's ``trace_error`` says why.
     """
     spec, _ = load_spec(Path(model_dir))
     ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens)
@@ -60,7 +62,10 @@ def serve_prompts(model_dir: Path, artifact_dir: Path, prompts: list[str], token
     engine.run()
     summary = summarize(engine, built.info)
     if trace is not None:
-        write_trace(engine, trace)
+        try:
+            write_trace(engine, trace)
+        except PagedWeightError as exc:  # the generations are still returned: the caller writes them, then reports
+            summary["trace_error"] = str(exc)
     gens = []
     for rid, p in enumerate(prompts):
         s = engine.seqs[rid]
