@@ -66,9 +66,10 @@ class SearchConfig:
 
     def __post_init__(self) -> None:
         if (self.candidates is not None and self.candidates < 0) or self.heldout_windows < 1 \
-                or self.confirm_windows < 2 or not self.budgets_bits or self.gain_z < 0:
+                or self.confirm_windows < 2 or not self.budgets_bits or not self.gain_z >= 0 \
+                or not math.isfinite(self.gain_z):
             raise PagedWeightError("--candidates must be >= 0, --heldout-windows >= 1, --confirm-windows >= 2, "
-                                   "--gain-z >= 0, and at least one --budget-bits")
+                                   "a finite --gain-z >= 0, and at least one --budget-bits")
 
 
 def search_space(seed_bits: int) -> list[BucketPolicy]:

@@ -11,7 +11,8 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from pwrun.cli_common import DeviceOpt, make_console, user_errors
+from pwcal.manifest import write_atomic
+from pwrun.cli_common import DeviceOpt, check_writable_file, make_console, user_errors
 
 console = make_console(stderr=True)
 ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
@@ -77,6 +78,9 @@ def eval_uniform(
     from pwcal.quant.eval_uniform import markdown_table
 
     with user_errors():
+        if out is not None:  # refused before the evaluation, not after it
+            check_writable_file("--out", out)
+            check_writable_file("--out (its .json)", out.with_suffix(".json"))
         datasets = tuple(dataset or ["wikitext2", "c4"])
         t0 = time.time()
         rows = run(model, artifacts, datasets, seq_len, max_windows, device, bits,
@@ -86,6 +90,6 @@ def eval_uniform(
         sys.stdout.write(table)
         if out is not None:
             cmd = "pwcal " + " ".join(sys.argv[1:])
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s)\n\n{table}")
-            out.with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
+            write_atomic(out, f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s)\n\n"
+                         f"{table}".encode())
+            write_atomic(out.with_suffix(".json"), json.dumps({"command": cmd, "rows": rows}, indent=1).encode())

@@ -247,3 +247,25 @@ def test_budget_sizes_beyond_any_device_are_refused() -> None:
     assert parse_size("48MiB") == 48 * 2**20 and parse_size("1024TiB") == 2**50
     with pytest.raises(PagedWeightError, match="larger than any device"):
         parse_size("99999999999999999999999GiB")
+
+
+def test_pwcal_out_of_range_options_are_refused_before_work(tmp_path: Path) -> None:
+    """Values a stage would silently clamp or misuse: one error line, nothing written."""
+    from pwcal.bucket_search import SearchConfig
+    from pwrun.errors import PagedWeightError
+
+    cases = [
+        (["quantize", str(MODEL), "--out", str(tmp_path / "a"), "--seq-len", "100000"],
+         "--seq-len 100000 is longer than the model's context of"),
+        (["quantize", str(MODEL), "--out", str(tmp_path / "a"), "--min-tokens", "-5"], "--min-tokens -5 must be >= 0"),
+        (["eval-uniform", str(MODEL), "--artifacts", str(tmp_path), "--out", str(tmp_path)],
+         f"cannot write --out {tmp_path}: it is a directory"),
+    ]
+    for args, message in cases:
+        r = runner.invoke(pwcal_app, args)
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and message in lines[0], r.stderr
+    assert not (tmp_path / "a").exists()
+    for z in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(PagedWeightError, match="finite --gain-z"):
+            SearchConfig(gain_z=z)

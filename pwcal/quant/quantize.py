@@ -59,6 +59,8 @@ class QuantizeConfig:
             raise PagedWeightError(f"--seed-bits {self.seed_bits} is not supported: use 2 or 3")
         if self.samples < 1 or self.seq_len < 2:
             raise PagedWeightError("--samples must be >= 1 and --seq-len >= 2")
+        if self.min_tokens < 0:
+            raise PagedWeightError(f"--min-tokens {self.min_tokens} must be >= 0 (0: every expert uses its Hessian)")
 
     @property
     def bits(self) -> list[int]:
@@ -165,7 +167,11 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
         raise PagedWeightError(f"cannot create {out}: {out.parent} is not writable; give --out where you can write")
     from pwrun.model.loader import read_config
 
-    read_config(model_dir)  # a clear error for a missing or bad checkpoint before hashing anything
+    hf_cfg = read_config(model_dir)  # a clear error for a missing or bad checkpoint before hashing anything
+    context = getattr(hf_cfg, "max_position_embeddings", None)
+    if context is not None and cfg.seq_len > context:
+        raise PagedWeightError(f"--seq-len {cfg.seq_len} is longer than the model's context of {context} tokens: "
+                               f"give --seq-len in [2, {context}]")
     model_fp = model_fingerprint(model_dir)
     if out.exists() and not force and _existing_is_complete(out, model_fp, cfg):
         return {**read_manifest(out), "skipped": True}
