@@ -148,7 +148,8 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     tok = load_tokenizer(model_dir)
     base = load_model(model_dir, device=device, dtype="float32")
     windows = calibration_windows(tok, sens_cfg["dataset"], cfg.heldout_windows + cfg.confirm_windows,
-                                  sens_cfg["seq_len"], sens_cfg["seed"], skip=sens_cfg["samples"] + res_cfg["prompts"])
+                                  sens_cfg["seq_len"], sens_cfg["seed"], skip=sens_cfg["samples"] + res_cfg["prompts"],
+                                  flags="--heldout-windows / --confirm-windows")
     select, confirm = windows[: cfg.heldout_windows], windows[cfg.heldout_windows:]
     space = search_space(art.seed_bits)
     neutral = BucketPolicy.neutral(art.seed_bits)

@@ -34,10 +34,11 @@ def _hub_documents(name: str, limit: int) -> list[str]:
 
 
 def calibration_windows(tokenizer: Any, dataset: str = "c4-calib", samples: int = 64, seq_len: int = 512,
-                        seed: int = 0, skip: int = 0) -> list[list[int]]:
+                        seed: int = 0, skip: int = 0, flags: str = "--samples or --seq-len") -> list[list[int]]:
     """``samples`` windows of ``seq_len`` token ids each, after skipping ``skip`` windows.
 
-    Raises ``PagedWeightError`` if the dataset holds fewer than ``skip + samples`` windows.
+    Raises ``PagedWeightError`` if the dataset holds fewer than ``skip + samples`` windows; the message tells the
+    user to lower ``flags`` (the caller's options that set samples / skip).
     """
     if samples < 1 or seq_len < 2:
         raise PagedWeightError("--samples must be >= 1 and --seq-len >= 2")
@@ -55,5 +56,5 @@ def calibration_windows(tokenizer: Any, dataset: str = "c4-calib", samples: int 
     have = len(ids) // seq_len
     if have < skip + samples:
         raise PagedWeightError(f"{dataset} gives {have} windows of {seq_len} tokens, fewer than the "
-                               f"{skip + samples} needed: lower --samples or --seq-len, or give more text")
+                               f"{skip + samples} needed: lower {flags}, or give more text")
     return [ids[(skip + j) * seq_len:(skip + j + 1) * seq_len] for j in range(samples)]

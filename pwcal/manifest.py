@@ -97,10 +97,12 @@ def read_manifest(artifact_dir: Path) -> dict[str, Any]:
         raise PagedWeightError(f"{artifact_dir} is not a PagedWeight artifact (no {MANIFEST}): run "
                                "`pwcal quantize MODEL --out DIR` first")
     try:
-        out: dict[str, Any] = json.loads(p.read_text())
-        return out
+        out = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise PagedWeightError(f"{p} is corrupt ({exc.msg}): rerun the stage that wrote it with --force") from exc
+    if not isinstance(out, dict):
+        raise PagedWeightError(f"{p} is corrupt (not a JSON object): rerun the stage that wrote it with --force")
+    return out
 
 
 def check_same_model(manifest: dict[str, Any], model_dir: Path, artifact_dir: Path) -> None:

@@ -131,7 +131,7 @@ def document_prompts(name_or_path: str, count: int, max_chars: int, min_chars: i
     docs = [d.strip() for d in read_documents(name_or_path) if len(d.strip()) >= min_chars]
     if len(docs) < count:
         raise PagedWeightError(f"{name_or_path} has {len(docs)} documents of >= {min_chars} characters, "
-                               f"{count} asked: lower --count")
+                               f"{count} asked: lower --count or give a dataset with more such documents")
     out = []
     for d in docs[:count]:
         cut = d[:max_chars]

@@ -269,3 +269,26 @@ def test_pwcal_out_of_range_options_are_refused_before_work(tmp_path: Path) -> N
     for z in (float("nan"), float("inf"), -1.0):
         with pytest.raises(PagedWeightError, match="finite --gain-z"):
             SearchConfig(gain_z=z)
+
+
+def test_messages_name_the_right_thing(tmp_path: Path) -> None:
+    """A manifest that is valid JSON but not an object, a model path that is a file, tiny sizes, and the
+    calibration-window shortfall naming the caller's own options."""
+    from pwcal.calib_data import calibration_windows
+    from pwcal.manifest import read_manifest
+    from pwrun.engine.budget import format_size
+    from pwrun.errors import PagedWeightError
+    from pwrun.model.loader import load_tokenizer
+
+    (tmp_path / "manifest.json").write_text("[]")
+    with pytest.raises(PagedWeightError, match="corrupt \\(not a JSON object\\)"):
+        read_manifest(tmp_path)
+    f = tmp_path / "afile"
+    f.write_text("x")
+    r = runner.invoke(pwcal_app, ["inspect", str(f)])
+    assert r.exit_code == 2 and "is a file, not a model directory" in r.stderr, r.stderr
+    assert (format_size(1024), format_size(512), format_size(3 * 2**20)) == ("1.00 KiB", "512 B", "3.00 MiB")
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words here\n")
+    with pytest.raises(PagedWeightError, match="lower --prompts, or give more text"):
+        calibration_windows(load_tokenizer(MODEL), str(short), 4, 64, flags="--prompts")

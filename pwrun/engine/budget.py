@@ -43,8 +43,12 @@ def parse_size(text: str) -> int:
 
 
 def format_size(n: float) -> str:
-    """Human-readable bytes (MiB/GiB, 2 decimals)."""
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
+    """Human-readable bytes (KiB/MiB/GiB, 2 decimals; bytes below 1 KiB)."""
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**10:.2f} KiB" if abs(n) >= 2**10 else f"{int(n)} B"
 
 
 def cublas_workspace_bytes() -> int:

@@ -271,8 +271,8 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             f"--gpu-memory {format_size(cfg.gpu_memory)} is too small: the experts at their floors need "
             f"{format_size(floor_bytes)} and the longest request ({longest} tokens) "
             f"{format_size(min_kv_pages * page_bytes)} of KV, besides {format_size(fixed)} of non-expert weights "
-            f"({dtype_label(dt)}) and {format_size(work)} of step workspace (lower --max-step-tokens / --max-batch "
-            f"to shrink it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
+            f"({dtype_label(dt)}) and {format_size(work)} of step workspace (fewer tokens per step or fewer "
+            f"concurrent requests shrink it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
     if dev.type == "cuda" and ecfg.precompile_workers != 0:  # before the pool takes the device's memory
         from kernels.warmup import precompile_decode
 

@@ -41,7 +41,8 @@ def _ok(df: pd.DataFrame) -> pd.DataFrame:
 def _ref(df: pd.DataFrame, suite: str) -> pd.Series:
     ref = df[(df.suite == suite) & (df.policy == "16-bit")]
     if ref.empty:
-        raise ValueError(f"the results have no 16-bit row for the {suite} suite")
+        raise ValueError(f"the results have no 16-bit row for the {suite} suite: add one with `pwrun eval run "
+                         f"--suite {suite} --policy 16-bit` into the same --out table")
     return ref.iloc[-1]
 
 

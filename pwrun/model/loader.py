@@ -48,6 +48,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def read_config(model_dir: Path) -> Any:
     """The transformers config of ``model_dir`` (offline)."""
+    if model_dir.exists() and not model_dir.is_dir():
+        raise PagedWeightError(f"{model_dir} is a file, not a model directory: pass a local Hugging Face checkpoint "
+                               "directory (config.json + *.safetensors + tokenizer files)")
     if not model_dir.is_dir():
         raise PagedWeightError(f"model directory {model_dir} does not exist: pass a local Hugging Face checkpoint "
                                "directory (config.json + *.safetensors + tokenizer files)")
