@@ -62,9 +62,10 @@ def _check_out(path: Path, suffix: str | None) -> None:
 @app.command()
 def run(
     out: Annotated[Path, typer.Option(help="Results table (.parquet) to append one row per budget to.")],
-    gpu_memory: Annotated[str, typer.Option(help="Budget(s), comma-separated: sizes (48MiB, 1.5GB) or labels: U<b> "
-                                            "(uniform b's static footprint for this workload), FP16 (the 16-bit "
-                                            "model's), min (the smallest PagedWeight accepts).")] = "U4",
+    gpu_memory: Annotated[str | None, typer.Option(help="Budget(s), comma-separated: sizes (48MiB, 1.5GB) or "
+                                                   "labels: U<b> (uniform b's static footprint for this workload), "
+                                                   "FP16 (the 16-bit model's), min (the smallest PagedWeight "
+                                                   "accepts). Default U4.")] = None,
     policy: Annotated[str, typer.Option(help="pagedweight, uniform (needs --bits), static, an ablation (no-routing,"
                                         " no-residual, no-movement, no-sensitivity), or 16-bit (the reference "
                                         "model, charged its footprint; no --gpu-memory).")] = "pagedweight",
@@ -94,7 +95,7 @@ def run(
     from dataclasses import replace
 
     from pwrun.engine.budget import parse_size
-    from pwrun.engine.policies import check_policy
+    from pwrun.engine.policies import POLICIES, check_policy
     from pwrun.engine.report import write_frame
     from pwrun.eval.results import append_rows, read_table
     from pwrun.eval.runs import Evaluator, LongSpec, TextSpec, set_threads
@@ -108,8 +109,11 @@ def run(
             read_table(out)  # refuse a foreign table before spending minutes
         if suite not in ("text", "long"):
             raise PagedWeightError(f"unknown --suite {suite!r}: text or long")
-        if policy == "16-bit" and (bits is not None or trace is not None):
-            raise PagedWeightError("--policy 16-bit scores the reference model: no --bits or --trace")
+        if policy == "16-bit" and (bits is not None or trace is not None or gpu_memory is not None):
+            raise PagedWeightError("--policy 16-bit scores the reference model at its own footprint: no --bits, "
+                                   "--gpu-memory or --trace")
+        if policy != "16-bit" and policy not in POLICIES:
+            raise PagedWeightError(f"unknown --policy {policy!r}: choose one of {', '.join(POLICIES)}, 16-bit")
         set_threads(threads)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
         if policy != "16-bit":
@@ -137,7 +141,7 @@ def run(
             append_rows(out, [row], ev.scores(row))
             show(row)
             return
-        specs = [x.strip() for x in gpu_memory.split(",") if x.strip()]
+        specs = [x.strip() for x in (gpu_memory or "U4").split(",") if x.strip()]
         if not specs:
             raise PagedWeightError("--gpu-memory needs at least one budget")
         sizes = {x: parse_size(x) for x in specs if not is_label(x)}

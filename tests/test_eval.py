@@ -181,6 +181,8 @@ def _eval(*args: str) -> tuple[int, str]:
     (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", "U9"], "unknown budget"),
     (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", "1MiB"], "give at least --gpu-memory"),
     (["run", "--out", "{tmp}/r.parquet", "--policy", "16-bit", "--bits", "4"], "no --bits"),
+    (["run", "--out", "{tmp}/r.parquet", "--policy", "16-bit", "--gpu-memory", "1MiB"], "--gpu-memory or --trace"),
+    (["run", "--out", "{tmp}/r.parquet", "--policy", "bogus"], "uniform, static, 16-bit"),
     (["run", "--out", "{tmp}/r.parquet", "--prompt-tokens", "4000"], "exceeds the model's context"),
     (["run", "--out", "{tmp}/missing/r.parquet"], "/missing does not exist; create it"),
     (["report", "--results", "{tmp}/none.parquet"], "does not exist"),
