@@ -48,12 +48,14 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new
     """Token ids of each prompt; raises ``PagedWeightError`` if a prompt (plus generation) exceeds the context."""
     out = []
     for i, p in enumerate(prompts):
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)} (its first words: " \
+            f"{' '.join(p.split()[:6])!r})"
         ids = tokenizer(p, add_special_tokens=True, verbose=False).input_ids
         if not ids:
-            raise PagedWeightError(f"prompt {i} is empty after tokenization: give some text")
+            raise PagedWeightError(f"{which} is empty after tokenization: give some text")
         if len(ids) + max_new_tokens > max_context:
             raise PagedWeightError(
-                f"prompt {i} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it needs "
+                f"{which} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it needs "
                 f"{len(ids) + max_new_tokens} > the model's context of {max_context} tokens: shorten the prompt "
                 "or lower --max-new-tokens")
         out.append(ids)

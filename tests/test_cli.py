@@ -292,3 +292,11 @@ def test_messages_name_the_right_thing(tmp_path: Path) -> None:
     short.write_text("only a few words here\n")
     with pytest.raises(PagedWeightError, match="lower --prompts, or give more text"):
         calibration_windows(load_tokenizer(MODEL), str(short), 4, 64, flags="--prompts")
+
+
+def test_too_long_prompt_in_a_file_is_named_one_based_with_its_first_words(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "short one"}) + "\n\n" + json.dumps({"prompt": "Long river " * 2000}) + "\n")
+    code, _, err = run("generate", "--prompts", str(f))
+    assert code == 2 and "prompt 2 of 2 (its first words: 'Long river Long river Long river')" in err, err
+    assert "context of" in err and err.count("\n") == 1
