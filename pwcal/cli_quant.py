@@ -52,8 +52,8 @@ def quantize(
 
             m = run(model, out, cfg, device=device, force=force, progress=progress)
         if m.get("skipped"):
-            console.print(f"{out} is already complete for this model and these parameters: nothing to do "
-                          "(--force to redo)")
+            console.print(f"quantize: {out} is already quantized from this model with these parameters, nothing to "
+                          "do (--force to redo)")
             return
         q = m["stages"]["quantize"]
         console.print(f"wrote {out}: {q['blocks']} expert blocks at {m['bits'][0]}..8 bits from "
