@@ -50,6 +50,11 @@ class SensitivityConfig:
     seed: int = 1
     min_tokens: int = 16
 
+    def __post_init__(self) -> None:
+        if self.min_tokens < 1:
+            raise PagedWeightError(f"--min-tokens {self.min_tokens} must be >= 1 (an expert that saw no token has no "
+                                   "Hessian)")
+
 
 def column_errors(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBlock]
                   ) -> dict[tuple[int, int, str], torch.Tensor]:

@@ -27,7 +27,7 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
     the stage is complete with other parameters and ``force`` is not set.
     """
     manifest = read_manifest(artifact_dir)
-    check_same_model(manifest, model_dir, artifact_dir)
+    check_same_model(manifest, model_dir, artifact_dir, full=True)
     stages = manifest.get("stages", {})
     for prev in ORDER[: ORDER.index(stage)]:
         if not stages.get(prev, {}).get("complete"):

@@ -80,7 +80,11 @@ def _write_results(results: list[Any], output: Path | None) -> None:
     if output is None:
         sys.stdout.write(lines)
         return
-    _write_file("--output", output, lines)
+    try:
+        _write_file("--output", output, lines)
+    except PagedWeightError as exc:  # the generations are not lost: they go to stdout instead
+        sys.stdout.write(lines)
+        raise PagedWeightError(f"{exc} (the results were printed on stdout instead)") from exc
 
 
 def _write_file(flag: str, path: Path, text: str) -> None:
@@ -198,19 +202,29 @@ def generate(
                                                  on_progress=on_progress)
             if stream:
                 end_stream()
-            else:
-                _write_results(results, output)
+            # every output is attempted; failures are reported together, after (nothing is dropped for one)
+            failed: list[str] = []
+            if not stream:
+                try:
+                    _write_results(results, output)
+                except PagedWeightError as exc:
+                    failed.append(str(exc))
                 reasons = collections.Counter(r.finish_reason for r in results)
                 console.print(f"{len(results)} of {len(texts)} requests completed ("
                               + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())) + ")"
-                              + (f" -> {output}" if output is not None else ""),
+                              + (f" -> {output}" if output is not None and not failed else ""),
                               style="dim", highlight=False, soft_wrap=True)
             console.print(format_summary(summary), style="dim", highlight=False, soft_wrap=True)
             if summary_json is not None:
-                _write_file("--summary-json", summary_json, json.dumps(summary, indent=1, default=str) + "\n")
+                try:
+                    _write_file("--summary-json", summary_json, json.dumps(summary, indent=1, default=str) + "\n")
+                except PagedWeightError as exc:
+                    failed.append(str(exc))
             if summary.get("trace_error"):
-                kept = f"the results are in {output}" if output is not None else "the results were printed"
-                raise PagedWeightError(f"{summary['trace_error']} ({kept})")
+                failed.append(str(summary["trace_error"]))
+            if failed:
+                where = "printed above" if output is None or any("--output" in f for f in failed) else f"in {output}"
+                raise PagedWeightError("; ".join(failed) + f" (the results are {where})")
             return
         spec, _ = load_spec(model_dir)
         encode_prompts(tok, texts, spec.max_position_embeddings, max_new_tokens)  # too long: refused before loading

@@ -257,7 +257,8 @@ def test_pwcal_out_of_range_options_are_refused_before_work(tmp_path: Path) -> N
     cases = [
         (["quantize", str(MODEL), "--out", str(tmp_path / "a"), "--seq-len", "100000"],
          "--seq-len 100000 is longer than the model's context of"),
-        (["quantize", str(MODEL), "--out", str(tmp_path / "a"), "--min-tokens", "-5"], "--min-tokens -5 must be >= 0"),
+        (["quantize", str(MODEL), "--out", str(tmp_path / "a"), "--min-tokens", "0"], "--min-tokens 0 must be >= 1"),
+        (["sensitivity", str(MODEL), "--artifacts", str(tmp_path), "--min-tokens", "0"], "--min-tokens 0 must be >= 1"),
         (["eval-uniform", str(MODEL), "--artifacts", str(tmp_path), "--out", str(tmp_path)],
          f"cannot write --out {tmp_path}: it is a directory"),
     ]
@@ -283,6 +284,12 @@ def test_messages_name_the_right_thing(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text("[]")
     with pytest.raises(PagedWeightError, match="corrupt \\(not a JSON object\\)"):
         read_manifest(tmp_path)
+    from pwrun.ap.artifact import APArtifact
+
+    for bad in ("[]", '{"format": "pagedweight-ap", "format_version": 1, "model": [], "stages": []}'):
+        (tmp_path / "manifest.json").write_text(bad)
+        with pytest.raises(PagedWeightError, match="is corrupt \\(not the JSON object pwcal writes\\)"):
+            APArtifact(tmp_path)
     f = tmp_path / "afile"
     f.write_text("x")
     r = runner.invoke(pwcal_app, ["inspect", str(f)])

@@ -97,6 +97,26 @@ def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Pa
     APArtifact(artifact).check_model(MODEL)  # its own model passes
     with pytest.raises(PagedWeightError, match="made for another model"):
         APArtifact(artifact).check_model(tuned)
+    # only one expert matrix fine-tuned: the sampled fingerprint probes every tensor
+    one = tmp_path / "one"
+    shutil.copytree(MODEL, one)
+    shard = sorted(one.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    name = next(k for k in sorted(tensors) if ".experts.5.down_proj" in k)
+    tensors[name] = tensors[name] + 1e-3 * torch.randn_like(tensors[name])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(PagedWeightError, match="made for another model"):
+        APArtifact(artifact).check_model(one)
+    # an artifact from before the sampled fingerprint: the runtime checks names and sizes only; the pwcal stages
+    # (full=True) compare every byte's sha256
+    from pwcal.manifest import check_same_model
+
+    old = json.loads((artifact / "manifest.json").read_text())
+    del old["model"]["weights_sample"]
+    check_same_model(old, tuned, artifact)
+    with pytest.raises(PagedWeightError, match="made for another model"):
+        check_same_model(old, tuned, artifact, full=True)
+    check_same_model(old, MODEL, artifact, full=True)
 
 
 def test_nan_in_checkpoint_is_a_clear_error(tmp_path: Path) -> None:

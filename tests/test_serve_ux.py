@@ -149,3 +149,29 @@ def test_a_trace_that_cannot_be_written_loses_no_result(calibrated_artifacts: Pa
     assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["The river", "In 1990", "A cat"]
     assert json.loads(summary.read_text())["trace_error"].endswith("No space left on device")
     assert not (tmp_path / "t.parquet").exists()
+
+
+def test_an_output_that_cannot_be_written_prints_the_results(calibrated_artifacts: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """--output on a full disk: the results go to stdout instead, --summary-json is still written, one error line."""
+    import pwrun.cli
+
+    real = pwrun.cli._write_file
+
+    def full_disk(flag: str, path: Path, text: str) -> None:
+        if flag == "--output":
+            raise PagedWeightError(f"cannot write {flag} {path}: No space left on device")
+        real(flag, path, text)
+
+    monkeypatch.setattr(pwrun.cli, "_write_file", full_disk)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("The river", "A cat")))
+    summary = tmp_path / "s.json"
+    r = runner.invoke(app, ["generate", "--prompts", str(prompts), "--artifacts", str(calibrated_artifacts),
+                            "--gpu-memory", "64MiB", "--max-new-tokens", "2", "--device", "cpu", "--output",
+                            str(tmp_path / "o.jsonl"), "--summary-json", str(summary)])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and lines[-1].startswith("error: cannot write --output"), r.stderr
+    assert "printed on stdout instead" in lines[-1] and "(the results are printed above)" in lines[-1]
+    assert [json.loads(x)["prompt"] for x in r.stdout.splitlines() if x.startswith("{")] == ["The river", "A cat"]
+    assert summary.is_file() and not (tmp_path / "o.jsonl").exists()

@@ -59,8 +59,9 @@ class QuantizeConfig:
             raise PagedWeightError(f"--seed-bits {self.seed_bits} is not supported: use 2 or 3")
         if self.samples < 1 or self.seq_len < 2:
             raise PagedWeightError("--samples must be >= 1 and --seq-len >= 2")
-        if self.min_tokens < 0:
-            raise PagedWeightError(f"--min-tokens {self.min_tokens} must be >= 0 (0: every expert uses its Hessian)")
+        if self.min_tokens < 1:
+            raise PagedWeightError(f"--min-tokens {self.min_tokens} must be >= 1 (an expert that saw no token has no "
+                                   "Hessian)")
 
     @property
     def bits(self) -> list[int]:

@@ -37,6 +37,10 @@ class APArtifact:
             self.manifest: dict[str, Any] = json.loads(mf.read_text())
         except json.JSONDecodeError as exc:
             raise PagedWeightError(f"{mf} is corrupt ({exc.msg}): re-run pwcal quantize with --force") from exc
+        if not isinstance(self.manifest, dict) or not all(
+                isinstance(self.manifest.get(k, {}), dict) for k in ("stages", "model", "files")):
+            raise PagedWeightError(f"{mf} is corrupt (not the JSON object pwcal writes): re-run pwcal quantize with "
+                                   "--force")
         if self.manifest.get("format") != FORMAT or self.manifest.get("format_version") != FORMAT_VERSION:
             raise PagedWeightError(f"{self.path} has format {self.manifest.get('format')} v"
                                    f"{self.manifest.get('format_version')}; this runtime reads {FORMAT} "
