@@ -85,13 +85,18 @@ def model_fingerprint(model_dir: Path, full: bool = True) -> dict[str, str]:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via ``path.tmp`` + rename, so readers never see a partial file."""
+    """Write ``data`` to ``path`` via ``path.tmp`` + rename, so readers never see a partial file. Raises ``OSError``
+    (disk full, no permission) after removing the ``.tmp``: nothing half-written is left."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_manifest(artifact_dir: Path, manifest: dict[str, Any]) -> None:

@@ -42,8 +42,10 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
 
 
 def start_writing(artifact_dir: Path, stage: str) -> None:
-    """Call right before ``stage`` writes its first table: until ``finish_stage``, it and later stages are recorded
-    as not complete (their tables may mix this run's and the previous run's)."""
+    """Call right before ``stage`` (one of ``ORDER``) writes its first table: until ``finish_stage``, it and later
+    stages are recorded as not complete (their tables may mix this run's and the previous run's), with a
+    ``stale_because`` reason the runtime's warnings quote. Raises ``PagedWeightError`` if the manifest is missing or
+    corrupt."""
     manifest = read_manifest(artifact_dir)
     stages = manifest.get("stages", {})
     for name in ORDER[ORDER.index(stage):]:

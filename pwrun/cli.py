@@ -88,13 +88,13 @@ def _write_results(results: list[Any], output: Path | None) -> None:
 
 
 def _write_file(flag: str, path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all (``.tmp`` then rename); ``PagedWeightError`` on failure."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write ``text`` to ``path`` whole or not at all (``pwcal.manifest.write_atomic``); ``PagedWeightError`` naming
+    ``flag`` on failure."""
+    from pwcal.manifest import write_atomic
+
     try:
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_atomic(path, text.encode())
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise PagedWeightError(f"cannot write {flag} {path}: {exc.strerror}") from exc
 
 
@@ -204,11 +204,13 @@ def generate(
                 end_stream()
             # every output is attempted; failures are reported together, after (nothing is dropped for one)
             failed: list[str] = []
+            printed = output is None  # where the results are, for the error line
             if not stream:
                 try:
                     _write_results(results, output)
                 except PagedWeightError as exc:
                     failed.append(str(exc))
+                    printed = True
                 reasons = collections.Counter(r.finish_reason for r in results)
                 console.print(f"{len(results)} of {len(texts)} requests completed ("
                               + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())) + ")"
@@ -223,7 +225,7 @@ def generate(
             if summary.get("trace_error"):
                 failed.append(str(summary["trace_error"]))
             if failed:
-                where = "printed above" if output is None or any("--output" in f for f in failed) else f"in {output}"
+                where = "printed above" if printed else f"in {output}"
                 raise PagedWeightError("; ".join(failed) + f" (the results are {where})")
             return
         spec, _ = load_spec(model_dir)

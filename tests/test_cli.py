@@ -307,3 +307,15 @@ def test_too_long_prompt_in_a_file_is_named_one_based_with_its_first_words(tmp_p
     code, _, err = run("generate", "--prompts", str(f))
     assert code == 2 and "prompt 2 of 2 (its first words: 'Long river Long river Long river')" in err, err
     assert "context of" in err and err.count("\n") == 1
+
+
+def test_write_atomic_leaves_no_tmp_when_it_fails(tmp_path: Path) -> None:
+    from pwcal.manifest import write_atomic
+
+    target = tmp_path / "out.jsonl"
+    target.mkdir()  # the rename onto a directory fails after the .tmp is written
+    with pytest.raises(OSError):
+        write_atomic(target, b"data")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]
+    write_atomic(tmp_path / "ok.txt", b"data")
+    assert (tmp_path / "ok.txt").read_bytes() == b"data" and not (tmp_path / "ok.txt.tmp").exists()

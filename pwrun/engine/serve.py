@@ -64,8 +64,8 @@ OPTIONAL_TABLES = {
 }
 
 
-TABLE_STAGE = {"sensitivity": "sensitivity", "routing": "sensitivity", "block_features": "sensitivity",
-               "residual_heads": "fit-residual", "buckets": "search-buckets"}
+TABLE_STAGE = {"sensitivity": "sensitivity", "routing": "sensitivity",
+               **{name: stage for name, (stage, _) in OPTIONAL_TABLES.items()}}  # table -> the pwcal stage writing it
 
 
 def _stale(art: APArtifact, name: str) -> str | None:
