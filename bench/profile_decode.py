@@ -5,7 +5,8 @@ weights, synthetic AP planes, uniform ``--bits``), serves one ``--prompt-len`` p
 ``--steps`` decode steps (no CUDA graphs): prints the top CUDA kernels by total time and the share of the
 MoE kernels, attention and everything else. With ``--prefill`` it profiles the prompt's prefill step
 instead (one step of ``--prompt-len`` tokens, after a 3-token run of the same prompt has compiled the
-kernels, as ``serve_speed`` times it) and also prints the step's wall time. Usage::
+kernels, as ``serve_speed`` times it). It prints the steps' wall time with and without the profiler, and
+groups kernel time only (an aten op's own row would count its kernels twice). Usage::
 
     python bench/profile_decode.py --bits 4 --out bench/results/profile_decode_h200.txt
     python bench/profile_decode.py --bits 4 --prefill --out bench/results/profile_prefill_h200.txt
@@ -14,11 +15,19 @@ kernels, as ``serve_speed`` times it) and also prints the step's wall time. Usag
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
+import io
+import pstats
 import time
+import traceback
+import warnings
 from pathlib import Path
+from typing import Any
 
 import serve_speed as sp  # type: ignore[import-not-found]
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from pwrun.engine.engine import EngineConfig
@@ -33,6 +42,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (uniform --bits only)")
     ap.add_argument("--pressure", action="store_true",
                     help="PagedWeight under pressure, as bench/serve_speed.py runs it at batch 1 (else uniform --bits)")
     ap.add_argument("--prefill", action="store_true", help="profile the prefill step instead of decode steps")
@@ -49,33 +59,76 @@ def main() -> None:
                                                                      cuda_graphs=False), sp.PLANNER)
         pol = sp.PRESSURE_POLICY
     else:
-        reqs = sp.prompts(1, args.prompt_len, model.spec.vocab_size, 0)
-        cfg = ServeConfig(40 * 2**30, "uniform", args.bits, EngineConfig(max_batch=1, max_step_tokens=2048,
+        reqs = sp.prompts(args.batch, args.prompt_len, model.spec.vocab_size, 0)
+        cfg = ServeConfig(40 * 2**30, "uniform", args.bits, EngineConfig(max_batch=args.batch, max_step_tokens=2048,
                                                                          cuda_graphs=False))
         pol = BucketPolicy.neutral(3)
     if args.prefill:  # compile every kernel of the prefill and first decode steps, then a fresh engine
         assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=3), reqs,
                         set()).engine.run()
-    e = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=args.steps + 4), reqs,
-                        set()).engine
+
+    def fresh() -> Any:
+        return assemble_engine(model, src, table, pol, None, None, cfg,
+                               SamplingParams(max_new_tokens=2 * args.steps + 4), reqs, set()).engine
+
+    def timed(e: Any, n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            e.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
     steps = 1 if args.prefill else args.steps
+    e = fresh()
     if not args.prefill:
         for _ in range(3):  # prefill + warm-up decode steps
             e.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            e.step()
+    plain = timed(e, steps)  # wall time per step without the profiler
+    plain_phases = {k: round(1e3 * v, 3) for k, v in e.totals.trace[-1].items() if k.endswith("seconds") and v}
+    host = ""
+    if args.prefill:  # where the host's time goes (cProfile), and which calls wait for the device
+        e = fresh()
         torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    events = [ev for ev in prof.key_averages() if ev.device_time_total > 0]
+        cp = cProfile.Profile()
+        syncs: collections.Counter[str] = collections.Counter()
+        shown = warnings.showwarning
+
+        def record(message: Any, category: Any, filename: str, lineno: int, *a: Any, **kw: Any) -> None:
+            if "synchroniz" in str(message):
+                here = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[-8:-1]
+                        if "site-packages" not in f.filename]
+                syncs[" < ".join(reversed(here[-4:]))] += 1
+            else:
+                shown(message, category, filename, lineno, *a, **kw)
+
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            cp.enable()
+            e.step()
+            cp.disable()
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = shown
+        buf = io.StringIO()
+        pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(30)
+        host = ("synchronizing calls in the prefill step (count, innermost first):\n"
+                + "\n".join(f"{n:5d}  {k}" for k, n in syncs.most_common(20)) + "\n\ncProfile, by own time:\n"
+                + "\n".join(buf.getvalue().splitlines()[:60]))
+        e = fresh()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = timed(e, steps)
+    # kernels only (an aten op's row repeats its kernels' time)
+    events = [ev for ev in prof.key_averages() if ev.device_type == DeviceType.CUDA and ev.self_device_time_total > 0]
     total = sum(ev.self_device_time_total for ev in events)
     last = e.totals.trace[-1]
     what = "PagedWeight under pressure" if args.pressure else f"uniform {args.bits}-bit"
     kind = "prefill step" if args.prefill else "decode steps"
-    lines = [f"{steps} {kind}, {what}, prompt {args.prompt_len}: GPU self time "
-             f"{total / 1e3 / steps:.3f} ms/step, wall {1e3 * wall / steps:.3f} ms/step (under the profiler); "
+    lines = [f"{steps} {kind}, {what}, batch {args.batch}, prompt {args.prompt_len}: GPU kernel time "
+             f"{total / 1e3 / steps:.3f} ms/step; wall {1e3 * plain:.3f} ms/step without the profiler, "
+             f"{1e3 * wall:.3f} under it; "
              f"committed bits of the shared / routed expert blocks "
              f"{last.get('shared_bits', float('nan')):.2f} / {last.get('routed_bits', float('nan')):.2f}", ""]
     groups = {"ap_moe": 0.0, "paged_attention": 0.0, "prefill_attention": 0.0, "gemm": 0.0, "other": 0.0}
@@ -89,7 +142,12 @@ def main() -> None:
         groups[g] += ev.self_device_time_total
     for g, t in groups.items():
         lines.append(f"{g:17s} {t / 1e3 / steps:8.3f} ms/step  {100 * t / max(total, 1):5.1f}%")
-    lines += ["", prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)]
+    phases = {k: round(1e3 * v, 3) for k, v in last.items() if k.endswith("seconds") and v}
+    lines += ["", f"host phases of the last step without / with the profiler (ms, engine trace): {plain_phases} / "
+              f"{phases}"]
+    lines += ["", prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60)]
+    lines += ["", host, "", "by host time:", prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+                                                             max_name_column_width=60)]
     text = "\n".join(lines)
     args.out.write_text(text)
     print(text)

@@ -52,6 +52,7 @@ from kernels.ap_moe_gemv import gemv_moe
 from kernels.ap_moe_gemv1 import gemv1_moe, gemv1_partials
 from kernels.ap_moe_layout import combine
 from kernels.ap_tile import lut_rows, weight_tile
+from kernels.moe_prefill import gather_sum, silu_mul
 from pwrun.ap.format import dequantize
 
 CONFIGS = json.loads((Path(__file__).parent / "configs" / "ap_moe.json").read_text())
@@ -373,9 +374,10 @@ def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
                     cfg: dict[str, Any]) -> torch.Tensor:
     """Prefill path: dequantize every expert that has a token once (Triton), then dense tensor-core GEMMs.
 
-    On CUDA the GEMMs are one ``torch._grouped_mm`` per unit over the expert-sorted pairs (no host
+    The GEMMs are one ``torch._grouped_mm`` per unit over the expert-sorted pairs (no host
     sync: every expert gets a dense slot, those without tokens are skipped by the kernel and get an
-    empty group); elsewhere (or if grouped mm is unavailable) a per-expert loop.
+    empty group), with ``kernels.moe_prefill``'s SiLU-and-mul (times the routing weight) between them and its
+    gather-sum over the k slots after; where grouped mm is unavailable, a per-expert loop.
     """
     t, k = topk_ids.shape
     e_all = torch.arange(ex.num_experts, device=x.device)
@@ -384,14 +386,14 @@ def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
     live = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
     w_gu = dequant_blocks(ex, 2 * e_all, "gate_up", x.dtype, live, cfg)
     w_dn = dequant_blocks(ex, 2 * e_all + 1, "down", x.dtype, live, cfg)
-    if x.is_cuda and hasattr(torch, "_grouped_mm"):
+    if hasattr(torch, "_grouped_mm"):  # CUDA; CPU too since torch 2.9 (CI runs it there in Triton's interpreter)
         try:
             h = torch._grouped_mm(x[order // k], w_gu.transpose(1, 2), offs=offs)
-            g, u = h.float().chunk(2, dim=-1)
-            y = torch._grouped_mm((F.silu(g) * u).to(x.dtype), w_dn.transpose(1, 2), offs=offs)
-            pairs = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
-            pairs[order] = y.float() * topk_w.flatten()[order, None].float()
-            return pairs.view(t, k, -1).sum(1).to(x.dtype)
+            act = silu_mul(h, topk_w.flatten()[order].float())  # the routing weight applied before down
+            y = torch._grouped_mm(act, w_dn.transpose(1, 2), offs=offs)
+            pos = torch.empty_like(order)
+            pos[order] = torch.arange(t * k, device=x.device)  # where pair (token, slot) sits in y
+            return gather_sum(y, pos.view(t, k))
         except RuntimeError:
             pass  # layout or dtype not supported by this build: per-expert loop below
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -30,3 +30,22 @@ def test_causal_attention_matches_explicit_mask(n: int, ctx: int, dtype: torch.d
     assert (got.double() - ref).abs().max().item() <= tol
     # the last query sees every key: a masked-out key would change it
     assert not torch.allclose(got[:, -1].double(), _explicit(q, k[:-1], v[:-1], 8**-0.5)[:, -1], atol=1e-3)
+
+
+@pytest.mark.parametrize(("n", "ctx"), [(1, 9), (7, 7), (3, 10)])
+def test_causal_attention_calls_sdpa_with_4d_inputs(n: int, ctx: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDPA's flash and memory-efficient backends take only 4-D inputs; 3-D ones silently take the math backend,
+    which on CUDA upcasts to fp32 and materialises the scores (the eleventh session's prefill profile)."""
+    import torch.nn.functional as F
+
+    seen: list[tuple[int, ...]] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: object, **kw: object) -> torch.Tensor:
+        seen.extend([tuple(q.shape), tuple(k.shape), tuple(v.shape)])
+        return real(q, k, v, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    q, k, v = (torch.randn(m, 2, 4) for m in (n, ctx, ctx))
+    assert _causal_attention(q, k, v, 0.5).shape == (2, n, 4)
+    assert seen == [(1, 2, n, 4), (1, 2, ctx, 4), (1, 2, ctx, 4)]

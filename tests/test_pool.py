@@ -122,3 +122,43 @@ def test_find_run_is_first_fit_like_a_full_scan() -> None:
         ok = np.flatnonzero(free[want:] - free[:-want] == want)
         assert pool.find_run(want) == (int(ok[0]) if ok.size else -1)
     pool.check()
+
+
+def test_allocate_top_takes_the_highest_free_pages_like_a_full_scan() -> None:
+    """``allocate_top`` scans down from a mark instead of the whole pool: after any mix of KV, run and any-page
+    allocations and releases (of either kind, anywhere) it must still take exactly the n highest free pages."""
+    rng = random.Random(11)
+    pool = PagePool(PoolConfig(num_pages=5000, page_bytes=8))
+    kv: list[int] = []
+    runs: list[tuple[int, int]] = []
+    loose: list[int] = []
+    for i in range(600):
+        r = rng.random()
+        try:
+            if r < 0.45:
+                n = rng.choice([0, 1, 3, 48, 200])
+                want = np.flatnonzero(pool._kind == 0)[::-1][:n].tolist()
+                got = pool.allocate_top(n, KV)
+                assert got == want, f"step {i}: not the {n} highest free pages"
+                kv += got
+            elif r < 0.6:
+                n = rng.randint(1, 60)
+                runs.append((pool.allocate_run(n, WEIGHT), n))
+            elif r < 0.65:
+                loose += pool.allocate(rng.randint(1, 20), WEIGHT)
+            elif r < 0.85 and kv:  # release KV pages from anywhere, high ones included
+                rng.shuffle(kv)
+                k = rng.randint(1, min(len(kv), 100))
+                pool.release(kv[:k], KV)
+                kv = kv[k:]
+            elif runs:
+                s, n = runs.pop(rng.randrange(len(runs)))
+                pool.release_run(s, n, WEIGHT)
+        except OutOfPages:
+            if kv:
+                pool.release(kv, KV)
+                kv = []
+        pool.check()
+    with pytest.raises(OutOfPages):
+        pool.allocate_top(pool.num_free + 1, KV)
+    pool.check()

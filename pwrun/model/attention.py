@@ -34,12 +34,14 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     (n <= ctx; the queries are positions ctx - n .. ctx - 1, as ``StepTensors.build`` makes every step): query i
     sees keys 0 .. ctx - n + i. Returns [heads, n, d]. A whole prompt (n == ctx) runs SDPA's ``is_causal``
     (flash attention on CUDA), a chunk of a longer context its lower-right causal bias (no [n, ctx] mask
-    tensor is built), one token no mask at all."""
+    tensor is built), one token no mask at all. The inputs go to SDPA as 4-D [1, heads, len, d]: its flash and
+    memory-efficient backends take only 4-D tensors, and 3-D ones fall back to the math backend, which on CUDA
+    upcasts to fp32 and builds the [heads, n, ctx] scores."""
     n, ctx = q.shape[0], k.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    qt, kt, vt = (z.transpose(0, 1).unsqueeze(0) for z in (q, k, v))
     if n == ctx or n == 1:
-        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=n > 1, scale=scale)
-    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(n, ctx), scale=scale)
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=n > 1, scale=scale)[0]
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(n, ctx), scale=scale)[0]
 
 
 def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec, eps: float, layer: int,
@@ -86,6 +88,7 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
         lo, hi = step.query_start[s], step.query_start[s + 1]
         ctx = step.context_lens[s]
         ks, vs = cache.gather(layer, step.block_tables[s], ctx)
-        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
         out[lo:hi] = _causal_attention(q[lo:hi], ks, vs, d**-0.5).transpose(0, 1)
     return F.linear(out.reshape(t, hq * d), w.o)

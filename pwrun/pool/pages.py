@@ -63,6 +63,7 @@ class PagePool:
         self.peak_used = 0
         self._runs: tuple[np.ndarray, np.ndarray] | None = None  # free runs (starts, lengths), ascending
         self._counts = {FREE: cfg.num_pages, KV: 0, WEIGHT: 0}  # kept in step: no O(pages) count per query
+        self._top = cfg.num_pages  # no free page at or above it (taking pages keeps that; a release raises it)
 
     @property
     def num_free(self) -> int:
@@ -121,12 +122,26 @@ class PagePool:
         return start
 
     def allocate_top(self, n: int, kind: int = KV) -> list[int]:
-        """Take the ``n`` highest free pages (KV), keeping the low holes for weight runs."""
-        free = np.flatnonzero(self._kind == FREE)
-        if n > free.size:
-            raise OutOfPages(f"need {n} pages, {free.size} free")
-        pages = free[free.size - n:][::-1]
+        """Take the ``n`` highest free pages (KV), keeping the low holes for weight runs; returns them highest
+        first. Scans down from ``_top`` (no free page lies at or above it) in growing windows, so a call costs
+        about the pages it passes, not the pool: one scan of the whole pool per KV block cost 0.6 ms at 655k pages
+        (78 ms of host time in a 2048-token prefill step on the H200, the eleventh session's profile)."""
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} pages, {self.num_free} free")
+        found: list[np.ndarray] = []
+        need, hi, window = n, self._top, max(4 * n, 1024)
+        while need > 0 and hi > 0:
+            lo = max(0, hi - window)
+            f = np.flatnonzero(self._kind[lo:hi] == FREE)[::-1][:need] + lo
+            found.append(f)
+            need -= f.size
+            hi, window = lo, 4 * window
+        if need > 0:  # the free count and the pages disagree: nothing was taken
+            raise AssertionError(f"{self.num_free} pages counted free, {n - need} found below page {self._top}")
+        pages = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         self._take(pages, kind)
+        if pages.size:
+            self._top = int(pages[-1])  # every page from the lowest taken up is now owned
         return pages.tolist()
 
     def release(self, pages: list[int] | np.ndarray, kind: int) -> None:
@@ -138,6 +153,8 @@ class PagePool:
             bad = p[self._kind[p] != kind][0]
             raise ValueError(f"page {bad} is not owned by kind {kind}")
         self._kind[p] = FREE
+        if p.size:
+            self._top = max(self._top, int(p.max()) + 1)
         self._runs = None
         self._counts[kind] -= p.size
         self._counts[FREE] += p.size
@@ -151,3 +168,4 @@ class PagePool:
             assert self._counts[kind] == int((self._kind == kind).sum()), f"page count of kind {kind} drifted"
         assert self.count(KV) + self.count(WEIGHT) + self.num_free == self.cfg.num_pages
         assert set(np.unique(self._kind).tolist()) <= {FREE, KV, WEIGHT}
+        assert not (self._kind[self._top:] == FREE).any(), "a free page lies above the KV allocation mark"
