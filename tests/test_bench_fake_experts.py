@@ -21,3 +21,22 @@ def test_fake_experts_shapes_and_bits(n: int | None) -> None:
         assert k == (s["hidden"] if b % 2 == 0 else s["inter"])
         assert planes.shape[-2:] == (rows, -(-k // 32)) and lut.shape == (rows, 2**5)
         assert lut.dtype == torch.bfloat16
+
+
+def test_dense_grouped_baseline_matches_the_per_expert_loop() -> None:
+    """The grouped-GEMM bf16 baseline (its group ends now come from searchsorted so a CUDA graph can hold it) is the
+    same MoE as the per-expert loop: experts with no token, all tokens on one expert, top-k 1 and 4."""
+    from bench.ap_moe_speed import dense_grouped, dense_loop
+
+    g = torch.Generator().manual_seed(5)
+    e, h, i = 6, 64, 48
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, generator=g) * i**-0.5).to(torch.bfloat16)
+    for t, k, ids in ((5, 4, None), (3, 1, torch.full((3, 1), 2)), (7, 2, None)):
+        if ids is None:
+            ids = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])  # expert e-1 unused
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+        w = torch.rand(t, k, generator=g)
+        got = dense_grouped(x, ids, w, gate_up, down).float()
+        ref = dense_loop(x, ids, w, gate_up, down).float()
+        assert (got - ref).abs().max() <= 2**-6 * ref.abs().max()
