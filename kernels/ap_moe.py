@@ -377,10 +377,16 @@ def _ap_moe_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
     The GEMMs are one ``torch._grouped_mm`` per unit over the expert-sorted pairs (no host
     sync: every expert gets a dense slot, those without tokens are skipped by the kernel and get an
     empty group), with ``kernels.moe_prefill``'s SiLU-and-mul (times the routing weight) between them and its
-    gather-sum over the k slots after; where grouped mm is unavailable, a per-expert loop.
+    gather-sum over the k slots after; where grouped mm is unavailable, a per-expert loop. A single expert with
+    k = 1 (a shared expert) skips the sorting: two plain GEMMs around the same SiLU-and-mul (the same result as
+    its grouped path: one term per token, rounded once).
     """
     t, k = topk_ids.shape
     e_all = torch.arange(ex.num_experts, device=x.device)
+    if ex.num_experts == 1 and k == 1:  # a shared expert: every token, in token order; two plain GEMMs, no sorting
+        w_gu = dequant_blocks(ex, e_all, "gate_up", x.dtype, None, cfg)[0]
+        w_dn = dequant_blocks(ex, e_all + 1, "down", x.dtype, None, cfg)[0]
+        return F.linear(silu_mul(F.linear(x, w_gu), topk_w.reshape(t).float().contiguous()), w_dn)
     sorted_ids, order = torch.sort(topk_ids.flatten())
     offs = torch.searchsorted(sorted_ids, e_all + 1).to(torch.int32)  # end of each expert's rows
     live = torch.diff(offs, prepend=offs.new_zeros(1)) > 0

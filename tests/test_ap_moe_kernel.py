@@ -385,3 +385,25 @@ def test_word_first_path_more_splits_than_k_steps() -> None:
     check(1, 2, 4, hidden=72, inter=104, bits=[8, 3, 6, 4, 5, 8, 2, 7], dtype=torch.bfloat16, seed=5, config=cfg)
     cfg["down"]["BLOCK_K"] = 64
     check(1, 2, 4, hidden=72, inter=300, bits=[8, 3, 6, 4, 5, 8, 2, 7], dtype=torch.bfloat16, seed=6, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shared_expert_prefill_path(dtype: torch.dtype) -> None:
+    """The prefill (dequant) path of one expert at k = 1 (a shared expert: no sorting, two plain GEMMs) against the
+    reference, with a gate weight per token, and against the grouped path of the same expert among others."""
+    ex = make(1, 72, 104, [5, 3], dtype, 31)
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(40, 72, generator=g).to(dtype).to(DEV)
+    gate = torch.rand(40, 1, generator=g).to(DEV)
+    ids = torch.zeros(40, 1, dtype=torch.int64, device=DEV)
+    cfg = {"path": "dequant", "SPREAD": 0, "BLOCK_N": 16, "BLOCK_K": 64}
+    got = ap_moe(x, ids, gate, ex, config=cfg).float()
+    ref = ap_moe_ref(x, ids, gate, ex).float()
+    tol = (2**-7 if dtype == torch.bfloat16 else 2**-10) * 4
+    assert (got - ref).abs().max() <= tol * ref.abs().max()
+    assert got[gate[:, 0] > 0.5].abs().sum() > 0  # rows are written, scaled by their own gate
+    wide = make(2, 72, 104, [5, 3, 4, 4], dtype, 31)  # same seed: expert 0 as above, and a second expert
+    for b in (0, 1):
+        assert all(torch.equal(u, v) for u, v in zip(wide.block(b)[:2], ex.block(b)[:2], strict=True))
+    grouped = ap_moe(x, ids, gate, wide, config=cfg).float()  # the grouped path: the same sums (GEMM order aside)
+    assert (got - grouped).abs().max() <= 2 * torch.finfo(dtype).eps * grouped.abs().max()
