@@ -29,18 +29,34 @@ contexts); the split count comes from host-side ints only (no device->host sync)
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-# Launch constants; not yet tuned on a GPU (move to kernels/configs/ once they are).
-BLOCK_N = 64  # key positions per loop iteration of a program
-MIN_SPLIT_TOKENS = 256  # never split a context into pieces shorter than this
-MAX_SPLITS = 32
-NUM_WARPS = 4
+# Launch configs as data (``kernels/configs/paged_attention.json``): "default", and per "HqxHkvxD" shape a list of
+# buckets by batch size (the largest ``min_seqs`` <= S wins), written by ``bench/paged_attention_speed.py
+# --write-configs``. Keys: BLOCK_N (key positions per loop iteration), num_warps, DOT (1: q.K^T and p.V on tensor
+# cores with the group's query heads padded to 16 rows; 0: fp32 broadcast products, no padding: for MHA, where 15
+# of the 16 rows would be padding), min_split_tokens (no context split shorter), max_splits, programs_per_sm (the
+# split count aims at this many programs per SM).
+CONFIGS: dict[str, Any] = json.loads((Path(__file__).parent / "configs" / "paged_attention.json").read_text())
 LOG2E = 1.4426950408889634
+
+
+def pick_config(num_seqs: int, hq: int, hkv: int, d: int, configs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The launch config for S = ``num_seqs`` sequences of this head shape: the shape's bucket with the largest
+    ``min_seqs`` <= S (the first if none), over the defaults. Read-only (shared)."""
+    table = CONFIGS if configs is None else configs
+    best: dict[str, Any] | None = None
+    for row in table["by_shape"].get(f"{hq}x{hkv}x{d}", []):
+        if best is None or num_seqs >= row["min_seqs"]:
+            best = row["config"]
+    return {**table["default"], **(best or {})}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,16 +99,17 @@ def _decode_kernel(
     bt_ptr,  # int32 [S, max_blocks] base unit of each logical block
     vbt_ptr,  # int32 [S, max_blocks] V's base units (the same table unless the caller passes v_block_tables)
     ctx_ptr,  # int32 [S] positions to attend over
-    out_ptr,  # [S, Hq, D] output in q's dtype; written only when NUM_SPLITS == 1
-    m_ptr,  # fp32 [S, Hq, NUM_SPLITS] running max of each split (log2 domain); NUM_SPLITS > 1 only
-    l_ptr,  # fp32 [S, Hq, NUM_SPLITS] softmax denominator of each split
-    acc_ptr,  # fp32 [S, Hq, NUM_SPLITS, D] unnormalised output of each split
+    out_ptr,  # [S, Hq, D] output in q's dtype; written only without SPLIT
+    m_ptr,  # fp32 [S, Hq, num_splits] running max of each split (log2 domain); SPLIT only
+    l_ptr,  # fp32 [S, Hq, num_splits] softmax denominator of each split
+    acc_ptr,  # fp32 [S, Hq, num_splits, D] unnormalised output of each split
     k_offset,  # units added to a table entry to reach the K unit
     v_offset,  # units added to a table entry to reach the V unit
     qk_scale,  # softmax scale * log2(e)
     max_tokens,  # max_blocks * BLOCK_SIZE: lengths are clamped to it, so no read past a table row
     split_len,  # positions per split (a multiple of BLOCK_N)
     num_heads,  # Hq
+    num_splits,  # context splits (grid dim 2)
     stride_qs, stride_qh,
     stride_ku, stride_kb, stride_kh,
     stride_vu, stride_vb, stride_vh,
@@ -100,11 +117,12 @@ def _decode_kernel(
     stride_vbts,
     stride_os, stride_oh,
     GROUP: tl.constexpr,  # Hq // Hkv: query heads per kv head
-    BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
+    BLOCK_G: tl.constexpr,  # GROUP padded to a power of two (>= 16 with DOT: tl.dot's minimum)
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # rows per cache unit (power of two)
     BLOCK_N: tl.constexpr,  # positions per iteration (power of two >= 16)
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for _merge_kernel instead of the output
+    DOT: tl.constexpr,  # tensor-core products (else fp32 broadcast products)
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong (Triton 3.9), fp32 is exact
 ):
     s = tl.program_id(0)
@@ -119,7 +137,7 @@ def _decode_kernel(
     heads = kvh * GROUP + g
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    if DOT_FP32:
+    if DOT_FP32 or not DOT:
         q = q.to(tl.float32)
 
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
@@ -136,24 +154,30 @@ def _decode_kernel(
                     + d[None, :], mask=pmask[:, None], other=0.0)
         v = tl.load(v_ptr + (vunit + v_offset)[:, None] * stride_vu + row[:, None] * stride_vb + kvh * stride_vh
                     + d[None, :], mask=pmask[:, None], other=0.0)
-        if DOT_FP32:
+        if DOT_FP32 or not DOT:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
+        if DOT:
+            sc = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
+        else:
+            sc = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale
         sc = tl.where(pmask[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: every iteration has >= 1 valid position
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = acc / l_i[:, None]
         tl.store(out_ptr + s * stride_os + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=gmask[:, None])
     else:
         # splits past the context store (-inf, 0, 0); the merge never reads them
-        part = (s * num_heads + heads) * NUM_SPLITS + split
+        part = (s * num_heads + heads) * num_splits + split
         tl.store(m_ptr + part, m_i, mask=gmask)
         tl.store(l_ptr + part, l_i, mask=gmask)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
@@ -162,16 +186,16 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     out_ptr,  # [S, Hq, D] output in q's dtype
-    m_ptr,  # fp32 [S, Hq, NUM_SPLITS] from _decode_kernel
-    l_ptr,  # fp32 [S, Hq, NUM_SPLITS]
-    acc_ptr,  # fp32 [S, Hq, NUM_SPLITS, D]
+    m_ptr,  # fp32 [S, Hq, num_splits] from _decode_kernel
+    l_ptr,  # fp32 [S, Hq, num_splits]
+    acc_ptr,  # fp32 [S, Hq, num_splits, D]
     ctx_ptr,  # int32 [S] positions attended over
     max_tokens,  # as in _decode_kernel
     split_len,  # as in _decode_kernel
+    num_splits,  # as in _decode_kernel
     stride_os, stride_oh,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,  # NUM_SPLITS padded to a power of two
+    BLOCK_SPLITS: tl.constexpr,  # num_splits padded to a power of two
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -180,7 +204,7 @@ def _merge_kernel(
     i = tl.arange(0, BLOCK_SPLITS)
     imask = i < active
     d = tl.arange(0, HEAD_DIM)
-    part = (s * tl.num_programs(1) + h) * NUM_SPLITS + i
+    part = (s * tl.num_programs(1) + h) * num_splits + i
     m = tl.load(m_ptr + part, mask=imask, other=float("-inf"))
     w = tl.where(imask, tl.exp2(m - tl.max(m, 0)), 0.0)
     l_sum = tl.sum(tl.load(l_ptr + part, mask=imask, other=0.0) * w, 0)
@@ -251,22 +275,27 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
-    """Context splits so that about 2 * num_sms programs run: 1 when S * Hkv already fills the GPU.
+def pick_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, num_sms: int,
+                    config: dict[str, Any] | None = None) -> int:
+    """Context splits so that about ``programs_per_sm * num_sms`` programs run: 1 when S * Hkv already fills the GPU.
 
     ``max_tokens``: the positions a block table row can hold (an upper bound of every context, known
-    without a sync); no split is shorter than ``MIN_SPLIT_TOKENS``.
+    without a sync); no split is shorter than ``min_split_tokens``, and at most ``max_splits`` (``config``,
+    default ``CONFIGS["default"]``).
     """
+    cfg = CONFIGS["default"] if config is None else config
     programs = num_seqs * num_kv_heads
     if programs >= num_sms:
         return 1
-    return max(1, min(-(-2 * num_sms // programs), -(-max_tokens // MIN_SPLIT_TOKENS), MAX_SPLITS))
+    want = -(-int(cfg["programs_per_sm"] * num_sms) // programs)
+    return max(1, min(want, -(-max_tokens // cfg["min_split_tokens"]), cfg["max_splits"]))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, k_offset: int = 0, v_offset: int = 0,
                            out: torch.Tensor | None = None, *, num_splits: int | None = None,
-                           v_block_tables: torch.Tensor | None = None) -> torch.Tensor:
+                           v_block_tables: torch.Tensor | None = None,
+                           config: dict[str, Any] | None = None) -> torch.Tensor:
     """Decode attention out [S, Hq, D] in q's dtype, written into ``out`` if given (see module docstring).
 
     ``q``: [S, Hq, D] bf16/fp16; ``k_cache``, ``v_cache``: [U, block_size, Hkv, D] q's dtype, contiguous;
@@ -275,7 +304,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``num_splits``: context splits (default: ``pick_num_splits`` on CUDA, 1 elsewhere). A tighter
     ``block_tables`` (max_blocks = the batch's longest sequence) gives a better default split.
     ``v_block_tables``: optional int32 [S, max_blocks] table for V when V's units are not K's plus a
-    constant (the runtime's page pool places every page independently).
+    constant (the runtime's page pool places every page independently). ``config``: a full launch config
+    (keys of ``CONFIGS["default"]``; default ``pick_config`` for this batch and head shape).
     Raises ``ValueError`` on bad shapes, dtypes, devices or strides.
     """
     _check(q, k_cache, v_cache, block_tables, context_lens, k_offset, v_offset, out)
@@ -286,14 +316,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_seqs == 0:
         return res
     max_tokens = block_tables.shape[1] * block_size
+    cfg = pick_config(num_seqs, hq, hkv, d) if config is None else config
     if num_splits is None:
-        num_splits = pick_num_splits(num_seqs, hkv, max_tokens, _num_sms(q.device)) if q.is_cuda else 1
+        num_splits = pick_num_splits(num_seqs, hkv, max_tokens, _num_sms(q.device), cfg) if q.is_cuda else 1
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    block_n = max(BLOCK_N, triton.next_power_of_2(block_size))
+    block_n = max(cfg["BLOCK_N"], triton.next_power_of_2(block_size))
     split_len = -(-max_tokens // (num_splits * block_n)) * block_n
     num_splits = -(-max_tokens // split_len)  # no split that could never hold a position
     group = hq // hkv
+    dot = bool(cfg["DOT"])
     if num_splits > 1:
         m = torch.empty(num_seqs, hq, num_splits, dtype=torch.float32, device=q.device)
         lsum = torch.empty_like(m)
@@ -302,19 +334,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         m = lsum = acc = res  # unused by the kernel when NUM_SPLITS == 1
     _decode_kernel[(num_seqs, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, vbt, context_lens, res, m, lsum, acc, k_offset, v_offset, scale * LOG2E,
-        max_tokens, split_len, hq,
+        max_tokens, split_len, hq, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         vbt.stride(0),
         res.stride(0), res.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=NUM_WARPS)
+        GROUP=group, BLOCK_G=max(16 if dot else 1, triton.next_power_of_2(group)), HEAD_DIM=d,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, DOT=dot,
+        DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg["num_warps"])
     if num_splits > 1:
         _merge_kernel[(num_seqs, hq)](
-            res, m, lsum, acc, context_lens, max_tokens, split_len, res.stride(0), res.stride(1), HEAD_DIM=d,
-            NUM_SPLITS=num_splits, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=NUM_WARPS)
+            res, m, lsum, acc, context_lens, max_tokens, split_len, num_splits, res.stride(0), res.stride(1),
+            HEAD_DIM=d, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4)
     return res
 

@@ -98,8 +98,8 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps
     assert err <= tol, f"max err {err:.3e} > tol {tol:.3e}"
 
 
-def check(c: Case, num_splits: int | None = None) -> torch.Tensor:
-    got = paged_decode_attention(*c.args(), num_splits=num_splits)
+def check(c: Case, num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+    got = paged_decode_attention(*c.args(), num_splits=num_splits, config=config)
     ref = paged_decode_attention_ref(*c.args())
     assert got.shape == c.q.shape and got.dtype == c.q.dtype
     assert_close(got, ref, c.q.dtype)
@@ -120,8 +120,12 @@ def ragged(block_size: int, seed: int) -> list[int]:
     (16, 2, 2, 128, BF16),
     (8, 8, 2, 128, FP16),
 ])
-def test_ragged_contexts_match_reference(block_size: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> None:
-    check(make_case(ragged(block_size, hq + d), hq, hkv, d, block_size, dtype, seed=block_size * hq + d))
+@pytest.mark.parametrize("dot", [1, 0])
+def test_ragged_contexts_match_reference(block_size: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
+                                         dot: int) -> None:
+    """Both products: tensor cores (group padded to 16 rows) and fp32 broadcast (no padding; the MHA choice)."""
+    cfg = {**pa.CONFIGS["default"], "DOT": dot}
+    check(make_case(ragged(block_size, hq + d), hq, hkv, d, block_size, dtype, seed=block_size * hq + d), config=cfg)
 
 
 @pytest.mark.parametrize("layer", [0, 2])
@@ -132,13 +136,13 @@ def test_shared_kv_tensor_with_layer_offsets(layer: int) -> None:
     check(c)
 
 
-@pytest.mark.parametrize(("num_splits", "block_n"), [(2, 64), (3, 16), (7, 16)])
-def test_context_splits_and_merge(num_splits: int, block_n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("num_splits", "block_n", "dot"), [(2, 64, 1), (3, 16, 1), (7, 16, 1), (3, 16, 0)])
+def test_context_splits_and_merge(num_splits: int, block_n: int, dot: int) -> None:
     # small BLOCK_N so splits land inside cache blocks' runs and many splits are empty for short contexts
-    monkeypatch.setattr(pa, "BLOCK_N", block_n)
+    cfg = {**pa.CONFIGS["default"], "BLOCK_N": block_n, "DOT": dot}
     c = make_case([1, 90, 8, 33], 4, 2, 64, 8, FP16, seed=num_splits)
-    split = check(c, num_splits=num_splits)
-    one = paged_decode_attention(*c.args(), num_splits=1)
+    split = check(c, num_splits=num_splits, config=cfg)
+    one = paged_decode_attention(*c.args(), num_splits=1, config=cfg)
     assert_close(split, one, FP16)
 
 
@@ -169,11 +173,25 @@ def test_empty_batch() -> None:
 
 
 def test_pick_num_splits() -> None:
-    assert pick_num_splits(64, 8, 4096, 132) == 1  # S * Hkv fills the GPU
-    assert pick_num_splits(1, 2, 100, 132) == 1  # too short to split
-    assert pick_num_splits(1, 2, 4096, 132) == 16  # capped by MIN_SPLIT_TOKENS
-    assert pick_num_splits(4, 16, 2048, 132) == 5  # ~2 * SMs programs
-    assert pick_num_splits(1, 1, 1 << 20, 132) == pa.MAX_SPLITS
+    cfg = {"min_split_tokens": 256, "max_splits": 32, "programs_per_sm": 2}
+    assert pick_num_splits(64, 8, 4096, 132, cfg) == 1  # S * Hkv fills the GPU
+    assert pick_num_splits(1, 2, 100, 132, cfg) == 1  # too short to split
+    assert pick_num_splits(1, 2, 4096, 132, cfg) == 16  # capped by min_split_tokens
+    assert pick_num_splits(4, 16, 2048, 132, cfg) == 5  # ~2 * SMs programs
+    assert pick_num_splits(1, 1, 1 << 20, 132, cfg) == 32  # max_splits
+    assert pick_num_splits(1, 16, 2048, 132, {**cfg, "min_split_tokens": 64, "programs_per_sm": 4}) == 32
+
+
+def test_pick_config_buckets_by_batch() -> None:
+    table = {"default": {"BLOCK_N": 64, "num_warps": 4, "DOT": 1},
+             "by_shape": {"16x16x128": [{"min_seqs": 1, "config": {"DOT": 0}},
+                                        {"min_seqs": 4, "config": {"DOT": 0, "BLOCK_N": 32}}]}}
+    assert pa.pick_config(1, 16, 16, 128, table) == {"BLOCK_N": 64, "num_warps": 4, "DOT": 0}
+    assert pa.pick_config(3, 16, 16, 128, table)["BLOCK_N"] == 64
+    assert pa.pick_config(9, 16, 16, 128, table) == {"BLOCK_N": 32, "num_warps": 4, "DOT": 0}
+    assert pa.pick_config(9, 32, 8, 128, table) == table["default"]  # untuned shape
+    assert set(pa.pick_config(1, 4, 2, 64)) >= {"BLOCK_N", "num_warps", "DOT", "min_split_tokens", "max_splits",
+                                                "programs_per_sm"}
 
 
 BAD = [
@@ -226,9 +244,33 @@ def test_reference_rejects_bad_lengths() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("hq", "hkv", "dtype", "num_layers"), [(16, 16, BF16, 0), (32, 8, FP16, 0), (4, 2, BF16, 2)])
 @pytest.mark.parametrize("num_splits", [None, 1, 8])
-def test_cuda_serving_shapes(hq: int, hkv: int, dtype: torch.dtype, num_layers: int, num_splits: int | None) -> None:
+@pytest.mark.parametrize("dot", [None, 0, 1])
+def test_cuda_serving_shapes(hq: int, hkv: int, dtype: torch.dtype, num_layers: int, num_splits: int | None,
+                             dot: int | None) -> None:
     c = make_case([2048, 1, 1000, 2047], hq, hkv, 128 if hq > 4 else 64, 16, dtype, seed=hq + hkv,
                   num_layers=num_layers, layer=1 if num_layers else 0, device="cuda")
-    got = check(c, num_splits)
+    cfg = None if dot is None else {**pa.pick_config(4, hq, hkv, c.q.shape[-1]), "DOT": dot}
+    got = check(c, num_splits, cfg)
     torch.cuda.synchronize()
     assert got.is_cuda
+
+
+def test_bench_writes_buckets_that_pick_config_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``bench/paged_attention_speed.py --write-configs``: a winner > 3% faster becomes its batch's bucket, a smaller
+    gain keeps the default's values from that batch on, and ``pick_config`` reads the result back."""
+    import json
+
+    from bench.paged_attention_speed import write_configs
+
+    path = tmp_path / "pa.json"
+    path.write_text(json.dumps({"default": pa.CONFIGS["default"], "by_shape": {}}))
+    d = pa.CONFIGS["default"]
+    rows = [{"heads": "16x16x128", "S": 4, "speedup": 1.02, "best_cfg": {**d, "BLOCK_N": 128}},
+            {"heads": "16x16x128", "S": 1, "speedup": 1.5, "best_cfg": {**d, "DOT": 0, "BLOCK_N": 32}},
+            {"heads": "16x16x128", "S": 16, "speedup": 1.2, "best_cfg": {**d, "num_warps": 8}}]
+    write_configs(str(path), rows)
+    table = json.loads(path.read_text())
+    assert [b["min_seqs"] for b in table["by_shape"]["16x16x128"]] == [1, 4, 16]
+    assert pa.pick_config(1, 16, 16, 128, table) == {**d, "DOT": 0, "BLOCK_N": 32}
+    assert pa.pick_config(7, 16, 16, 128, table) == d  # the 2% gain at S = 4 was not taken
+    assert pa.pick_config(64, 16, 16, 128, table) == {**d, "num_warps": 8}
