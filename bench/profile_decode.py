@@ -1,11 +1,11 @@
 """Where a decode (or prefill) step's GPU time goes at a seed model's real size (torch.profiler, eager).
 
 What it does: builds the serving engine exactly as ``bench/serve_speed.py`` does (random Qwen1.5-MoE
-weights, synthetic AP planes, uniform ``--bits``), serves one ``--prompt-len`` prompt, and profiles
+weights, synthetic AP planes, uniform ``--bits``), serves ``--batch`` prompts of ``--prompt-len`` tokens, and profiles
 ``--steps`` decode steps (no CUDA graphs): prints the top CUDA kernels by total time and the share of the
 MoE kernels, attention and everything else. With ``--prefill`` it profiles the prompt's prefill step
-instead (one step of ``--prompt-len`` tokens, after a 3-token run of the same prompt has compiled the
-kernels, as ``serve_speed`` times it). It prints the steps' wall time with and without the profiler, and
+instead (one step of ``--prompt-len`` tokens). Either way a 3-token run of the same prompts first compiles the
+kernels, as ``serve_speed`` does. It prints the steps' wall time with and without the profiler, and
 groups kernel time only (an aten op's own row would count its kernels twice). Usage::
 
     python bench/profile_decode.py --bits 4 --out bench/results/profile_decode_h200.txt
@@ -63,9 +63,9 @@ def main() -> None:
         cfg = ServeConfig(40 * 2**30, "uniform", args.bits, EngineConfig(max_batch=args.batch, max_step_tokens=2048,
                                                                          cuda_graphs=False))
         pol = BucketPolicy.neutral(3)
-    if args.prefill:  # compile every kernel of the prefill and first decode steps, then a fresh engine
-        assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=3), reqs,
-                        set()).engine.run()
+    # compile every kernel of the prefill and first decode steps (so no timing below includes Triton's JIT), then
+    # a fresh engine
+    assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=3), reqs, set()).engine.run()
 
     def fresh() -> Any:
         return assemble_engine(model, src, table, pol, None, None, cfg,
