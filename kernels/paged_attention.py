@@ -16,8 +16,9 @@ Memory layout (addressed through the block table, never assumed contiguous):
 
 Kernels:
   1. ``_decode_kernel``: one program per (sequence, kv head, context split). The GROUP query heads
-     of the kv head are one [BLOCK_G, D] tile (padded to tl.dot's minimum of 16 rows), so each
-     K/V row is read from memory once per group. Keys are gathered BLOCK_N positions at a time
+     of the kv head are one [BLOCK_G, D] tile, so each K/V row is read from memory once per group;
+     with DOT the products run on tensor cores (the tile padded to tl.dot's minimum of 16 rows), without
+     it as fp32 broadcast products ([BLOCK_G, BLOCK_N, D] in registers: meant for MHA, GROUP = 1). Keys are gathered BLOCK_N positions at a time
      (a tile may span several cache blocks) and folded into an fp32 online softmax (flash
      decoding, exp2 domain).
   2. ``_merge_kernel`` (only when the context is split): per (sequence, query head), rescales the
