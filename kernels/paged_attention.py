@@ -18,9 +18,9 @@ Kernels:
   1. ``_decode_kernel``: one program per (sequence, kv head, context split). The GROUP query heads
      of the kv head are one [BLOCK_G, D] tile, so each K/V row is read from memory once per group;
      with DOT the products run on tensor cores (the tile padded to tl.dot's minimum of 16 rows), without
-     it as fp32 broadcast products ([BLOCK_G, BLOCK_N, D] in registers: meant for MHA, GROUP = 1). Keys are gathered BLOCK_N positions at a time
-     (a tile may span several cache blocks) and folded into an fp32 online softmax (flash
-     decoding, exp2 domain).
+     it as fp32 broadcast products ([BLOCK_G, BLOCK_N, D] in registers: meant for MHA, GROUP = 1). Keys
+     are gathered BLOCK_N positions at a time (a tile may span several cache blocks) and folded into
+     an fp32 online softmax (flash decoding, exp2 domain).
   2. ``_merge_kernel`` (only when the context is split): per (sequence, query head), rescales the
      splits' partial (max, denominator, unnormalised output) to a common max and normalises.
 Splitting the context keeps the GPU busy when S * Hkv programs are too few (small batches, long

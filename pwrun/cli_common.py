@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,13 +54,26 @@ def default_model() -> Path:
     return default_model_dir()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception (raised by the handler ``user_errors`` installs): the default action ends the
+    process at once, so a stage's cleanup (e.g. quantize removing its ``OUT.partial``) never ran."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Print ``PagedWeightError`` and failures of the file system (disk full, read-only, no permission: OSError and
-    safetensors' write errors) as one ``error:`` line and exit 2, Ctrl-C as one line and exit 130, instead of a
-    traceback. Every writer here writes ``.tmp`` then renames, so none of these leaves a half-written file."""
+    safetensors' write errors) as one ``error:`` line and exit 2, Ctrl-C as one line and exit 130, SIGTERM as one
+    line and exit 143, instead of a traceback. Every writer here writes ``.tmp`` then renames, so none of these
+    leaves a half-written file; SIGTERM is turned into an exception first so that cleanup code runs."""
     from safetensors import SafetensorError
 
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     except PagedWeightError as exc:
@@ -72,10 +87,17 @@ def user_errors() -> Iterator[None]:
     except SafetensorError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except Terminated:
+        typer.echo("terminated (SIGTERM): nothing half-written was kept (completed pwcal stages are; rerun to resume)",
+                   err=True)
+        sys.exit(143)
     except KeyboardInterrupt:
         typer.echo("interrupted: nothing half-written was kept (completed pwcal stages are; rerun to resume)",
                    err=True)
         sys.exit(130)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def check_writable_file(flag: str, path: Path) -> None:
