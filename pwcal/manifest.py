@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -84,19 +86,26 @@ def model_fingerprint(model_dir: Path, full: bool = True) -> dict[str, str]:
     return out
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via ``path.tmp`` + rename, so readers never see a partial file. Raises ``OSError``
-    (disk full, no permission) after removing the ``.tmp``: nothing half-written is left."""
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """The ``path.tmp`` to write: renamed to ``path`` when the block ends normally, removed when it raises anything
+    (``OSError`` such as a full disk, Ctrl-C, or SIGTERM, which ``pwrun.cli_common.user_errors`` turns into an
+    exception), so readers never see a partial file and nothing half-written is left. Re-raises."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         tmp.replace(path)
-    except OSError:
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via ``atomic_path`` (fsynced). Raises ``OSError`` (disk full, no permission)."""
+    with atomic_path(path) as tmp, tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_manifest(artifact_dir: Path, manifest: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pwcal.manifest import atomic_path
 from pwrun.errors import PagedWeightError
 
 SCHEMAS: dict[str, pa.Schema] = {
@@ -66,9 +67,8 @@ def write_table(df: pd.DataFrame, path: Path, name: str) -> None:
     if missing:
         raise ValueError(f"table {name} lacks columns {missing}")
     table = pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
 
 
 def read_table(path: Path, name: str) -> pd.DataFrame:

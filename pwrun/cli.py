@@ -307,9 +307,9 @@ def prompts(
     with user_errors():
         check_writable_file("--out", out)
         texts = document_prompts(dataset, count, max_chars, min_chars=min(200, max_chars))
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-        tmp.replace(out)
+        from pwcal.manifest import write_atomic
+
+        write_atomic(out, "".join(json.dumps({"prompt": t}) + "\n" for t in texts).encode())
         typer.echo(f"{len(texts)} prompts from {dataset} -> {out}")
 
 

@@ -60,6 +60,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup it starts
     raise Terminated()
 
 
@@ -88,6 +89,7 @@ def user_errors() -> Iterator[None]:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except Terminated:
+        previous = None  # keep ignoring SIGTERM until the process has exited with 143
         typer.echo("terminated (SIGTERM): nothing half-written was kept (completed pwcal stages are; rerun to resume)",
                    err=True)
         sys.exit(143)

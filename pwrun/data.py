@@ -23,6 +23,20 @@ def artifacts_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[1] / "artifacts"
 
 
+def missing_bundle_hint(path: Path) -> str:
+    """'' unless ``path`` lies in the bundled artifacts folder and that folder does not exist (a non-editable
+    ``pip install`` ships the code only): then a sentence saying how to point at a clone's ``artifacts/``."""
+    root = artifacts_dir()
+    try:
+        inside = path.resolve().is_relative_to(root.resolve())
+    except OSError:
+        inside = False
+    if root.is_dir() or not inside:
+        return ""
+    return (f" (the bundled model and data are not installed with the package: {root} does not exist; set "
+            "PAGEDWEIGHT_ARTIFACTS to the artifacts/ folder of a clone of the repository, or pass your own paths)")
+
+
 def default_model_dir() -> Path:
     """The bundled tiny Qwen2-MoE trained by the project."""
     return artifacts_dir() / "models" / "tiny-qwen2moe-wiki"
@@ -39,7 +53,11 @@ BUNDLED = {
 def resolve_dataset(name_or_path: str) -> Path:
     """Path of a bundled dataset name or an existing local file."""
     if name_or_path in BUNDLED:
-        return artifacts_dir() / BUNDLED[name_or_path]
+        p = artifacts_dir() / BUNDLED[name_or_path]
+        hint = missing_bundle_hint(p)
+        if hint:
+            raise PagedWeightError(f"bundled dataset '{name_or_path}' is missing{hint}")
+        return p
     p = Path(name_or_path)
     if not p.is_file():
         raise PagedWeightError(f"dataset '{name_or_path}' is neither a bundled name ({', '.join(BUNDLED)}) "

@@ -346,7 +346,12 @@ def test_sigterm_runs_cleanup_and_prints_one_line(capsys: pytest.CaptureFixture[
                 raise
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 143 and len(err) == 1 and err[0].startswith("terminated (SIGTERM)"), err
-        assert not partial.exists() and signal.getsignal(signal.SIGTERM) is ignore
+        # SIGTERM stays ignored until the exit (a second one must not cut the cleanup or the exit code)
+        assert not partial.exists() and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        signal.signal(signal.SIGTERM, ignore)
+        with user_errors():  # no signal: the previous handler comes back
+            pass
+        assert signal.getsignal(signal.SIGTERM) is ignore
     finally:
         signal.signal(signal.SIGTERM, outer)
 
@@ -374,3 +379,62 @@ def test_sigterm_during_quantize_leaves_no_partial_artifact(tmp_path: Path) -> N
     assert proc.returncode == 143, err
     assert "terminated (SIGTERM)" in err and "Traceback" not in err, err
     assert not partial.exists() and not out.exists()
+
+
+def test_atomic_path_drops_its_tmp_on_any_exception(tmp_path: Path) -> None:
+    """``pwcal.manifest.atomic_path``, behind every writer: an interruption (KeyboardInterrupt / SIGTERM's exception,
+    not only OSError) leaves neither a .tmp nor a changed target."""
+    from pwcal.manifest import atomic_path, write_atomic
+
+    target = tmp_path / "t.json"
+    write_atomic(target, b"old")
+    for exc in (KeyboardInterrupt(), OSError(28, "No space left on device"), RuntimeError("x")):
+        with pytest.raises(type(exc)), atomic_path(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise exc
+        assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["t.json"]
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
+def test_quantize_interrupted_between_its_final_renames_keeps_the_previous_artifact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quantize --force`` over an existing artifact swaps it by two renames (OUT -> OUT.old, OUT.partial -> OUT); an
+    interruption between them puts the previous artifact back (the old code deleted OUT file by file first, so a
+    SIGTERM there left a half-deleted artifact whose manifest still said complete)."""
+    from pwcal.manifest import read_manifest
+    from pwcal.quant.quantize import QuantizeConfig, quantize
+    from pwrun.cli_common import Terminated
+
+    out = tmp_path / "ap"
+    cfg = QuantizeConfig(samples=4, seq_len=64)
+    first = quantize(MODEL, out, cfg, device="cpu")
+    files = sorted(p.name for p in out.iterdir())
+    real = Path.replace
+
+    def interrupted(self: Path, target: Path) -> Path:  # type: ignore[override]
+        if self.name == "ap.partial":
+            raise Terminated()
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "replace", interrupted)
+    with pytest.raises(Terminated):
+        quantize(MODEL, out, cfg, device="cpu", force=True)
+    monkeypatch.setattr(Path, "replace", real)
+    assert sorted(p.name for p in out.iterdir()) == files
+    assert read_manifest(out)["stages"]["quantize"]["seconds"] == first["stages"]["quantize"]["seconds"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ap"]  # no ap.partial, no ap.old
+
+
+def test_a_missing_bundle_says_how_to_point_at_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-editable install has no ``artifacts/``: the default model and bundled datasets then fail with a line
+    naming PAGEDWEIGHT_ARTIFACTS (it used to name only a path inside site-packages)."""
+    monkeypatch.setenv("PAGEDWEIGHT_ARTIFACTS", str(tmp_path / "nowhere"))
+    code, _, err = run("generate", "--prompt", "The river", "--max-new-tokens", "2")
+    assert code == 2 and "PAGEDWEIGHT_ARTIFACTS" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run("prompts", "--dataset", "c4", "--count", "2", "--out", str(tmp_path / "p.jsonl"))
+    assert code == 2 and "bundled dataset 'c4' is missing" in err and "PAGEDWEIGHT_ARTIFACTS" in err, err
+    monkeypatch.setenv("PAGEDWEIGHT_ARTIFACTS", str(MODEL.parents[1]))  # the real bundle: no hint, it works
+    code, _, err = run("prompts", "--dataset", "c4", "--count", "2", "--out", str(tmp_path / "p.jsonl"))
+    assert code == 0, err

@@ -5,7 +5,8 @@ What it does: (1) runs the lean model over calibration windows with a ``HessianD
 expert, an always-active block) with ``nested_kmeans`` weighted by each block's Hessian diagonal
 (uniform weights for experts that saw fewer than ``min_tokens`` tokens: reported); (3) packs
 bit-planes and writes one safetensors file per layer plus ``manifest.json``, all inside
-``OUT.partial/`` that is renamed to ``OUT`` only when complete. A rerun on a complete artifact
+``OUT.partial/`` that is renamed to ``OUT`` only when complete (an existing ``OUT`` is first renamed to
+``OUT.old``, put back if the run stops between the two renames, else removed). A rerun on a complete artifact
 with the same model and parameters is a no-op unless ``force``.
 
 Tensor names in ``layer_LLL.safetensors``: ``{e}.{unit}.planes`` int32 [8, N, Kw] and
@@ -138,6 +139,32 @@ def quantize_layer(blocks: list[LinearBlock], weight_of: Callable[[LinearBlock],
     return tensors, fallback
 
 
+def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[str, str], layers: list[int],
+              blocks: list[LinearBlock], fallback: list[LinearBlock], calibration_tokens: int,
+              seconds: float) -> dict[str, Any]:
+    """The artifact's ``manifest.json`` as the quantize stage writes it."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "parent_bits": PARENT_BITS,
+        "seed_bits": cfg.seed_bits,
+        "bits": cfg.bits,
+        "lut_dtype": "float16",
+        "packing": "planes int32 [8, N, ceil(K/32)], plane p = bit 7-p, column k at word k//32 bit k%32",
+        "model": {"path": str(model_dir), "family": family, **model_fp},
+        "package_version": package_version(),
+        "files": {str(layer): layer_file(layer) for layer in layers},
+        "stages": {"quantize": {
+            "complete": True,
+            "config": asdict(cfg),
+            "calibration_tokens": calibration_tokens,
+            "blocks": len(blocks),
+            "fallback_blocks": [[b.layer, b.expert, b.unit] for b in fallback],
+            "seconds": round(seconds, 2),
+        }},
+    }
+
+
 def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConfig) -> bool:
     if not (out / MANIFEST).is_file():
         return False
@@ -174,6 +201,10 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
         raise PagedWeightError(f"--seq-len {cfg.seq_len} is longer than the model's context of {context} tokens: "
                                f"give --seq-len in [2, {context}]")
     model_fp = model_fingerprint(model_dir)
+    old = out.with_name(out.name + ".old")  # the previous artifact while the new one is renamed into place
+    if old.exists() and not out.exists():
+        old.replace(out)  # a run killed between its two final renames (SIGKILL: no cleanup ran)
+    shutil.rmtree(old, ignore_errors=True)
     if out.exists() and not force and _existing_is_complete(out, model_fp, cfg):
         return {**read_manifest(out), "skipped": True}
     tok = load_tokenizer(model_dir)
@@ -196,31 +227,16 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
                       metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
             if progress:
                 progress("quantize", i + 1, len(layers))
+        manifest = _manifest(cfg, model_dir, model.spec.family, model_fp, layers, blocks, fallback,
+                             len(windows) * len(windows[0]), time.time() - t0)
+        write_manifest(partial, manifest)
+        if out.exists():  # two renames: OUT is always the old artifact or the new one, never half of either
+            out.replace(old)
+        partial.replace(out)
     except BaseException:
+        if old.exists() and not out.exists():
+            old.replace(out)  # interrupted between the renames: the previous artifact comes back
         shutil.rmtree(partial, ignore_errors=True)  # never leave a half-written artifact behind
         raise
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "parent_bits": PARENT_BITS,
-        "seed_bits": cfg.seed_bits,
-        "bits": cfg.bits,
-        "lut_dtype": "float16",
-        "packing": "planes int32 [8, N, ceil(K/32)], plane p = bit 7-p, column k at word k//32 bit k%32",
-        "model": {"path": str(model_dir), "family": model.spec.family, **model_fp},
-        "package_version": package_version(),
-        "files": {str(layer): layer_file(layer) for layer in layers},
-        "stages": {"quantize": {
-            "complete": True,
-            "config": asdict(cfg),
-            "calibration_tokens": len(windows) * len(windows[0]),
-            "blocks": len(blocks),
-            "fallback_blocks": [[b.layer, b.expert, b.unit] for b in fallback],
-            "seconds": round(time.time() - t0, 2),
-        }},
-    }
-    write_manifest(partial, manifest)
-    if out.exists():
-        shutil.rmtree(out)
-    partial.replace(out)
+    shutil.rmtree(old, ignore_errors=True)
     return manifest

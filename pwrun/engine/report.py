@@ -92,12 +92,12 @@ def format_summary(s: dict[str, Any]) -> str:
 def write_frame(df: pd.DataFrame, path: Path, what: str = "") -> None:
     """Any DataFrame as Parquet (zstd; ``.tmp`` then rename). Raises ``PagedWeightError`` naming ``what``
     (e.g. ``--trace``) and the reason if the path is unwritable; nothing half-written is left."""
-    tmp = path.with_name(path.name + ".tmp")
+    from pwcal.manifest import atomic_path
+
     try:
-        df.to_parquet(tmp, compression="zstd", index=False)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            df.to_parquet(tmp, compression="zstd", index=False)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise PagedWeightError(f"cannot write {what + ' ' if what else ''}{path}: {exc.strerror or exc}") from exc
 
 

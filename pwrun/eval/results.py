@@ -90,12 +90,12 @@ def _null(v: Any) -> Any:
 
 
 def _write(table: pa.Table, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    from pwcal.manifest import atomic_path
+
     try:
-        pq.write_table(table, tmp, compression="zstd")
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            pq.write_table(table, tmp, compression="zstd")
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise PagedWeightError(f"cannot write the results table {path}: {exc.strerror}") from exc
 
 

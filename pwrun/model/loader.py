@@ -52,8 +52,11 @@ def read_config(model_dir: Path) -> Any:
         raise PagedWeightError(f"{model_dir} is a file, not a model directory: pass a local Hugging Face checkpoint "
                                "directory (config.json + *.safetensors + tokenizer files)")
     if not model_dir.is_dir():
+        from pwrun.data import missing_bundle_hint
+
         raise PagedWeightError(f"model directory {model_dir} does not exist: pass a local Hugging Face checkpoint "
-                               "directory (config.json + *.safetensors + tokenizer files)")
+                               "directory (config.json + *.safetensors + tokenizer files)"
+                               + missing_bundle_hint(model_dir))
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise PagedWeightError(f"{model_dir} has no config.json: it is not a Hugging Face checkpoint directory")
