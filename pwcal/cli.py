@@ -65,4 +65,7 @@ def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face check
 
 
 def main() -> None:
+    from pwrun.cli_common import exit_quietly_on_sigterm
+
+    exit_quietly_on_sigterm()
     app()

@@ -314,4 +314,7 @@ def prompts(
 
 
 def main() -> None:
+    from pwrun.cli_common import exit_quietly_on_sigterm
+
+    exit_quietly_on_sigterm()
     app()

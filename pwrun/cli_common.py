@@ -64,6 +64,20 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+def _exit_terminated(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    typer.echo("terminated (SIGTERM)", err=True)
+    sys.exit(143)
+
+
+def exit_quietly_on_sigterm() -> None:
+    """The command lines' entry: SIGTERM outside ``user_errors`` (while a command imports torch, before any work
+    or output) exits with one line and code 143 instead of the default silent kill; ``user_errors`` replaces
+    it while a command works."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_terminated)
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Print ``PagedWeightError`` and failures of the file system (disk full, read-only, no permission: OSError and

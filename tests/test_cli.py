@@ -438,3 +438,21 @@ def test_a_missing_bundle_says_how_to_point_at_one(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("PAGEDWEIGHT_ARTIFACTS", str(MODEL.parents[1]))  # the real bundle: no hint, it works
     code, _, err = run("prompts", "--dataset", "c4", "--count", "2", "--out", str(tmp_path / "p.jsonl"))
     assert code == 0, err
+
+
+def test_sigterm_while_a_command_starts_exits_143_with_one_line() -> None:
+    """Before a command reaches ``user_errors`` (it imports torch for ~2 s), SIGTERM used to kill the process
+    silently (-15); the entry point's handler now exits with 143 and one line."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "from pwrun.cli import main; main()", "generate", "--prompt",
+                             "The river", "--max-new-tokens", "2", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # the entry module imports in ~0.1 s; torch and the model take longer
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, (proc.returncode, err)
+    assert err.strip().splitlines()[-1].startswith("terminated (SIGTERM)") and "Traceback" not in err, err
