@@ -56,3 +56,23 @@ def test_cuda_fused_step_kernels_match_the_eager_ops(calibrated_artifacts) -> No
     ratio = float(np.exp(lps[False].mean() - lps[True].mean()))
     assert abs(ratio - 1) < 0.01, f"perplexity fused / eager = {ratio:.4f}"
     assert float(np.abs(lps[True] - lps[False]).mean()) < 0.1
+
+
+def test_cuda_engine_build_waits_for_the_initial_upload(calibrated_artifacts,  # type: ignore[no-untyped-def]
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The initial placement's copies are done when ``place`` returns: the first step must not count them."""
+    from pwrun.engine import experts
+    from pwrun.engine.serve import ServeConfig, build_engine
+
+    idle: list[bool] = []
+    real = experts.ExpertStore.place
+
+    def place(self, q_bits):  # type: ignore[no-untyped-def]
+        real(self, q_bits)
+        idle.append(torch.cuda.current_stream().query())
+
+    monkeypatch.setattr(experts.ExpertStore, "place", place)
+    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30, "uniform", 8), SamplingParams(max_new_tokens=2),
+                     [[5, 6, 7]], set(), device="cuda").engine
+    assert idle == [True], "the initial plane copies were still queued when place() returned"
+    e.run()
