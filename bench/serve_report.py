@@ -31,6 +31,7 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
            "| batch | repeat | PW tok/s | uniform 4-bit tok/s | vs uniform 4-bit | bits read / token | "
            "vs uniform at equal bits read |", "|---|---|---|---|---|---|---|"]
     summary: dict[int, list[tuple[float, float]]] = {}
+    rows = [r for r in rows if "error" not in r]  # failed rows have no measurements
     for r in rows:
         if r["system"] != "PagedWeight under pressure":
             continue
@@ -81,4 +82,8 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{r.get('planner_ms_per_step', math.nan):.3f} (+{r.get('planner_overlapped_ms_per_step', math.nan):.3f})"
             f" | {r.get('mean_bits_time_avg', math.nan):.2f} | {r.get('bits_read_per_token', math.nan):.2f} | "
             f"{peak / 2**30:.2f} |")
+    errors = [f"- {r['system']}, batch {r['batch']} (repeat {r.get('rep', 0)}): {r['error']}" for r in rows
+              if "error" in r]
+    if errors:
+        lines += ["", "Rows that failed (the run went on):", *errors]
     return "\n".join(lines + ratio_lines(rows)) + "\n"

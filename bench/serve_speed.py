@@ -412,25 +412,37 @@ def main() -> None:
                      "floor_tps": floor_tokens_per_s(spec, model, s.get("mean_bits_time_avg", 4.0), b, ctx, bw)})
         save()
 
+    def guarded(label: str, b: int, rep: int, run: Any) -> None:
+        """One row; a failure (out of memory, a refused budget) becomes that row's error and the run goes on
+        (one failing configuration, e.g. a new batch size, must not cost the rows after it)."""
+        try:
+            run()
+        except Exception as exc:  # recorded, printed, and the other rows still run
+            print(f"row {label} batch {b} failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"system": label, "batch": b, "rep": rep, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            save()
+            reset_peak()
+
+    bit_list = [int(x) for x in args.bits.split(",")]
     if args.interleave:  # repeated, interleaved runs: the run-to-run spread next to the ratio it is compared with
         for rep in range(args.interleave):
             for b in batches:
-                for q in [int(x) for x in args.bits.split(",")]:
+                for q in bit_list:
                     if not over():
-                        uniform_row(b, q, rep=rep)
+                        guarded(f"ours uniform {q}-bit", b, rep, lambda: uniform_row(b, q, rep=rep))  # noqa: B023
                 if not over():
-                    pressure_row(b, rep)
+                    guarded("PagedWeight under pressure", b, rep, lambda: pressure_row(b, rep))  # noqa: B023
     else:
         for b in [] if args.only_pressure else batches:
-            runs = [(int(x), True) for x in args.bits.split(",")]
+            runs = [(q, True) for q in bit_list]
             if args.compare_unfused:
                 runs.insert(0, (4, False))
             for q, fused in runs:
                 if not over():
-                    uniform_row(b, q, fused)
+                    guarded(f"ours uniform {q}-bit", b, 0, lambda: uniform_row(b, q, fused))  # noqa: B023
         for b in batches:
             if not over():
-                pressure_row(b)
+                guarded("PagedWeight under pressure", b, 0, lambda: pressure_row(b))  # noqa: B023
     if not args.skip_hf:
         del model, stripped
         reset_peak()

@@ -40,3 +40,18 @@ def test_dense_grouped_baseline_matches_the_per_expert_loop() -> None:
         got = dense_grouped(x, ids, w, gate_up, down).float()
         ref = dense_loop(x, ids, w, gate_up, down).float()
         assert (got - ref).abs().max() <= 2**-6 * ref.abs().max()
+
+
+def test_serve_report_renders_failed_rows_and_skips_them_in_ratios() -> None:
+    """bench/serve_speed.py records a row that raised (e.g. out of memory at a new batch size) and goes on; the
+    report lists it and leaves it out of the PagedWeight-vs-uniform ratios."""
+    from bench.serve_report import render
+
+    ok = {"decode_tps_measured": 100.0, "decode_step_ms_median": 10.0, "bits_read_per_token": 4.0}
+    rows = [{"system": "ours uniform 4-bit", "batch": 1, "rep": 0, **ok},
+            {"system": "PagedWeight under pressure", "batch": 1, "rep": 0, **ok, "decode_tps_measured": 95.0},
+            {"system": "ours uniform 4-bit", "batch": 16, "rep": 0, "error": "OutOfMemoryError: CUDA out of memory"},
+            {"system": "PagedWeight under pressure", "batch": 16, "rep": 0, "error": "BudgetTooSmall: too small"}]
+    text = render({"command": "x"}, rows)
+    assert "Rows that failed" in text and "batch 16 (repeat 0): OutOfMemoryError" in text
+    assert "| 1 | 0 | 95.0 | 100.0 | -5.0% |" in text and "| 16 | 0 |" not in text
