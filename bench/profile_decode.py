@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import io
 import pstats
 import time
@@ -68,6 +69,8 @@ def main() -> None:
     assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=3), reqs, set()).engine.run()
 
     def fresh() -> Any:
+        gc.collect()  # the previous engine (and its pool) is gone before the next one is built
+        torch.cuda.empty_cache()
         return assemble_engine(model, src, table, pol, None, None, cfg,
                                SamplingParams(max_new_tokens=2 * args.steps + 4), reqs, set()).engine
 
@@ -88,6 +91,7 @@ def main() -> None:
     plain_phases = {k: round(1e3 * v, 3) for k, v in e.totals.trace[-1].items() if k.endswith("seconds") and v}
     host = ""
     if args.prefill:  # where the host's time goes (cProfile), and which calls wait for the device
+        del e  # so that fresh() can free it
         e = fresh()
         torch.cuda.synchronize()
         cp = cProfile.Profile()
@@ -117,6 +121,7 @@ def main() -> None:
         host = ("synchronizing calls in the prefill step (count, innermost first):\n"
                 + "\n".join(f"{n:5d}  {k}" for k, n in syncs.most_common(20)) + "\n\ncProfile, by own time:\n"
                 + "\n".join(buf.getvalue().splitlines()[:60]))
+        del e  # so that fresh() can free it
         e = fresh()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = timed(e, steps)

@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -67,6 +68,8 @@ def peak() -> int:
 
 
 def reset_peak() -> None:
+    """Free what earlier engines held (reference cycles included) and restart the peak-memory count."""
+    gc.collect()
     if DEV == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
