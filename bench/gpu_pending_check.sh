@@ -1,24 +1,32 @@
 #!/bin/bash
-# The GPU run that the eleventh session's CPU-only changes wait for (one `run` call, ~8 min on a warm H200):
+# The GPU runs that the eleventh session's CPU-only changes wait for (two `run` calls on an H200):
 #   1. native tests of the decode attention (launch configs from JSON, runtime split count, DOT 0/1), the shared
 #      expert's prefill special case, the engine waiting for its initial upload, the prefill epilogues;
 #   2. bench/paged_attention_speed.py: tune the decode attention, write kernels/configs/paged_attention.json;
 #   3. bench/serve_speed.py at batch 16, 4 and 1 with the tuned attention (3 interleaved repeats).
-# Usage on the device machine: bash bench/gpu_pending_check.sh   (results and the tuned JSON land in $OUT)
+# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of tests, attention, serve (default:
+# tests and attention, ~6 min; serving in a second call, ~5 min: one call may run 10 min). Results land in $OUT.
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+STAGES=${1:-tests,attention}
+if [[ $STAGES == *tests* ]]; then
 { echo "# pending-change tests, commit $C, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader)"
   timeout 300 python -u -m pytest -q -p no:warnings tests/test_paged_attention.py tests/test_pooled_attention.py \
     tests/test_moe_prefill.py tests/test_cuda.py \
     "tests/test_ap_moe_kernel.py::test_shared_expert_prefill_path" 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
 echo "tests done at ${SECONDS}s"; tail -3 "$OUT/pytest_pending.txt"
+fi
+if [[ $STAGES == *attention* ]]; then
 timeout 240 python -u bench/paged_attention_speed.py --batches 1,4,16 --time-limit 200 \
   --out-md "$OUT/paged_attention_h200.md" --write-configs kernels/configs/paged_attention.json \
   > "$OUT/paged_attention_stdout.txt" 2>&1
 cp kernels/configs/paged_attention.json "$OUT/"
 echo "attention tuning done at ${SECONDS}s"; tail -12 "$OUT/paged_attention_stdout.txt"
+fi
+if [[ $STAGES == *serve* ]]; then
 timeout 300 python -u bench/serve_speed.py --skip-hf --skip-lean16 --batches 16,4,1 --bits 4 --interleave 3 \
   --time-limit 260 --out-md "$OUT/serve_pending_h200.md" > "$OUT/serve_stdout.txt" 2>&1
 echo "serving done at ${SECONDS}s"; sed -n '/| system/,$p' "$OUT/serve_pending_h200.md" | cut -c1-160 | tail -30
+fi
