@@ -52,6 +52,7 @@ from kernels.ap_moe_gemv import gemv_moe
 from kernels.ap_moe_gemv1 import gemv1_moe, gemv1_partials
 from kernels.ap_moe_layout import combine
 from kernels.ap_tile import lut_rows, weight_tile
+from kernels.config_buckets import pick_bucket
 from kernels.moe_prefill import gather_sum, silu_mul
 from pwrun.ap.format import dequantize
 
@@ -244,11 +245,7 @@ def pick_config(num_tokens: int, hidden: int | None = None, inter: int | None = 
     buckets of shape "HxI" if tuned, else the default buckets; the largest ``min_tokens`` <= T wins.
     Read-only (shared)."""
     table = CONFIGS if configs is None else configs
-    best: dict[str, Any] = {}
-    for row in table["by_shape"].get(f"{hidden}x{inter}", table["default"]):
-        if num_tokens >= row["min_tokens"] or not best:
-            best = row["config"]
-    return best
+    return pick_bucket(table["by_shape"].get(f"{hidden}x{inter}", table["default"]), num_tokens, "min_tokens") or {}
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@ M (token, slot) pairs sorted by expert:
   * ``gather_sum``: out [T, H] = sum over j < k of y[pos[t, j]] (fp32, slots in order, rounded once), where
     pos [T, k] is where pair (t, j) sits in the sorted order.
 Eagerly that is ~10 launches (fp32 casts of h and y, SiLU, two products, the cast back, an index_put, the
-sum and its cast) and two fp32 copies of [M, 2I] and [M, H]: in the eleventh session's prefill profile of
-the Qwen1.5-MoE shape (2048 tokens) ~20 of the step's 56 ms of GPU time, and most of its host time.
+sum and its cast) and two fp32 copies of [M, 2I] and [M, H]; replacing them took the Qwen1.5-MoE shape's
+2048-token prefill step from 55.6 to 41.0 ms of GPU time (``bench/results/profile_prefill_u4_s11{b,d}_h200.txt``).
 What it does not do: the GEMMs, or anything but contiguous rows.
 """
 

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.config_buckets import pick_bucket
+
 # Launch configs as data (``kernels/configs/paged_attention.json``): "default", and per "HqxHkvxD" shape a list of
 # buckets by batch size (the largest ``min_seqs`` <= S wins), written by ``bench/paged_attention_speed.py
 # --write-configs``. Keys: BLOCK_N (key positions per loop iteration), num_warps, DOT (1: q.K^T and p.V on tensor
@@ -53,11 +55,8 @@ def pick_config(num_seqs: int, hq: int, hkv: int, d: int, configs: dict[str, Any
     """The launch config for S = ``num_seqs`` sequences of this head shape: the shape's bucket with the largest
     ``min_seqs`` <= S (the first if none), over the defaults. Read-only (shared)."""
     table = CONFIGS if configs is None else configs
-    best: dict[str, Any] | None = None
-    for row in table["by_shape"].get(f"{hq}x{hkv}x{d}", []):
-        if best is None or num_seqs >= row["min_seqs"]:
-            best = row["config"]
-    return {**table["default"], **(best or {})}
+    return {**table["default"], **(pick_bucket(table["by_shape"].get(f"{hq}x{hkv}x{d}", []), num_seqs, "min_seqs")
+                                   or {})}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -407,3 +407,18 @@ def test_shared_expert_prefill_path(dtype: torch.dtype) -> None:
         assert all(torch.equal(u, v) for u, v in zip(wide.block(b)[:2], ex.block(b)[:2], strict=True))
     grouped = ap_moe(x, ids, gate, wide, config=cfg).float()  # the grouped path: the same sums (GEMM order aside)
     assert (got - grouped).abs().max() <= 2 * torch.finfo(dtype).eps * grouped.abs().max()
+
+
+def test_pick_config_buckets_by_tokens() -> None:
+    """``kernels.config_buckets.pick_bucket`` behind ``pick_config``: the largest bound <= T wins, the first bucket
+    below every bound, untuned shapes take the default buckets, and an empty config is a bucket like any other
+    (the old loop treated it as "none chosen yet" and took the next bucket)."""
+    from kernels.ap_moe import pick_config
+
+    table = {"default": [{"min_tokens": 1, "config": {"path": "gemv1"}}],
+             "by_shape": {"8x4": [{"min_tokens": 2, "config": {"path": "gemv"}}, {"min_tokens": 5, "config": {}},
+                                  {"min_tokens": 16, "config": {"path": "fused"}}]}}
+    assert pick_config(1, 8, 4, table) == {"path": "gemv"}
+    assert pick_config(7, 8, 4, table) == {}
+    assert pick_config(16, 8, 4, table) == {"path": "fused"}
+    assert pick_config(99, 16, 4, table) == {"path": "gemv1"}

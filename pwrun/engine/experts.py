@@ -150,9 +150,9 @@ class ExpertStore:
         """Initial placement at bitwidths ``q_bits`` [n]; raises ``OutOfPages`` if the pool is too small.
 
         Returns once the planes are on the device: the copies are queued without blocking, and a step queued
-        behind them would count the whole upload as its own time (~6.7 GB of 4-bit planes for a real-size
-        Qwen1.5-MoE: a few hundred ms from pinned memory, which ``bench/serve_speed.py``, building an engine and
-        running it at once, counted as prefill)."""
+        behind them would count the upload as its own time (7.1 GB of 4-bit planes and LUTs for a real-size
+        Qwen1.5-MoE, ``weight_bytes_max`` in ``bench/results/serve_s11d_h200.json``; ``bench/serve_speed.py``
+        builds an engine and runs it at once, so its prefill figure included whatever of that was still queued)."""
         orders: list[CopyOrder] = []
         for i in range(self.n):
             orders += self.wpt.place(self.pool, i, int(q_bits[i]))
