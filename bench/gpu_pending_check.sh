@@ -19,7 +19,7 @@ if [[ $STAGES == *tests* ]]; then
 echo "tests done at ${SECONDS}s"; tail -3 "$OUT/pytest_pending.txt"
 fi
 if [[ $STAGES == *attention* ]]; then
-timeout 240 python -u bench/paged_attention_speed.py --batches 1,4,16 --time-limit 200 \
+timeout 320 python -u bench/paged_attention_speed.py --batches 1,4,16 --time-limit 200 \
   --out-md "$OUT/paged_attention_h200.md" --write-configs kernels/configs/paged_attention.json \
   > "$OUT/paged_attention_stdout.txt" 2>&1
 cp kernels/configs/paged_attention.json "$OUT/"
