@@ -1,14 +1,14 @@
-"""Decode MoE (path gemv1, T <= 8): tune the word-first kernels and compare them with a baseline, same run.
+"""Decode MoE (path gemv1; past 8 tokens in chunks of 8): tune the word-first kernels against a baseline, same run.
 
 For each shape, T and q, times ``kernels.ap_moe_gemv1.gemv1_moe`` over a small grid of tiles (GPU time of
 CUDA-graph replays), checks every result against ``ap_moe_ref`` and prints the best config per row (what the
 gemv1 entries of ``kernels/configs/ap_moe.json`` by_shape hold). The baseline is the decode path that a given
 configs JSON picks (``--baseline-configs``; default: the current one), run with the gemv1 module in
 ``--baseline-module`` (a file, e.g. the kernel of an earlier commit: ``git show REV:kernels/ap_moe_gemv1.py``)
-where that config's path is gemv1, or with ``kernels.ap_moe_gemv`` where it is gemv.
+where that config's path is gemv1, or with ``kernels.ap_moe.ap_moe`` (its own path: gemv, fused, dequant) elsewhere.
 Experts: min(E, T * top-k) of them with distinct ids per token (T = 1 reads top-k experts, as in serving).
 
-Usage: python bench/gemv_compare.py [--ts 1,4,8] [--qs 4,3,8] [--tune-qs 4,5,8] [--baseline-module F]
+Usage: python bench/gemv_compare.py [--ts 1,4,8,16,32] [--qs 4,3,8] [--tune-qs 4,5,8] [--baseline-module F]
        [--baseline-configs F] [--workers 12] [--grid small] [--time-limit S] [--write-configs F]
        (GPU machine; JSON rows + a markdown table). Each (shape, T) group compiles its tiles first: ~15 s per
        config at T = 1, 1-4 min at T_PAD 4-8 (Triton 3.6), so keep --grid small and --time-limit for T > 1.
@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, ".")
 from bench.ap_moe_speed import ALL_SHAPES, copy_bandwidth, fake_experts, precompile
 from bench.gemv_probe import graph_ms
-from kernels import ap_moe_gemv, ap_moe_gemv1
-from kernels.ap_moe import ap_moe_ref, pick_config
+from kernels import ap_moe_gemv1
+from kernels.ap_moe import ap_moe, ap_moe_ref, pick_config
 
 # (BLOCK_N pairs, BLOCK_K, num_warps) and (BLOCK_N, BLOCK_K, num_warps, SPLIT_K). BLOCK_K 1024 = 32 words: the
 # tile whose codes are already in the layout of Triton's warp-local gather with a 32-entry LUT (q <= 5 by
@@ -99,7 +99,8 @@ def main() -> None:
     ap.add_argument("--raw-shfl", action="store_true", help="candidates shuffle by inline shfl.sync (tile key "
                     "RAW_SHFL; only 16- and 32-word K steps, BLOCK_K 512 / 1024, use it) vs the baseline's tl.gather")
     ap.add_argument("--write-configs", default="", help="configs JSON to update with the winners (T=1 -> bucket "
-                    "min_tokens 1, T=4 -> 2, T=8 -> 5; only where gemv1 beat the baseline at q=4)")
+                    "min_tokens 1, T=4 -> 2, T=8 -> 5, T=16 -> 9, T=32 -> 17; only where gemv1 beat the baseline "
+                    "at q=4 or in the --pick sum row)")
     args = ap.parse_args()
     RAW["RAW_SHFL"] = int(args.raw_shfl)
     base_mod = load_module(args.baseline_module) if args.baseline_module else ap_moe_gemv1
@@ -128,7 +129,7 @@ def main() -> None:
             if bc["path"] == "gemv1":
                 b_us, b_err = timed(lambda: base_mod.gemv1_moe(x, ids, w, ex, bc), ref)  # noqa: B023
             else:
-                b_us, b_err = timed(lambda: ap_moe_gemv.gemv_moe(x, ids, w, ex, bc), ref)  # noqa: B023
+                b_us, b_err = timed(lambda: ap_moe(x, ids, w, ex, config=bc, check=False), ref)  # noqa: B023
             kpath = 4 if q <= 4 else 5 if q == 5 else 8  # code paths: q <= 4, q = 5, q >= 6
             if q in tune or kpath not in won:
                 gus = [cfg(gu, dn_grid[0]) for gu in gu_grid]
@@ -182,13 +183,14 @@ def pick_sum(family: str, t: int, n: int, qs: list[int], rows: list[dict]) -> di
             "new_cfg": cands[best], "tried": len(cands), "sums_us": [round(v, 1) for v in total]}
 
 
-BUCKET = {1: 1, 4: 2, 8: 5}  # tuned T -> min_tokens of the bucket it stands for (gemv1 takes at most 8 tokens)
+BUCKET = {1: 1, 4: 2, 8: 5, 16: 9, 32: 17}  # tuned T -> min_tokens of the bucket it stands for
+BOUNDS = (2, 5, 9, 17, 33)  # bucket starts: one that lost keeps its old config (33: past the largest tuned T)
 
 
 def write_configs(path: str, rows: list[dict]) -> None:
     """Put each shape's q=4 winner (or its --pick sum row) into its bucket of ``path`` where gemv1 beat the
-    baseline; the bucket after
-    the last gemv1 one (min_tokens 9) keeps the config that covered 9 tokens before."""
+    baseline; a bucket that lost, and the one past the largest tuned T (33 tokens), keep the config that covered
+    them before."""
     with open(path) as f:
         configs = json.load(f)
     for family in {r["shape"] for r in rows}:
@@ -197,18 +199,22 @@ def write_configs(path: str, rows: list[dict]) -> None:
         old = configs["by_shape"].get(key, configs["default"])
         buckets = {b["min_tokens"]: b["config"] for b in old}
         pick = "sum" if any(r["q"] == "sum" for r in rows if r["shape"] == family) else 4
+        was = {m: pick_config(m, s["hidden"], s["inter"], {"by_shape": {key: old}, "default": old}) for m in BOUNDS}
+        won = set()
         for r in rows:
             if r["shape"] == family and r["q"] == pick and r["T"] in BUCKET and r["speedup"] > 1.0:
-                buckets[BUCKET[r["T"]]] = r["new_cfg"]
-        won = {BUCKET[r["T"]] for r in rows if r["shape"] == family and r["q"] == pick and r["T"] in BUCKET
-               and r["speedup"] > 1.0}
-        for m in (2, 5, 9):  # a bucket that lost (or 9+) keeps what covered it before, not a smaller winner
-            if m not in won and m not in buckets and buckets[max(k for k in buckets if k < m)]["path"] == "gemv1":
-                buckets[m] = pick_config(m, s["hidden"], s["inter"], {"by_shape": {key: old}, "default": old})
-        assert pick_config(9, s["hidden"], s["inter"], {"by_shape": {key: [{"min_tokens": m, "config": c}
-                                                                          for m, c in sorted(buckets.items())]},
-                                                       "default": old})["path"] != "gemv1"
-        configs["by_shape"][key] = [{"min_tokens": m, "config": buckets[m]} for m in sorted(buckets)]
+                m = BUCKET[r["T"]]
+                end = min(b for b in BOUNDS if b > m)
+                buckets = {k: c for k, c in buckets.items() if not m < k < end}  # the winner covers m .. end - 1
+                buckets[m] = r["new_cfg"]
+                won.add(m)
+        for m in BOUNDS:  # a bucket that lost (or 33+) keeps what covered it before, not a smaller winner
+            if m not in won and m not in buckets:
+                buckets[m] = was[m]
+        merged = [{"min_tokens": m, "config": buckets[m]} for m in sorted(buckets)]
+        configs["by_shape"][key] = [b for i, b in enumerate(merged) if i == 0 or b["config"] != merged[i - 1]["config"]]
+        new = {"by_shape": {key: configs["by_shape"][key]}, "default": old}
+        assert all(pick_config(m, s["hidden"], s["inter"], new) == was[m] for m in BOUNDS if m not in won)
     with open(path, "w") as f:
         json.dump(configs, f, indent=1)
         f.write("\n")

@@ -15,8 +15,8 @@ move every plane independently):
     Planes q_i..7 of block i are never read.
 
 Four paths, chosen per call by T and shape from data (``kernels/configs/ap_moe.json``):
-  * ``gemv1`` (decode, 1..8 tokens): ``kernels/ap_moe_gemv1.py``, word-first GEMV kernels laid out so
-    that a warp's LUT gathers and activation loads are contiguous; no host sync.
+  * ``gemv1`` (decode, 1..8 tokens; more in chunks of 8): ``kernels/ap_moe_gemv1.py``, word-first GEMV kernels
+    laid out so that a warp's LUT gathers and activation loads are contiguous; no host sync.
   * ``gemv`` (decode, few tokens): ``kernels/ap_moe_gemv.py``, GEMV kernels without tensor cores
     or routing preprocessing: gate_up + SiLU*up fused, down with split-K; no host sync.
   * ``fused`` (medium T): ``_gate_up_kernel`` / ``_down_kernel`` here: per tile of BLOCK_M

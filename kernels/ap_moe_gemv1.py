@@ -1,6 +1,7 @@
 """Decode path of the AP MoE for 1..8 tokens (SPEC section 7): word-first GEMV kernels (path ``gemv1``).
 
-What it does: the same math as ``kernels.ap_moe.ap_moe_ref`` for T <= 8 (decode), as two launches like
+What it does: the same math as ``kernels.ap_moe.ap_moe_ref`` for T <= 8 (decode; more tokens as chunks of 8, see
+``chunks``), as two launches like
 ``kernels.ap_moe_gemv`` (gate_up with SiLU-and-mul, then down with split-K and the routing weight; the
 program of an expert's first (token, slot) pair does the expert's work for all its tokens), laid out for
 the memory pipe and for few instructions per weight:
@@ -34,7 +35,8 @@ the memory pipe and for few instructions per weight:
     sm_90, ninth session). ``kernels/warmup.py`` compiles them before serving.
 Measured on the H200: ``bench/gemv_compare.py`` (bench/results/gemv_probe/). Nothing here syncs with the
 host (tables are read at every call).
-What it does not do: validate inputs (``kernels.ap_moe.ap_moe`` does) or take more than 8 tokens.
+What it does not do: validate inputs (``kernels.ap_moe.ap_moe`` does), or share an expert's weight reads across
+chunks of 8 tokens (each chunk reads its experts again: for large batches the fused and dequant paths do).
 """
 
 from __future__ import annotations
@@ -421,19 +423,20 @@ def _entries(bkw: int) -> int:
 
 def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,
                    cfg: dict[str, Any], xw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing-weighted partial outputs [SPLIT, T, k, H] fp32 of T <= 8 tokens x [T, H] (ids/weights [T, k],
+    """Routing-weighted partial outputs [SPLIT, T, k, H] fp32 of T tokens x [T, H] (ids/weights [T, k],
     checked by ``ap_moe``), and the word-major activations [T, 32, KWX] they were computed from (``xw``: reuse
     them, e.g. for the shared expert of the same x, when the gate_up tiles give the same KWX).
 
     ``cfg``: ``{"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {BLOCK_N, BLOCK_K, num_warps, SPLIT_K}}``
     (BLOCK_K: columns per K step, a multiple of 32; BLOCK_N of gate_up counts gate/up row pairs). The word
     counts of the padded activation rows are compile-time constants, so each (H, I) compiles its own kernels.
-    Raises ``ValueError`` for more than 8 tokens.
+    More than 8 tokens run as chunks of 8 (the last one holds the rest), one launch pair each, with their partials
+    concatenated along T: an expert used in several chunks is read once per chunk (``chunks``).
     """
     ex = experts
     t, k = topk_ids.shape
     if t > MAX_TOKENS:
-        raise ValueError(f"the gemv1 path takes at most {MAX_TOKENS} tokens, got {t} (use path 'gemv')")
+        return _chunked_partials(x, topk_ids, topk_w, experts, cfg, xw)
     num_pairs = t * k
     gu, dn = cfg["gate_up"], cfg["down"]
     split = dn.get("SPLIT_K", 1)
@@ -458,8 +461,28 @@ def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     return out.view(split, t, k, ex.hidden), xw
 
 
+def chunks(num_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) token ranges that the gemv1 path runs one launch pair each: 8 tokens apiece, the rest last (so
+    at most one chunk pads to a smaller power of 2, and ``kernels.warmup`` compiles 8 + 1, 2, 4, 8 tokens)."""
+    return [(a, min(a + MAX_TOKENS, num_tokens)) for a in range(0, num_tokens, MAX_TOKENS)]
+
+
+def _chunked_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,
+                      cfg: dict[str, Any], xw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gemv1_partials`` of more than 8 tokens, chunk by chunk (``chunks``): partials [SPLIT, T, k, H] fp32 and the
+    word-major activations [T, 32, KWX] of all T tokens."""
+    parts, xws = [], []
+    for a, b in chunks(x.shape[0]):
+        p, w = gemv1_partials(x[a:b], topk_ids[a:b], topk_w[a:b], experts, cfg,
+                              xw[a:b] if xw is not None else None)
+        parts.append(p)
+        xws.append(w)
+    return torch.cat(parts, dim=1), torch.cat(xws)
+
+
 def gemv1_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,
               cfg: dict[str, Any]) -> torch.Tensor:
-    """MoE output y [T, H] in x's dtype for T <= 8 tokens x [T, H]; ids/weights [T, k] (checked by ``ap_moe``);
+    """MoE output y [T, H] in x's dtype for tokens x [T, H] (chunks of 8 beyond 8); ids/weights [T, k] (checked by
+    ``ap_moe``);
     ``cfg`` and errors as in ``gemv1_partials``."""
     return combine(gemv1_partials(x, topk_ids, topk_w, experts, cfg)[0], None, x.dtype)

@@ -12,7 +12,7 @@ per (expert set, token count) runs the decode-step MoE call on random experts of
 in Triton's on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), from which the serving process then
 loads them. The routed and the shared experts compile in separate workers (their kernels differ in shape constants).
 
-What it does not do: compile the prefill paths (T > 8: they compile on first use) or anything on the CPU (the
+What it does not do: compile the prefill paths (more tokens than ``max_batch``: they compile on first use) or anything on the CPU (the
 runtime's CPU path uses no Triton kernel).
 """
 
@@ -55,11 +55,15 @@ class MoEShape:
 
 
 def decode_token_counts(max_batch: int) -> list[int]:
-    """Token counts whose decode kernels differ (one compile each: 1, 2, 4, 8 = the padded token counts of the
-    word-first kernels), up to ``max_batch`` rounded up to the next of them and at most 8."""
+    """Token counts whose decode kernels differ, up to ``max_batch``: 1, 2, 4, 8 (the padded token counts of the
+    word-first kernels, each count rounded up to the next of them), then, past 8 tokens, 8 + 1, 2, 4, 8 (the
+    word-first path runs chunks of 8 and the rest, ``kernels.ap_moe_gemv1.chunks``; beyond 16 tokens the same
+    kernels again, and the buckets of other paths compile one kernel per config)."""
     out = [1]
     while out[-1] < min(max_batch, MAX_TOKENS):
         out.append(2 * out[-1])
+    if max_batch > MAX_TOKENS:
+        out += [MAX_TOKENS + c for c in decode_token_counts(min(max_batch - MAX_TOKENS, MAX_TOKENS))]
     return out
 
 

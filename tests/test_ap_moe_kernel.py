@@ -328,12 +328,35 @@ def test_padded_word_major_rows() -> None:
     assert padded_words(2048, 32) == 64 and padded_words(72, 1, 2) == 4
 
 
-def test_word_first_path_rejects_more_than_8_tokens() -> None:
-    ex = make(2, 64, 32, [4] * 4, torch.bfloat16, 0)
-    x = torch.randn(9, 64).to(torch.bfloat16).to(DEV)
-    ids, w = torch.zeros(9, 1, dtype=torch.int64).to(DEV), torch.ones(9, 1).to(DEV)
-    with pytest.raises(ValueError, match="at most 8 tokens"):
-        ap_moe(x, ids, w, ex, config=GEMV1)
+@pytest.mark.parametrize(("t", "k", "e"), [(9, 2, 5), (12, 1, 3), (17, 1, 3)])
+def test_word_first_path_chunks_beyond_8_tokens(t: int, k: int, e: int) -> None:
+    """More than 8 tokens on gemv1 run as chunks of 8 and the rest (8 + 1, 8 + 4, 8 + 8 + 1): every token's row
+    must come out (a chunk dropped or misplaced along T is caught), with a random mix of q and ragged H, I."""
+    from kernels.ap_moe_gemv1 import chunks
+
+    assert chunks(t) == [(a, min(a + 8, t)) for a in range(0, t, 8)] and chunks(8) == [(0, 8)]
+    bits = torch.randint(2, 9, (2 * e,), generator=torch.Generator().manual_seed(t)).tolist()
+    check(t, k, e, hidden=72, inter=40, bits=bits, dtype=torch.bfloat16, seed=70 + t, config=GEMV1)
+
+
+def test_routed_and_shared_block_on_chunked_word_first_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ap_moe_block`` at 10 tokens with gemv1 for routed and shared experts: both chunked (8 + 2), the shared
+    expert reusing the routed experts' word-major activations, partials combined once."""
+    import kernels.ap_moe as am
+
+    monkeypatch.setattr(am, "pick_config", lambda *a, **kw: GEMV1)
+    h, i_r, i_s, t = 72, 40, 104, 10
+    ex = make(4, h, i_r, torch.randint(2, 9, (8,)).tolist(), torch.bfloat16, 80)
+    sh = make(1, h, i_s, [6, 3], torch.bfloat16, 81)
+    g = torch.Generator().manual_seed(82)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(t)]).to(DEV)
+    w, sw = torch.rand(t, 2, generator=g).to(DEV), torch.rand(t, 1, generator=g).to(DEV)
+    got = am.ap_moe_block(x, ids, w, ex, sh, sw).float()
+    zero = torch.zeros(t, 1, dtype=torch.int64, device=DEV)
+    ref = ap_moe_ref(x, ids, w, ex).float() + ap_moe_ref(x, zero, sw, sh).float()
+    assert torch.isfinite(got).all()
+    assert (got - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
 
 
 def test_word_major_layout() -> None:

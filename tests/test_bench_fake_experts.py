@@ -55,3 +55,28 @@ def test_serve_report_renders_failed_rows_and_skips_them_in_ratios() -> None:
     text = render({"command": "x"}, rows)
     assert "Rows that failed" in text and "batch 16 (repeat 0): OutOfMemoryError" in text
     assert "| 1 | 0 | 95.0 | 100.0 | -5.0% |" in text and "| 16 | 0 |" not in text
+
+
+def test_gemv_compare_write_configs_buckets(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bench/gemv_compare.write_configs: a winner at T = 16 owns tokens 9..16 (an old bucket inside that range, e.g.
+    a fused one at 16, must go), a T that lost keeps its old config, and 33+ tokens keep theirs."""
+    import json
+
+    from bench.gemv_compare import write_configs
+    from kernels.ap_moe import pick_config
+
+    old = [{"min_tokens": 1, "config": {"path": "gemv1", "tag": "t1"}},
+           {"min_tokens": 5, "config": {"path": "gemv", "tag": "g5"}},
+           {"min_tokens": 16, "config": {"path": "fused", "tag": "f16"}},
+           {"min_tokens": 256, "config": {"path": "dequant", "tag": "d256"}}]
+    path = tmp_path / "ap_moe.json"
+    path.write_text(json.dumps({"default": old[:1], "by_shape": {"2048x1408": old}}))
+    win = {"path": "gemv1", "tag": "new16"}
+    rows = [{"shape": "qwen1.5-moe", "q": 4, "T": 16, "speedup": 1.8, "new_cfg": win},
+            {"shape": "qwen1.5-moe", "q": 4, "T": 4, "speedup": 0.9, "new_cfg": {"path": "gemv1", "tag": "lost"}},
+            {"shape": "qwen1.5-moe", "q": 5, "T": 32, "speedup": 2.0, "new_cfg": {"path": "gemv1", "tag": "q5"}}]
+    write_configs(str(path), rows)
+    table = json.loads(path.read_text())
+    tag = {t: pick_config(t, 2048, 1408, table)["tag"] for t in (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 255, 256)}
+    assert tag == {1: "t1", 2: "t1", 4: "t1", 5: "g5", 8: "g5", 9: "new16", 16: "new16", 17: "f16", 32: "f16",
+                   33: "f16", 255: "f16", 256: "d256"}

@@ -17,7 +17,10 @@ def test_decode_token_counts_are_the_padded_token_counts() -> None:
     assert decode_token_counts(2) == [1, 2]
     assert decode_token_counts(3) == [1, 2, 4]  # 3 tokens run the kernels padded to 4
     assert decode_token_counts(5) == [1, 2, 4, 8]
-    assert decode_token_counts(64) == [1, 2, 4, 8]  # above 8 tokens the decode kernels are not used
+    # past 8 tokens the word-first path runs chunks of 8 and the rest: 9..16 tokens pad the rest to 1, 2, 4, 8
+    assert decode_token_counts(9) == [1, 2, 4, 8, 9]
+    assert decode_token_counts(11) == [1, 2, 4, 8, 9, 10, 12]
+    assert decode_token_counts(16) == decode_token_counts(64) == [1, 2, 4, 8, 9, 10, 12, 16]
 
 
 def test_moe_shapes_of_the_bundled_model() -> None:
