@@ -464,7 +464,7 @@ KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture"
         "decode_step_ms_median", "decode_model_ms_median", "decode_step_ms_moving", "breakdown_moving_ms",
         "breakdown_still_ms",
         "decode_step_ms_still", "steps_moving", "bits_read_per_token",
-        "planner_ms_per_step", "planner_overlapped_ms_per_step",
+        "planner_ms_per_step", "planner_overlapped_ms_per_step", "planner_plans_prepared", "planner_plans_fresh",
         "demoted_blocks", "promoted_blocks",
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
         "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes")

@@ -88,6 +88,10 @@ def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: 
     assert e.totals.demoted_blocks > 0
     assert e.pool.peak_used <= e.pool.cfg.num_pages
     assert e.totals.promoted_blocks > 0  # pressure eased at the end: planes came back
+    from pwrun.engine.report import summarize
+
+    s = summarize(e, {})  # every demotion plan was taken, ready-made or made on the critical path
+    assert e.planner is not None and s["planner_plans_prepared"] + s["planner_plans_fresh"] >= 1
     trace = e.totals.trace
     # the KV cache grew into pages the initial weights held: it could not have fit without demotions
     assert max(r["kv_pages"] for r in trace) > e.pool.cfg.num_pages - built.info["initial_weight_pages"]

@@ -117,6 +117,41 @@ def test_planner_meets_pressure_within_floors_and_prefers_cheap_damage() -> None
     assert not np.isin(plan.blocks[:3], p2.blocks).any()
     planner.prepare(q, need)
     assert planner.take(q, need) is not None
+
+
+def test_prepared_plan_survives_changes_outside_it() -> None:
+    """A queued demotion plan is taken while its own blocks keep their bitwidths (a reload that completed elsewhere
+    in between leaves it valid: no fresh plan on the step's critical path); it is made again when one of its
+    blocks changed or may not move, or when it frees too little."""
+    table = _table()
+    planner = Planner(table, BucketPolicy.neutral(3), PlannerConfig())
+    q = np.full(table.n, table.bits.size - 1)
+    need = 0.05 * table.total_bytes(q)
+    outside = np.setdiff1d(np.arange(table.n), planner.plan_lower(q, need).blocks)[0]
+    cases = []  # (bit indices at take time, movable, need, expected kind)
+    q_out = q.copy()
+    q_out[outside] -= 1  # a block outside the plan changed
+    cases.append((q_out, None, need, "prepared"))
+    cases.append((q, None, 2 * need, "fresh"))  # frees too little
+    for i, (qt, mov, nd, kind) in enumerate(cases):
+        planner.prepare(q, need)
+        prepared = planner.prepared
+        assert prepared is not None and planner.is_prepared(qt, nd, mov) == (kind == "prepared")
+        before = dict(planner.takes)
+        got = planner.take(qt, nd, mov)
+        assert (got is prepared) == (kind == "prepared"), i
+        assert planner.takes[kind] == before[kind] + 1 and planner.prepared is None
+    planner.prepare(q, need)
+    p = planner.prepared
+    assert p is not None and p.blocks.size
+    q_in = q.copy()
+    q_in[p.blocks[0]] -= 1  # a block of the plan changed: its bytes and target are stale
+    assert not planner.is_prepared(q_in, need) and planner.take(q_in, need) is not p
+    planner.prepare(q, need)
+    p = planner.prepared
+    frozen = np.ones(table.n, bool)
+    frozen[p.blocks[-1]] = False  # a block of the plan is being moved
+    assert planner.take(q, need, frozen) is not p
     assert planner.pressure(free_blocks=5, kv_block_bytes=100) == 0
     assert planner.pressure(free_blocks=1, kv_block_bytes=100) == 200  # (T_blk + 1 - F) * B_KV, T_blk = 2
 

@@ -252,7 +252,7 @@ class Engine:
         assert self.planner is not None
         t0 = time.perf_counter()
         need = self._next_need(finishing)
-        if need > 0 and not self.planner.is_prepared(self.q_idx(), need):
+        if need > 0 and not self.planner.is_prepared(self.q_idx(), need, self.store.movable()):
             self.planner.prepare(self.q_idx(), need, self.store.movable())
         self._planner_time(t0, overlapped)
 

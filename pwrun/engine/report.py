@@ -53,6 +53,8 @@ def summarize(engine: Engine, info: dict[str, Any]) -> dict[str, Any]:
         "final_bits_hist": {int(b): int(hist[b]) for b in range(9) if hist[b]},
         "pool_pages": engine.pool.cfg.num_pages, "pool_peak_pages": engine.pool.peak_used,
     })
+    if engine.planner is not None:  # demotion plans taken ready-made vs made on the step's critical path
+        out.update({f"planner_plans_{k}": v for k, v in engine.planner.takes.items()})
     if engine.model.device.type == "cuda":
         out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated(engine.model.device))
     return out

@@ -79,6 +79,7 @@ class Planner:
         self._bucket: np.ndarray | None = None
         self.prepared: Plan | None = None
         self._prepared_q: np.ndarray | None = None
+        self.takes = {"prepared": 0, "fresh": 0}  # plans ``take`` returned, by kind
         self.stale = True  # the live statistics changed since d_hat was computed
         # the last reload plan (``next_raises``): the plan, the bit indices it was made from, those it aims at, and
         # the d_hat it was made with (each refresh makes a new array)
@@ -217,16 +218,27 @@ class Planner:
         self.prepared = self.plan_lower(q_idx, need_bytes, movable)
         self._prepared_q = q_idx.copy()
 
-    def is_prepared(self, q_idx: np.ndarray, need_bytes: float) -> bool:
-        """A queued plan exists for the current bitwidths and frees at least ``need_bytes``."""
+    def _prepared_holds(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None) -> bool:
+        """The queued plan still applies: it frees >= ``need_bytes``, none of its blocks changed bitwidth since it
+        was made (blocks outside it may have: a reload that completed in between leaves the plan's bytes and
+        targets as they were, so it need not be made again on the step's critical path) and all of them may move
+        (``movable`` [n] bool, None: all)."""
         p, q0 = self.prepared, self._prepared_q
-        return p is not None and q0 is not None and p.freed >= need_bytes and np.array_equal(q0, q_idx)
+        if p is None or q0 is None or p.freed < need_bytes:
+            return False
+        return bool((q_idx[p.blocks] == q0[p.blocks]).all() and (movable is None or movable[p.blocks].all()))
+
+    def is_prepared(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> bool:
+        """A queued plan exists that ``take`` would use for ``need_bytes`` at bit indices ``q_idx`` [n]."""
+        return self._prepared_holds(q_idx, need_bytes, movable)
 
     def take(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
-        """The plan to execute now: the prepared one if still valid and sufficient, else a fresh one."""
-        p, q0 = self.prepared, self._prepared_q
-        self.prepared = None
-        if p is not None and q0 is not None and p.freed >= need_bytes and np.array_equal(q0, q_idx) \
-                and (movable is None or movable[p.blocks].all()):
+        """The plan to execute now: the prepared one if it still holds (``_prepared_holds``), else a fresh one.
+        ``takes`` counts both kinds ("prepared", "fresh"): fresh plans run on the step's critical path."""
+        holds = self._prepared_holds(q_idx, need_bytes, movable)
+        p, self.prepared = self.prepared, None
+        self.takes["prepared" if holds else "fresh"] += 1
+        if holds:
+            assert p is not None
             return p
         return self.plan_lower(q_idx, need_bytes, movable)
