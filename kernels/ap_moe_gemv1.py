@@ -471,6 +471,9 @@ def _chunked_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Ten
                       cfg: dict[str, Any], xw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``gemv1_partials`` of more than 8 tokens, chunk by chunk (``chunks``): partials [SPLIT, T, k, H] fp32 and the
     word-major activations [T, 32, KWX] of all T tokens."""
+    kwx = padded_words(experts.hidden, cfg["gate_up"]["BLOCK_K"] // 32)
+    if xw is not None and xw.shape != (x.shape[0], 32, kwx):  # not x's (e.g. another tile's): rebuilt per chunk
+        xw = None
     parts, xws = [], []
     for a, b in chunks(x.shape[0]):
         p, w = gemv1_partials(x[a:b], topk_ids[a:b], topk_w[a:b], experts, cfg,

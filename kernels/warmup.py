@@ -3,21 +3,22 @@
 Not a SPEC equation: it serves SPEC section 7's kernels to the runtime of sections 5-6 without a first-use stall.
 
 Why: Triton compiles a kernel specialization on its first launch, in the launching process, one at a time. A
-decode step needs a gate_up and a down kernel per expert shape and padded token count (1, 2, 4, 8), 10-20 s each
-for sm_90 (``bench/results/gemv_probe/compile_time_cpu.md``; before the codes of a word became a loop at 2..8
-tokens, 1.5 min at 4 tokens and ~10 min at 8, almost all in Triton's ``TritonGPUCoalesce`` pass). An engine
+decode step needs a gate_up and a down kernel per expert shape, config and padded token count (``kernels_at``),
+10-20 s each for sm_90 (``bench/results/gemv_probe/compile_time_cpu.md``; before the codes of a word became a
+loop at 2..8 tokens, 1.5 min at 4 tokens and ~10 min at 8, almost all in Triton's ``TritonGPUCoalesce`` pass). An engine
 serving 4 requests from a cold cache produced nothing in 590 s on the H200 (ninth session, unrolled kernels);
 with this warm-up (6 workers) the same kernels compiled in 175.5 s before serving started. Here one worker process
 per (expert set, token count) runs the decode-step MoE call on random experts of that shape, so the kernels land
 in Triton's on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), from which the serving process then
 loads them. The routed and the shared experts compile in separate workers (their kernels differ in shape constants).
 
-What it does not do: compile the prefill paths (more tokens than ``max_batch``: they compile on first use) or anything on the CPU (the
-runtime's CPU path uses no Triton kernel).
+What it does not do: compile the prefill paths (more tokens than ``max_batch``: they compile on first use) or
+anything on the CPU (the runtime's CPU path uses no Triton kernel).
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import sys
@@ -25,12 +26,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
+import triton
 
-from kernels.ap_moe import APExperts, ap_moe, build_experts
-from kernels.ap_moe_gemv1 import MAX_TOKENS
+from kernels.ap_moe import APExperts, ap_moe, build_experts, pick_config
+from kernels.ap_moe_gemv1 import chunks
 
 J = TypeVar("J")
 
@@ -54,16 +56,32 @@ class MoEShape:
             raise ValueError(f"expert shapes must be positive (shared_inter >= 0), got {self}")
 
 
-def decode_token_counts(max_batch: int) -> list[int]:
-    """Token counts whose decode kernels differ, up to ``max_batch``: 1, 2, 4, 8 (the padded token counts of the
-    word-first kernels, each count rounded up to the next of them), then, past 8 tokens, 8 + 1, 2, 4, 8 (the
-    word-first path runs chunks of 8 and the rest, ``kernels.ap_moe_gemv1.chunks``; beyond 16 tokens the same
-    kernels again, and the buckets of other paths compile one kernel per config)."""
-    out = [1]
-    while out[-1] < min(max_batch, MAX_TOKENS):
-        out.append(2 * out[-1])
-    if max_batch > MAX_TOKENS:
-        out += [MAX_TOKENS + c for c in decode_token_counts(min(max_batch - MAX_TOKENS, MAX_TOKENS))]
+def kernels_at(num_tokens: int, cfg: dict[str, Any]) -> set[tuple[str, int]]:
+    """The kernel specializations a decode MoE call of ``num_tokens`` tokens with config ``cfg`` (one bucket of
+    ``kernels/configs/ap_moe.json``) launches, as (config, padded token count) keys: gemv1 pads each chunk of 8
+    (``kernels.ap_moe_gemv1.chunks``) to a power of 2, gemv pads T to one, the other paths do not specialize on T
+    (0)."""
+    key = json.dumps(cfg, sort_keys=True)
+    if cfg.get("path") == "gemv1":
+        return {(key, triton.next_power_of_2(b - a)) for a, b in chunks(num_tokens)}
+    if cfg.get("path") == "gemv":
+        return {(key, triton.next_power_of_2(num_tokens))}
+    return {(key, 0)}
+
+
+def decode_token_counts(max_batch: int, hidden: int | None = None, inter: int | None = None,
+                        configs: dict[str, Any] | None = None) -> list[int]:
+    """The fewest token counts in 1..``max_batch`` whose decode MoE calls launch every kernel specialization that
+    any count in that range launches (``kernels_at``), for experts of hidden size ``hidden`` and intermediate size
+    ``inter`` under ``configs`` (default: ``kernels/configs/ap_moe.json``; its buckets decide the path per count):
+    the smallest count that needs a specialization stands for it."""
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for t in range(1, max_batch + 1):
+        new = kernels_at(t, pick_config(t, hidden, inter, configs)) - seen
+        if new:
+            out.append(t)
+            seen |= new
     return out
 
 
@@ -126,7 +144,8 @@ def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | Non
     shapes = [s for s in shapes if s.dtype in ("bfloat16", "float16")]
     sets = [(s.hidden, s.inter, s.topk, s.dtype) for s in shapes]
     sets += [(s.hidden, s.shared_inter, 1, s.dtype) for s in shapes if s.shared_inter]
-    jobs = [(*e, t) for e in dict.fromkeys(sets) for t in decode_token_counts(max_batch) if (*e, t) not in _done]
+    jobs = [(*e, t) for e in dict.fromkeys(sets) for t in decode_token_counts(max_batch, e[0], e[1])
+            if (*e, t) not in _done]
     n = default_workers() if workers is None else workers
     if not jobs or n <= 0 or not torch.cuda.is_available():
         return []

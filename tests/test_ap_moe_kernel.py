@@ -339,6 +339,26 @@ def test_word_first_path_chunks_beyond_8_tokens(t: int, k: int, e: int) -> None:
     check(t, k, e, hidden=72, inter=40, bits=bits, dtype=torch.bfloat16, seed=70 + t, config=GEMV1)
 
 
+def test_chunked_word_first_path_rebuilds_foreign_activations() -> None:
+    """Word-major activations given for reuse that are not x's (more tokens than T) are rebuilt, past 8 tokens as
+    below (slicing them per chunk would have passed each chunk's shape check and computed on the wrong rows)."""
+    from kernels.ap_moe_gemv1 import gemv1_partials
+    from kernels.ap_moe_layout import combine, padded_words, word_major
+
+    t, h, i = 12, 72, 40
+    ex = make(3, h, i, [4, 5, 3, 6, 8, 2], torch.bfloat16, 90)
+    g = torch.Generator().manual_seed(91)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(t)]).to(DEV)
+    w = torch.rand(t, 2, generator=g).to(DEV)
+    other = word_major(torch.randn(20, h, generator=g).to(torch.bfloat16).to(DEV),
+                       padded_words(h, GEMV1["gate_up"]["BLOCK_K"] // 32))
+    p, xw = gemv1_partials(x, ids, w, ex, GEMV1, other)
+    ref = ap_moe_ref(x, ids, w, ex).float()
+    assert (combine(p, None, x.dtype).float() - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
+    assert xw.shape[0] == t
+
+
 def test_routed_and_shared_block_on_chunked_word_first_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """``ap_moe_block`` at 10 tokens with gemv1 for routed and shared experts: both chunked (8 + 2), the shared
     expert reusing the routed experts' word-major activations, partials combined once."""

@@ -12,15 +12,40 @@ from pwrun.engine.serve import moe_shapes
 from pwrun.model.loader import load_model
 
 
-def test_decode_token_counts_are_the_padded_token_counts() -> None:
-    assert decode_token_counts(1) == [1]
-    assert decode_token_counts(2) == [1, 2]
-    assert decode_token_counts(3) == [1, 2, 4]  # 3 tokens run the kernels padded to 4
-    assert decode_token_counts(5) == [1, 2, 4, 8]
-    # past 8 tokens the word-first path runs chunks of 8 and the rest: 9..16 tokens pad the rest to 1, 2, 4, 8
-    assert decode_token_counts(9) == [1, 2, 4, 8, 9]
-    assert decode_token_counts(11) == [1, 2, 4, 8, 9, 10, 12]
-    assert decode_token_counts(16) == decode_token_counts(64) == [1, 2, 4, 8, 9, 10, 12, 16]
+def test_decode_token_counts_cover_every_kernel_specialization() -> None:
+    """One token count per kernel specialization that 1..max_batch tokens launch: gemv1 pads each chunk of 8 to a
+    power of 2, gemv pads T to one, fused does not specialize; a bucket with its own config past 16 tokens adds the
+    counts whose chunks it pads differently (17 = 8 + 8 + 1, 18, 19)."""
+    from kernels.warmup import kernels_at
+
+    table = {"default": [{"min_tokens": 1, "config": {"path": "gemv1", "tile": "a"}},
+                         {"min_tokens": 2, "config": {"path": "gemv1", "tile": "b"}},
+                         {"min_tokens": 5, "config": {"path": "gemv", "tile": "c"}},
+                         {"min_tokens": 16, "config": {"path": "fused"}},
+                         {"min_tokens": 17, "config": {"path": "gemv1", "tile": "d"}}], "by_shape": {}}
+    assert decode_token_counts(1, configs=table) == [1]
+    assert decode_token_counts(4, configs=table) == [1, 2, 3]  # 3 tokens pad to 4, as 4 do
+    assert decode_token_counts(16, configs=table) == [1, 2, 3, 5, 9, 16]  # gemv: 5..8 pad to 8, 9..15 to 16
+    assert decode_token_counts(64, configs=table) == [1, 2, 3, 5, 9, 16, 17, 18, 19]
+    one = {"default": [{"min_tokens": 1, "config": {"path": "gemv1"}}], "by_shape": {}}
+    assert decode_token_counts(40, configs=one) == [1, 2, 3, 5]  # past 8 the chunks reuse those kernels
+    # the counts launch exactly the specializations of the whole range
+    from kernels.ap_moe import pick_config
+
+    def union(ts: list[int] | range) -> set:
+        return set().union(*(kernels_at(t, pick_config(t, None, None, table)) for t in ts))
+
+    assert union(decode_token_counts(40, configs=table)) == union(range(1, 41))
+    # the shipped configs: the Qwen routed experts (2048 x 1408) at up to 16 tokens
+    counts = decode_token_counts(16, 2048, 1408)
+    assert counts[0] == 1 and union_shipped(counts) == union_shipped(range(1, 17))
+
+
+def union_shipped(ts: list[int] | range) -> set:
+    from kernels.ap_moe import pick_config
+    from kernels.warmup import kernels_at
+
+    return set().union(*(kernels_at(t, pick_config(t, 2048, 1408)) for t in ts))
 
 
 def test_moe_shapes_of_the_bundled_model() -> None:
