@@ -66,7 +66,8 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              "the next column keeps them); every timed run follows a 3-token warm-up run of the same prompts "
              "(Triton JIT compilation is not timed).", "",
              "| system | batch | prefill tok/s | decode tok/s | incl. capture | floor tok/s | % of floor | "
-             "decode step ms (moving / still) | of which model ms | planner ms/step (+ overlapped) | mean bits | "
+             "decode step ms (moving / still) | of which model ms | planner ms/step: all steps, decode steps "
+             "(+ overlapped) | mean bits | "
              "bits read / token | peak GiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -79,7 +80,8 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{fl if fl is None else round(fl, 1)} | {'' if fl is None else round(100 * dec / fl, 1)} | "
             f"{r.get('decode_step_ms_median', math.nan):.2f} ({r.get('decode_step_ms_moving', math.nan):.2f} / "
             f"{r.get('decode_step_ms_still', math.nan):.2f}) | {r.get('decode_model_ms_median', math.nan):.2f} | "
-            f"{r.get('planner_ms_per_step', math.nan):.3f} (+{r.get('planner_overlapped_ms_per_step', math.nan):.3f})"
+            f"{r.get('planner_ms_per_step', math.nan):.3f}, {r.get('planner_ms_per_decode_step', math.nan):.3f} "
+            f"(+{r.get('planner_overlapped_ms_per_step', math.nan):.3f})"
             f" | {r.get('mean_bits_time_avg', math.nan):.2f} | {r.get('bits_read_per_token', math.nan):.2f} | "
             f"{peak / 2**30:.2f} |")
     errors = [f"- {r['system']}, batch {r['batch']} (repeat {r.get('rep', 0)}): {r['error']}" for r in rows

@@ -286,6 +286,10 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
                 "seconds", "model_seconds", "reload_seconds", "after_seconds", "sync_seconds",
                 *(f"{p}_seconds" for p in HOST_PHASES))}
     s["bits_read_per_token"] = bits_read_per_token(e.model.spec, dec)
+    if dec:  # planner time of the decode steps alone (the run's planner_ms_per_step also counts prefill steps)
+        s["planner_ms_per_decode_step"] = 1e3 * float(np.mean([r["planner_seconds"] for r in dec]))
+        s["planner_share_of_decode_step"] = sum(r["planner_seconds"] for r in dec) / max(
+            sum(r["seconds"] for r in dec), 1e-9)
     s["device_peak_bytes"] = peak()
     del e, built
     reset_peak()
@@ -465,6 +469,7 @@ KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture"
         "breakdown_still_ms",
         "decode_step_ms_still", "steps_moving", "bits_read_per_token",
         "planner_ms_per_step", "planner_overlapped_ms_per_step", "planner_plans_prepared", "planner_plans_fresh",
+        "planner_ms_per_decode_step", "planner_share_of_decode_step",
         "demoted_blocks", "promoted_blocks",
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
         "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes")

@@ -73,6 +73,29 @@ def test_big_budget_equals_static_8bit_and_moves_nothing(calibrated_artifacts: P
     assert e.totals.trace[-1]["shared_bits"] == e.totals.trace[-1]["routed_bits"] == 8.0
 
 
+def test_make_room_is_all_or_nothing_and_remembers_a_failure(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    """Room that lowering cannot make is refused without demoting anything (a partial demotion for a request that
+    still does not fit only feeds the reloads), and the same request is not planned again while nothing that
+    decides it changed; a request that fits plans and lowers."""
+    reqs = _prompts(tok, 2, 20, 40)
+    built = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=4), reqs,
+                         set(), device="cpu")
+    e = built.engine
+    assert e.planner is not None
+    calls = []
+    take = e.planner.take
+    e.planner.take = lambda *a, **kw: calls.append(1) or take(*a, **kw)  # type: ignore[method-assign]
+    q0 = e.store.wpt.q.copy()
+    huge = e.alloc.num_free + e.pool.cfg.num_pages  # more KV blocks than the whole pool holds
+    assert not e.make_room(huge)
+    assert (e.store.wpt.q == q0).all() and e.totals.demoted_blocks == 0 and len(calls) >= 1
+    n = len(calls)
+    assert not e.make_room(huge) and not e.make_room(huge + 3) and len(calls) == n  # remembered: no planning
+    assert e.make_room(e.alloc.num_free + 1)  # fewer blocks missing: planned again, and it fits
+    assert len(calls) > n and e.totals.demoted_blocks > 0 and (e.store.wpt.q <= q0).all()
+    assert (e.store.wpt.q < q0).any()
+
+
 def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
     reqs = _prompts(tok, 12, 40, 160)
     params = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=3)
@@ -93,6 +116,12 @@ def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: 
     s = summarize(e, {})  # every demotion plan was taken, ready-made or made on the critical path
     assert e.planner is not None and s["planner_plans_prepared"] + s["planner_plans_fresh"] >= 1
     trace = e.totals.trace
+    # the steps' planner seconds add up to the run's (each step's share is what the serving bench reports per decode
+    # step); the planner ran on some steps' critical path
+    assert sum(r["planner_seconds"] for r in trace) == pytest.approx(e.totals.planner_seconds, rel=1e-9, abs=1e-12)
+    assert sum(r["planner_overlapped_seconds"] for r in trace) == pytest.approx(e.totals.planner_overlapped_seconds,
+                                                                                 rel=1e-9, abs=1e-12)
+    assert max(r["planner_seconds"] for r in trace) > 0
     # the KV cache grew into pages the initial weights held: it could not have fit without demotions
     assert max(r["kv_pages"] for r in trace) > e.pool.cfg.num_pages - built.info["initial_weight_pages"]
     assert min(r["mean_bits"] for r in trace) < built.info["initial_mean_bits"]

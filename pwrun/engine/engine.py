@@ -114,6 +114,9 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         self._captured = False
         self._phases = (0.0, 0.0)
+        self._planner_at_start = (0.0, 0.0)  # Totals' planner seconds when the current step began
+        self._no_room: tuple[Any, ...] | None = None  # ``_room_key`` of the last request for room that failed
+        self._step_actions: dict[str, int] = {"lowered": 0, "raising": 0, "D": 0}  # this step's planner actions
         self._reload_s = 0.0
         # host seconds of this step's overlapped work by phase (what a step that moves planes spends its host on)
         self._host_s: dict[str, float] = {}
@@ -126,17 +129,37 @@ class Engine:
         return self.tables.extra_blocks(rid, num_tokens)
 
     def make_room(self, blocks: int) -> bool:
+        """Free KV blocks until ``blocks`` are free by lowering expert bitwidths, all or nothing: a demotion plan
+        that cannot free enough is not executed (the scheduler then preempts, or leaves the request waiting;
+        lowering part of the way would only demote blocks that the reloads raise again). A request for room that
+        failed is not planned again while nothing that decides it changed (free blocks, bitwidths, blocks in
+        motion, routing buckets): a waiting request that does not fit costs the steps after it no planning."""
         if self.alloc.num_free >= blocks:
             return True
         if self.planner is None:
             return False
-        for _ in range(8):  # freed pages are counted exactly, but a round may stop at a stage boundary
+        key = self._room_key(blocks)
+        if self._no_room is not None and key[0] >= self._no_room[0] and all(
+                np.array_equal(a, b) if a is not None and b is not None else a is b
+                for a, b in zip(key[1:], self._no_room[1:], strict=True)):
+            return False
+        for _ in range(8):  # freed pages are counted exactly; the loop guards against a plan that fell short
             need = (blocks - self.alloc.num_free) * self.kv_block_bytes
-            if not self._lower(need):
+            if not self._lower(need, whole=True):
                 break
             if self.alloc.num_free >= blocks:
                 return True
-        return self.alloc.num_free >= blocks
+        if self.alloc.num_free >= blocks:
+            return True
+        self._no_room = self._room_key(blocks)
+        return False
+
+    def _room_key(self, blocks: int) -> tuple[Any, ...]:
+        """(KV blocks missing, bit indices [n], movable [n], routing buckets [n]): what decides whether ``make_room``
+        can succeed (a plan that fell short took every movable block to its bucket's last floor)."""
+        assert self.planner is not None
+        b = self.planner.buckets
+        return (blocks - self.alloc.num_free, self.q_idx(), self.store.movable(), None if b is None else b.copy())
 
     def reserve(self, rid: int, num_tokens: int) -> None:
         self.tables.reserve(rid, num_tokens)
@@ -148,12 +171,13 @@ class Engine:
     def q_idx(self) -> np.ndarray:
         return np.searchsorted(self.store.table.bits, self.store.wpt.q)
 
-    def _lower(self, need_bytes: int) -> bool:
+    def _lower(self, need_bytes: int, whole: bool = False) -> bool:
+        """Execute the demotion plan for ``need_bytes`` (``whole``: only if it frees all of them); whether it ran."""
         assert self.planner is not None
         t0 = time.perf_counter()
         plan = self.planner.take(self.q_idx(), need_bytes, self.store.movable())
         self._planner_time(t0)
-        if plan.empty:
+        if plan.empty or (whole and plan.freed < need_bytes):
             return False
         self.store.lower(plan.blocks, self.store.table.bits[plan.to_idx])
         self.totals.demoted_blocks += int(plan.blocks.size)
@@ -287,6 +311,7 @@ class Engine:
     def step(self) -> None:
         """One engine step (raises ``RuntimeError`` if no progress is possible)."""
         t_step = time.perf_counter()
+        self._planner_at_start = (self.totals.planner_seconds, self.totals.planner_overlapped_seconds)
         self._step_actions = {"lowered": 0, "raising": 0, "D": 0}
         self._host_s = {}
         self._captured = False
@@ -356,6 +381,10 @@ class Engine:
             # host seconds in: planner + lowering after sampling, waiting for the device at the end
             "after_seconds": self._phases[0], "sync_seconds": self._phases[1],
             "reload_seconds": self._reload_s,  # committing + planning + starting reloads, overlapped with compute
+            # planner seconds of this step (as in Totals): on the critical path (scheduling's demotions and those
+            # after sampling) and while the device computed
+            "planner_seconds": self.totals.planner_seconds - self._planner_at_start[0],
+            "planner_overlapped_seconds": self.totals.planner_overlapped_seconds - self._planner_at_start[1],
             # host seconds by phase (0: did not run): poll (commit finished reloads, table writes), refresh
             # (d_hat), raise_plan, raise_start (page table + copy launches), prepare (next demotion plan)
             **{f"{k}_seconds": self._host_s.get(k, 0.0) for k in HOST_PHASES},

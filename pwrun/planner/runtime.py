@@ -118,6 +118,12 @@ class Planner:
             return True
         return False
 
+    @property
+    def buckets(self) -> np.ndarray | None:
+        """Routing bucket [n] int64 of every block as plans use them now (they set the floors a plan may lower a
+        block to); None before the first plan."""
+        return self._bucket
+
     def _state(self) -> tuple[np.ndarray, np.ndarray]:
         if self._d_hat is None or self._bucket is None or (self.stale and not self.cfg.overlapped):
             self.refresh()
