@@ -1,5 +1,9 @@
 #!/bin/bash
-# The GPU runs that the eleventh session's CPU-only changes wait for (two `run` calls on an H200):
+# The GPU runs that CPU-only changes wait for (two `run` calls on an H200). Twelfth session: the attention stage ran
+# (kernels/configs/paged_attention.json is tuned); what waits now: the chunked gemv1 tests and the warm-up of
+# 9..16 tokens natively, and serving (stage serve) with make_room all-or-nothing (planner time per decode step,
+# demotion/reload churn at batch 16: 7411 / 4080 blocks in serve_s12a_h200.json before the change).
+# Next call: bash bench/gpu_pending_check.sh tests,serve (~8 min). Originally, for the eleventh session's changes:
 #   1. native tests of the decode attention (launch configs from JSON, runtime split count, DOT 0/1), the shared
 #      expert's prefill special case, the engine waiting for its initial upload, the prefill epilogues;
 #   2. bench/paged_attention_speed.py: tune the decode attention, write kernels/configs/paged_attention.json;
@@ -15,7 +19,11 @@ if [[ $STAGES == *tests* ]]; then
 { echo "# pending-change tests, commit $C, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader)"
   timeout 300 python -u -m pytest -q -p no:warnings tests/test_paged_attention.py tests/test_pooled_attention.py \
     tests/test_moe_prefill.py tests/test_cuda.py \
-    "tests/test_ap_moe_kernel.py::test_shared_expert_prefill_path" 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
+    "tests/test_ap_moe_kernel.py::test_shared_expert_prefill_path" \
+    "tests/test_ap_moe_kernel.py::test_word_first_path_chunks_beyond_8_tokens" \
+    "tests/test_ap_moe_kernel.py::test_chunked_word_first_path_rebuilds_foreign_activations" \
+    "tests/test_ap_moe_kernel.py::test_routed_and_shared_block_on_chunked_word_first_path" \
+    tests/test_warmup.py -rs 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
 echo "tests done at ${SECONDS}s"; tail -3 "$OUT/pytest_pending.txt"
 fi
 if [[ $STAGES == *attention* ]]; then
