@@ -224,24 +224,20 @@ class Planner:
         self.prepared = self.plan_lower(q_idx, need_bytes, movable)
         self._prepared_q = q_idx.copy()
 
-    def _prepared_holds(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None) -> bool:
-        """The queued plan still applies: it frees >= ``need_bytes``, none of its blocks changed bitwidth since it
-        was made (blocks outside it may have: a reload that completed in between leaves the plan's bytes and
-        targets as they were, so it need not be made again on the step's critical path) and all of them may move
-        (``movable`` [n] bool, None: all)."""
+    def is_prepared(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> bool:
+        """The queued plan applies at bit indices ``q_idx`` [n]: it frees >= ``need_bytes``, none of its blocks changed
+        bitwidth since it was made (blocks outside it may have: a reload that completed in between leaves the plan's
+        bytes and targets as they were, so it need not be made again on the step's critical path) and all of them
+        may move (``movable`` [n] bool, None: all)."""
         p, q0 = self.prepared, self._prepared_q
         if p is None or q0 is None or p.freed < need_bytes:
             return False
         return bool((q_idx[p.blocks] == q0[p.blocks]).all() and (movable is None or movable[p.blocks].all()))
 
-    def is_prepared(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> bool:
-        """A queued plan exists that ``take`` would use for ``need_bytes`` at bit indices ``q_idx`` [n]."""
-        return self._prepared_holds(q_idx, need_bytes, movable)
-
     def take(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
-        """The plan to execute now: the prepared one if it still holds (``_prepared_holds``), else a fresh one.
+        """The plan to execute now: the prepared one if it still applies (``is_prepared``), else a fresh one.
         ``takes`` counts both kinds ("prepared", "fresh"): fresh plans run on the step's critical path."""
-        holds = self._prepared_holds(q_idx, need_bytes, movable)
+        holds = self.is_prepared(q_idx, need_bytes, movable)
         p, self.prepared = self.prepared, None
         self.takes["prepared" if holds else "fresh"] += 1
         if holds:
