@@ -82,6 +82,33 @@ def test_no_preemption_with_room_and_chunked_prefill() -> None:
     assert sched.preemptions == 0
 
 
+def test_admission_waits_for_room_for_the_whole_prompt() -> None:
+    """Room for one long prompt at a time and chunked prefill: admitting a request for its first chunk only made it
+    the victim of the first request's next chunks (prefilled, preempted, re-admitted: its prompt computed again);
+    now it waits until its whole prompt fits, so no prompt token is computed twice."""
+    rng = random.Random(2)
+    seqs = [Sequence(i, [rng.randrange(1000) for _ in range(100)], 2) for i in range(4)]  # 13 blocks each
+    kv = FakeKV(num_blocks=16, block_size=8)
+    sched = Scheduler(max_batch=4, max_step_tokens=16)
+    for s in seqs:
+        sched.add(s)
+    computed = 0
+    while not sched.idle:
+        plan = sched.schedule(kv)
+        assert plan.chunks
+        for c in plan.chunks:
+            q = seqs[c.rid]
+            q.computed += len(c.token_ids)
+            computed += len(c.token_ids)
+            if c.last:
+                q.out.append(0)
+                if len(q.out) >= q.max_new_tokens:
+                    q.finish = "length"
+                    sched.finish(q, kv)
+    assert all(len(q.out) == 2 for q in seqs)
+    assert sched.preemptions == 0 and computed == 4 * (100 + 1)  # every token computed once
+
+
 def _table(n: int = 40, seed: int = 0) -> BlockTable:
     rng = np.random.default_rng(seed)
     bits = np.arange(3, 9)

@@ -132,7 +132,10 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch and budget > 0:
             s = self.waiting[0]
             c = self._chunk(s, budget)
-            if not kv.make_room(kv.blocks_needed(s.rid, c.start + len(c.token_ids))):
+            # admission: room for all the tokens it has (the rest of a chunked prefill too); room for the first chunk
+            # only let a request in whose next chunks then preempted it (prefilled, preempted and re-admitted over
+            # and over near the smallest budgets)
+            if not kv.make_room(kv.blocks_needed(s.rid, len(s.tokens))):
                 break
             kv.reserve(s.rid, c.start + len(c.token_ids))
             self.waiting.popleft()
