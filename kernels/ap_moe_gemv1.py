@@ -470,17 +470,13 @@ def chunks(num_tokens: int) -> list[tuple[int, int]]:
 def _chunked_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,
                       cfg: dict[str, Any], xw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``gemv1_partials`` of more than 8 tokens, chunk by chunk (``chunks``): partials [SPLIT, T, k, H] fp32 and the
-    word-major activations [T, 32, KWX] of all T tokens."""
+    word-major activations [T, 32, KWX] of all T tokens (built once, or ``xw`` if it is x's for this tile)."""
     kwx = padded_words(experts.hidden, cfg["gate_up"]["BLOCK_K"] // 32)
-    if xw is not None and xw.shape != (x.shape[0], 32, kwx):  # not x's (e.g. another tile's): rebuilt per chunk
-        xw = None
-    parts, xws = [], []
-    for a, b in chunks(x.shape[0]):
-        p, w = gemv1_partials(x[a:b], topk_ids[a:b], topk_w[a:b], experts, cfg,
-                              xw[a:b] if xw is not None else None)
-        parts.append(p)
-        xws.append(w)
-    return torch.cat(parts, dim=1), torch.cat(xws)
+    if xw is None or xw.shape != (x.shape[0], 32, kwx):  # none, or not x's (e.g. another tile's)
+        xw = word_major(x, kwx)
+    parts = [gemv1_partials(x[a:b], topk_ids[a:b], topk_w[a:b], experts, cfg, xw[a:b])[0]
+             for a, b in chunks(x.shape[0])]
+    return torch.cat(parts, dim=1), xw
 
 
 def gemv1_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,

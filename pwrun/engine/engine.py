@@ -129,7 +129,8 @@ class Engine:
         return self.tables.extra_blocks(rid, num_tokens)
 
     def make_room(self, blocks: int) -> bool:
-        """Free KV blocks until ``blocks`` are free by lowering expert bitwidths, all or nothing: a demotion plan
+        """Free KV blocks until ``blocks`` are free by lowering expert bitwidths (SPEC section 5, Algorithm 1's
+        lowering under KV pressure, for room the scheduler asks for), all or nothing: a demotion plan
         that cannot free enough is not executed (the scheduler then preempts, or leaves the request waiting;
         lowering part of the way would only demote blocks that the reloads raise again). A request for room that
         failed is not planned again while nothing that decides it changed (free blocks, bitwidths, blocks in
