@@ -8,13 +8,29 @@
 #      expert's prefill special case, the engine waiting for its initial upload, the prefill epilogues;
 #   2. bench/paged_attention_speed.py: tune the decode attention, write kernels/configs/paged_attention.json;
 #   3. bench/serve_speed.py at batch 16, 4 and 1 with the tuned attention (3 interleaved repeats).
-# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of tests, attention, serve (default:
+# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, serve (default:
 # tests and attention, ~6 min; serving in a second call, ~5 min: one call may run 10 min). Results land in $OUT.
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 C=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 STAGES=${1:-tests,attention}
+# Triton's cache travels between calls (a fresh machine compiles the decode kernels for minutes): a carried
+# .triton_cache.tgz is unpacked first, and the cache is packed into $OUT/triton_cache.tgz after every stage.
+export TRITON_CACHE_DIR=$PWD/.triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
+[[ -f .triton_cache.tgz ]] && tar xzf .triton_cache.tgz && echo "unpacked $(ls "$TRITON_CACHE_DIR" | wc -l) cached kernels"
+pack() { tar czf "$OUT/triton_cache.tgz" .triton_cache; }
+if [[ $STAGES == *warm* ]]; then
+{ echo "# decode warm-up of the Qwen1.5-MoE shape up to 16 tokens, commit $C, $(date -u +%F)"
+  timeout 330 python -u -c "
+import time
+from kernels.warmup import MoEShape, precompile_decode
+t = time.perf_counter()
+print('errors:', precompile_decode([MoEShape(2048, 1408, 4, 5632)], 16))
+print(f'warm-up wall {time.perf_counter() - t:.1f} s')" 2>&1; } > "$OUT/warmup.txt"
+pack; echo "warm-up done at ${SECONDS}s"; cat "$OUT/warmup.txt"
+fi
 if [[ $STAGES == *tests* ]]; then
 { echo "# pending-change tests, commit $C, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader)"
   timeout 300 python -u -m pytest -q -p no:warnings tests/test_paged_attention.py tests/test_pooled_attention.py \
@@ -24,6 +40,7 @@ if [[ $STAGES == *tests* ]]; then
     "tests/test_ap_moe_kernel.py::test_chunked_word_first_path_rebuilds_foreign_activations" \
     "tests/test_ap_moe_kernel.py::test_routed_and_shared_block_on_chunked_word_first_path" \
     tests/test_warmup.py -rs 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
+pack
 echo "tests done at ${SECONDS}s"; tail -3 "$OUT/pytest_pending.txt"
 fi
 if [[ $STAGES == *attention* ]]; then
@@ -34,7 +51,7 @@ cp kernels/configs/paged_attention.json "$OUT/"
 echo "attention tuning done at ${SECONDS}s"; tail -12 "$OUT/paged_attention_stdout.txt"
 fi
 if [[ $STAGES == *serve* ]]; then
-timeout 300 python -u bench/serve_speed.py --skip-hf --skip-lean16 --batches 16,4,1 --bits 4 --interleave 3 \
-  --time-limit 260 --out-md "$OUT/serve_pending_h200.md" > "$OUT/serve_stdout.txt" 2>&1
-echo "serving done at ${SECONDS}s"; sed -n '/| system/,$p' "$OUT/serve_pending_h200.md" | cut -c1-160 | tail -30
+timeout ${SERVE_TIMEOUT:-300} python -u bench/serve_speed.py --skip-hf --skip-lean16 --batches ${SERVE_BATCHES:-16,4,1} --bits 4 --interleave ${SERVE_REPEATS:-3} \
+  --time-limit $(( ${SERVE_TIMEOUT:-300} - 40 )) --out-md "$OUT/serve_pending_h200.md" > "$OUT/serve_stdout.txt" 2>&1
+pack; echo "serving done at ${SECONDS}s"; sed -n '/| system/,$p' "$OUT/serve_pending_h200.md" | cut -c1-160 | tail -30
 fi

@@ -22,6 +22,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -103,6 +104,7 @@ def _warm(job: tuple[int, int, int, str, int]) -> str:
     """Worker: one decode MoE call of ``t`` tokens on random experts (H, I, top-k; the shared expert is top-1 of
     one expert), as ``ap_moe_block`` makes it; "" or the error."""
     hidden, inter, topk, dt, t = job
+    start = time.perf_counter()
     try:
         dtype = getattr(torch, dt)
         experts = random_experts(hidden, inter, topk, dtype=dtype)
@@ -110,6 +112,8 @@ def _warm(job: tuple[int, int, int, str, int]) -> str:
         ids = torch.arange(t * topk, device="cuda").view(t, topk) % topk
         ap_moe(x, ids, torch.rand(t, topk, device="cuda"), experts, check=False)
         torch.cuda.synchronize()
+        print(f"  decode MoE kernels for experts {hidden}x{inter} top-{topk} {dt}, {t} tokens: "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         return ""
     except Exception as err:
         return f"experts {hidden}x{inter} top-{topk} {dt}, {t} tokens: {type(err).__name__}: {str(err)[:200]}"
