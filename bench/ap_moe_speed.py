@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -325,7 +326,7 @@ def main() -> None:
                   f"{r['bf16_dense_ms']} | {r.get('bf16_dense_graph_ms', 'nan')} | {r['transformers_ms']} | "
                   f"{r['floor_ms']} | {r['pct_of_floor']} | {r['graph_pct_of_floor']} | {r['speedup_vs_dense']} | "
                   f"{r.get('graph_speedup_vs_dense_graph', 'nan')} | {r['rel_err']} |" for r in rows]
-        cmd = "python bench/ap_moe_speed.py" + (" --quick" if args.quick else "") + (" --tune" if args.tune else "")
+        cmd = " ".join(["python", *sys.argv])
         args.out_md.write_text(f"# AP MoE kernel speed\n\nCommand: `{cmd}`\n\n{meta}\n\n" + "\n".join(lines) + "\n")
 
 
