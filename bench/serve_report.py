@@ -24,6 +24,18 @@ def _uniform_ms_at(uni: dict[int, float], bits: float) -> float:
     return uni[lo] if hi == lo else uni[lo] + (uni[hi] - uni[lo]) * (bits - lo) / (hi - lo)
 
 
+def _pct(x: float) -> str:
+    """A ratio - 1 as a signed percentage, or "n/a" (nan: no uniform runs at two bitwidths to interpolate)."""
+    return "n/a" if math.isnan(x) else f"{100 * x:+.1f}%"
+
+
+def _spread(v: list[float]) -> str:
+    """Median (min .. max) of ratios - 1, as percentages; "n/a" when any is nan."""
+    if any(math.isnan(x) for x in v):
+        return "n/a"
+    return f"{100 * statistics.median(v):+.1f}% ({100 * min(v):+.1f} .. {100 * max(v):+.1f})"
+
+
 def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per batch and repeat: PagedWeight's decode tok/s vs uniform 4-bit (equal committed bytes; issue #8's
     target) and vs uniform interpolated to the bits a PagedWeight token reads (equal bytes read)."""
@@ -46,16 +58,12 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
         # tok/s ratio at equal bytes read = uniform step ms at those bits / PagedWeight step ms
         matched = _uniform_ms_at(uni, read) / r.get("decode_step_ms_median", math.nan) - 1
         summary.setdefault(b, []).append((pw / u4 - 1, matched))
-        out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {100 * (pw / u4 - 1):+.1f}% | {read:.2f} | "
-                   f"{100 * matched:+.1f}% |")
+        out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {_pct(pw / u4 - 1)} | {read:.2f} | {_pct(matched)} |")
     if any(len(v) > 1 for v in summary.values()):
         out += ["", "| batch | repeats | vs uniform 4-bit: median (min .. max) | "
                 "vs equal bits read: median (min .. max) |", "|---|---|---|---|"]
         for b, v in summary.items():
-            a, m = [x for x, _ in v], [y for _, y in v]
-            out.append(f"| {b} | {len(v)} | {100 * statistics.median(a):+.1f}% ({100 * min(a):+.1f} .. "
-                       f"{100 * max(a):+.1f}) | {100 * statistics.median(m):+.1f}% ({100 * min(m):+.1f} .. "
-                       f"{100 * max(m):+.1f}) |")
+            out.append(f"| {b} | {len(v)} | {_spread([x for x, _ in v])} | {_spread([y for _, y in v])} |")
     return out if summary else []
 
 

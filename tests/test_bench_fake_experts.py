@@ -57,6 +57,26 @@ def test_serve_report_renders_failed_rows_and_skips_them_in_ratios() -> None:
     assert "| 1 | 0 | 95.0 | 100.0 | -5.0% |" in text and "| 16 | 0 |" not in text
 
 
+def test_serve_report_interpolates_equal_bits_read_or_says_n_a() -> None:
+    """The equal-bits-read ratio interpolates uniform runs linearly in bits (4 and 8 bits: 10 and 18 ms, so 5 bits
+    read -> 12 ms; PagedWeight at 12.5 ms is 4% slower); with one uniform bitwidth it is "n/a", never "+nan%"."""
+    from bench.serve_report import ratio_lines
+
+    def rows(bits: list[int]) -> list[dict]:
+        uni = [{"system": f"ours uniform {q}-bit", "batch": 1, "rep": rep, "decode_step_ms_median": 2.0 + 2 * q,
+                "decode_tps_measured": 100.0 if q == 4 else 50.0} for q in bits for rep in (0, 1)]
+        pw = [{"system": "PagedWeight under pressure", "batch": 1, "rep": rep, "decode_tps_measured": 80.0,
+               "decode_step_ms_median": 12.5, "bits_read_per_token": 5.0} for rep in (0, 1)]
+        return uni + pw
+
+    both = "\n".join(ratio_lines(rows([4, 8])))
+    assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | -4.0% |" in both
+    assert "| 1 | 2 | -20.0% (-20.0 .. -20.0) | -4.0% (-4.0 .. -4.0) |" in both
+    one = "\n".join(ratio_lines(rows([4])))
+    assert "nan" not in one and "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a |" in one
+    assert "| 1 | 2 | -20.0% (-20.0 .. -20.0) | n/a |" in one
+
+
 def test_gemv_compare_write_configs_buckets(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """bench/gemv_compare.write_configs: a winner at T = 16 owns tokens 9..16 (an old bucket inside that range, e.g.
     a fused one at 16, must go), a T that lost keeps its old config, and 33+ tokens keep theirs."""
