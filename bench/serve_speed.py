@@ -9,7 +9,8 @@ calibration tables (monotone random sensitivities, Dirichlet routing mass), then
 
 * our runtime at 16-bit (the lean model over a paged KV cache, reference expert loop);
 * our runtime (page pool + fused AP kernel + Triton paged-decode attention) at uniform 3, 4, 8 bits
-  with a budget larger than everything (no page moves);
+  with a budget larger than everything (no page moves), serving the same requests as the PagedWeight run
+  (``--uniform-workload same``, the default since the thirteenth session; before, only its b long prompts);
 * PagedWeight under a budget that makes the planner demote during the first batch and reload when
   it finishes (2 x batch requests, ``max_batch`` = batch), so copies overlap the second batch;
 * ``transformers`` eager bf16 ``generate`` (what a user has today).
@@ -352,6 +353,10 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=520.0, help="seconds; later rows are skipped past it")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-lean16", action="store_true", help="no 16-bit lean reference rows")
+    ap.add_argument("--uniform-workload", choices=("same", "long"), default="same",
+                    help="requests of the uniform runs: 'same' = the PagedWeight run's (b prompts of --prompt-len, "
+                         "then b of 256 tokens), so both sides of the PagedWeight-vs-uniform ratio serve equal work; "
+                         "'long' = only the b long prompts (the thirteenth session's call 3 and earlier results)")
     ap.add_argument("--only-pressure", action="store_true", help="only the PagedWeight-under-pressure rows")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--big-budget-gib", type=float, default=60.0, help="budget of the no-pressure runs (GiB)")
@@ -404,18 +409,21 @@ def main() -> None:
     stripped = strip_experts(model, torch.device(DEV))  # the 16-bit experts leave the device
     reset_peak()
     def uniform_row(b: int, q: int, fused: bool = True, rep: int = 0) -> None:
-        reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
+        if args.uniform_workload == "same":  # PagedWeight's request list: equal work on both sides of the ratio
+            reqs = pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen)[0]
+        else:
+            reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
         s = engine_run(stripped, src, table, "uniform", q, int(args.big_budget_gib * 2**30), reqs, args.gen, b,
                        fused=fused)
         name = f"ours uniform {q}-bit" + ("" if fused else " (eager elementwise ops)")
-        rows.append({"system": name, "batch": b, "rep": rep, **_pick(s),
+        rows.append({"system": name, "batch": b, "rep": rep, "requests": len(reqs), **_pick(s),
                      "floor_tps": floor_tokens_per_s(spec, model, q, b, ctx, bw)})
         save()
 
     def pressure_row(b: int, rep: int = 0) -> None:
         reqs, budget = pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen)
         s = engine_run(stripped, src, table, "pagedweight", None, budget, reqs, args.gen, b)
-        rows.append({"system": "PagedWeight under pressure", "batch": b, "rep": rep, **_pick(s),
+        rows.append({"system": "PagedWeight under pressure", "batch": b, "rep": rep, "requests": len(reqs), **_pick(s),
                      "floor_tps": floor_tokens_per_s(spec, model, s.get("mean_bits_time_avg", 4.0), b, ctx, bw)})
         save()
 
