@@ -1,13 +1,10 @@
 #!/bin/bash
-# The GPU runs that CPU-only changes wait for (two `run` calls on an H200). Twelfth session: the attention stage ran
-# (kernels/configs/paged_attention.json is tuned); what waits now: the chunked gemv1 tests and the warm-up of
-# 9..16 tokens natively, and serving (stage serve) with make_room all-or-nothing (planner time per decode step,
-# demotion/reload churn at batch 16: 7411 / 4080 blocks in serve_s12a_h200.json before the change).
-# Next call: bash bench/gpu_pending_check.sh tests,serve (~8 min). Originally, for the eleventh session's changes:
-#   1. native tests of the decode attention (launch configs from JSON, runtime split count, DOT 0/1), the shared
-#      expert's prefill special case, the engine waiting for its initial upload, the prefill epilogues;
-#   2. bench/paged_attention_speed.py: tune the decode attention, write kernels/configs/paged_attention.json;
-#   3. bench/serve_speed.py at batch 16, 4 and 1 with the tuned attention (3 interleaved repeats).
+# The GPU runs that CPU-only changes wait for. Thirteenth session: tests (100 passed), warm-up and serving (make_room
+# all-or-nothing) ran. What waits now: serving with the uniform runs on PagedWeight's request list
+# (`--uniform-workload same`, the default since fb796d5):
+#   SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=400 bash bench/gpu_pending_check.sh serve
+# with carry [".triton_cache.tgz"] (the Triton cache of the last call: copy $OUT/triton_cache.tgz from its results to
+# .triton_cache.tgz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles for minutes).
 # Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, serve (default:
 # tests and attention, ~6 min; serving in a second call, ~5 min: one call may run 10 min). Results land in $OUT.
 export PYTHONPATH=$PWD
