@@ -184,7 +184,8 @@ def pick_sum(family: str, t: int, n: int, qs: list[int], rows: list[dict]) -> di
 
 
 BUCKET = {1: 1, 4: 2, 8: 5, 16: 9, 32: 17}  # tuned T -> min_tokens of the bucket it stands for
-BOUNDS = (2, 5, 9, 17, 33)  # bucket starts: one that lost keeps its old config (33: past the largest tuned T)
+BOUNDS = (1, 2, 5, 9, 17, 33)  # bucket starts: one that lost keeps its old config (33: past the largest tuned T;
+# 1: also where a shape's old list started above 1 token, whose first bucket then covered T = 1)
 
 
 def write_configs(path: str, rows: list[dict]) -> None:

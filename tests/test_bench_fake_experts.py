@@ -100,3 +100,22 @@ def test_gemv_compare_write_configs_buckets(tmp_path) -> None:  # type: ignore[n
     tag = {t: pick_config(t, 2048, 1408, table)["tag"] for t in (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 255, 256)}
     assert tag == {1: "t1", 2: "t1", 4: "t1", 5: "g5", 8: "g5", 9: "new16", 16: "new16", 17: "f16", 32: "f16",
                    33: "f16", 255: "f16", 256: "d256"}
+
+
+def test_gemv_compare_write_configs_keeps_one_token_where_the_old_list_starts_later(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A shape whose old buckets start above 1 token (its first bucket covers T = 1 too): a winner at T = 4 owns
+    2..4 only, and T = 1 keeps the old first bucket."""
+    import json
+
+    from bench.gemv_compare import write_configs
+    from kernels.ap_moe import pick_config
+
+    old = [{"min_tokens": 2, "config": {"path": "gemv", "tag": "g2"}},
+           {"min_tokens": 16, "config": {"path": "fused", "tag": "f16"}}]
+    path = tmp_path / "ap_moe.json"
+    path.write_text(json.dumps({"default": old, "by_shape": {"4096x14336": old}}))
+    write_configs(str(path), [{"shape": "mixtral-8x7b", "q": 4, "T": 4, "speedup": 2.8,
+                               "new_cfg": {"path": "gemv1", "tag": "w4"}}])
+    table = json.loads(path.read_text())
+    tag = {t: pick_config(t, 4096, 14336, table)["tag"] for t in (1, 2, 4, 5, 15, 16)}
+    assert tag == {1: "g2", 2: "w4", 4: "w4", 5: "g2", 15: "g2", 16: "f16"}
