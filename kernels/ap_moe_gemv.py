@@ -182,6 +182,11 @@ def _gemv_down_kernel(
     store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK)
 
 
+def token_pad(num_tokens: int) -> int:
+    """T_PAD, the token count the gemv kernels are compiled for at ``num_tokens`` tokens (one specialization per
+    power of 2; ``kernels.warmup`` compiles from this rule)."""
+    return triton.next_power_of_2(num_tokens)
+
 def gemv_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any, cfg: dict[str, Any],
              workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode MoE output y [T, H] in x's dtype; inputs as ``kernels.ap_moe.ap_moe`` (already checked).
@@ -203,7 +208,7 @@ def gemv_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, expe
         split = max(1, min(split, out.shape[0] // num_pairs))
     ids = topk_ids.contiguous().view(-1)
     w = topk_w.contiguous().view(-1).to(torch.float32)
-    t_pad, k_pad = triton.next_power_of_2(t), triton.next_power_of_2(k)
+    t_pad, k_pad = token_pad(t), triton.next_power_of_2(k)
     spread = cfg.get("SPREAD", 1)
     _gemv_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
         x, inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ap_moe_gemv import _expert_of, store_pairs
+from kernels.ap_moe_gemv import _expert_of, store_pairs, token_pad
 from kernels.ap_moe_layout import combine, padded_words, word_major
 from kernels.ap_tile import _plane
 
@@ -448,7 +448,7 @@ def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     out = torch.empty(split * num_pairs, ex.hidden, dtype=torch.float32, device=x.device)
     ids = topk_ids.contiguous().view(-1)
     w = topk_w.contiguous().view(-1).to(torch.float32)
-    t_pad, k_pad = triton.next_power_of_2(t), triton.next_power_of_2(k)
+    t_pad, k_pad = token_pad(t), triton.next_power_of_2(k)
     _gemv1_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
         xw, inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
         ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu, LE=_entries(bkw_gu),
@@ -465,6 +465,12 @@ def chunks(num_tokens: int) -> list[tuple[int, int]]:
     """[start, end) token ranges that the gemv1 path runs one launch pair each: 8 tokens apiece, the rest last (so
     at most one chunk pads to a smaller power of 2, and ``kernels.warmup`` compiles 8 + 1, 2, 4, 8 tokens)."""
     return [(a, min(a + MAX_TOKENS, num_tokens)) for a in range(0, num_tokens, MAX_TOKENS)]
+
+
+def token_pads(num_tokens: int) -> set[int]:
+    """The T_PAD values the gemv1 kernels are compiled for when ``num_tokens`` tokens run (one per chunk of
+    ``chunks``, each padded to a power of 2; ``kernels.warmup`` compiles from this rule)."""
+    return {token_pad(b - a) for a, b in chunks(num_tokens)}
 
 
 def _chunked_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,

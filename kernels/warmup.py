@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-import triton
 
 from kernels.ap_moe import APExperts, ap_moe, build_experts, pick_config
-from kernels.ap_moe_gemv1 import chunks
+from kernels.ap_moe_gemv import token_pad
+from kernels.ap_moe_gemv1 import token_pads
 
 J = TypeVar("J")
 
@@ -59,14 +59,14 @@ class MoEShape:
 
 def kernels_at(num_tokens: int, cfg: dict[str, Any]) -> set[tuple[str, int]]:
     """The kernel specializations a decode MoE call of ``num_tokens`` tokens with config ``cfg`` (one bucket of
-    ``kernels/configs/ap_moe.json``) launches, as (config, padded token count) keys: gemv1 pads each chunk of 8
-    (``kernels.ap_moe_gemv1.chunks``) to a power of 2, gemv pads T to one, the other paths do not specialize on T
-    (0)."""
+    ``kernels/configs/ap_moe.json``) launches, as (config, padded token count) keys: the padding rules are the
+    kernels' own (``kernels.ap_moe_gemv1.token_pads``, ``kernels.ap_moe_gemv.token_pad``); the other paths do not
+    specialize on T (0)."""
     key = json.dumps(cfg, sort_keys=True)
     if cfg.get("path") == "gemv1":
-        return {(key, triton.next_power_of_2(b - a)) for a, b in chunks(num_tokens)}
+        return {(key, t_pad) for t_pad in token_pads(num_tokens)}
     if cfg.get("path") == "gemv":
-        return {(key, triton.next_power_of_2(num_tokens))}
+        return {(key, token_pad(num_tokens))}
     return {(key, 0)}
 
 
