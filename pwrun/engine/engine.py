@@ -37,6 +37,12 @@ from pwrun.sampling import SamplingParams, sample
 HOST_PHASES = ("poll", "refresh", "raise_plan", "raise_start", "prepare")  # per-step host timings in the trace
 
 
+
+def _no_actions() -> dict[str, int]:
+    """A step's planner actions before it runs: blocks lowered, blocks being raised, and D (trace columns)."""
+    return {"lowered": 0, "raising": 0, "D": 0}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """``max_batch`` running requests; ``max_step_tokens`` tokens per step (chunked prefill);
@@ -116,7 +122,7 @@ class Engine:
         self._phases = (0.0, 0.0)
         self._planner_at_start = (0.0, 0.0)  # Totals' planner seconds when the current step began
         self._no_room: tuple[Any, ...] | None = None  # ``_room_key`` of the last request for room that failed
-        self._step_actions: dict[str, int] = {"lowered": 0, "raising": 0, "D": 0}  # this step's planner actions
+        self._step_actions = _no_actions()  # this step's planner actions
         self._reload_s = 0.0
         # host seconds of this step's overlapped work by phase (what a step that moves planes spends its host on)
         self._host_s: dict[str, float] = {}
@@ -313,7 +319,7 @@ class Engine:
         """One engine step (raises ``RuntimeError`` if no progress is possible)."""
         t_step = time.perf_counter()
         self._planner_at_start = (self.totals.planner_seconds, self.totals.planner_overlapped_seconds)
-        self._step_actions = {"lowered": 0, "raising": 0, "D": 0}
+        self._step_actions = _no_actions()
         self._host_s = {}
         self._captured = False
         raised: list[int] = [] if self._overlap else self.store.poll()  # CPU: copies are done, commit now
