@@ -142,3 +142,28 @@ def test_out_that_is_not_an_artifact_is_never_overwritten(tmp_path: Path) -> Non
         r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(out), *ARGS, "--force"])
         assert r.exit_code == 2 and "not a PagedWeight artifact" in r.stderr
     assert f.read_text() == "{}" and (d / "keep.txt").read_text() == "mine"
+
+
+def test_a_second_writer_of_the_same_out_is_refused_and_loses_nothing(artifact: Path, tmp_path: Path) -> None:
+    """While one run writes OUT (it holds OUT.lock, here taken by the test), another `pwcal quantize` to the same OUT
+    stops with a one-line error before touching anything: the first run's OUT.partial/ and the complete artifact
+    at OUT stay as they were; after a normal run no lock file is left."""
+    from pwcal.writer_lock import lock_path, writer_lock
+
+    out = tmp_path / "tiny-ap"
+    shutil.copytree(artifact, out)
+    partial = tmp_path / "tiny-ap.partial"
+    partial.mkdir()
+    (partial / "layer_000.safetensors").write_bytes(b"first run's half-written layer")
+    before = sorted((p.name, p.stat().st_size) for p in out.iterdir())
+    with writer_lock(out):
+        r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(out), *ARGS, "--force"])
+        assert r.exit_code == 2 and "is writing" in r.stderr and "another --out" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert (partial / "layer_000.safetensors").read_bytes() == b"first run's half-written layer"
+    assert sorted((p.name, p.stat().st_size) for p in out.iterdir()) == before
+    assert not lock_path(out).exists()
+    shutil.rmtree(partial)
+    r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(out), *ARGS])  # complete and same: a no-op
+    assert r.exit_code == 0, r.stderr
+    assert not lock_path(out).exists() and not partial.exists()

@@ -31,6 +31,7 @@ from pwcal.manifest import MANIFEST, model_fingerprint, package_version, read_ma
 from pwcal.quant.kmeans1d import nested_kmeans
 from pwcal.stats.collect import observe
 from pwcal.stats.hessian import HessianDiag
+from pwcal.writer_lock import writer_lock
 from pwrun.ap.artifact import FORMAT
 from pwrun.ap.format import FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS, pack_planes
 from pwrun.errors import PagedWeightError
@@ -182,7 +183,8 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
     """Run the whole quantize stage; returns the manifest (written to ``out``).
 
     ``progress(stage, done, total)`` is called as calibration windows and layers complete.
-    Raises ``PagedWeightError`` for bad input; nothing is left at ``out`` unless complete.
+    Raises ``PagedWeightError`` for bad input, and when another run is writing ``out`` (``pwcal.writer_lock``);
+    nothing is left at ``out`` unless complete.
     """
     t0 = time.time()
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
@@ -193,6 +195,13 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
                                f"(mkdir -p {out.parent}) or give --out in an existing directory")
     if not os.access(out.parent, os.W_OK):
         raise PagedWeightError(f"cannot create {out}: {out.parent} is not writable; give --out where you can write")
+    with writer_lock(out):
+        return _quantize_locked(model_dir, out, cfg, device, force, progress, t0)
+
+
+def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str, force: bool,
+                     progress: Callable[[str, int, int], None] | None, t0: float) -> dict[str, Any]:
+    """``quantize`` once its output checks passed and it holds ``out``'s writer lock (same returns and errors)."""
     from pwrun.model.loader import read_config
 
     hf_cfg = read_config(model_dir)  # a clear error for a missing or bad checkpoint before hashing anything
