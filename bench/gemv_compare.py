@@ -9,7 +9,7 @@ where that config's path is gemv1, or with ``kernels.ap_moe.ap_moe`` (its own pa
 Experts: min(E, T * top-k) of them with distinct ids per token (T = 1 reads top-k experts, as in serving).
 
 Usage: python bench/gemv_compare.py [--ts 1,4,8,16,32] [--qs 4,3,8] [--tune-qs 4,5,8] [--baseline-module F]
-       [--baseline-configs F] [--workers 12] [--grid small] [--time-limit S] [--write-configs F]
+       [--baseline-configs F] [--workers 12] [--grid small] [--slots 0,1,2,4] [--time-limit S] [--write-configs F]
        (GPU machine; JSON rows + a markdown table). Each (shape, T) group compiles its tiles first: ~15 s per
        config at T = 1, 1-4 min at T_PAD 4-8 (Triton 3.6), so keep --grid small and --time-limit for T > 1.
 """
@@ -49,9 +49,12 @@ DN_SMALL = [DN[0], DN[1], DN[2], DN[4], DN[5], DN[6], DN[8]]
 RAW = {"RAW_SHFL": 0}  # --raw-shfl sets 1: every candidate tile shuffles by inline shfl.sync (16/32-word K steps)
 
 
-def cfg(gu: tuple, dn: tuple) -> dict[str, Any]:
-    return {"path": "gemv1", "gate_up": {**dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), gu, strict=True)), **RAW},
-            "down": {**dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"), dn, strict=True)), **RAW}}
+def cfg(gu: tuple, dn: tuple, slots: int = 0) -> dict[str, Any]:
+    """A gemv1 config of gate_up tile ``gu``, down tile ``dn`` and, if ``slots`` > 0, the sorted-slots mode
+    (``kernels.ap_moe_gemv1``: SLOTS pairs of one expert per program, any number of tokens in one launch)."""
+    c = {"path": "gemv1", "gate_up": {**dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), gu, strict=True)), **RAW},
+         "down": {**dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"), dn, strict=True)), **RAW}}
+    return {**c, "SLOTS": slots} if slots else c
 
 
 def inputs(s: dict, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,6 +101,8 @@ def main() -> None:
                     "e.g. the always-read shared expert under PagedWeight)")
     ap.add_argument("--raw-shfl", action="store_true", help="candidates shuffle by inline shfl.sync (tile key "
                     "RAW_SHFL; only 16- and 32-word K steps, BLOCK_K 512 / 1024, use it) vs the baseline's tl.gather")
+    ap.add_argument("--slots", default="0", help="comma-separated SLOTS values tried with every tile: 0 = token "
+                    "slots (chunks of 8 past 8 tokens), S > 0 = pairs sorted by expert, S per program (1, 2, 4, 8)")
     ap.add_argument("--write-configs", default="", help="configs JSON to update with the winners (T=1 -> bucket "
                     "min_tokens 1, T=4 -> 2, T=8 -> 5, T=16 -> 9, T=32 -> 17; only where gemv1 beat the baseline "
                     "at q=4 or in the --pick sum row)")
@@ -109,7 +114,9 @@ def main() -> None:
     ts, qs, tune = ([int(v) for v in a.split(",")] for a in (args.ts, args.qs, args.tune_qs))
     shapes = args.shapes.split(",")
     gu_grid, dn_grid = (GU_SMALL, DN_SMALL) if args.grid == "small" else (GU, DN)
-    grid = [cfg(gu, dn_grid[0]) for gu in gu_grid] + [cfg(gu_grid[0], dn) for dn in dn_grid[1:]]
+    slot_list = [int(v) for v in args.slots.split(",")]
+    grid = ([cfg(gu, dn_grid[0], sl) for gu in gu_grid for sl in slot_list]
+            + [cfg(gu_grid[0], dn, sl) for dn in dn_grid[1:] for sl in slot_list])
     print(f"copy bandwidth {copy_bandwidth() / 1e12:.3f} TB/s", flush=True)
     start = time.monotonic()
     out = []
@@ -132,13 +139,14 @@ def main() -> None:
                 b_us, b_err = timed(lambda: ap_moe(x, ids, w, ex, config=bc, check=False), ref)  # noqa: B023
             kpath = 4 if q <= 4 else 5 if q == 5 else 8  # code paths: q <= 4, q = 5, q >= 6
             if q in tune or kpath not in won:
-                gus = [cfg(gu, dn_grid[0]) for gu in gu_grid]
+                gus = [cfg(gu, dn_grid[0], sl) for gu in gu_grid for sl in slot_list]
                 res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
                        for c in gus]
-                g_best = min(res, key=lambda r: r[0][0])[1]["gate_up"]
+                first = min(res, key=lambda r: r[0][0])[1]
+                g_best, sl_best = first["gate_up"], first.get("SLOTS", 0)
                 gu_t = (g_best["BLOCK_N"], g_best["BLOCK_K"], g_best["num_warps"])
                 res += [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)  # noqa: B023
-                        for c in [cfg(gu_t, dn) for dn in dn_grid[1:]]]
+                        for c in [cfg(gu_t, dn, sl_best) for dn in dn_grid[1:]]]
             else:
                 c = won[kpath]
                 res = [(timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref), c)]  # noqa: B023
@@ -158,7 +166,8 @@ def main() -> None:
     for r in out:
         c = r["new_cfg"]
         cs = "gu {BLOCK_N}x{BLOCK_K} w{num_warps}".format(**c["gate_up"]) + \
-             ", dn {BLOCK_N}x{BLOCK_K} w{num_warps} s{SPLIT_K}".format(**c["down"])
+             ", dn {BLOCK_N}x{BLOCK_K} w{num_warps} s{SPLIT_K}".format(**c["down"]) + \
+             (f", {c['SLOTS']} slots" if c.get("SLOTS") else "")
         print(f"| {r['shape']} | {r['T']} | {r['q']} | {r['experts']} | {r['base_us']} ({r['base_path']}) | "
               f"{r['new_us']} | {r['speedup']} | {r['base_err']:.1e} / {r['new_err']:.1e} | {cs} |")
     if args.write_configs:

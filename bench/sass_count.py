@@ -8,7 +8,7 @@ per tile). Runs nothing on a device. Use the GPU machine's Triton (3.6 in 2026-1
 depend on it, e.g. ``pip install triton==3.6.0 --target /tmp/t36`` then ``PYTHONPATH=/tmp/t36:$PWD``.
 
 Usage: python bench/sass_count.py [--kernel gate_up|down] [--t-pad 1] [--block-n 8] [--bkw 32] [--warps 4]
-[--raw-shfl]
+[--raw-shfl] [--slots S]
 The loops are the kernel's code paths in source order: q <= 4, q = 5, q >= 6 (then any divergent fallback).
 """
 
@@ -73,11 +73,14 @@ def main() -> None:
     ap.add_argument("--bkw", type=int, default=32, help="plane words per K step (BLOCK_K / 32)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--raw-shfl", action="store_true", help="inline shfl.sync shuffles (RAW_SHFL; 16/32 words)")
+    ap.add_argument("--slots", type=int, default=0, help="S > 0: the sorted-slots mode with S pairs per program "
+                    "(T_PAD = S; --t-pad is ignored)")
     a = ap.parse_args()
-    common = {"ids_ptr": "*i32", "pool_ptr": "*i32", "plane_off_ptr": "*i64", "lut_ptr": "*bf16",
-              "lut_off_ptr": "*i64", "bits_ptr": "*i32", "T": "i32", "H": "i32", "I": "i32", "TOPK": 4,
-              "T_PAD": a.t_pad, "K_PAD": 4, "BLOCK_N": a.block_n, "BKW": a.bkw, "LE": 32 if a.bkw >= 32 else 16,
-              "RAW": int(a.raw_shfl and a.bkw in (16, 32))}
+    t_pad, ids = (a.slots, "*i64") if a.slots else (a.t_pad, "*i32")  # sorted ids / order / seg come from torch.sort
+    common = {"ids_ptr": ids, "order_ptr": ids, "seg_ptr": ids, "pool_ptr": "*i32", "plane_off_ptr": "*i64",
+              "lut_ptr": "*bf16", "lut_off_ptr": "*i64", "bits_ptr": "*i32", "T": "i32", "H": "i32", "I": "i32",
+              "TOPK": 4, "T_PAD": t_pad, "K_PAD": 4, "SORTED": int(a.slots > 0), "BLOCK_N": a.block_n, "BKW": a.bkw,
+              "LE": 32 if a.bkw >= 32 else 16, "RAW": int(a.raw_shfl and a.bkw in (16, 32))}
     if a.kernel == "gate_up":  # Qwen1.5-MoE: H 2048 (64 words), I 1408 (44 words, padded to 64)
         args = {"x_ptr": "*bf16", "inter_ptr": "*bf16", **common, "KWX": 64, "KWO": 64, "PAD_O": 256}
         kernel, rows = g._gemv1_gate_up_kernel, 2 * a.block_n
@@ -86,7 +89,8 @@ def main() -> None:
         kernel, rows = g._gemv1_down_kernel, a.block_n
     sass, ttgir, regs = compile_sm90(kernel, args, a.warps)
     per_thread = rows * a.bkw * 32 / (32 * a.warps)
-    print(f"{a.kernel}: T_PAD {a.t_pad}, {rows} rows x {a.bkw} words, {a.warps} warps; {regs}; "
+    mode = " sorted" if a.slots else ""
+    print(f"{a.kernel}: T_PAD {t_pad}{mode}, {rows} rows x {a.bkw} words, {a.warps} warps; {regs}; "
           f"convert_layout in TTGIR: {ttgir.count('convert_layout')}")
     for i, ops in enumerate(loops(sass)):
         n = sum(ops.values())

@@ -35,8 +35,13 @@ the memory pipe and for few instructions per weight:
     sm_90, ninth session). ``kernels/warmup.py`` compiles them before serving.
 Measured on the H200: ``bench/gemv_compare.py`` (bench/results/gemv_probe/). Nothing here syncs with the
 host (tables are read at every call).
+Sorted-slots mode (config key ``SLOTS`` = S, thirteenth session): the pairs sorted by expert, S pairs of one expert
+per program (``_slots_of``), any number of tokens in one launch; each weight is decoded once per S pairs of its
+expert, not once per 8-token chunk for T_PAD token slots of which most are idle (at 16 tokens of Qwen's top-4 of
+60, a used expert gets ~1.1 pairs). Tested in the interpreter; not yet timed on a GPU (``bench/gemv_compare.py
+--slots``), so no shipped config uses it.
 What it does not do: validate inputs (``kernels.ap_moe.ap_moe`` does), or share an expert's weight reads across
-chunks of 8 tokens (each chunk reads its experts again: for large batches the fused and dequant paths do).
+chunks of 8 tokens in the token-slot mode (each chunk reads its experts again).
 """
 
 from __future__ import annotations
@@ -89,6 +94,24 @@ def _shfl(lut_t, idx):
 def _pick(v, tok, m: tl.constexpr):
     """Element m of the [T_PAD] tensor ``v`` as a scalar."""
     return tl.sum(tl.where(tok == m, v, 0))
+
+
+@triton.jit
+def _slots_of(sorted_ids_ptr, order_ptr, seg_ptr, p, NP, TOPK: tl.constexpr, S: tl.constexpr):
+    """(e, lead, active [S], pair [S], tok [S]) for program p in the sorted-slots mode (``SLOTS``): the (token, slot)
+    pairs sorted by expert (``order``: sorted position -> pair t * TOPK + s; ``seg``: sorted position -> first
+    position of its expert's run), e = the expert of sorted position p; lead: p starts a group of S consecutive
+    positions of e's run (its rank in the run is a multiple of S), and this program does the group's work;
+    pair[s] = order[p + s] and tok[s] = pair[s] // TOPK; active[s]: lead and position p + s is e's. Inactive slots
+    point at p's own pair (its rows are finite: every pair is active in exactly one group)."""
+    e = tl.load(sorted_ids_ptr + p)
+    rank = p - tl.load(seg_ptr + p)
+    slot = tl.arange(0, S)
+    pos = p + slot
+    ids = tl.load(sorted_ids_ptr + pos, mask=pos < NP, other=-1)
+    active = (ids == e) & (slot * 0 + rank % S == 0)  # a tensor mask (see ``_expert_of`` on scalar bools)
+    pair = tl.where(active, tl.load(order_ptr + pos, mask=pos < NP, other=0), tl.load(order_ptr + p))
+    return e, rank % S == 0, active, pair, pair // TOPK
 
 
 @triton.jit
@@ -327,7 +350,9 @@ def _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, row
 def _gemv1_gate_up_kernel(
     x_ptr,  # [T, 32, KWX] activations (bf16/fp16), word-major and zero-padded (``word_major``)
     inter_ptr,  # [T*k, 32, KWO] out: silu(gate) * up in x's dtype, word-major, at each (token, expert)'s 1st pair
-    ids_ptr,  # [T*k] expert ids, row-major [T, k]
+    ids_ptr,  # [T*k] expert ids, row-major [T, k] (SORTED: sorted by expert)
+    order_ptr,  # SORTED: [T*k] sorted position -> pair (else unused)
+    seg_ptr,  # SORTED: [T*k] sorted position -> first position of its expert's run (else unused)
     pool_ptr,  # int32 plane pool
     plane_off_ptr,  # int64 [2E, 8] word offsets of each block's planes
     lut_ptr,  # LUT pool (x's dtype)
@@ -337,8 +362,9 @@ def _gemv1_gate_up_kernel(
     H,  # hidden size = K of gate_up
     I,  # noqa: E741 - expert intermediate size
     TOPK: tl.constexpr,
-    T_PAD: tl.constexpr,  # next power of 2 >= T (<= 8)
+    T_PAD: tl.constexpr,  # next power of 2 >= T (<= 8); SORTED: the slots per program
     K_PAD: tl.constexpr,  # next power of 2 >= TOPK
+    SORTED: tl.constexpr,  # sorted-slots mode (``_slots_of``)
     BLOCK_N: tl.constexpr,  # intermediate columns per program (2 * BLOCK_N gate and up rows)
     BKW: tl.constexpr,  # plane words (32 columns each) per K step
     LE: tl.constexpr,  # LUT entries held in registers for shuffles: 32 if BKW >= 32 else 16
@@ -347,14 +373,18 @@ def _gemv1_gate_up_kernel(
     KWO: tl.constexpr,  # words of an inter row (down's KWX)
     PAD_O: tl.constexpr,  # power of 2 >= 32 * KWO - I: inter columns the first program of a pair zeroes
 ):
-    e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
+    if SORTED:
+        e, lead, active, row, tok = _slots_of(ids_ptr, order_ptr, seg_ptr, tl.program_id(0), T * TOPK, TOPK, T_PAD)
+        x_off = tok * (32 * KWX)
+    else:
+        e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
+        x_off = tl.minimum(tok, T - 1) * (32 * KWX)  # padded tokens read the last token's (finite) row
     blk = 2 * e
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     # 2 * BLOCK_N rows, gate and up interleaved, clamped so that every load is in bounds (stores are masked)
     r = tl.arange(0, 2 * BLOCK_N)
     rows = tl.minimum(tl.program_id(1) * BLOCK_N + r // 2, I - 1) + (r % 2) * I
     kwh = (H + 31) // 32
-    x_off = tl.minimum(tok, T - 1) * (32 * KWX)  # padded tokens read the last token's (finite) row
     acc = _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, 0, tl.where(lead, kwh, 0),
                      kwh, x_ptr, x_off, KWX, T_PAD, BKW, LE, RAW)
     g, u = tl.split(tl.reshape(acc, (T_PAD, BLOCK_N, 2)))
@@ -372,7 +402,9 @@ def _gemv1_gate_up_kernel(
 def _gemv1_down_kernel(
     inter_ptr,  # [T*k, 32, KWX] from _gemv1_gate_up_kernel (word-major, zero-padded)
     out_ptr,  # [SPLIT, T*k, H] fp32: per split, routing-weighted partial expert output of every pair
-    ids_ptr,  # [T*k] expert ids
+    ids_ptr,  # [T*k] expert ids (SORTED: sorted by expert)
+    order_ptr,  # SORTED: [T*k] sorted position -> pair (else unused)
+    seg_ptr,  # SORTED: [T*k] sorted position -> first position of its expert's run (else unused)
     w_ptr,  # [T*k] fp32 routing weights
     pool_ptr,
     plane_off_ptr,
@@ -385,13 +417,19 @@ def _gemv1_down_kernel(
     TOPK: tl.constexpr,
     T_PAD: tl.constexpr,
     K_PAD: tl.constexpr,
+    SORTED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BKW: tl.constexpr,
     LE: tl.constexpr,
     RAW: tl.constexpr,
     KWX: tl.constexpr,  # words of an inter row (ceil(I / 32) rounded up so that every split's K steps fit)
 ):
-    e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
+    if SORTED:  # inactive slots hold p's own pair, whose inter row gate_up wrote
+        e, lead, active, row, tok = _slots_of(ids_ptr, order_ptr, seg_ptr, tl.program_id(0), T * TOPK, TOPK, T_PAD)
+    else:
+        e, lead, tok, active, row = _expert_of(ids_ptr, tl.program_id(0), T, TOPK, T_PAD, K_PAD)
+        # tokens with no work read the first active token's row (written by gate_up, finite)
+        row = tl.where(active, row, tl.min(tl.where(active, row, T * TOPK)))
     pid_s = tl.program_id(2)
     blk = 2 * e + 1
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -401,11 +439,14 @@ def _gemv1_down_kernel(
     chunk = tl.cdiv(tl.cdiv(kwi, BKW), tl.num_programs(2)) * BKW
     kw_lo = pid_s * chunk
     kw_hi = tl.where(lead, tl.minimum(kwi, kw_lo + chunk), kw_lo)
-    # tokens with no work read the first active token's row (written by gate_up, finite)
-    x_off = tl.where(active, row, tl.min(tl.where(active, row, T * TOPK))) * (32 * KWX)
     y = _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, kw_lo, kw_hi, kwi, inter_ptr,
-                   x_off, KWX, T_PAD, BKW, LE, RAW)
-    store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK)
+                   row * (32 * KWX), KWX, T_PAD, BKW, LE, RAW)
+    if SORTED:  # one pair per slot
+        w_s = tl.load(w_ptr + row)
+        tl.store(out_ptr + (pid_s * T * TOPK + row[:, None]) * H + n[None, :], y * w_s[:, None],
+                 mask=active[:, None] & nmask[None, :])
+    else:
+        store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK)
 
 
 def _raw(tile: dict[str, Any], bkw: int, x: torch.Tensor) -> bool:
@@ -432,10 +473,18 @@ def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     counts of the padded activation rows are compile-time constants, so each (H, I) compiles its own kernels.
     More than 8 tokens run as chunks of 8 (the last one holds the rest), one launch pair each, with their partials
     concatenated along T: an expert used in several chunks is read once per chunk (``chunks``).
+    ``cfg["SLOTS"]`` = S > 0 selects the sorted-slots mode instead, for any T in one launch pair: the (token, slot)
+    pairs are sorted by expert on the device (``torch.sort``, ``torch.searchsorted``: no host sync) and each
+    program does S consecutive pairs of one expert (``_slots_of``), so an expert with c tokens is read ceil(c / S)
+    times and each weight feeds S token slots, not T_PAD (most routed experts get 1-2 of a batch's tokens).
+    S must be 1, 2, 4 or 8. Raises ``ValueError`` for another S.
     """
     ex = experts
     t, k = topk_ids.shape
-    if t > MAX_TOKENS:
+    slots = cfg.get("SLOTS", 0)
+    if slots not in (0, 1, 2, 4, 8):
+        raise ValueError(f"SLOTS must be 0 (token slots), 1, 2, 4 or 8 (pairs per program), got {slots!r}")
+    if t > MAX_TOKENS and not slots:
         return _chunked_partials(x, topk_ids, topk_w, experts, cfg, xw)
     num_pairs = t * k
     gu, dn = cfg["gate_up"], cfg["down"]
@@ -449,14 +498,21 @@ def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     ids = topk_ids.contiguous().view(-1)
     w = topk_w.contiguous().view(-1).to(torch.float32)
     t_pad, k_pad = token_pad(t), triton.next_power_of_2(k)
+    order = seg = ids  # unused unless sorted
+    if slots:  # pairs sorted by expert on the device (no host sync): S = slots pairs of one expert per program
+        ids, order = torch.sort(ids, stable=True)
+        seg = torch.searchsorted(ids, ids)
+        t_pad = slots
     _gemv1_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
-        xw, inter, ids, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
-        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu, LE=_entries(bkw_gu),
+        xw, inter, ids, order, seg, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
+        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu,
+        LE=_entries(bkw_gu),
         RAW=_raw(gu, bkw_gu, x), KWX=kwx, KWO=kwo, PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)),
         num_warps=gu.get("num_warps", 4))
     _gemv1_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn["BLOCK_N"]), split)](
-        inter, out, ids, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden, ex.inter,
-        TOPK=k, T_PAD=t_pad, K_PAD=k_pad, BLOCK_N=dn["BLOCK_N"], BKW=bkw_dn, LE=_entries(bkw_dn),
+        inter, out, ids, order, seg, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
+        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=dn["BLOCK_N"], BKW=bkw_dn,
+        LE=_entries(bkw_dn),
         RAW=_raw(dn, bkw_dn, x), KWX=kwo, num_warps=dn.get("num_warps", 4))
     return out.view(split, t, k, ex.hidden), xw
 
@@ -467,9 +523,12 @@ def chunks(num_tokens: int) -> list[tuple[int, int]]:
     return [(a, min(a + MAX_TOKENS, num_tokens)) for a in range(0, num_tokens, MAX_TOKENS)]
 
 
-def token_pads(num_tokens: int) -> set[int]:
-    """The T_PAD values the gemv1 kernels are compiled for when ``num_tokens`` tokens run (one per chunk of
-    ``chunks``, each padded to a power of 2; ``kernels.warmup`` compiles from this rule)."""
+def token_pads(num_tokens: int, cfg: dict[str, Any] | None = None) -> set[int]:
+    """The T_PAD values the gemv1 kernels of config ``cfg`` are compiled for when ``num_tokens`` tokens run: its
+    SLOTS in the sorted-slots mode, else one per chunk of ``chunks``, each padded to a power of 2
+    (``kernels.warmup`` compiles from this rule)."""
+    if cfg and cfg.get("SLOTS"):
+        return {int(cfg["SLOTS"])}
     return {token_pad(b - a) for a, b in chunks(num_tokens)}
 
 

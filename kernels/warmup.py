@@ -64,7 +64,7 @@ def kernels_at(num_tokens: int, cfg: dict[str, Any]) -> set[tuple[str, int]]:
     specialize on T (0)."""
     key = json.dumps(cfg, sort_keys=True)
     if cfg.get("path") == "gemv1":
-        return {(key, t_pad) for t_pad in token_pads(num_tokens)}
+        return {(key, t_pad) for t_pad in token_pads(num_tokens, cfg)}
     if cfg.get("path") == "gemv":
         return {(key, token_pad(num_tokens))}
     return {(key, 0)}

@@ -339,6 +339,31 @@ def test_word_first_path_chunks_beyond_8_tokens(t: int, k: int, e: int) -> None:
     check(t, k, e, hidden=72, inter=40, bits=bits, dtype=torch.bfloat16, seed=70 + t, config=GEMV1)
 
 
+@pytest.mark.parametrize(("t", "k", "e", "slots"), [(3, 2, 4, 2), (9, 2, 5, 2), (17, 1, 3, 4), (5, 3, 4, 1),
+                                                   (12, 1, 3, 8)])
+def test_sorted_slots_word_first_path(t: int, k: int, e: int, slots: int) -> None:
+    """gemv1 in the sorted-slots mode (pairs sorted by expert, ``slots`` per program, any T in one launch, 17 tokens
+    too): experts with more pairs than slots (several groups), with fewer (idle slots), a random mix of q, ragged
+    H and I; at T = 3, k = 2 of 4 experts some may get no token."""
+    bits = torch.randint(2, 9, (2 * e,), generator=torch.Generator().manual_seed(t + slots)).tolist()
+    check(t, k, e, hidden=72, inter=40, bits=bits, dtype=torch.bfloat16, seed=170 + t, config={**GEMV1, "SLOTS": slots})
+
+
+def test_sorted_slots_all_tokens_on_one_expert_and_bad_slots() -> None:
+    """Ten tokens on one expert with 4 slots: three groups of that expert (4 + 4 + 2 pairs); fp16. SLOTS 3 is
+    refused (slots are a power of 2 up to 8)."""
+    from kernels.ap_moe_gemv1 import gemv1_partials
+
+    cfg = {**GEMV1, "SLOTS": 4}
+    check(10, 1, 4, hidden=72, inter=40, bits=[3, 5, 8, 2, 4, 6, 7, 3], dtype=torch.float16, seed=7,
+          ids=torch.full((10, 1), 2), config=cfg)
+    ex = make(2, 64, 32, [4, 4, 4, 4], torch.bfloat16, 5)
+    x = torch.randn(3, 64).to(torch.bfloat16).to(DEV)
+    with pytest.raises(ValueError, match="SLOTS must be"):
+        gemv1_partials(x, torch.zeros(3, 1, dtype=torch.int64, device=DEV), torch.ones(3, 1, device=DEV), ex,
+                       {**GEMV1, "SLOTS": 3})
+
+
 def test_chunked_word_first_path_rebuilds_foreign_activations() -> None:
     """Word-major activations given for reuse that are not x's (more tokens than T) are rebuilt, past 8 tokens as
     below (slicing them per chunk would have passed each chunk's shape check and computed on the wrong rows)."""

@@ -41,6 +41,16 @@ def test_decode_token_counts_cover_every_kernel_specialization() -> None:
     assert counts[0] == 1 and union_shipped(counts) == union_shipped(range(1, 17))
 
 
+def test_sorted_slots_compile_one_specialization_for_any_token_count() -> None:
+    """A gemv1 config in the sorted-slots mode (SLOTS = S) launches T_PAD = S at every token count, so one count
+    warms it up, past 8 tokens too (no chunks)."""
+    table = {"default": [{"min_tokens": 1, "config": {"path": "gemv1", "tile": "a"}},
+                         {"min_tokens": 2, "config": {"path": "gemv1", "tile": "b", "SLOTS": 2}},
+                         {"min_tokens": 33, "config": {"path": "fused"}}], "by_shape": {}}
+    assert decode_token_counts(32, configs=table) == [1, 2]
+    assert decode_token_counts(64, configs=table) == [1, 2, 33]
+
+
 def union_shipped(ts: list[int] | range) -> set:
     from kernels.ap_moe import pick_config
     from kernels.warmup import kernels_at
