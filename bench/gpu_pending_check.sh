@@ -5,7 +5,10 @@
 #   SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=400 bash bench/gpu_pending_check.sh serve
 # with carry [".triton_cache.tgz"] (the Triton cache of the last call: copy $OUT/triton_cache.tgz from its results to
 # .triton_cache.tgz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles for minutes).
-# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, serve (default:
+# Then the gemv1 sorted-slots mode (0e4ff43, interpreter-tested, never timed): stage slots below, ~6-8 min:
+#   bash bench/gpu_pending_check.sh slots   (writes $OUT/ap_moe_slots.json: copy the buckets it won into
+#   kernels/configs/ap_moe.json, then serve again at batches 4 and 16).
+# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, serve (default:
 # tests and attention, ~6 min; serving in a second call, ~5 min: one call may run 10 min). Results land in $OUT.
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -46,6 +49,15 @@ timeout 320 python -u bench/paged_attention_speed.py --batches 1,4,16 --time-lim
   > "$OUT/paged_attention_stdout.txt" 2>&1
 cp kernels/configs/paged_attention.json "$OUT/"
 echo "attention tuning done at ${SECONDS}s"; tail -12 "$OUT/paged_attention_stdout.txt"
+fi
+if [[ $STAGES == *slots* ]]; then
+{ echo "# gemv1 sorted slots vs the committed decode paths, commit $C, $(date -u +%F)"
+  cp kernels/configs/ap_moe.json "$OUT/ap_moe_slots.json"
+  timeout 420 python -u bench/gemv_compare.py --shapes qwen1.5-moe,mixtral-8x7b --ts 4,16,8,32 --qs 3,4,5,6,8 \
+    --tune-qs 4 --grid small --slots 1,2,4 --pick sum --time-limit 330 --write-configs "$OUT/ap_moe_slots.json" 2>&1
+  python -m pytest -q -p no:warnings tests/test_ap_moe_kernel.py -k sorted_slots 2>&1 | tail -3; } \
+  > "$OUT/gemv1_slots.txt"
+pack; echo "slots done at ${SECONDS}s"; grep -v '^{' "$OUT/gemv1_slots.txt" | tail -30
 fi
 if [[ $STAGES == *serve* ]]; then
 timeout ${SERVE_TIMEOUT:-300} python -u bench/serve_speed.py --skip-hf --skip-lean16 --batches ${SERVE_BATCHES:-16,4,1} --bits 4 --interleave ${SERVE_REPEATS:-3} \
