@@ -15,8 +15,9 @@ move every plane independently):
     Planes q_i..7 of block i are never read.
 
 Four paths, chosen per call by T and shape from data (``kernels/configs/ap_moe.json``):
-  * ``gemv1`` (decode, 1..8 tokens; more in chunks of 8): ``kernels/ap_moe_gemv1.py``, word-first GEMV kernels
-    laid out so that a warp's LUT gathers and activation loads are contiguous; no host sync.
+  * ``gemv1`` (decode, 1..8 tokens; more in chunks of 8, or any number with ``SLOTS``: pairs sorted by expert):
+    ``kernels/ap_moe_gemv1.py``, word-first GEMV kernels laid out so that a warp's LUT gathers and activation loads
+    are contiguous; no host sync.
   * ``gemv`` (decode, few tokens): ``kernels/ap_moe_gemv.py``, GEMV kernels without tensor cores
     or routing preprocessing: gate_up + SiLU*up fused, down with split-K; no host sync.
   * ``fused`` (medium T): ``_gate_up_kernel`` / ``_down_kernel`` here: per tile of BLOCK_M
@@ -323,7 +324,7 @@ def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, expert
         if inter.shape[0] < num_pairs or inter.shape[1:] != (ex.inter,) or out_pairs.shape[1:] != (ex.hidden,) \
                 or out_pairs.shape[0] < num_pairs or inter.dtype != x.dtype or out_pairs.dtype != torch.float32:
             raise ValueError("workspace must be (inter [>=T*k, I] in x's dtype, out_pairs [>=T*k, H] float32)")
-    if path == "gemv1":  # up to 8 tokens (ValueError otherwise); allocates its small buffers itself
+    if path == "gemv1":  # any T (chunks of 8, or sorted slots); allocates its small buffers itself
         return gemv1_moe(x, topk_ids, topk_w, ex, cfg)
     if path == "gemv":
         return gemv_moe(x, topk_ids, topk_w, ex, cfg, workspace)
