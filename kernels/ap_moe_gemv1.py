@@ -481,9 +481,7 @@ def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     """
     ex = experts
     t, k = topk_ids.shape
-    slots = cfg.get("SLOTS", 0)
-    if slots not in (0, 1, 2, 4, 8):
-        raise ValueError(f"SLOTS must be 0 (token slots), 1, 2, 4 or 8 (pairs per program), got {slots!r}")
+    slots = check_slots(cfg)
     if t > MAX_TOKENS and not slots:
         return _chunked_partials(x, topk_ids, topk_w, experts, cfg, xw)
     num_pairs = t * k
@@ -523,13 +521,23 @@ def chunks(num_tokens: int) -> list[tuple[int, int]]:
     return [(a, min(a + MAX_TOKENS, num_tokens)) for a in range(0, num_tokens, MAX_TOKENS)]
 
 
-def token_pads(num_tokens: int, cfg: dict[str, Any] | None = None) -> set[int]:
-    """The T_PAD values the gemv1 kernels of config ``cfg`` are compiled for when ``num_tokens`` tokens run: its
-    SLOTS in the sorted-slots mode, else one per chunk of ``chunks``, each padded to a power of 2
-    (``kernels.warmup`` compiles from this rule)."""
-    if cfg and cfg.get("SLOTS"):
-        return {int(cfg["SLOTS"])}
-    return {token_pad(b - a) for a, b in chunks(num_tokens)}
+def check_slots(cfg: dict[str, Any]) -> int:
+    """``cfg["SLOTS"]`` (0 if absent): 0 (token slots) or 1, 2, 4, 8 (sorted slots, pairs per program), as a plain
+    int. Raises ``ValueError`` for anything else (3, 16, -1, "2", 2.0, True, None)."""
+    slots = cfg.get("SLOTS", 0)
+    if type(slots) is not int or slots not in (0, 1, 2, 4, 8):
+        raise ValueError(f"SLOTS must be 0 (token slots), 1, 2, 4 or 8 (pairs per program), got {slots!r}")
+    return slots
+
+
+def launches(num_tokens: int, cfg: dict[str, Any] | None = None) -> list[tuple[int, int]]:
+    """(T_PAD, T) of each launch pair the gemv1 kernels of config ``cfg`` make for ``num_tokens`` tokens: T_PAD is
+    a constexpr, T the runtime token count passed (Triton specializes on it too: ``kernels.warmup``). In the
+    sorted-slots mode one pair (SLOTS, T); else one per chunk of ``chunks``, its tokens padded to a power of 2."""
+    slots = check_slots(cfg or {})
+    if slots:
+        return [(slots, num_tokens)]
+    return [(token_pad(b - a), b - a) for a, b in chunks(num_tokens)]
 
 
 def _chunked_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Any,

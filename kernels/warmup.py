@@ -33,7 +33,7 @@ import torch
 
 from kernels.ap_moe import APExperts, ap_moe, build_experts, pick_config
 from kernels.ap_moe_gemv import token_pad
-from kernels.ap_moe_gemv1 import token_pads
+from kernels.ap_moe_gemv1 import launches
 
 J = TypeVar("J")
 
@@ -57,29 +57,36 @@ class MoEShape:
             raise ValueError(f"expert shapes must be positive (shared_inter >= 0), got {self}")
 
 
-def kernels_at(num_tokens: int, cfg: dict[str, Any]) -> set[tuple[str, int]]:
-    """The kernel specializations a decode MoE call of ``num_tokens`` tokens with config ``cfg`` (one bucket of
-    ``kernels/configs/ap_moe.json``) launches, as (config, padded token count) keys: the padding rules are the
-    kernels' own (``kernels.ap_moe_gemv1.token_pads``, ``kernels.ap_moe_gemv.token_pad``); the other paths do not
-    specialize on T (0)."""
+def triton_int_class(v: int) -> int:
+    """How Triton (3.x) specializes an int kernel argument of value ``v``: 1 for v == 1 (made a constant), 16 for a
+    multiple of 16 (a divisibility hint), else 0. Each class is its own compiled kernel."""
+    return 1 if v == 1 else 16 if v % 16 == 0 else 0
+
+
+def kernels_at(num_tokens: int, cfg: dict[str, Any], topk: int = 1) -> set[tuple[str, int, int]]:
+    """The kernel specializations a decode MoE call of ``num_tokens`` tokens (top-``topk`` routing) with config
+    ``cfg`` (one bucket of ``kernels/configs/ap_moe.json``) launches, as (config, constexpr token count, int class)
+    keys: the token rules are the kernels' own (``kernels.ap_moe_gemv1.launches``, ``kernels.ap_moe_gemv.token_pad``;
+    the other paths take no token constexpr, 0), the int class (``triton_int_class``) that of the runtime count the
+    kernels receive (T for gemv1 and gemv, T * topk pairs for the others). Raises ``ValueError`` for a bad SLOTS."""
     key = json.dumps(cfg, sort_keys=True)
     if cfg.get("path") == "gemv1":
-        return {(key, t_pad) for t_pad in token_pads(num_tokens, cfg)}
+        return {(key, t_pad, triton_int_class(t)) for t_pad, t in launches(num_tokens, cfg)}
     if cfg.get("path") == "gemv":
-        return {(key, token_pad(num_tokens))}
-    return {(key, 0)}
+        return {(key, token_pad(num_tokens), triton_int_class(num_tokens))}
+    return {(key, 0, triton_int_class(num_tokens * topk))}
 
 
 def decode_token_counts(max_batch: int, hidden: int | None = None, inter: int | None = None,
-                        configs: dict[str, Any] | None = None) -> list[int]:
+                        configs: dict[str, Any] | None = None, topk: int = 1) -> list[int]:
     """The fewest token counts in 1..``max_batch`` whose decode MoE calls launch every kernel specialization that
     any count in that range launches (``kernels_at``), for experts of hidden size ``hidden`` and intermediate size
-    ``inter`` under ``configs`` (default: ``kernels/configs/ap_moe.json``; its buckets decide the path per count):
-    the smallest count that needs a specialization stands for it."""
-    seen: set[tuple[str, int]] = set()
+    ``inter`` routing ``topk`` experts per token under ``configs`` (default: ``kernels/configs/ap_moe.json``; its
+    buckets decide the path per count): the smallest count that needs a specialization stands for it."""
+    seen: set[tuple[str, int, int]] = set()
     out = []
     for t in range(1, max_batch + 1):
-        new = kernels_at(t, pick_config(t, hidden, inter, configs)) - seen
+        new = kernels_at(t, pick_config(t, hidden, inter, configs), topk) - seen
         if new:
             out.append(t)
             seen |= new
@@ -148,7 +155,7 @@ def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | Non
     shapes = [s for s in shapes if s.dtype in ("bfloat16", "float16")]
     sets = [(s.hidden, s.inter, s.topk, s.dtype) for s in shapes]
     sets += [(s.hidden, s.shared_inter, 1, s.dtype) for s in shapes if s.shared_inter]
-    jobs = [(*e, t) for e in dict.fromkeys(sets) for t in decode_token_counts(max_batch, e[0], e[1])
+    jobs = [(*e, t) for e in dict.fromkeys(sets) for t in decode_token_counts(max_batch, e[0], e[1], topk=e[2])
             if (*e, t) not in _done]
     n = default_workers() if workers is None else workers
     if not jobs or n <= 0 or not torch.cuda.is_available():

@@ -13,6 +13,7 @@ holder's process id; it is removed on a normal exit.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from collections.abc import Iterator
@@ -27,32 +28,44 @@ def lock_path(out: Path) -> Path:
     return out.with_name(out.name + ".lock")
 
 
+def _open_locked(path: Path, out: Path) -> int:
+    """A descriptor of ``path`` holding its exclusive lock. A holder that finishes between our open and our flock
+    removes the file we opened: then the lock we got is on a stale file, and we open the new one (a few tries).
+    Raises ``PagedWeightError`` if another process holds the lock or the file cannot be opened."""
+    for _ in range(5):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            fix = f"remove {path}" if exc.errno == errno.EISDIR else "give --out where you can write"
+            raise PagedWeightError(f"cannot create the lock file {path}: {exc.strerror}; {fix}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise PagedWeightError(f"another run (process {holder}) is writing {out}: wait for it to finish, or give "
+                                   f"another --out") from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise PagedWeightError(f"other runs keep taking the lock of {out}: wait for them to finish, or give another --out")
+
+
 @contextmanager
 def writer_lock(out: Path) -> Iterator[None]:
     """Hold the exclusive writer lock of ``out`` for the ``with`` block. Raises ``PagedWeightError`` (one line, what
     to do) if another process holds it, or if the lock file cannot be created."""
     path = lock_path(out)
+    fd = _open_locked(path, out)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise PagedWeightError(f"cannot create the lock file {path}: {exc.strerror}; give --out where you can write") \
-            from exc
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # the holder may have removed the file between our open and flock: then ours is a stale inode
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except (BlockingIOError, FileNotFoundError):
-            same = False
-        if not same:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise PagedWeightError(f"another run (process {holder}) is writing {out}: wait for it to finish, or give "
-                                   f"another --out")
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         try:
             yield
         finally:
-            path.unlink(missing_ok=True)  # while still locked: a waiting run then opens a fresh file
+            path.unlink(missing_ok=True)  # while still locked: a run that opened it before retries on a fresh one
     finally:
         os.close(fd)

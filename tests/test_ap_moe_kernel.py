@@ -350,8 +350,8 @@ def test_sorted_slots_word_first_path(t: int, k: int, e: int, slots: int) -> Non
 
 
 def test_sorted_slots_all_tokens_on_one_expert_and_bad_slots() -> None:
-    """Ten tokens on one expert with 4 slots: three groups of that expert (4 + 4 + 2 pairs); fp16. SLOTS 3 is
-    refused (slots are a power of 2 up to 8)."""
+    """Ten tokens on one expert with 4 slots: three groups of that expert (4 + 4 + 2 pairs); fp16. SLOTS other than
+    a plain int 1, 2, 4, 8 (or 0) is refused before any launch."""
     from kernels.ap_moe_gemv1 import gemv1_partials
 
     cfg = {**GEMV1, "SLOTS": 4}
@@ -359,9 +359,10 @@ def test_sorted_slots_all_tokens_on_one_expert_and_bad_slots() -> None:
           ids=torch.full((10, 1), 2), config=cfg)
     ex = make(2, 64, 32, [4, 4, 4, 4], torch.bfloat16, 5)
     x = torch.randn(3, 64).to(torch.bfloat16).to(DEV)
-    with pytest.raises(ValueError, match="SLOTS must be"):
-        gemv1_partials(x, torch.zeros(3, 1, dtype=torch.int64, device=DEV), torch.ones(3, 1, device=DEV), ex,
-                       {**GEMV1, "SLOTS": 3})
+    for bad in (3, 16, -1, "2", 2.0, True, None):  # 2.0 / True compare equal to allowed ints
+        with pytest.raises(ValueError, match="SLOTS must be"):
+            gemv1_partials(x, torch.zeros(3, 1, dtype=torch.int64, device=DEV), torch.ones(3, 1, device=DEV), ex,
+                           {**GEMV1, "SLOTS": bad})
 
 
 def test_chunked_word_first_path_rebuilds_foreign_activations() -> None:

@@ -167,3 +167,57 @@ def test_a_second_writer_of_the_same_out_is_refused_and_loses_nothing(artifact: 
     r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(out), *ARGS])  # complete and same: a no-op
     assert r.exit_code == 0, r.stderr
     assert not lock_path(out).exists() and not partial.exists()
+
+
+def test_out_that_is_the_current_directory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--out .` (or `--out ..`) would rename the directory the user stands in: one-line error, nothing written."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    r = runner.invoke(app, ["quantize", str(MODEL), "--out", ".", *ARGS])
+    assert r.exit_code == 2 and "current directory" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == [work] and not any(work.iterdir())
+
+
+def test_writer_lock_taken_over_from_a_run_that_just_finished(tmp_path: Path) -> None:
+    """A run that opens OUT.lock just before the holder finishes (the holder removes the file, then releases)
+    must take the lock on a fresh file, not report the finished run as still writing; a lock file that is a
+    directory gets an error that says to remove it."""
+    import os
+    import threading
+
+    import pwcal.writer_lock as wl
+
+    out = tmp_path / "OUT"
+    opened, released = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with wl.writer_lock(out):
+            opened.wait(10)
+        released.set()
+
+    real_open = os.open
+
+    def open_then_wait(*args, **kwargs):  # type: ignore[no-untyped-def]
+        fd = real_open(*args, **kwargs)
+        opened.set()
+        released.wait(10)
+        return fd
+
+    th = threading.Thread(target=holder)
+    th.start()
+    while not wl.lock_path(out).exists():
+        pass
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(wl.os, "open", open_then_wait)
+    try:
+        with wl.writer_lock(out):
+            monkeypatch.undo()
+            assert wl.lock_path(out).exists()
+    finally:
+        monkeypatch.undo()
+        th.join()
+    assert not wl.lock_path(out).exists()
+    wl.lock_path(out).mkdir()
+    with pytest.raises(PagedWeightError, match=r"remove .*OUT\.lock"), wl.writer_lock(out):
+        pass

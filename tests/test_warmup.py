@@ -41,14 +41,37 @@ def test_decode_token_counts_cover_every_kernel_specialization() -> None:
     assert counts[0] == 1 and union_shipped(counts) == union_shipped(range(1, 17))
 
 
-def test_sorted_slots_compile_one_specialization_for_any_token_count() -> None:
-    """A gemv1 config in the sorted-slots mode (SLOTS = S) launches T_PAD = S at every token count, so one count
-    warms it up, past 8 tokens too (no chunks)."""
+def test_sorted_slots_and_triton_int_specialization() -> None:
+    """A gemv1 config in the sorted-slots mode (SLOTS = S) launches T_PAD = S at every token count and passes the
+    whole T (no chunks), on which Triton specializes (1, a multiple of 16, other): counts 2 and 16 stand for 2..32.
+    The fused path passes T * top-k pairs: at top-4, 33 tokens (132 pairs) and 36 (144, a multiple of 16) differ."""
+    from kernels.warmup import kernels_at
+
     table = {"default": [{"min_tokens": 1, "config": {"path": "gemv1", "tile": "a"}},
                          {"min_tokens": 2, "config": {"path": "gemv1", "tile": "b", "SLOTS": 2}},
                          {"min_tokens": 33, "config": {"path": "fused"}}], "by_shape": {}}
-    assert decode_token_counts(32, configs=table) == [1, 2]
-    assert decode_token_counts(64, configs=table) == [1, 2, 33]
+    assert decode_token_counts(32, configs=table) == [1, 2, 16]
+    assert decode_token_counts(64, configs=table) == [1, 2, 16, 33, 48]
+    assert decode_token_counts(64, configs=table, topk=4) == [1, 2, 16, 33, 36]
+    with pytest.raises(ValueError, match="SLOTS must be"):
+        kernels_at(5, {"path": "gemv1", "SLOTS": 3})
+
+
+def test_int_classes_follow_triton() -> None:
+    """``triton_int_class`` agrees with Triton's own specialization of int arguments (where this Triton exposes
+    it): the warm-up's keys must split token counts exactly where Triton compiles another kernel."""
+    from kernels.warmup import triton_int_class
+
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        pytest.skip("this Triton does not expose native_specialize_impl")
+    seen: dict[object, int] = {}
+    for v in range(1, 130):
+        spec = native_specialize_impl(BaseBackend, v, False, True, True)
+        assert seen.setdefault(spec, triton_int_class(v)) == triton_int_class(v), (v, spec)
+    assert len(seen) == len({triton_int_class(v) for v in range(1, 130)}) == 3
 
 
 def union_shipped(ts: list[int] | range) -> set:

@@ -187,6 +187,10 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
     nothing is left at ``out`` unless complete.
     """
     t0 = time.time()
+    given, out = out, Path(os.path.abspath(out))  # "." and ".." get a name: OUT.partial and OUT.lock sit beside OUT
+    if out == Path.cwd().absolute() or not out.name:
+        raise PagedWeightError(f"--out {given} is the current directory (or the root): give the name of a new "
+                               "directory, e.g. --out artifacts/tiny-ap")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
         raise PagedWeightError(f"--out {out} exists and is not a PagedWeight artifact directory: choose a new or "
                                "empty directory (it is never overwritten)")
