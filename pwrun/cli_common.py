@@ -65,9 +65,13 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def _exit_terminated(signum: int, frame: object) -> None:
+    """Before any work: one line, then exit 143 at once. ``os._exit``, not ``sys.exit``: a SystemExit raised by a
+    signal handler inside an import can be wrapped (Python 3.11 wraps one raised in a class's ``__set_name__``
+    into a RuntimeError, which printed a traceback and exit 1); nothing is open for writing yet."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     typer.echo("terminated (SIGTERM)", err=True)
-    sys.exit(143)
+    sys.stderr.flush()
+    os._exit(143)
 
 
 def exit_quietly_on_sigterm() -> None:
