@@ -76,8 +76,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=0, help="S > 0: the sorted-slots mode with S pairs per program "
                     "(T_PAD = S; --t-pad is ignored)")
     a = ap.parse_args()
-    t_pad, ids = (a.slots, "*i64") if a.slots else (a.t_pad, "*i32")  # sorted ids / order / seg come from torch.sort
-    common = {"ids_ptr": ids, "order_ptr": ids, "seg_ptr": ids, "pool_ptr": "*i32", "plane_off_ptr": "*i64",
+    t_pad, ids = (a.slots, "*i64") if a.slots else (a.t_pad, "*i32")  # sorted ids keep topk_ids dtype (int64)
+    common = {"ids_ptr": ids, "order_ptr": "*i32", "seg_ptr": "*i32", "pool_ptr": "*i32", "plane_off_ptr": "*i64",
               "lut_ptr": "*bf16", "lut_off_ptr": "*i64", "bits_ptr": "*i32", "T": "i32", "H": "i32", "I": "i32",
               "TOPK": 4, "T_PAD": t_pad, "K_PAD": 4, "SORTED": int(a.slots > 0), "BLOCK_N": a.block_n, "BKW": a.bkw,
               "LE": 32 if a.bkw >= 32 else 16, "RAW": int(a.raw_shfl and a.bkw in (16, 32))}

@@ -55,6 +55,7 @@ import triton.language as tl
 from kernels.ap_moe_gemv import _expert_of, store_pairs, token_pad
 from kernels.ap_moe_layout import combine, padded_words, word_major
 from kernels.ap_tile import _plane
+from kernels.pair_sort import sort_pairs
 
 MAX_TOKENS = 8  # one [BKW, R] accumulator per token
 
@@ -474,7 +475,7 @@ def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     More than 8 tokens run as chunks of 8 (the last one holds the rest), one launch pair each, with their partials
     concatenated along T: an expert used in several chunks is read once per chunk (``chunks``).
     ``cfg["SLOTS"]`` = S > 0 selects the sorted-slots mode instead, for any T in one launch pair: the (token, slot)
-    pairs are sorted by expert on the device (``torch.sort``, ``torch.searchsorted``: no host sync) and each
+    pairs are sorted by expert on the device (``kernels.pair_sort``: one launch, no host sync) and each
     program does S consecutive pairs of one expert (``_slots_of``), so an expert with c tokens is read ceil(c / S)
     times and each weight feeds S token slots, not T_PAD (most routed experts get 1-2 of a batch's tokens).
     S must be 1, 2, 4 or 8. Raises ``ValueError`` for another S.
@@ -497,9 +498,8 @@ def gemv1_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     w = topk_w.contiguous().view(-1).to(torch.float32)
     t_pad, k_pad = token_pad(t), triton.next_power_of_2(k)
     order = seg = ids  # unused unless sorted
-    if slots:  # pairs sorted by expert on the device (no host sync): S = slots pairs of one expert per program
-        ids, order = torch.sort(ids, stable=True)
-        seg = torch.searchsorted(ids, ids)
+    if slots:  # pairs sorted by expert on the device (one launch, no host sync): S pairs of one expert per program
+        ids, order, seg = sort_pairs(ids)
         t_pad = slots
     _gemv1_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
         xw, inter, ids, order, seg, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,

@@ -1,0 +1,73 @@
+"""(token, slot) pairs sorted by expert in one launch, for gemv1's sorted-slots mode (SPEC section 7: routing-aware
+batching at decode).
+
+What it does: for the expert ids of P pairs (``topk_ids`` flattened, [P] integer), returns ``sorted_ids`` [P] (the
+ids in ascending order, ties in pair order: a stable sort), ``order`` [P] int32 (sorted position -> pair) and
+``seg`` [P] int32 (sorted position -> first position of its expert's run), what ``kernels.ap_moe_gemv1`` reads.
+
+Why a kernel: ``torch.sort`` followed by ``torch.searchsorted`` is two or more launches per MoE call; at decode
+(P = 4..512) a call's routed layer takes ~20-100 us on an H200, so each launch of ~2 us counts. Here one launch
+ranks every pair by counting: pos_i = #{j : e_j < e_i} + #{j < i : e_j = e_i} (P^2 comparisons in tiles, nothing
+for P <= 512), and the first count is also the start of e_i's run. No host sync.
+
+Reference twin: ``sort_pairs_ref`` (``torch.sort(stable=True)`` + ``torch.searchsorted``), also the CPU path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_I = 64  # pairs ranked per program
+BLOCK_J = 64  # pairs compared per step
+
+
+@triton.jit
+def _sort_pairs_kernel(ids_ptr, sorted_ptr, order_ptr, seg_ptr, P, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Rank pairs i of this program among all P (stable, by expert id) and scatter them to their sorted positions."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    im = i < P
+    e_i = tl.load(ids_ptr + i, mask=im, other=0)
+    less = tl.zeros((BLOCK_I,), dtype=tl.int32)
+    before = tl.zeros((BLOCK_I,), dtype=tl.int32)
+    for j0 in range(0, P, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        jm = (j < P)[None, :]
+        e_j = tl.load(ids_ptr + j, mask=j < P, other=0)
+        less += tl.sum(((e_j[None, :] < e_i[:, None]) & jm).to(tl.int32), axis=1)
+        before += tl.sum(((e_j[None, :] == e_i[:, None]) & (j[None, :] < i[:, None]) & jm).to(tl.int32), axis=1)
+    pos = less + before
+    tl.store(sorted_ptr + pos, e_i, mask=im)
+    tl.store(order_ptr + pos, i, mask=im)
+    tl.store(seg_ptr + pos, less, mask=im)
+
+
+def sort_pairs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids [P] in ids' dtype, order [P] int32, seg [P] int32) of expert ids [P] (1-D, integer, contiguous
+    or not), in one Triton launch on CUDA or in the interpreter, else ``sort_pairs_ref``. Raises ``ValueError``
+    for ids that are not 1-D integers."""
+    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be 1-D integer expert ids, got {tuple(ids.shape)} {ids.dtype}")
+    if not ids.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return sort_pairs_ref(ids)
+    ids = ids.contiguous()
+    p = ids.numel()
+    sorted_ids = torch.empty_like(ids)
+    order = torch.empty(p, dtype=torch.int32, device=ids.device)
+    seg = torch.empty(p, dtype=torch.int32, device=ids.device)
+    if p:
+        _sort_pairs_kernel[(triton.cdiv(p, BLOCK_I),)](ids, sorted_ids, order, seg, p, BLOCK_I=BLOCK_I,
+                                                      BLOCK_J=BLOCK_J)
+    return sorted_ids, order, seg
+
+
+def sort_pairs_ref(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sort_pairs`` by ``torch.sort(stable=True)`` and ``torch.searchsorted`` (the reference, and the path off
+    CUDA and the interpreter)."""
+    sorted_ids, order = torch.sort(ids.contiguous(), stable=True)
+    seg = torch.searchsorted(sorted_ids, sorted_ids)
+    return sorted_ids, order.to(torch.int32), seg.to(torch.int32)
+
