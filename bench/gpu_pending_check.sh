@@ -55,7 +55,8 @@ if [[ $STAGES == *slots* ]]; then
   cp kernels/configs/ap_moe.json "$OUT/ap_moe_slots.json"
   timeout 420 python -u bench/gemv_compare.py --shapes qwen1.5-moe,mixtral-8x7b --ts 4,16,8,32 --qs 3,4,5,6,8 \
     --tune-qs 4 --grid small --slots 1,2,4 --pick sum --time-limit 330 --write-configs "$OUT/ap_moe_slots.json" 2>&1
-  python -m pytest -q -p no:warnings tests/test_pair_sort.py tests/test_ap_moe_kernel.py -k "sorted_slots or sort" 2>&1 | tail -3; } \
+  python -m pytest -q -p no:warnings tests/test_pair_sort.py 2>&1 | tail -2
+  python -m pytest -q -p no:warnings tests/test_ap_moe_kernel.py -k sorted_slots 2>&1 | tail -2; } \
   > "$OUT/gemv1_slots.txt"
 pack; echo "slots done at ${SECONDS}s"; grep -v '^{' "$OUT/gemv1_slots.txt" | tail -30
 fi
