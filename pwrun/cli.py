@@ -115,7 +115,8 @@ def generate(
                                                    "calibration): serve with the page pool under --gpu-memory. "
                                                    "Without it: the 16-bit model, no budget.")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="With --artifacts: the device memory budget of the whole "
-                                                   "process, e.g. 10GiB, 48MiB (default 4GiB).")] = None,
+                                                   "process, e.g. 10GiB, 48MiB (binary units), 1.5GB (decimal), "
+                                                   "or a bare number of bytes (default 4GiB).")] = None,
     policy: Annotated[str, typer.Option(help="pagedweight (default), uniform (needs --bits), static, or an ablation: "
                                         "no-routing, no-residual, no-movement, no-sensitivity.")] = "pagedweight",
     bits: Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")
