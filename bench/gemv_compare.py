@@ -187,7 +187,8 @@ def pick_sum(family: str, t: int, n: int, qs: list[int], rows: list[dict]) -> di
             total[i] += timed(lambda: ap_moe_gemv1.gemv1_moe(x, ids, w, ex, c), ref)[0]  # noqa: B023
     best = min(range(len(cands)), key=lambda i: total[i])
     base = sum(r["base_us"] for r in rows)
-    return {"shape": family, "q": "sum", "T": t, "experts": n, "base_us": round(base, 1), "base_path": "gemv1",
+    paths = "/".join(sorted({r["base_path"] for r in rows}))  # the baseline's path(s) at this T
+    return {"shape": family, "q": "sum", "T": t, "experts": n, "base_us": round(base, 1), "base_path": paths,
             "base_err": 0.0, "new_us": round(total[best], 1), "new_err": 0.0, "speedup": round(base / total[best], 2),
             "new_cfg": cands[best], "tried": len(cands), "sums_us": [round(v, 1) for v in total]}
 
