@@ -119,3 +119,29 @@ def test_gemv_compare_write_configs_keeps_one_token_where_the_old_list_starts_la
     table = json.loads(path.read_text())
     tag = {t: pick_config(t, 4096, 14336, table)["tag"] for t in (1, 2, 4, 5, 15, 16)}
     assert tag == {1: "g2", 2: "w4", 4: "w4", 5: "g2", 15: "g2", 16: "f16"}
+
+
+def test_serve_speed_gives_uniform_the_pagedweight_requests(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bench/serve_speed.py on a shrunken Qwen1.5-MoE config on the CPU: by default the uniform rows serve the
+    PagedWeight run's request list (b long + b short prompts, equal work on both sides of the ratio); with
+    --uniform-workload long only the b long prompts."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = json.loads(Path("tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B/config.json").read_text())
+    cfg.update(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=256,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+               num_experts_per_tok=2, vocab_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    requests = {}
+    for mode in ("same", "long"):
+        out = tmp_path / f"{mode}.md"
+        subprocess.run([sys.executable, "bench/serve_speed.py", "--device", "cpu", "--config-dir", str(tmp_path),
+                        "--skip-hf", "--skip-lean16", "--batches", "2", "--bits", "4", "--prompt-len", "64", "--gen",
+                        "4", "--big-budget-gib", "1", "--uniform-workload", mode, "--out-md", str(out)],
+                       check=True, capture_output=True, timeout=300)
+        rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+        requests[mode] = [r.get("requests") for r in rows if r["system"] == "ours uniform 4-bit"]
+    assert requests == {"same": [4], "long": [2]}
