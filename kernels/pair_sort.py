@@ -7,7 +7,7 @@ ids in ascending order, ties in pair order: a stable sort), ``order`` [P] int32 
 
 Why a kernel: ``torch.sort`` followed by ``torch.searchsorted`` is two or more launches per MoE call; at decode
 (P = 4..512) a call's routed layer takes ~20-100 us on an H200, so each launch of ~2 us counts. Here one launch
-ranks every pair by counting: pos_i = #{j : e_j < e_i} + #{j < i : e_j = e_i} (P^2 comparisons in tiles, nothing
+ranks every pair by counting: pos_i = #{j : e_j < e_i} + #{j < i : e_j = e_i} (P^2 comparisons in tiles, negligible
 for P <= 512), and the first count is also the start of e_i's run. No host sync.
 
 Reference twin: ``sort_pairs_ref`` (``torch.sort(stable=True)`` + ``torch.searchsorted``), also the CPU path.

@@ -68,10 +68,14 @@ def kernels_at(num_tokens: int, cfg: dict[str, Any], topk: int = 1) -> set[tuple
     ``cfg`` (one bucket of ``kernels/configs/ap_moe.json``) launches, as (config, constexpr token count, int class)
     keys: the token rules are the kernels' own (``kernels.ap_moe_gemv1.launches``, ``kernels.ap_moe_gemv.token_pad``;
     the other paths take no token constexpr, 0), the int class (``triton_int_class``) that of the runtime count the
-    kernels receive (T for gemv1 and gemv, T * topk pairs for the others). Raises ``ValueError`` for a bad SLOTS."""
+    kernels receive (T for gemv1 and gemv, T * topk pairs for the others and for gemv1's pair sort with SLOTS).
+    Raises ``ValueError`` for a bad SLOTS."""
     key = json.dumps(cfg, sort_keys=True)
     if cfg.get("path") == "gemv1":
-        return {(key, t_pad, triton_int_class(t)) for t_pad, t in launches(num_tokens, cfg)}
+        keys = {(key, t_pad, triton_int_class(t)) for t_pad, t in launches(num_tokens, cfg)}
+        if cfg.get("SLOTS"):  # the pair sort (``kernels.pair_sort``) takes the T * topk pairs
+            keys.add(("pair_sort", 0, triton_int_class(num_tokens * topk)))
+        return keys
     if cfg.get("path") == "gemv":
         return {(key, token_pad(num_tokens), triton_int_class(num_tokens))}
     return {(key, 0, triton_int_class(num_tokens * topk))}
