@@ -55,64 +55,17 @@ import triton.language as tl
 from kernels.ap_moe_gemv import _expert_of, store_pairs, token_pad
 from kernels.ap_moe_layout import combine, padded_words, word_major
 from kernels.ap_tile import _plane
-from kernels.pair_sort import sort_pairs
+from kernels.bit_transpose import _transpose4, _transpose8
+from kernels.lut_shuffle import _lut, _shfl
+from kernels.pair_sort import _slots_of, sort_pairs
 
 MAX_TOKENS = 8  # one [BKW, R] accumulator per token
-
-
-@triton.jit
-def _lut(lut_blk, rbase, q, LE: tl.constexpr):
-    """[LE, R] fp32: entries 0..LE-1 of the LUTs of R rows (entry e of row r at [e, r], 0 past 2^q), read once per
-    program for the warp-shuffle gathers of codes < LE (``tl.gather`` along dim 0). LE is 32 for 32-word tiles
-    (q <= 5) and 16 for 16-word ones (q <= 4): then the codes are already in the layout of Triton's warp-local
-    gather, one lane per entry, and no layout conversion is made (check the TTGIR when tiles or Triton change)."""
-    ent = tl.arange(0, LE)
-    ent = tl.where(q <= 4, ent & 15, ent)  # q <= 4: lanes 16..31 hold a copy of entries 0..15 (see ``_shfl``)
-    return tl.load(lut_blk + rbase[None, :] + ent[:, None], mask=ent[:, None] + 0 * rbase[None, :] < (1 << q),
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _shfl(lut_t, idx):
-    """[LE, R] fp32 (LE = 32 or 16): element [w, r] = lut_t[idx[w, r] mod LE, r], fetched from the lane that holds it
-    by one ``shfl.sync.idx`` (inline PTX). The instruction reads only the low 5 bits of the index (4 within a
-    16-lane segment), so the codes need no mask and no bounds check (``tl.gather`` adds both: 0.9-1.8 instructions
-    per weight at q <= 4). Needs lut_t and idx in one layout with the entries / words along the lanes: [32, R]
-    tiles get threadsPerWarp [32, 1] (one word per lane), [16, R] tiles [16, 2] (two rows per warp, one per
-    16-lane segment, hence the segment mask 0x10 in the shuffle's c operand); sizePerThread 1 (Triton 3.6's
-    layouts for these loads; check the TTGIR when tiles or Triton change)."""
-    v, i = lut_t.to(tl.int32, bitcast=True), idx.to(tl.int32, bitcast=True)
-    if lut_t.shape[0] == 32:
-        w = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r", [v, i], dtype=tl.int32,
-                                      is_pure=True, pack=1)
-    else:
-        w = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x100f, -1;", "=r,r,r", [v, i], dtype=tl.int32,
-                                      is_pure=True, pack=1)
-    return w.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _pick(v, tok, m: tl.constexpr):
     """Element m of the [T_PAD] tensor ``v`` as a scalar."""
     return tl.sum(tl.where(tok == m, v, 0))
-
-
-@triton.jit
-def _slots_of(sorted_ids_ptr, order_ptr, seg_ptr, p, NP, TOPK: tl.constexpr, S: tl.constexpr):
-    """(e, lead, active [S], pair [S], tok [S]) for program p in the sorted-slots mode (``SLOTS``): the (token, slot)
-    pairs sorted by expert (``order``: sorted position -> pair t * TOPK + s; ``seg``: sorted position -> first
-    position of its expert's run), e = the expert of sorted position p; lead: p starts a group of S consecutive
-    positions of e's run (its rank in the run is a multiple of S), and this program does the group's work;
-    pair[s] = order[p + s] and tok[s] = pair[s] // TOPK; active[s]: lead and position p + s is e's. Inactive slots
-    point at p's own pair (its rows are finite: every pair is active in exactly one group)."""
-    e = tl.load(sorted_ids_ptr + p)
-    rank = p - tl.load(seg_ptr + p)
-    slot = tl.arange(0, S)
-    pos = p + slot
-    ids = tl.load(sorted_ids_ptr + pos, mask=pos < NP, other=-1)
-    active = (ids == e) & (slot * 0 + rank % S == 0)  # a tensor mask (see ``_expert_of`` on scalar bools)
-    pair = tl.where(active, tl.load(order_ptr + pos, mask=pos < NP, other=0), tl.load(order_ptr + p))
-    return e, rank % S == 0, active, pair, pair // TOPK
 
 
 @triton.jit
@@ -144,47 +97,6 @@ def _fma_all(p0, p1, p2, p3, p4, p5, p6, p7, w, xp0, xp1, xp2, xp3, xp4, xp5, xp
         p6 = _fma(p6, w, xp6, off)
         p7 = _fma(p7, w, xp7, off)
     return p0, p1, p2, p3, p4, p5, p6, p7
-
-
-@triton.jit
-def _swap(a, b, s: tl.constexpr, m: tl.constexpr):
-    """One delta swap of a bit-matrix transpose: bit c + s of every byte of a trades places with bit c of the same
-    byte of b, for the bits c with c & s == 0 (``m`` marks them)."""
-    t = ((a >> s) ^ b) & m
-    return a ^ (t << s), b ^ t
-
-
-@triton.jit
-def _transpose8(a0, a1, a2, a3, a4, a5, a6, a7):
-    """Transpose the 8 x 8 bit matrix in each byte lane k (0..3) of 8 uint32 words: bit c of byte k of a_r comes
-    out as bit r of byte k of word c. With a_r = plane 7 - r, byte k of output word i is the 8-bit code
-    (plane p at bit 7 - p) of column 8 k + i: 12 delta swaps (about 5 integer ops each) per 32 codes, where
-    merging plane by plane costs 2 ops per plane per 4 codes (Hacker's Delight 7-3)."""
-    a0, a4 = _swap(a0, a4, 4, 0x0F0F0F0F)
-    a1, a5 = _swap(a1, a5, 4, 0x0F0F0F0F)
-    a2, a6 = _swap(a2, a6, 4, 0x0F0F0F0F)
-    a3, a7 = _swap(a3, a7, 4, 0x0F0F0F0F)
-    a0, a2 = _swap(a0, a2, 2, 0x33333333)
-    a1, a3 = _swap(a1, a3, 2, 0x33333333)
-    a4, a6 = _swap(a4, a6, 2, 0x33333333)
-    a5, a7 = _swap(a5, a7, 2, 0x33333333)
-    a0, a1 = _swap(a0, a1, 1, 0x55555555)
-    a2, a3 = _swap(a2, a3, 1, 0x55555555)
-    a4, a5 = _swap(a4, a5, 1, 0x55555555)
-    a6, a7 = _swap(a6, a7, 1, 0x55555555)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
-def _transpose4(a0, a1, a2, a3):
-    """Transpose the 4 x 4 bit matrix in each nibble lane k (0..7) of 4 uint32 words: bit c of nibble k of a_r comes
-    out as bit r of nibble k of word c. With a_r = plane 3 - r, nibble k of output word i is the 4-bit code
-    (plane p at bit 3 - p) of column 4 k + i (4 delta swaps per 32 codes)."""
-    a0, a2 = _swap(a0, a2, 2, 0x33333333)
-    a1, a3 = _swap(a1, a3, 2, 0x33333333)
-    a0, a1 = _swap(a0, a1, 1, 0x55555555)
-    a2, a3 = _swap(a2, a3, 1, 0x55555555)
-    return a0, a1, a2, a3
 
 
 @triton.jit

@@ -10,6 +10,9 @@ Why a kernel: ``torch.sort`` followed by ``torch.searchsorted`` is two or more l
 ranks every pair by counting: pos_i = #{j : e_j < e_i} + #{j < i : e_j = e_i} (P^2 comparisons in tiles, negligible
 for P <= 512), and the first count is also the start of e_i's run. No host sync.
 
+``_slots_of`` (Triton, called by gemv1's kernels) reads the sorted pairs: S consecutive pairs of one expert per
+program.
+
 Reference twin: ``sort_pairs_ref`` (``torch.sort(stable=True)`` + ``torch.searchsorted``), also the CPU path.
 """
 
@@ -71,3 +74,20 @@ def sort_pairs_ref(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     seg = torch.searchsorted(sorted_ids, sorted_ids)
     return sorted_ids, order.to(torch.int32), seg.to(torch.int32)
 
+
+@triton.jit
+def _slots_of(sorted_ids_ptr, order_ptr, seg_ptr, p, NP, TOPK: tl.constexpr, S: tl.constexpr):
+    """(e, lead, active [S], pair [S], tok [S]) for program p in the sorted-slots mode (``SLOTS``): the (token, slot)
+    pairs sorted by expert (``order``: sorted position -> pair t * TOPK + s; ``seg``: sorted position -> first
+    position of its expert's run), e = the expert of sorted position p; lead: p starts a group of S consecutive
+    positions of e's run (its rank in the run is a multiple of S), and this program does the group's work;
+    pair[s] = order[p + s] and tok[s] = pair[s] // TOPK; active[s]: lead and position p + s is e's. Inactive slots
+    point at p's own pair (its rows are finite: every pair is active in exactly one group)."""
+    e = tl.load(sorted_ids_ptr + p)
+    rank = p - tl.load(seg_ptr + p)
+    slot = tl.arange(0, S)
+    pos = p + slot
+    ids = tl.load(sorted_ids_ptr + pos, mask=pos < NP, other=-1)
+    active = (ids == e) & (slot * 0 + rank % S == 0)  # a tensor mask (see ``_expert_of`` on scalar bools)
+    pair = tl.where(active, tl.load(order_ptr + pos, mask=pos < NP, other=0), tl.load(order_ptr + p))
+    return e, rank % S == 0, active, pair, pair // TOPK
