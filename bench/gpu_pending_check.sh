@@ -22,7 +22,9 @@ STAGES=${1:-tests,attention}
 export TRITON_CACHE_DIR=$PWD/.triton_cache
 mkdir -p "$TRITON_CACHE_DIR"
 [[ -f .triton_cache.tgz ]] && tar xzf .triton_cache.tgz && echo "unpacked $(ls "$TRITON_CACHE_DIR" | wc -l) cached kernels"
-pack() { tar czf "$OUT/triton_cache.tgz" .triton_cache; }
+# $OUT returns files of at most 16 MiB (fourteenth session: a 17 MB cache did not come back): the cache comes back in
+# 15 MB parts $OUT/triton_cache.tgz.partaa, .partab, ...; join them here with cat into .triton_cache.tgz
+pack() { rm -f "$OUT"/triton_cache.tgz.part*; tar czf - .triton_cache | split -b 15m - "$OUT/triton_cache.tgz.part"; }
 if [[ $STAGES == *warm* ]]; then
 { echo "# decode warm-up of the Qwen1.5-MoE shape up to 16 tokens, commit $C, $(date -u +%F)"
   timeout 330 python -u -c "
@@ -55,8 +57,9 @@ fi
 if [[ $STAGES == *slots* ]]; then
 { echo "# gemv1 sorted slots vs the committed decode paths, commit $C, $(date -u +%F)"
   cp kernels/configs/ap_moe.json "$OUT/ap_moe_slots.json"
-  timeout 420 python -u bench/gemv_compare.py --shapes qwen1.5-moe,mixtral-8x7b --ts 4,16,8,32 --qs 3,4,5,6,8 \
-    --tune-qs 4 --grid small --slots 1,2,4 --pick sum --time-limit 330 --write-configs "$OUT/ap_moe_slots.json" 2>&1
+  timeout ${SLOTS_TIMEOUT:-420} python -u bench/gemv_compare.py --shapes ${SLOTS_SHAPES:-qwen1.5-moe,mixtral-8x7b} \
+    --ts ${SLOTS_TS:-4,16,8,32} --qs 3,4,5,6,8 --tune-qs 4 --grid small --slots 1,2,4 --pick sum \
+    --time-limit $(( ${SLOTS_TIMEOUT:-420} - 90 )) --write-configs "$OUT/ap_moe_slots.json" 2>&1
   python -m pytest -q -p no:warnings tests/test_pair_sort.py 2>&1 | tail -2
   python -m pytest -q -p no:warnings tests/test_ap_moe_kernel.py -k sorted_slots 2>&1 | tail -2; } \
   > "$OUT/gemv1_slots.txt"
