@@ -8,7 +8,7 @@
 # Then the gemv1 sorted-slots mode (0e4ff43, interpreter-tested, never timed): stage slots below, ~6-8 min:
 #   bash bench/gpu_pending_check.sh slots   (writes $OUT/ap_moe_slots.json: copy the buckets it won into
 #   kernels/configs/ap_moe.json, then serve again at batches 4 and 16).
-# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, serve (default:
+# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, table, serve (default:
 # tests and attention, ~6 min; serving in a second call, ~5 min: one call may run 10 min). Results land in $OUT.
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -65,8 +65,13 @@ if [[ $STAGES == *slots* ]]; then
   > "$OUT/gemv1_slots.txt"
 pack; echo "slots done at ${SECONDS}s"; grep -v '^{' "$OUT/gemv1_slots.txt" | tail -30
 fi
+if [[ $STAGES == *table* ]]; then  # the kernel table of issue 4 with the committed buckets (~1 min, cache warm)
+timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts 1,4,16,256,2048 --qs 4,mixed --reps 20 \
+  --out-md "$OUT/ap_moe_table_h200.md" > "$OUT/ap_moe_table_stdout.txt" 2>&1
+pack; echo "kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_h200.md" | cut -c1-220 | tail -24
+fi
 if [[ $STAGES == *serve* ]]; then
-timeout ${SERVE_TIMEOUT:-300} python -u bench/serve_speed.py --skip-hf --skip-lean16 --batches ${SERVE_BATCHES:-16,4,1} --bits 4 --interleave ${SERVE_REPEATS:-3} \
+timeout ${SERVE_TIMEOUT:-300} python -u bench/serve_speed.py --skip-hf --skip-lean16 --batches ${SERVE_BATCHES:-16,4,1} --bits ${SERVE_BITS:-4} --interleave ${SERVE_REPEATS:-3} \
   --time-limit $(( ${SERVE_TIMEOUT:-300} - 40 )) --out-md "$OUT/serve_pending_h200.md" > "$OUT/serve_stdout.txt" 2>&1
 pack; echo "serving done at ${SECONDS}s"; sed -n '/| system/,$p' "$OUT/serve_pending_h200.md" | cut -c1-160 | tail -30
 fi
