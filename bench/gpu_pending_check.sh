@@ -3,8 +3,8 @@
 # all-or-nothing) ran. What waits now: serving with the uniform runs on PagedWeight's request list
 # (`--uniform-workload same`, the default since fb796d5):
 #   SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=400 bash bench/gpu_pending_check.sh serve
-# with carry [".triton_cache.tgz"] (the Triton cache of the last call: copy $OUT/triton_cache.tgz from its results to
-# .triton_cache.tgz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles for minutes).
+# with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its results
+# into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles for minutes).
 # Then the gemv1 sorted-slots mode (0e4ff43, interpreter-tested, never timed): stage slots below, ~6-8 min:
 #   bash bench/gpu_pending_check.sh slots   (writes $OUT/ap_moe_slots.json: copy the buckets it won into
 #   kernels/configs/ap_moe.json, then serve again at batches 4 and 16).
@@ -21,10 +21,11 @@ STAGES=${1:-tests,attention}
 # .triton_cache.tgz is unpacked first, and the cache is packed into $OUT/triton_cache.tgz after every stage.
 export TRITON_CACHE_DIR=$PWD/.triton_cache
 mkdir -p "$TRITON_CACHE_DIR"
-[[ -f .triton_cache.tgz ]] && tar xzf .triton_cache.tgz && echo "unpacked $(ls "$TRITON_CACHE_DIR" | wc -l) cached kernels"
-# $OUT returns files of at most 16 MiB (fourteenth session: a 17 MB cache did not come back): the cache comes back in
-# 15 MB parts $OUT/triton_cache.tgz.partaa, .partab, ...; join them here with cat into .triton_cache.tgz
-pack() { rm -f "$OUT"/triton_cache.tgz.part*; tar czf - .triton_cache | split -b 15m - "$OUT/triton_cache.tgz.part"; }
+[[ -f .triton_cache.txz ]] && xz -dc -T0 .triton_cache.txz | tar xf - && echo "unpacked $(ls "$TRITON_CACHE_DIR" | wc -l) cached kernels"
+# $OUT returns files of at most 16 MiB and the tree that travels is at most 64 MiB (fourteenth session: the gzip cache
+# grew to 36 MB, xz makes it 11 MB): the cache comes back as xz in 15 MB parts $OUT/triton_cache.txz.partaa, .partab,
+# ...; join them here with cat into .triton_cache.txz (carry that)
+pack() { rm -f "$OUT"/triton_cache.txz.part*; tar cf - .triton_cache | xz -6 -T0 | split -b 15m - "$OUT/triton_cache.txz.part"; }
 if [[ $STAGES == *warm* ]]; then
 { echo "# decode warm-up of the Qwen1.5-MoE shape up to 16 tokens, commit $C, $(date -u +%F)"
   timeout 330 python -u -c "
