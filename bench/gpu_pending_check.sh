@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 C=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STAGES=${1:-tests,attention}
 # Triton's cache travels between calls (a fresh machine compiles the decode kernels for minutes): a carried
-# .triton_cache.tgz is unpacked first, and the cache is packed into $OUT/triton_cache.tgz after every stage.
+# .triton_cache.txz is unpacked first, and the cache is packed into $OUT/triton_cache.txz.part* after every stage.
 export TRITON_CACHE_DIR=$PWD/.triton_cache
 mkdir -p "$TRITON_CACHE_DIR"
 [[ -f .triton_cache.txz ]] && xz -dc -T0 .triton_cache.txz | tar xf - && echo "unpacked $(ls "$TRITON_CACHE_DIR" | wc -l) cached kernels"
