@@ -59,7 +59,7 @@ if [[ $STAGES == *slots* ]]; then
 { echo "# gemv1 sorted slots vs the committed decode paths, commit $C, $(date -u +%F)"
   cp kernels/configs/ap_moe.json "$OUT/ap_moe_slots.json"
   timeout ${SLOTS_TIMEOUT:-420} python -u bench/gemv_compare.py --shapes ${SLOTS_SHAPES:-qwen1.5-moe,mixtral-8x7b} \
-    --ts ${SLOTS_TS:-4,16,8,32} --qs 3,4,5,6,8 --tune-qs 4 --grid small --slots 1,2,4 --pick sum \
+    --ts ${SLOTS_TS:-4,16,8,32} --qs 3,4,5,6,8 --tune-qs 4 --grid small --slots 1,2,4 --pick sum ${SLOTS_EXTRA:-} \
     --time-limit $(( ${SLOTS_TIMEOUT:-420} - 90 )) --write-configs "$OUT/ap_moe_slots.json" 2>&1
   python -m pytest -q -p no:warnings tests/test_pair_sort.py 2>&1 | tail -2
   python -m pytest -q -p no:warnings tests/test_ap_moe_kernel.py -k sorted_slots 2>&1 | tail -2; } \
