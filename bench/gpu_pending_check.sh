@@ -24,8 +24,9 @@ mkdir -p "$TRITON_CACHE_DIR"
 [[ -f .triton_cache.txz ]] && xz -dc -T0 .triton_cache.txz | tar xf - && echo "unpacked $(ls "$TRITON_CACHE_DIR" | wc -l) cached kernels"
 # $OUT returns files of at most 16 MiB and the tree that travels is at most 64 MiB (fourteenth session: the gzip cache
 # grew to 36 MB, xz makes it 11 MB): the cache comes back as xz in 15 MB parts $OUT/triton_cache.txz.partaa, .partab,
-# ...; join them here with cat into .triton_cache.txz (carry that)
-pack() { rm -f "$OUT"/triton_cache.txz.part*; tar cf - .triton_cache | xz -6 -T0 | split -b 15m - "$OUT/triton_cache.txz.part"; }
+# ...; join them here with cat into .triton_cache.txz (carry that; with gemv_compare's tile candidates it grew to 463 MB,
+# 19 MB as xz -9, so the 40 MB checkout plus the cache nears 64 MiB: drop the cache and start cold before that)
+pack() { rm -f "$OUT"/triton_cache.txz.part*; tar cf - .triton_cache | xz -9 -T0 | split -b 15m - "$OUT/triton_cache.txz.part"; }
 if [[ $STAGES == *warm* ]]; then
 { echo "# decode warm-up of the Qwen1.5-MoE shape up to 16 tokens, commit $C, $(date -u +%F)"
   timeout 330 python -u -c "
