@@ -64,28 +64,37 @@ def lower_step(table: BlockTable, q_idx: np.ndarray, need_bytes: float, d_hat: n
                policy: BucketPolicy, stage: int, movable: np.ndarray | None = None) -> Plan:
     """Demotions that free >= ``need_bytes`` at least damage per byte (or as many as the stage allows).
 
-    ``movable`` [n] bool: blocks that may change now (e.g. not while a reload is in flight).
+    ``movable`` [n] bool: blocks that may change now (e.g. not while a reload is in flight). Only the blocks that
+    can go lower at all (above their floor and movable) enter the [m, nb] ratio arrays: under pressure most blocks
+    sit at their floor, and a stage with none left is found without them (the runtime plans on the step's
+    critical path).
     """
-    n, nb = table.n, table.bits.size
-    rows = np.arange(n)
-    c = np.arange(nb)[None, :]
-    cap = np.asarray(policy.depth_cap)[bucket][:, None]
-    floor = floor_index(table, bucket, policy, stage)[:, None]
-    a = q_idx[:, None]
-    valid = (c < a) & (c >= floor) & (c >= a - cap)
+    nb = table.bits.size
+    cap = np.asarray(policy.depth_cap)[bucket]
+    lo = np.maximum(floor_index(table, bucket, policy, stage), q_idx - cap)  # lowest bit index each may reach
+    can = lo < q_idx
     if movable is not None:
-        valid &= movable[:, None]
-    delta = table.bytes[rows, q_idx][:, None] - table.bytes
-    dmg = d_hat[rows, q_idx]  # [n, nb]: damage of going from the current bits to each c
-    ratio = np.where(valid & (delta > 0), dmg / np.maximum(delta, 1), np.inf)
+        can &= movable
+    rows = np.flatnonzero(can)
+    if rows.size == 0 or need_bytes <= 0:
+        return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, stage)
+    a = q_idx[rows]
+    m = np.arange(rows.size)
+    c = np.arange(nb)[None, :]
+    byts = table.bytes[rows]
+    delta = byts[m, a][:, None] - byts  # [m, nb]: bytes freed by going from the current bits to each c
+    dmg = d_hat[rows, a]  # [m, nb]: damage of going from the current bits to each c
+    valid = (c < a[:, None]) & (c >= lo[rows][:, None]) & (delta > 0)
+    ratio = np.where(valid, dmg / np.maximum(delta, 1), np.inf)
     best = ratio.argmin(axis=1)
-    best_ratio = ratio[rows, best]
-    cand = np.flatnonzero(np.isfinite(best_ratio))
-    if cand.size == 0 or need_bytes <= 0:
+    best_ratio = ratio[m, best]
+    cand = np.flatnonzero(np.isfinite(best_ratio))  # ascending, as ``rows``: ties keep the block order
+    if cand.size == 0:
         return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, stage)
     order = cand[np.argsort(best_ratio[cand], kind="stable")]
-    take = _take(order, delta[rows, best], need_bytes)
-    return Plan(take, best[take], int(delta[take, best[take]].sum()), float(dmg[take, best[take]].sum()), stage)
+    take = _take(order, delta[m, best], need_bytes)
+    to = best[take]
+    return Plan(rows[take], to, int(delta[take, to].sum()), float(dmg[take, to].sum()), stage)
 
 
 def raise_step(table: BlockTable, q_idx: np.ndarray, allowance: float, d_hat: np.ndarray, bucket: np.ndarray,
