@@ -1,13 +1,15 @@
 #!/bin/bash
-# The GPU runs that CPU-only changes wait for. Thirteenth session: tests (100 passed), warm-up and serving (make_room
-# all-or-nothing) ran. What waits now: serving with the uniform runs on PagedWeight's request list
-# (`--uniform-workload same`, the default since fb796d5):
-#   SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=400 bash bench/gpu_pending_check.sh serve
-# with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its results
-# into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles for minutes).
-# Then the gemv1 sorted-slots mode (0e4ff43, interpreter-tested, never timed): stage slots below, ~6-8 min:
-#   bash bench/gpu_pending_check.sh slots   (writes $OUT/ap_moe_slots.json: copy the buckets it won into
-#   kernels/configs/ap_moe.json, then serve again at batches 4 and 16).
+# The GPU runs that CPU-only changes wait for. Fourteenth session: sorted slots timed and shipped (slots), serving with
+# equal workloads and uniform 4/5 bits (serve), the kernel table (table). What waits now:
+#   1. the planner's faster plan_lower (57bb6e7, CPU A/B only) and the count of Triton compiles inside timed runs
+#      (serve_speed's triton_compiles_in_run: do the prefill / capture-step outliers come from JIT?):
+#        SERVE_BITS=4,5 SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=450 bash bench/gpu_pending_check.sh serve
+#   2. Mixtral's decode buckets with inline shfl.sync (the Qwen ones gained 1.13-1.19x at q <= 5):
+#        SLOTS_SHAPES=mixtral-8x7b SLOTS_TS=4,16 SLOTS_EXTRA=--raw-shfl bash bench/gpu_pending_check.sh slots
+#      (writes $OUT/ap_moe_slots.json: copy the buckets it won into kernels/configs/ap_moe.json), then Mixtral serving.
+# Always with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its
+# results into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles
+# for minutes) and COMMIT=<local short hash> in the command.
 # Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, table, serve (default:
 # tests and attention, ~6 min; serving in a second call, ~5 min: one call may run 10 min). Results land in $OUT.
 export PYTHONPATH=$PWD

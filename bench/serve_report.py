@@ -96,4 +96,8 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
               if "error" in r]
     if errors:
         lines += ["", "Rows that failed (the run went on):", *errors]
+    compiled = [f"{r['system']}, batch {r['batch']} (repeat {r.get('rep', 0)}): {r['triton_compiles_in_run']}"
+                for r in rows if r.get("triton_compiles_in_run")]
+    if compiled:  # prefill and capture-step figures of these runs include JIT compilation
+        lines += ["", "Kernels Triton compiled inside a timed run (the warm-up missed them): " + "; ".join(compiled)]
     return "\n".join(lines + ratio_lines(rows)) + "\n"

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from serve_report import render  # bench/ sibling: the markdown report of these rows
+from triton_cache import triton_cache_entries  # bench/ sibling
 
 from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.engine import HOST_PHASES, EngineConfig
@@ -262,8 +263,10 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
     reset_peak()
     built = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=gen), reqs, set())
     e = built.engine
+    cached = triton_cache_entries()
     e.run()
     s = summarize(e, built.info)
+    s["triton_compiles_in_run"] = triton_cache_entries() - cached
     tr = e.totals.trace
     dec_all = [r for r in tr if r["step_tokens"] == r["running"] and r["running"] > 0 and r["preempted"] == 0]
     dec = [r for r in dec_all if not r.get("graph_captured")]

@@ -57,6 +57,25 @@ def test_serve_report_renders_failed_rows_and_skips_them_in_ratios() -> None:
     assert "| 1 | 0 | 95.0 | 100.0 | -5.0% |" in text and "| 16 | 0 |" not in text
 
 
+def test_serve_report_names_runs_that_compiled_kernels(tmp_path, monkeypatch) -> None:
+    """A timed run during which Triton's cache grew is named (its prefill and capture figures include JIT time);
+    runs that compiled nothing are not; the cache count reads $TRITON_CACHE_DIR."""
+    from bench.serve_report import render
+    from bench.triton_cache import triton_cache_entries
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert triton_cache_entries() == 0
+    (tmp_path / "abc").mkdir()
+    (tmp_path / "def").mkdir()
+    assert triton_cache_entries() == 2
+    ok = {"decode_tps_measured": 100.0, "decode_step_ms_median": 10.0, "bits_read_per_token": 4.0}
+    rows = [{"system": "ours uniform 4-bit", "batch": 4, "rep": 0, **ok, "triton_compiles_in_run": 3},
+            {"system": "ours uniform 4-bit", "batch": 4, "rep": 1, **ok, "triton_compiles_in_run": 0}]
+    text = render({"command": "x"}, rows)
+    assert "compiled inside a timed run" in text and "batch 4 (repeat 0): 3" in text and "(repeat 1)" not in text
+    assert "compiled inside" not in render({"command": "x"}, rows[1:])
+
+
 def test_serve_report_interpolates_equal_bits_read_or_says_n_a() -> None:
     """The equal-bits-read ratio interpolates uniform runs linearly in bits (4 and 8 bits: 10 and 18 ms, so 5 bits
     read -> 12 ms; PagedWeight at 12.5 ms is 4% slower); with one uniform bitwidth it is "n/a", never "+nan%"."""
