@@ -201,7 +201,8 @@ BOUNDS = (1, 2, 5, 9, 17, 33)  # bucket starts: one that lost keeps its old conf
 def write_configs(path: str, rows: list[dict]) -> None:
     """Put each shape's q=4 winner (or its --pick sum row) into its bucket of ``path`` where gemv1 beat the
     baseline; a bucket that lost, and the one past the largest tuned T (33 tokens), keep the config that covered
-    them before."""
+    them before; a bucket that was not tuned and lies between two winners with the same config takes that config
+    (else it keeps its old one)."""
     with open(path) as f:
         configs = json.load(f)
     for family in {r["shape"] for r in rows}:
@@ -218,6 +219,14 @@ def write_configs(path: str, rows: list[dict]) -> None:
                 end = min(b for b in BOUNDS if b > m)
                 buckets = {k: c for k, c in buckets.items() if not m < k < end}  # the winner covers m .. end - 1
                 buckets[m] = r["new_cfg"]
+                won.add(m)
+        tuned = {BUCKET[r["T"]] for r in rows if r["shape"] == family and r["q"] == pick and r["T"] in BUCKET}
+        for m in BOUNDS[1:-1]:  # an untuned bucket between two winners of one config takes it (e.g. 5..8 tokens
+            below = [k for k in won if k < m]  # between equal T = 4 and T = 16 winners); 33+ never does
+            above = [k for k in won if k > m]
+            if m not in tuned and below and above and buckets[max(below)] == buckets[min(above)]:
+                end = min(b for b in BOUNDS if b > m)
+                buckets = {k: c for k, c in buckets.items() if not m <= k < end}  # the lower winner covers it
                 won.add(m)
         for m in BOUNDS:  # a bucket that lost (or 33+) keeps what covered it before, not a smaller winner
             if m not in won and m not in buckets:

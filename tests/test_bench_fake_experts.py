@@ -140,6 +140,34 @@ def test_gemv_compare_write_configs_keeps_one_token_where_the_old_list_starts_la
     assert tag == {1: "g2", 2: "w4", 4: "w4", 5: "g2", 15: "g2", 16: "f16"}
 
 
+def test_gemv_compare_write_configs_fills_an_untuned_bucket_between_equal_winners(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """T = 4 and T = 16 won with one config and T = 8 was not run: 2..16 tokens take it (the old 5..8 bucket goes);
+    if T = 8 ran and lost, or the two winners differ, 5..8 keep their old config."""
+    import json
+
+    from bench.gemv_compare import write_configs
+    from kernels.ap_moe import pick_config
+
+    old = [{"min_tokens": 1, "config": {"path": "gemv1", "tag": "t1"}},
+           {"min_tokens": 5, "config": {"path": "gemv", "tag": "g5"}},
+           {"min_tokens": 16, "config": {"path": "fused", "tag": "f16"}}]
+    same = {"path": "gemv1", "tag": "s"}
+
+    def run(rows: list[dict]) -> dict[int, str]:
+        path = tmp_path / "ap_moe.json"
+        path.write_text(json.dumps({"default": old[:1], "by_shape": {"2048x1408": old}}))
+        write_configs(str(path), [{"shape": "qwen1.5-moe", "q": 4, **r} for r in rows])
+        table = json.loads(path.read_text())
+        return {t: pick_config(t, 2048, 1408, table)["tag"] for t in (1, 2, 4, 5, 8, 9, 16, 17)}
+
+    both = [{"T": 4, "speedup": 1.2, "new_cfg": same}, {"T": 16, "speedup": 3.0, "new_cfg": dict(same)}]
+    assert run(both) == {1: "t1", 2: "s", 4: "s", 5: "s", 8: "s", 9: "s", 16: "s", 17: "f16"}
+    lost8 = [*both, {"T": 8, "speedup": 0.9, "new_cfg": {"path": "gemv1", "tag": "l8"}}]
+    assert run(lost8) == {1: "t1", 2: "s", 4: "s", 5: "g5", 8: "g5", 9: "s", 16: "s", 17: "f16"}
+    differ = [both[0], {"T": 16, "speedup": 3.0, "new_cfg": {"path": "gemv1", "tag": "o"}}]
+    assert run(differ) == {1: "t1", 2: "s", 4: "s", 5: "g5", 8: "g5", 9: "o", 16: "o", 17: "f16"}
+
+
 def test_serve_speed_gives_uniform_the_pagedweight_requests(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """bench/serve_speed.py on a shrunken Qwen1.5-MoE config on the CPU: by default the uniform rows serve the
     PagedWeight run's request list (b long + b short prompts, equal work on both sides of the ratio); with
