@@ -23,7 +23,10 @@ STAGES=${1:-tests,attention}
 # .triton_cache.txz is unpacked first, and the cache is packed into $OUT/triton_cache.txz.part* after every stage.
 export TRITON_CACHE_DIR=$PWD/.triton_cache
 mkdir -p "$TRITON_CACHE_DIR"
-[[ -f .triton_cache.txz ]] && xz -dc -T0 .triton_cache.txz | tar xf - && echo "unpacked $(ls "$TRITON_CACHE_DIR" | wc -l) cached kernels"
+if [[ -f .triton_cache.txz ]]; then  # a truncated archive (a part missing) must not leave half-written kernels
+  if (set -o pipefail; xz -dc -T0 .triton_cache.txz | tar xf -); then echo "unpacked $(ls "$TRITON_CACHE_DIR" | wc -l) cached kernels"
+  else rm -rf "$TRITON_CACHE_DIR"; mkdir -p "$TRITON_CACHE_DIR"; echo "the carried Triton cache is damaged: starting cold"; fi
+fi
 # $OUT returns files of at most 16 MiB and the tree that travels is at most 64 MiB (fourteenth session: the gzip cache
 # grew to 36 MB, xz makes it 11 MB): the cache comes back as xz in 15 MB parts $OUT/triton_cache.txz.partaa, .partab,
 # ...; join them here with cat into .triton_cache.txz (carry that; with gemv_compare's tile candidates it grew to 463 MB,
@@ -56,6 +59,7 @@ timeout 320 python -u bench/paged_attention_speed.py --batches 1,4,16 --time-lim
   --out-md "$OUT/paged_attention_h200.md" --write-configs kernels/configs/paged_attention.json \
   > "$OUT/paged_attention_stdout.txt" 2>&1
 cp kernels/configs/paged_attention.json "$OUT/"
+pack
 echo "attention tuning done at ${SECONDS}s"; tail -12 "$OUT/paged_attention_stdout.txt"
 fi
 if [[ $STAGES == *slots* ]]; then

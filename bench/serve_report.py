@@ -72,7 +72,7 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              "`" + json.dumps(meta) + "`", "",
              "Decode tok/s leaves out the steps that capture a CUDA graph (one-off per engine and batch size; "
              "the next column keeps them); every timed run follows a 3-token warm-up run of the same prompts "
-             "(Triton JIT compilation is not timed).", "",
+             "(Triton JIT compilation is not timed, except in the runs listed below the table, if any).", "",
              "| system | batch | prefill tok/s | decode tok/s | incl. capture | floor tok/s | % of floor | "
              "decode step ms (moving / still) | of which model ms | planner ms/step: all steps, decode steps "
              "(+ overlapped) | mean bits | "
@@ -97,7 +97,7 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if errors:
         lines += ["", "Rows that failed (the run went on):", *errors]
     compiled = [f"{r['system']}, batch {r['batch']} (repeat {r.get('rep', 0)}): {r['triton_compiles_in_run']}"
-                for r in rows if r.get("triton_compiles_in_run")]
+                for r in rows if (r.get("triton_compiles_in_run") or 0) > 0]
     if compiled:  # prefill and capture-step figures of these runs include JIT compilation
         lines += ["", "Kernels Triton compiled inside a timed run (the warm-up missed them): " + "; ".join(compiled)]
     return "\n".join(lines + ratio_lines(rows)) + "\n"

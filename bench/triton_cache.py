@@ -8,6 +8,8 @@ from pathlib import Path
 
 
 def triton_cache_entries() -> int:
-    """Entries (one directory per compiled kernel) in $TRITON_CACHE_DIR, else ~/.triton/cache; 0 if it is absent."""
-    d = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    return sum(1 for _ in d.iterdir()) if d.is_dir() else 0
+    """Kernel directories in Triton's cache: $TRITON_CACHE_DIR, else $TRITON_HOME (or the home folder)/.triton/cache,
+    as Triton picks it; 0 if it is absent or not a directory."""
+    d = os.environ.get("TRITON_CACHE_DIR") or Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
+    d = Path(d)
+    return sum(1 for e in d.iterdir() if e.is_dir()) if d.is_dir() else 0

@@ -38,8 +38,9 @@ host (tables are read at every call).
 Sorted-slots mode (config key ``SLOTS`` = S, thirteenth session): the pairs sorted by expert, S pairs of one expert
 per program (``_slots_of``), any number of tokens in one launch; each weight is decoded once per S pairs of its
 expert, not once per 8-token chunk for T_PAD token slots of which most are idle (at 16 tokens of Qwen's top-4 of
-60, a used expert gets ~1.1 pairs). Tested in the interpreter; not yet timed on a GPU (``bench/gemv_compare.py
---slots``), so no shipped config uses it.
+60, a used expert gets ~1.1 pairs). Shipped since the fourteenth session for Qwen's routed experts at 2..32 tokens
+and Mixtral's at 2..16 (``bench/gemv_compare.py --slots``: 3.51x over ``fused`` at 16 Qwen tokens summed over q,
+bench/results/gemv_probe/gemv1_slots_s14_h200.txt).
 What it does not do: validate inputs (``kernels.ap_moe.ap_moe`` does), or share an expert's weight reads across
 chunks of 8 tokens in the token-slot mode (each chunk reads its experts again).
 """

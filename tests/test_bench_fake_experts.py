@@ -67,12 +67,21 @@ def test_serve_report_names_runs_that_compiled_kernels(tmp_path, monkeypatch) ->
     assert triton_cache_entries() == 0
     (tmp_path / "abc").mkdir()
     (tmp_path / "def").mkdir()
+    (tmp_path / "stray.lock").write_text("")
     assert triton_cache_entries() == 2
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / ".triton" / "cache" / "k1").mkdir(parents=True)
+    assert triton_cache_entries() == 1
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "stray.lock"))
+    assert triton_cache_entries() == 0
     ok = {"decode_tps_measured": 100.0, "decode_step_ms_median": 10.0, "bits_read_per_token": 4.0}
     rows = [{"system": "ours uniform 4-bit", "batch": 4, "rep": 0, **ok, "triton_compiles_in_run": 3},
-            {"system": "ours uniform 4-bit", "batch": 4, "rep": 1, **ok, "triton_compiles_in_run": 0}]
+            {"system": "ours uniform 4-bit", "batch": 4, "rep": 1, **ok, "triton_compiles_in_run": 0},
+            {"system": "ours uniform 4-bit", "batch": 4, "rep": 2, **ok, "triton_compiles_in_run": -1}]
     text = render({"command": "x"}, rows)
-    assert "compiled inside a timed run" in text and "batch 4 (repeat 0): 3" in text and "(repeat 1)" not in text
+    assert "compiled inside a timed run" in text and "batch 4 (repeat 0): 3" in text
+    assert "(repeat 1)" not in text and "(repeat 2)" not in text
     assert "compiled inside" not in render({"command": "x"}, rows[1:])
 
 
