@@ -7,10 +7,11 @@
 #   2. Mixtral's decode buckets with inline shfl.sync (the Qwen ones gained 1.13-1.19x at q <= 5):
 #        SLOTS_SHAPES=mixtral-8x7b SLOTS_TS=4,16 SLOTS_EXTRA=--raw-shfl bash bench/gpu_pending_check.sh slots
 #      (writes $OUT/ap_moe_slots.json: copy the buckets it won into kernels/configs/ap_moe.json), then Mixtral serving.
+#   3. where the batch-1 decode step's time goes now (the 50%-of-floor target is at 24-27%): stage profile (~3 min).
 # Always with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its
 # results into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles
 # for minutes) and COMMIT=<local short hash> in the command.
-# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, table, serve (default:
+# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, table, profile, serve (default:
 # tests and attention, ~6 min; serving in a second call, ~5 min: one call may run 10 min). Results land in $OUT.
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -77,6 +78,11 @@ if [[ $STAGES == *table* ]]; then  # the kernel table of issue 4 with the commit
 timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts 1,4,16,256,2048 --qs 4,mixed --reps 20 \
   --out-md "$OUT/ap_moe_table_h200.md" > "$OUT/ap_moe_table_stdout.txt" 2>&1
 pack; echo "kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_h200.md" | cut -c1-220 | tail -24
+fi
+if [[ $STAGES == *profile* ]]; then  # where a batch-1 / batch-16 decode step's GPU time goes now (eager steps)
+for b in 1 16; do timeout 200 python -u bench/profile_decode.py --bits 4 --batch $b --out "$OUT/profile_decode_u4_b${b}.txt" \
+  > "$OUT/profile_b${b}_stdout.txt" 2>&1; head -12 "$OUT/profile_decode_u4_b${b}.txt"; done
+pack; echo "profiles done at ${SECONDS}s"
 fi
 if [[ $STAGES == *serve* ]]; then
 timeout ${SERVE_TIMEOUT:-300} python -u bench/serve_speed.py --skip-hf --skip-lean16 --batches ${SERVE_BATCHES:-16,4,1} --bits ${SERVE_BITS:-4} --interleave ${SERVE_REPEATS:-3} \
