@@ -31,6 +31,44 @@ def test_pages_move_between_weights_and_kv_and_are_conserved() -> None:
         pool.release([weight_page], KV)  # a weight page handed back as KV: refused
 
 
+def test_release_run_matches_release_of_the_same_pages() -> None:
+    """release_run (slices) leaves the pool exactly as release of the run's pages would (kinds, counts, the KV
+    allocation mark, later allocations), and refuses what release refuses: a page of another kind, a double free,
+    pages outside the pool (release's arange would wrap a negative start)."""
+    rng = random.Random(5)
+    a, b = (PagePool(PoolConfig(num_pages=400, page_bytes=8)) for _ in range(2))
+    runs: list[tuple[int, int]] = []
+    for _ in range(300):
+        if runs and rng.random() < 0.45:
+            s, n = runs.pop(rng.randrange(len(runs)))
+            a.release(np.arange(s, s + n), WEIGHT)
+            b.release_run(s, n, WEIGHT)
+        else:
+            try:
+                n = rng.randint(1, 9)
+                s = a.allocate_run(n, WEIGHT)
+                assert b.allocate_run(n, WEIGHT) == s
+                runs.append((s, n))
+                if rng.random() < 0.2:
+                    assert a.allocate_top(3, KV) == b.allocate_top(3, KV)
+            except OutOfPages:
+                pass
+        assert (a._kind == b._kind).all() and a._top == b._top and a.num_free == b.num_free
+        b.check()
+    s, n = runs[0]
+    b.release_run(s, 0, WEIGHT)  # an empty run: nothing changes
+    assert (a._kind == b._kind).all()
+    with pytest.raises(ValueError, match="not owned"):
+        b.release_run(s, n, KV)
+    b.release_run(s, n, WEIGHT)
+    with pytest.raises(ValueError, match="not owned"):
+        b.release_run(s, n, WEIGHT)  # a double free
+    for start, count in ((-2, 3), (398, 5)):
+        with pytest.raises(ValueError, match="not in the pool"):
+            b.release_run(start, count, WEIGHT)
+    b.check()
+
+
 def test_pages_for_rounds_up() -> None:
     cfg = PoolConfig(10, 1000)
     assert [cfg.pages_for(b) for b in (1, 1000, 1001, 0)] == [1, 1, 2, 0]
