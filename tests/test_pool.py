@@ -110,6 +110,63 @@ def test_weight_table_lower_raise_keeps_invariant_and_conserves_pages() -> None:
         t.check()
 
 
+def _state(pool: PagePool, t: WeightPageTable) -> list[np.ndarray]:
+    return [pool._kind.copy(), np.array([pool._top, pool.num_free]), t.q.copy(), t.d.copy(), t.state.copy(),
+            t.plane_start.copy(), t.lut_start.copy(), t.lut_bits.copy(), t.pending.copy()]
+
+
+def test_lower_many_matches_lower_block_by_block() -> None:
+    """WeightPageTable.lower_many (one vectorized release of every plane run and LUT tail) leaves the pool and the
+    table exactly as lower called block by block, returns the same copy orders, and on bad input (a bitwidth that
+    is not supported, not lower, a raise in flight, a block twice) raises before changing anything."""
+    rng = np.random.default_rng(7)
+    n = 40
+    lut = np.zeros((n, 9), dtype=np.int64)
+    base = rng.integers(1, 3, n)
+    for b in range(3, 9):
+        lut[:, b] = base * 2 ** max(b - 4, 0)  # a b-bit LUT takes no more pages than a wider one
+    plane_pages = rng.integers(1, 4, n)
+    pools, tables = [], []
+    for _ in range(2):
+        pools.append(PagePool(PoolConfig(num_pages=6000, page_bytes=64)))
+        tables.append(WeightPageTable(bits=[3, 4, 5, 6, 7, 8], plane_pages=plane_pages,
+                                      lut_pages=lut))
+    start = rng.integers(3, 9, n)
+    for pool, t in zip(pools, tables, strict=True):
+        for i in range(n):
+            t.place(pool, i, int(start[i]))
+            if i % 7 == 0:
+                pool.allocate_top(3, KV)  # KV pages between the weight runs
+    (pa, ta), (pb, tb) = zip(pools, tables, strict=True)
+    for _round in range(12):
+        can = np.flatnonzero((ta.q > 3) & (ta.pending == 0))
+        blocks = rng.permutation(can)[: rng.integers(0, can.size + 1)]
+        to = np.array([rng.integers(3, ta.q[i]) for i in blocks], dtype=np.int64)
+        orders_a = [o for i, b in zip(blocks.tolist(), to.tolist(), strict=True) for o in ta.lower(pa, i, b)]
+        orders_b = tb.lower_many(pb, blocks, to)
+        assert orders_a == orders_b
+        assert all((x == y).all() for x, y in zip(_state(pa, ta), _state(pb, tb), strict=True))
+        pb.check()
+        tb.check()
+        for i in rng.permutation(np.flatnonzero((ta.q < 8) & (ta.pending == 0)))[:5]:  # some raises in between
+            b = int(ta.q[i]) + 1
+            if ta.begin_raise(pa, int(i), b) is not None:
+                assert tb.begin_raise(pb, int(i), b) is not None
+                if rng.random() < 0.5:
+                    ta.finish_raise(pa, int(i))
+                    tb.finish_raise(pb, int(i))
+    before = _state(pb, tb)
+    ok = int(np.flatnonzero((tb.q > 3) & (tb.pending == 0))[0])
+    busy = np.flatnonzero(tb.pending > 0)
+    bad_inputs = [([ok], [2]), ([ok], [int(tb.q[ok])]), ([ok, ok], [3, 3])]
+    if busy.size:
+        bad_inputs.append(([ok, int(busy[0])], [3, 3]))
+    for blocks, to in bad_inputs:
+        with pytest.raises(ValueError):
+            tb.lower_many(pb, np.array(blocks), np.array(to))
+        assert all((x == y).all() for x, y in zip(before, _state(pb, tb), strict=True))
+
+
 def test_raise_without_room_takes_nothing() -> None:
     pool = PagePool(PoolConfig(num_pages=60, page_bytes=64))
     t = _table(pool)

@@ -164,10 +164,7 @@ class ExpertStore:
     def lower(self, blocks: np.ndarray, to_bits: np.ndarray) -> int:
         """Commit q_i <- to_bits now (step boundary); returns pool pages freed."""
         before = self.pool.num_free
-        orders: list[CopyOrder] = []
-        for i, b in zip(blocks.tolist(), to_bits.tolist(), strict=True):
-            orders += self.wpt.lower(self.pool, i, b)
-        self._copy(orders)
+        self._copy(self.wpt.lower_many(self.pool, blocks, to_bits))
         self._sync_tables(blocks)
         return self.pool.num_free - before
 

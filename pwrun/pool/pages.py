@@ -175,6 +175,28 @@ class PagePool:
         self._counts[kind] -= n
         self._counts[FREE] += n
 
+    def release_runs(self, starts: np.ndarray, lengths: np.ndarray, kind: int = WEIGHT) -> None:
+        """``release_run`` for many runs at once (``starts``, ``lengths`` [m] int): all or nothing, ``ValueError`` if
+        a page is outside the pool, not owned by ``kind`` or in two runs."""
+        starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        keep = lengths > 0
+        starts, lengths = starts[keep], lengths[keep]
+        if starts.size == 0:
+            return
+        if (starts < 0).any() or (starts + lengths > self._kind.size).any():
+            raise ValueError("a run lies outside the pool")
+        offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        pages = np.repeat(starts, lengths) + np.arange(int(lengths.sum())) - offsets
+        if np.unique(pages).size != pages.size:
+            raise ValueError("a page is released twice in one call")
+        if (self._kind[pages] != kind).any():
+            raise ValueError(f"page {int(pages[self._kind[pages] != kind][0])} is not owned by kind {kind}")
+        self._kind[pages] = FREE
+        self._top = max(self._top, int(pages.max()) + 1)
+        self._runs = None
+        self._counts[kind] -= pages.size
+        self._counts[FREE] += pages.size
+
     def check(self) -> None:
         """Raise ``AssertionError`` unless pages are conserved (every page has exactly one owner kind)."""
         for kind in (FREE, KV, WEIGHT):

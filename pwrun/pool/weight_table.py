@@ -113,6 +113,36 @@ class WeightPageTable:
         self.q[i] = self.d[i] = b
         return [CopyOrder(i, "lut", b, int(self.lut_start[i]))]
 
+    def lower_many(self, pool: PagePool, blocks: np.ndarray, to_bits: np.ndarray) -> list[CopyOrder]:
+        """``lower`` for distinct ``blocks`` [m] to ``to_bits`` [m] at once (an admission under pressure demotes
+        hundreds per step): the same pool and table state and the same copy orders, in block order; all or
+        nothing, ``ValueError`` as ``lower`` raises it (first offending block)."""
+        i = np.asarray(blocks, dtype=np.int64)
+        b = np.asarray(to_bits, dtype=np.int64)
+        if np.unique(i).size != i.size:
+            raise ValueError("a block is lowered twice in one call")
+        bad = np.flatnonzero(~np.isin(b, self.bits))
+        if bad.size:
+            self._check_bits(int(b[bad[0]]))
+        q = self.q[i]
+        bad = np.flatnonzero((b >= q) | (self.pending[i] != 0))
+        if bad.size:
+            k = bad[0]
+            raise ValueError(f"block {int(i[k])}: cannot lower from {int(q[k])} to {int(b[k])} bits "
+                             f"(pending raise: {int(self.pending[i[k]])})")
+        p = np.arange(PARENT_BITS)[None, :]
+        drop = (p >= b[:, None]) & (p < q[:, None])  # [m, 8] planes b..q-1 go back to the pool
+        rows, planes = np.nonzero(drop)
+        keep, have = self.lut_pages[i, b], self.lut_pages[i, q]
+        pool.release_runs(np.concatenate([self.plane_start[i[rows], planes], self.lut_start[i] + keep]),
+                          np.concatenate([self.plane_pages[i[rows]], np.maximum(have - keep, 0)]), WEIGHT)
+        self.plane_start[i[rows], planes] = -1
+        self.state[i[rows], planes] = CPU
+        self.lut_bits[i] = b
+        self.q[i] = self.d[i] = b
+        return [CopyOrder(blk, "lut", bits, start)
+                for blk, bits, start in zip(i.tolist(), b.tolist(), self.lut_start[i].tolist(), strict=True)]
+
     def begin_raise(self, pool: PagePool, i: int, b: int) -> list[CopyOrder] | None:
         """Take pages for raising block i to b bits; None (nothing taken) if the pool has no room."""
         self._check_bits(b)
