@@ -63,9 +63,15 @@ def test_release_run_matches_release_of_the_same_pages() -> None:
     b.release_run(s, n, WEIGHT)
     with pytest.raises(ValueError, match="not owned"):
         b.release_run(s, n, WEIGHT)  # a double free
-    for start, count in ((-2, 3), (398, 5)):
+    s2, n2 = runs[1]
+    for start, count in ((-2, 3), (398, 5), (2**63 - 1, 1), (5, -1)):
         with pytest.raises(ValueError, match="not in the pool"):
             b.release_run(start, count, WEIGHT)
+        with pytest.raises(ValueError, match="outside the pool"):
+            b.release_runs(np.array([s2, start]), np.array([n2, count]), WEIGHT)  # refused whole: s2 stays taken
+        assert b._kind[s2] == WEIGHT
+    with pytest.raises(ValueError, match="not in the pool"):
+        b.release([-1], WEIGHT)
     b.check()
 
 
@@ -158,7 +164,8 @@ def test_lower_many_matches_lower_block_by_block() -> None:
     before = _state(pb, tb)
     ok = int(np.flatnonzero((tb.q > 3) & (tb.pending == 0))[0])
     busy = np.flatnonzero(tb.pending > 0)
-    bad_inputs = [([ok], [2]), ([ok], [int(tb.q[ok])]), ([ok, ok], [3, 3])]
+    bad_inputs = [([ok], [2]), ([ok], [int(tb.q[ok])]), ([ok, ok], [3, 3]), ([ok, ok + 1], [3]), ([ok], [3.0]),
+                  ([float(ok)], [3]), ([-1], [3]), ([n], [3])]
     if busy.size:
         bad_inputs.append(([ok, int(busy[0])], [3, 3]))
     for blocks, to in bad_inputs:

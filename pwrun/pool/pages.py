@@ -148,6 +148,8 @@ class PagePool:
     def release(self, pages: list[int] | np.ndarray, kind: int) -> None:
         """Return pages owned by ``kind``; raises ``ValueError`` on a double free or a foreign page."""
         p = np.asarray(pages, dtype=np.int64)
+        if ((p < 0) | (p >= self._kind.size)).any():
+            raise ValueError("a page is not in the pool")
         if np.unique(p).size != p.size:
             raise ValueError("a page is released twice in one call")
         if (self._kind[p] != kind).any():
@@ -163,6 +165,7 @@ class PagePool:
     def release_run(self, start: int, n: int, kind: int = WEIGHT) -> None:
         """Return the ``n`` pages from ``start`` (a run owned by ``kind``), as ``release`` does, by slices (a
         demotion releases a run per plane: an admission under pressure demotes hundreds of blocks per step)."""
+        start, n = int(start), int(n)
         if n < 0 or start < 0 or start + n > self._kind.size:
             raise ValueError(f"pages {start}..{start + n - 1} are not in the pool")
         run = self._kind[start:start + n]
@@ -178,13 +181,18 @@ class PagePool:
     def release_runs(self, starts: np.ndarray, lengths: np.ndarray, kind: int = WEIGHT) -> None:
         """``release_run`` for many runs at once (``starts``, ``lengths`` [m] int): all or nothing, ``ValueError`` if
         a page is outside the pool, not owned by ``kind`` or in two runs."""
-        starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        starts, lengths = np.asarray(starts), np.asarray(lengths)
+        if starts.shape != lengths.shape or starts.ndim != 1 or not (
+                np.issubdtype(starts.dtype, np.integer) and np.issubdtype(lengths.dtype, np.integer)):
+            raise ValueError("starts and lengths must be 1-D integer arrays of one length")
+        starts, lengths = starts.astype(np.int64), lengths.astype(np.int64)
+        size = self._kind.size
+        if ((starts < 0) | (lengths < 0) | (starts > size) | (lengths > size - starts)).any():
+            raise ValueError("a run lies outside the pool")
         keep = lengths > 0
         starts, lengths = starts[keep], lengths[keep]
         if starts.size == 0:
             return
-        if (starts < 0).any() or (starts + lengths > self._kind.size).any():
-            raise ValueError("a run lies outside the pool")
         offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
         pages = np.repeat(starts, lengths) + np.arange(int(lengths.sum())) - offsets
         if np.unique(pages).size != pages.size:

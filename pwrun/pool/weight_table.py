@@ -117,8 +117,13 @@ class WeightPageTable:
         """``lower`` for distinct ``blocks`` [m] to ``to_bits`` [m] at once (an admission under pressure demotes
         hundreds per step): the same pool and table state and the same copy orders, in block order; all or
         nothing, ``ValueError`` as ``lower`` raises it (first offending block)."""
-        i = np.asarray(blocks, dtype=np.int64)
-        b = np.asarray(to_bits, dtype=np.int64)
+        i, b = np.asarray(blocks), np.asarray(to_bits)
+        if i.shape != b.shape or i.ndim != 1 or not (np.issubdtype(i.dtype, np.integer) or i.size == 0) or not (
+                np.issubdtype(b.dtype, np.integer) or b.size == 0):
+            raise ValueError("blocks and to_bits must be 1-D integer arrays of one length")
+        i, b = i.astype(np.int64), b.astype(np.int64)
+        if ((i < 0) | (i >= self.n)).any():
+            raise ValueError(f"a block id is not in 0..{self.n - 1}")
         if np.unique(i).size != i.size:
             raise ValueError("a block is lowered twice in one call")
         bad = np.flatnonzero(~np.isin(b, self.bits))
