@@ -11,6 +11,7 @@ tables; this module moves no bytes):
   of the b-bit LUT's run (it is at most half its size, so no page is needed), the LUT's tail
   pages and planes b'..q-1 go back to the pool. Nothing is copied to the host: the pinned host
   mirror already holds every plane (weights never change), so offloading is a release.
+  ``lower_many`` does it for a whole demotion plan in one vectorized call.
 * ``begin_raise(i, b)``: takes runs for planes q..b-1 and a fresh b-bit LUT (or fails and takes
   nothing), marks them IN_TRANSFER and returns the host->device copy orders;
   ``finish_raise(i)`` (once the copies are confirmed) raises q_i and frees the old LUT.
