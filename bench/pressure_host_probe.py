@@ -38,26 +38,13 @@ TAKE_MS: collections.Counter[str] = collections.Counter()
 LOWER: collections.Counter[str] = collections.Counter()
 
 
-def _why(planner: runtime.Planner, q_idx: np.ndarray, need: float, movable: np.ndarray | None) -> str:
-    p, q0 = planner.prepared, planner._prepared_q
-    if p is None or q0 is None:
-        return "none prepared"
-    if p.freed < need:
-        return "prepared frees too little"
-    if not (q_idx[p.blocks] == q0[p.blocks]).all():
-        return "its blocks changed bitwidth"
-    if movable is not None and not movable[p.blocks].all():
-        return "its blocks are moving"
-    return "prepared held"
-
-
 def _instrument() -> None:
     take, lower = runtime.Planner.take, experts.ExpertStore.lower
 
     def counted_take(self: runtime.Planner, q_idx: np.ndarray, need_bytes: float,
                      movable: np.ndarray | None = None) -> Any:
         where = "admission" if any(f.name == "make_room" for f in traceback.extract_stack()) else "after_step"
-        why = _why(self, q_idx, need_bytes, movable)
+        why = self.why_not_prepared(q_idx, need_bytes, movable) or "prepared held"
         t0 = time.perf_counter()
         plan = take(self, q_idx, need_bytes, movable)
         TAKE_MS[where] += 1e3 * (time.perf_counter() - t0)

@@ -225,14 +225,25 @@ class Planner:
         self._prepared_q = q_idx.copy()
 
     def is_prepared(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> bool:
-        """The queued plan applies at bit indices ``q_idx`` [n]: it frees >= ``need_bytes``, none of its blocks changed
-        bitwidth since it was made (blocks outside it may have: a reload that completed in between leaves the plan's
-        bytes and targets as they were, so it need not be made again on the step's critical path) and all of them
-        may move (``movable`` [n] bool, None: all)."""
+        """The queued plan applies at bit indices ``q_idx`` [n]: ``why_not_prepared`` finds no reason against it."""
+        return self.why_not_prepared(q_idx, need_bytes, movable) is None
+
+    def why_not_prepared(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> str | None:
+        """Why the queued plan does not apply at bit indices ``q_idx`` [n] for ``need_bytes`` (None: it applies):
+        none is queued, it frees fewer bytes, one of its blocks changed bitwidth since it was made (blocks outside it
+        may have: a reload that completed in between leaves the plan's bytes and targets as they were, so it need not
+        be made again on the step's critical path), or one of them may not move now (``movable`` [n] bool, None:
+        all may)."""
         p, q0 = self.prepared, self._prepared_q
-        if p is None or q0 is None or p.freed < need_bytes:
-            return False
-        return bool((q_idx[p.blocks] == q0[p.blocks]).all() and (movable is None or movable[p.blocks].all()))
+        if p is None or q0 is None:
+            return "none prepared"
+        if p.freed < need_bytes:
+            return "prepared frees too little"
+        if not (q_idx[p.blocks] == q0[p.blocks]).all():
+            return "its blocks changed bitwidth"
+        if movable is not None and not movable[p.blocks].all():
+            return "its blocks are moving"
+        return None
 
     def take(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
         """The plan to execute now: the prepared one if it still applies (``is_prepared``), else a fresh one.

@@ -155,12 +155,17 @@ class PagePool:
         if (self._kind[p] != kind).any():
             bad = p[self._kind[p] != kind][0]
             raise ValueError(f"page {bad} is not owned by kind {kind}")
-        self._kind[p] = FREE
-        if p.size:
-            self._top = max(self._top, int(p.max()) + 1)
+        self._mark_free(p, p.size, int(p.max()) + 1 if p.size else 0, kind)
+
+    def _mark_free(self, where: np.ndarray | slice, n: int, end: int, kind: int) -> None:
+        """Pages ``where`` (``n`` of them, all below ``end``; the caller has checked that ``kind`` owns them) become
+        free."""
+        self._kind[where] = FREE
+        if n:
+            self._top = max(self._top, end)
         self._runs = None
-        self._counts[kind] -= p.size
-        self._counts[FREE] += p.size
+        self._counts[kind] -= n
+        self._counts[FREE] += n
 
     def release_run(self, start: int, n: int, kind: int = WEIGHT) -> None:
         """Return the ``n`` pages from ``start`` (a run owned by ``kind``), as ``release`` does, by slices (a
@@ -171,16 +176,12 @@ class PagePool:
         run = self._kind[start:start + n]
         if (run != kind).any():
             raise ValueError(f"page {start + int(np.flatnonzero(run != kind)[0])} is not owned by kind {kind}")
-        run[:] = FREE
-        if n:
-            self._top = max(self._top, start + n)
-        self._runs = None
-        self._counts[kind] -= n
-        self._counts[FREE] += n
+        self._mark_free(slice(start, start + n), n, start + n, kind)
 
     def release_runs(self, starts: np.ndarray, lengths: np.ndarray, kind: int = WEIGHT) -> None:
-        """``release_run`` for many runs at once (``starts``, ``lengths`` [m] int): all or nothing, ``ValueError`` if
-        a page is outside the pool, not owned by ``kind`` or in two runs."""
+        """``release_run`` for many runs at once (``starts``, ``lengths`` [m] int, in pages): all or nothing,
+        ``ValueError`` if a page is outside the pool, not owned by ``kind`` or in two runs (SPEC section 3: the page
+        pool that KV blocks and bit-planes share)."""
         starts, lengths = np.asarray(starts), np.asarray(lengths)
         if starts.shape != lengths.shape or starts.ndim != 1 or not (
                 np.issubdtype(starts.dtype, np.integer) and np.issubdtype(lengths.dtype, np.integer)):
@@ -199,11 +200,7 @@ class PagePool:
             raise ValueError("a page is released twice in one call")
         if (self._kind[pages] != kind).any():
             raise ValueError(f"page {int(pages[self._kind[pages] != kind][0])} is not owned by kind {kind}")
-        self._kind[pages] = FREE
-        self._top = max(self._top, int(pages.max()) + 1)
-        self._runs = None
-        self._counts[kind] -= pages.size
-        self._counts[FREE] += pages.size
+        self._mark_free(pages, pages.size, int(pages.max()) + 1, kind)
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless pages are conserved (every page has exactly one owner kind)."""

@@ -117,7 +117,9 @@ class WeightPageTable:
     def lower_many(self, pool: PagePool, blocks: np.ndarray, to_bits: np.ndarray) -> list[CopyOrder]:
         """``lower`` for distinct ``blocks`` [m] to ``to_bits`` [m] at once (an admission under pressure demotes
         hundreds per step): the same pool and table state and the same copy orders, in block order; all or
-        nothing, ``ValueError`` as ``lower`` raises it (first offending block)."""
+        nothing, ``ValueError`` as ``lower`` raises it (first offending block), or for arrays that are not 1-D
+        integer arrays of one length, ids outside 0..n-1 or a block given twice. ``lower`` stays as its
+        block-by-block reference (SPEC section 3: q_i drops at a step boundary, planes above it are released)."""
         i, b = np.asarray(blocks), np.asarray(to_bits)
         if i.shape != b.shape or i.ndim != 1 or not (np.issubdtype(i.dtype, np.integer) or i.size == 0) or not (
                 np.issubdtype(b.dtype, np.integer) or b.size == 0):
