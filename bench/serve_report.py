@@ -3,7 +3,8 @@
 ``render(meta, rows)`` -> the markdown written next to the JSON; ``ratio_lines`` adds, per batch and repeat,
 PagedWeight's decode tokens/s against uniform 4-bit (equal committed bytes, issue #8's target) and against
 uniform interpolated to the bits a PagedWeight token reads (equal bytes read), with median and range over
-repeats (``--interleave``). No torch: plain dicts in, text out.
+repeats (``--interleave``), and the whole run's tokens/s against uniform 4-bit in PagedWeight's own budget (equal
+total memory: uniform cannot lower its weights, so it queues or preempts requests where PagedWeight demotes). No torch: plain dicts in, text out.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import math
 import statistics
 from typing import Any
+
+EQUAL_MEMORY = "uniform 4-bit, PagedWeight's budget"  # serve_speed's row of uniform 4-bit in PagedWeight's budget
 
 
 def _uniform_ms_at(uni: dict[int, float], bits: float) -> float:
@@ -41,7 +44,8 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
     target) and vs uniform interpolated to the bits a PagedWeight token reads (equal bytes read)."""
     out = ["", "## PagedWeight vs uniform, per repeat (decode tok/s ratio - 1)", "",
            "| batch | repeat | PW tok/s | uniform 4-bit tok/s | vs uniform 4-bit | bits read / token | "
-           "vs uniform at equal bits read |", "|---|---|---|---|---|---|---|"]
+           "vs uniform at equal bits read | run tok/s: PW / uniform 4-bit in PW's budget (ratio - 1) |",
+           "|---|---|---|---|---|---|---|---|"]
     summary: dict[int, list[tuple[float, float]]] = {}
     rows = [r for r in rows if "error" not in r]  # failed rows have no measurements
     for r in rows:
@@ -57,8 +61,12 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
         read = r.get("bits_read_per_token", math.nan)
         # tok/s ratio at equal bytes read = uniform step ms at those bits / PagedWeight step ms
         matched = _uniform_ms_at(uni, read) / r.get("decode_step_ms_median", math.nan) - 1
+        eq = next((u for u in rows if u["system"] == EQUAL_MEMORY and u["batch"] == b and u.get("rep", 0) == rep),
+                  {})  # whole-run tokens/s (prefill, queueing and preemption included) in the same total memory
+        run_pw, run_eq = r.get("tokens_per_second", math.nan), eq.get("tokens_per_second", math.nan)
         summary.setdefault(b, []).append((pw / u4 - 1, matched))
-        out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {_pct(pw / u4 - 1)} | {read:.2f} | {_pct(matched)} |")
+        out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {_pct(pw / u4 - 1)} | {read:.2f} | {_pct(matched)} | "
+                   + ("n/a |" if math.isnan(run_eq) else f"{run_pw:.0f} / {run_eq:.0f} ({_pct(run_pw / run_eq - 1)}) |"))
     if any(len(v) > 1 for v in summary.values()):
         out += ["", "| batch | repeats | vs uniform 4-bit: median (min .. max) | "
                 "vs equal bits read: median (min .. max) |", "|---|---|---|---|"]

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from serve_report import render  # bench/ sibling: the markdown report of these rows
+from serve_report import EQUAL_MEMORY, render  # bench/ sibling: the markdown report of these rows
 from triton_cache import triton_cache_entries  # bench/ sibling
 
 from pwrun.engine.budget import workspace_bytes
@@ -236,7 +236,8 @@ def pressure_setup(spec: Any, stripped: LeanMoEModel, table: BlockTable, b: int,
     while the short ones decode (copies in flight)."""
     reqs = prompts(b, prompt_len, spec.vocab_size, 7 + b) + prompts(b, 256, spec.vocab_size, 9 + b)
     a = spec.layers[0].attention
-    kv_req = (prompt_len + gen) * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2
+    # the longest request's KV (the short prompts are 256 tokens: longer than a --prompt-len below 256)
+    kv_req = (max(prompt_len, 256) + gen) * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2
     fixed = stripped.weights.num_bytes()
     work = workspace_bytes(spec, 2048, b, max(prompt_len, 256) + gen, 2, cuda=DEV == "cuda")
     at4 = int(sum(table_at(table, spec, 4)))
@@ -272,6 +273,9 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
     dec = [r for r in dec_all if not r.get("graph_captured")]
     pre = [r for r in tr if r not in dec_all]
     s["graph_capture_steps"] = len(dec_all) - len(dec)
+    s["slowest_steps"] = [  # where a run's outlier time sits (fourteenth/fifteenth sessions: first-run prefill)
+        {"step": i, **{k: r.get(k) for k in ("step_tokens", "running", "seconds", "model_seconds", "graph_captured")}}
+        for i, r in sorted(enumerate(tr), key=lambda ir: -ir[1]["seconds"])[:3]]
     s["decode_tps_incl_capture"] = sum(r["step_tokens"] for r in dec_all) / max(sum(r["seconds"] for r in dec_all),
                                                                                1e-9)
     s["decode_step_ms_median"] = 1e3 * float(np.median([r["seconds"] for r in dec])) if dec else math.nan
@@ -361,6 +365,9 @@ def main() -> None:
                          "then b of 256 tokens), so both sides of the PagedWeight-vs-uniform ratio serve equal work; "
                          "'long' = only the b long prompts (the thirteenth session's call 3 and earlier results)")
     ap.add_argument("--only-pressure", action="store_true", help="only the PagedWeight-under-pressure rows")
+    ap.add_argument("--no-equal-memory", dest="equal_memory", action="store_false",
+                    help="skip the uniform 4-bit run under PagedWeight's budget (equal total memory) after each "
+                         "PagedWeight run")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--big-budget-gib", type=float, default=60.0, help="budget of the no-pressure runs (GiB)")
     ap.add_argument("--compare-unfused", action="store_true",
@@ -429,6 +436,12 @@ def main() -> None:
         rows.append({"system": "PagedWeight under pressure", "batch": b, "rep": rep, "requests": len(reqs), **_pick(s),
                      "floor_tps": floor_tokens_per_s(spec, model, s.get("mean_bits_time_avg", 4.0), b, ctx, bw)})
         save()
+        if args.equal_memory and not over():  # uniform 4-bit in the same total memory: it cannot lower its weights,
+            # so its KV room is what the budget leaves (it queues or preempts requests where PagedWeight demotes)
+            u = engine_run(stripped, src, table, "uniform", 4, budget, reqs, args.gen, b)
+            rows.append({"system": EQUAL_MEMORY, "batch": b, "rep": rep, "requests": len(reqs), **_pick(u),
+                         "floor_tps": floor_tokens_per_s(spec, model, 4, b, ctx, bw)})
+            save()
 
     def guarded(label: str, b: int, rep: int, run: Any) -> None:
         """One row; a failure (out of memory, a refused budget) becomes that row's error and the run goes on
@@ -483,7 +496,8 @@ KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture"
         "planner_ms_per_decode_step", "planner_share_of_decode_step",
         "demoted_blocks", "promoted_blocks",
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
-        "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes")
+        "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes",
+        "triton_compiles_in_run", "slowest_steps", "tokens_per_second", "seconds")
 
 
 def _pick(s: dict[str, Any]) -> dict[str, Any]:

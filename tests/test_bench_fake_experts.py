@@ -98,10 +98,17 @@ def test_serve_report_interpolates_equal_bits_read_or_says_n_a() -> None:
         return uni + pw
 
     both = "\n".join(ratio_lines(rows([4, 8])))
-    assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | -4.0% |" in both
+    assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | -4.0% | n/a |" in both
     assert "| 1 | 2 | -20.0% (-20.0 .. -20.0) | -4.0% (-4.0 .. -4.0) |" in both
     one = "\n".join(ratio_lines(rows([4])))
-    assert "nan" not in one and "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a |" in one
+    assert "nan" not in one and "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | n/a |" in one
+    # whole-run tokens/s against uniform 4-bit in PagedWeight's budget, matched by batch and repeat
+    eq = [{"system": "uniform 4-bit, PagedWeight's budget", "batch": 1, "rep": rep, "tokens_per_second": t}
+          for rep, t in ((0, 400.0), (1, 250.0))]
+    pw_run = [dict(r, tokens_per_second=500.0) if r["system"].startswith("Paged") else r for r in rows([4])]
+    text = "\n".join(ratio_lines(pw_run + eq))
+    assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 400 (+25.0%) |" in text
+    assert "| 1 | 1 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 250 (+100.0%) |" in text
     assert "| 1 | 2 | -20.0% (-20.0 .. -20.0) | n/a |" in one
 
 
@@ -200,4 +207,14 @@ def test_serve_speed_gives_uniform_the_pagedweight_requests(tmp_path) -> None:  
                        check=True, capture_output=True, timeout=300)
         rows = json.loads(out.with_suffix(".json").read_text())["rows"]
         requests[mode] = [r.get("requests") for r in rows if r["system"] == "ours uniform 4-bit"]
+        # after the PagedWeight run, uniform 4-bit in its budget serves its requests (equal total memory), and the
+        # keys the report reads survive serve_speed's key filter (triton_compiles_in_run once did not)
+        pw = next(r for r in rows if r["system"] == "PagedWeight under pressure")
+        eq = next(r for r in rows if r["system"] == "uniform 4-bit, PagedWeight's budget")
+        assert "error" not in eq and eq["requests"] == pw["requests"] == 4
+        assert eq["gpu_memory"] == pw["gpu_memory"]
+        for r in (pw, eq):
+            assert r["triton_compiles_in_run"] >= 0 and r["tokens_per_second"] > 0
+            assert len(r["slowest_steps"]) == 3 and r["slowest_steps"][0]["seconds"] >= r["slowest_steps"][2]["seconds"]
+        assert "uniform 4-bit in PW's budget" in out.read_text()
     assert requests == {"same": [4], "long": [2]}
