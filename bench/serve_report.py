@@ -4,7 +4,8 @@
 PagedWeight's decode tokens/s against uniform 4-bit (equal committed bytes, issue #8's target) and against
 uniform interpolated to the bits a PagedWeight token reads (equal bytes read), with median and range over
 repeats (``--interleave``), and the whole run's tokens/s against uniform 4-bit in PagedWeight's own budget (equal
-total memory: uniform cannot lower its weights, so it queues or preempts requests where PagedWeight demotes). No torch: plain dicts in, text out.
+total memory: uniform cannot lower its weights, so it queues or preempts requests where PagedWeight demotes).
+No torch: plain dicts in, text out.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
                   {})  # whole-run tokens/s (prefill, queueing and preemption included) in the same total memory
         run_pw, run_eq = r.get("tokens_per_second", math.nan), eq.get("tokens_per_second", math.nan)
         summary.setdefault(b, []).append((pw / u4 - 1, matched))
+        eq_cell = "n/a" if math.isnan(run_eq) else f"{run_pw:.0f} / {run_eq:.0f} ({_pct(run_pw / run_eq - 1)})"
         out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {_pct(pw / u4 - 1)} | {read:.2f} | {_pct(matched)} | "
-                   + ("n/a |" if math.isnan(run_eq) else f"{run_pw:.0f} / {run_eq:.0f} ({_pct(run_pw / run_eq - 1)}) |"))
+                   f"{eq_cell} |")
     if any(len(v) > 1 for v in summary.values()):
         out += ["", "| batch | repeats | vs uniform 4-bit: median (min .. max) | "
                 "vs equal bits read: median (min .. max) |", "|---|---|---|---|"]
