@@ -6,7 +6,8 @@
 #        SERVE_BITS=4,5 SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=450 bash bench/gpu_pending_check.sh serve
 #   2. Mixtral's decode buckets with inline shfl.sync (the Qwen ones gained 1.13-1.19x at q <= 5):
 #        SLOTS_SHAPES=mixtral-8x7b SLOTS_TS=4,16 SLOTS_EXTRA=--raw-shfl bash bench/gpu_pending_check.sh slots
-#      (writes $OUT/ap_moe_slots.json: copy the buckets it won into kernels/configs/ap_moe.json), then Mixtral serving.
+#      (writes $OUT/ap_moe_slots.json: copy the buckets it won into kernels/configs/ap_moe.json; SLOTS_APPLY=1 makes the
+#      later stages of the same call use them), then Mixtral serving.
 #   3. where the batch-1 decode step's time goes now (the 50%-of-floor target is at 24-27%): stage profile (~3 min).
 # Always with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its
 # results into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles
@@ -73,6 +74,7 @@ if [[ $STAGES == *slots* ]]; then
   python -m pytest -q -p no:warnings tests/test_ap_moe_kernel.py -k sorted_slots 2>&1 | tail -2; } \
   > "$OUT/gemv1_slots.txt"
 pack; echo "slots done at ${SECONDS}s"; grep -v '^{' "$OUT/gemv1_slots.txt" | tail -30
+if [[ -n ${SLOTS_APPLY:-} ]]; then cp "$OUT/ap_moe_slots.json" kernels/configs/ap_moe.json; echo "later stages use the slots winners"; fi
 fi
 if [[ $STAGES == *table* ]]; then  # the kernel table of issue 4 with the committed buckets (~1 min, cache warm)
 timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts 1,4,16,256,2048 --qs 4,mixed --reps 20 \
