@@ -48,6 +48,8 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
            "vs uniform at equal bits read | run tok/s: PW / uniform 4-bit in PW's budget (ratio - 1) |",
            "|---|---|---|---|---|---|---|---|"]
     summary: dict[int, list[tuple[float, float]]] = {}
+    refused = {(r["batch"], r.get("rep", 0)) for r in rows  # uniform whose one request does not fit PW's budget
+               if r["system"] == EQUAL_MEMORY and "BudgetTooSmall" in r.get("error", "")}
     rows = [r for r in rows if "error" not in r]  # failed rows have no measurements
     for r in rows:
         if r["system"] != "PagedWeight under pressure":
@@ -67,6 +69,8 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
         run_pw, run_eq = r.get("tokens_per_second", math.nan), eq.get("tokens_per_second", math.nan)
         summary.setdefault(b, []).append((pw / u4 - 1, matched))
         eq_cell = "n/a" if math.isnan(run_eq) else f"{run_pw:.0f} / {run_eq:.0f} ({_pct(run_pw / run_eq - 1)})"
+        if (b, rep) in refused:
+            eq_cell = f"{run_pw:.0f} / uniform does not fit"
         out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {_pct(pw / u4 - 1)} | {read:.2f} | {_pct(matched)} | "
                    f"{eq_cell} |")
     if any(len(v) > 1 for v in summary.values()):
@@ -107,6 +111,8 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if errors:
         lines += ["", "Rows that failed (the run went on):", *errors]
     compiled = [f"{r['system']}, batch {r['batch']} (repeat {r.get('rep', 0)}): {r['triton_compiles_in_run']}"
+                + (f" ({', '.join(sorted(set(r['triton_kernels_compiled_in_run'])))})"
+                   if r.get("triton_kernels_compiled_in_run") else "")
                 for r in rows if (r.get("triton_compiles_in_run") or 0) > 0]
     if compiled:  # prefill and capture-step figures of these runs include JIT compilation
         lines += ["", "Kernels Triton compiled inside a timed run (the warm-up missed them): " + "; ".join(compiled)]

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from serve_report import EQUAL_MEMORY, render  # bench/ sibling: the markdown report of these rows
-from triton_cache import triton_cache_entries  # bench/ sibling
+from triton_cache import kernel_names, triton_cache_dirs  # bench/ sibling
 
 from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.engine import HOST_PHASES, EngineConfig
@@ -264,10 +264,12 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
     reset_peak()
     built = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=gen), reqs, set())
     e = built.engine
-    cached = triton_cache_entries()
+    cached = triton_cache_dirs()
     e.run()
     s = summarize(e, built.info)
-    s["triton_compiles_in_run"] = triton_cache_entries() - cached
+    new = triton_cache_dirs() - cached
+    s["triton_compiles_in_run"] = len(new)
+    s["triton_kernels_compiled_in_run"] = kernel_names(new)  # which ones the warm-up missed
     tr = e.totals.trace
     dec_all = [r for r in tr if r["step_tokens"] == r["running"] and r["running"] > 0 and r["preempted"] == 0]
     dec = [r for r in dec_all if not r.get("graph_captured")]
@@ -436,12 +438,16 @@ def main() -> None:
         rows.append({"system": "PagedWeight under pressure", "batch": b, "rep": rep, "requests": len(reqs), **_pick(s),
                      "floor_tps": floor_tokens_per_s(spec, model, s.get("mean_bits_time_avg", 4.0), b, ctx, bw)})
         save()
-        if args.equal_memory and not over():  # uniform 4-bit in the same total memory: it cannot lower its weights,
-            # so its KV room is what the budget leaves (it queues or preempts requests where PagedWeight demotes)
-            u = engine_run(stripped, src, table, "uniform", 4, budget, reqs, args.gen, b)
-            rows.append({"system": EQUAL_MEMORY, "batch": b, "rep": rep, "requests": len(reqs), **_pick(u),
-                         "floor_tps": floor_tokens_per_s(spec, model, 4, b, ctx, bw)})
-            save()
+
+    def equal_memory_row(b: int, rep: int = 0) -> None:
+        """Uniform 4-bit in PagedWeight's budget (equal total memory): it cannot lower its weights, so its KV room
+        is what the budget leaves (it queues or preempts requests where PagedWeight demotes; BudgetTooSmall, a
+        failed row, where one request does not fit)."""
+        reqs, budget = pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen)
+        u = engine_run(stripped, src, table, "uniform", 4, budget, reqs, args.gen, b)
+        rows.append({"system": EQUAL_MEMORY, "batch": b, "rep": rep, "requests": len(reqs), **_pick(u),
+                     "floor_tps": floor_tokens_per_s(spec, model, 4, b, ctx, bw)})
+        save()
 
     def guarded(label: str, b: int, rep: int, run: Any) -> None:
         """One row; a failure (out of memory, a refused budget) becomes that row's error and the run goes on
@@ -463,6 +469,8 @@ def main() -> None:
                         guarded(f"ours uniform {q}-bit", b, rep, lambda: uniform_row(b, q, rep=rep))  # noqa: B023
                 if not over():
                     guarded("PagedWeight under pressure", b, rep, lambda: pressure_row(b, rep))  # noqa: B023
+                if args.equal_memory and not over():
+                    guarded(EQUAL_MEMORY, b, rep, lambda: equal_memory_row(b, rep))  # noqa: B023
     else:
         for b in [] if args.only_pressure else batches:
             runs = [(q, True) for q in bit_list]
@@ -474,6 +482,8 @@ def main() -> None:
         for b in batches:
             if not over():
                 guarded("PagedWeight under pressure", b, 0, lambda: pressure_row(b))  # noqa: B023
+            if args.equal_memory and not over():
+                guarded(EQUAL_MEMORY, b, 0, lambda: equal_memory_row(b))  # noqa: B023
     if not args.skip_hf:
         del model, stripped
         reset_peak()
@@ -497,7 +507,7 @@ KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture"
         "demoted_blocks", "promoted_blocks",
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
         "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes",
-        "triton_compiles_in_run", "slowest_steps", "tokens_per_second", "seconds")
+        "triton_compiles_in_run", "triton_kernels_compiled_in_run", "slowest_steps", "tokens_per_second", "seconds")
 
 
 def _pick(s: dict[str, Any]) -> dict[str, Any]:

@@ -61,14 +61,20 @@ def test_serve_report_names_runs_that_compiled_kernels(tmp_path, monkeypatch) ->
     """A timed run during which Triton's cache grew is named (its prefill and capture figures include JIT time);
     runs that compiled nothing are not; the cache count reads $TRITON_CACHE_DIR."""
     from bench.serve_report import render
-    from bench.triton_cache import triton_cache_entries
+    from bench.triton_cache import kernel_names, triton_cache_dirs, triton_cache_entries
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     assert triton_cache_entries() == 0
     (tmp_path / "abc").mkdir()
+    before = triton_cache_dirs()
     (tmp_path / "def").mkdir()
     (tmp_path / "stray.lock").write_text("")
-    assert triton_cache_entries() == 2
+    assert triton_cache_entries() == 2 and triton_cache_dirs() - before == {"def"}
+    for name in ("_gemv1_down_kernel.json", "__grp___gemv1_down_kernel.json", "_gemv1_down_kernel.cubin"):
+        (tmp_path / "def" / name).write_text("{}")
+    (tmp_path / "abc" / "_route_kernel.json").write_text("{}")
+    assert kernel_names({"def"}) == ["_gemv1_down_kernel"]
+    assert kernel_names({"abc", "def"}) == ["_gemv1_down_kernel", "_route_kernel"]
     monkeypatch.delenv("TRITON_CACHE_DIR")
     monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
     (tmp_path / "home" / ".triton" / "cache" / "k1").mkdir(parents=True)
@@ -76,11 +82,12 @@ def test_serve_report_names_runs_that_compiled_kernels(tmp_path, monkeypatch) ->
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "stray.lock"))
     assert triton_cache_entries() == 0
     ok = {"decode_tps_measured": 100.0, "decode_step_ms_median": 10.0, "bits_read_per_token": 4.0}
-    rows = [{"system": "ours uniform 4-bit", "batch": 4, "rep": 0, **ok, "triton_compiles_in_run": 3},
+    rows = [{"system": "ours uniform 4-bit", "batch": 4, "rep": 0, **ok, "triton_compiles_in_run": 3,
+             "triton_kernels_compiled_in_run": ["_fused_kernel", "_route_kernel", "_fused_kernel"]},
             {"system": "ours uniform 4-bit", "batch": 4, "rep": 1, **ok, "triton_compiles_in_run": 0},
             {"system": "ours uniform 4-bit", "batch": 4, "rep": 2, **ok, "triton_compiles_in_run": -1}]
     text = render({"command": "x"}, rows)
-    assert "compiled inside a timed run" in text and "batch 4 (repeat 0): 3" in text
+    assert "compiled inside a timed run" in text and "batch 4 (repeat 0): 3 (_fused_kernel, _route_kernel)" in text
     assert "(repeat 1)" not in text and "(repeat 2)" not in text
     assert "compiled inside" not in render({"command": "x"}, rows[1:])
 
@@ -109,6 +116,11 @@ def test_serve_report_interpolates_equal_bits_read_or_says_n_a() -> None:
     text = "\n".join(ratio_lines(pw_run + eq))
     assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 400 (+25.0%) |" in text
     assert "| 1 | 1 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 250 (+100.0%) |" in text
+    refused = [eq[0], {"system": "uniform 4-bit, PagedWeight's budget", "batch": 1, "rep": 1,
+                       "error": "BudgetTooSmall: --gpu-memory 11.13 GiB is too small"}]
+    text = "\n".join(ratio_lines(pw_run + refused))
+    assert "| 1 | 1 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / uniform does not fit |" in text
+    assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 400 (+25.0%) |" in text
     assert "| 1 | 2 | -20.0% (-20.0 .. -20.0) | n/a |" in one
 
 
