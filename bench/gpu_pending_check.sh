@@ -1,14 +1,12 @@
 #!/bin/bash
-# The GPU runs that CPU-only changes wait for. Fourteenth session: sorted slots timed and shipped (slots), serving with
-# equal workloads and uniform 4/5 bits (serve), the kernel table (table). What waits now:
-#   1. the planner's faster plan_lower (57bb6e7, CPU A/B only) and the count of Triton compiles inside timed runs
-#      (serve_speed's triton_compiles_in_run: do the prefill / capture-step outliers come from JIT?):
-#        SERVE_BITS=4,5 SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=450 bash bench/gpu_pending_check.sh serve
-#   2. Mixtral's decode buckets with inline shfl.sync (the Qwen ones gained 1.13-1.19x at q <= 5):
-#        SLOTS_SHAPES=mixtral-8x7b SLOTS_TS=4,16 SLOTS_EXTRA=--raw-shfl bash bench/gpu_pending_check.sh slots
-#      (writes $OUT/ap_moe_slots.json: copy the buckets it won into kernels/configs/ap_moe.json; SLOTS_APPLY=1 makes the
-#      later stages of the same call use them), then Mixtral serving.
-#   3. where the batch-1 decode step's time goes now (the 50%-of-floor target is at 24-27%): stage profile (~3 min).
+# The GPU runs that CPU-only changes wait for. Fifteenth session: serving re-run (serve: planner < 1% met), Mixtral's
+# buckets with inline shuffles (slots, SLOTS_APPLY), first equal-memory runs. What waits now:
+#   1. serving with the fixed compile record and the equal-memory row at every batch (which kernels do first runs
+#      and uniform-in-PagedWeight's-budget runs compile inside their timing? triton_kernels_compiled_in_run):
+#        SERVE_BITS=4 SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=450 bash bench/gpu_pending_check.sh serve
+#   2. Mixtral serving with its new buckets (uniform 4-bit and PagedWeight; serve_speed --config-dir
+#      tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1) and the Mixtral T = 4 / 16 kernel table (stage table).
+#   3. where the batch-1 decode step's time goes now (the 50%-of-floor target is at 26-27%): stage profile (~3 min).
 # Always with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its
 # results into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles
 # for minutes) and COMMIT=<local short hash> in the command.
@@ -32,7 +30,8 @@ fi
 # $OUT returns files of at most 16 MiB and the tree that travels is at most 64 MiB (fourteenth session: the gzip cache
 # grew to 36 MB, xz makes it 11 MB): the cache comes back as xz in 15 MB parts $OUT/triton_cache.txz.partaa, .partab,
 # ...; join them here with cat into .triton_cache.txz (carry that; with gemv_compare's tile candidates it grew to 463 MB,
-# 19 MB as xz -9, so the 40 MB checkout plus the cache nears 64 MiB: drop the cache and start cold before that)
+# 19 MB as xz -9; fifteenth session: 25.2 MB travelled beside the 40.7 MB checkout, 26.7 MB was refused in the
+# fourteenth: past that drop the cache and start cold)
 pack() { rm -f "$OUT"/triton_cache.txz.part*; tar cf - .triton_cache | xz -9 -T0 | split -b 15m - "$OUT/triton_cache.txz.part"; }
 if [[ $STAGES == *warm* ]]; then
 { echo "# decode warm-up of the Qwen1.5-MoE shape up to 16 tokens, commit $C, $(date -u +%F)"
