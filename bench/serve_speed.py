@@ -13,6 +13,8 @@ calibration tables (monotone random sensitivities, Dirichlet routing mass), then
   (``--uniform-workload same``, the default since the thirteenth session; before, only its b long prompts);
 * PagedWeight under a budget that makes the planner demote during the first batch and reload when
   it finishes (2 x batch requests, ``max_batch`` = batch), so copies overlap the second batch;
+* uniform 4-bit in that same budget (equal total memory, fifteenth session; ``--no-equal-memory`` skips it):
+  unable to lower its weights, it queues or preempts requests where PagedWeight demotes (or cannot serve one);
 * ``transformers`` eager bf16 ``generate`` (what a user has today).
 
 For each it reports prefill and decode tokens/s, peak device memory, and the bandwidth floor: bytes
