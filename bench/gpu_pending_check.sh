@@ -73,7 +73,7 @@ if [[ $STAGES == *slots* ]]; then
   python -m pytest -q -p no:warnings tests/test_ap_moe_kernel.py -k sorted_slots 2>&1 | tail -2; } \
   > "$OUT/gemv1_slots.txt"
 pack; echo "slots done at ${SECONDS}s"; grep -v '^{' "$OUT/gemv1_slots.txt" | tail -30
-if [[ -n ${SLOTS_APPLY:-} ]]; then cp "$OUT/ap_moe_slots.json" kernels/configs/ap_moe.json; echo "later stages use the slots winners"; fi
+if [[ ${SLOTS_APPLY:-0} == 1 ]]; then cp "$OUT/ap_moe_slots.json" kernels/configs/ap_moe.json; echo "later stages use the slots winners"; fi
 fi
 if [[ $STAGES == *table* ]]; then  # the kernel table of issue 4 with the committed buckets (~1 min, cache warm)
 timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts 1,4,16,256,2048 --qs 4,mixed --reps 20 \

@@ -45,7 +45,7 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
     target) and vs uniform interpolated to the bits a PagedWeight token reads (equal bytes read)."""
     out = ["", "## PagedWeight vs uniform, per repeat (decode tok/s ratio - 1)", "",
            "| batch | repeat | PW tok/s | uniform 4-bit tok/s | vs uniform 4-bit | bits read / token | "
-           "vs uniform at equal bits read | run tok/s: PW / uniform 4-bit in PW's budget (ratio - 1) |",
+           "vs uniform at equal bits read | served tok/s, whole run: PW / uniform 4-bit in PW's budget (ratio - 1) |",
            "|---|---|---|---|---|---|---|---|"]
     summary: dict[int, list[tuple[float, float]]] = {}
     refused = {(r["batch"], r.get("rep", 0)) for r in rows  # uniform whose one request does not fit PW's budget
@@ -65,10 +65,12 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
         # tok/s ratio at equal bytes read = uniform step ms at those bits / PagedWeight step ms
         matched = _uniform_ms_at(uni, read) / r.get("decode_step_ms_median", math.nan) - 1
         eq = next((u for u in rows if u["system"] == EQUAL_MEMORY and u["batch"] == b and u.get("rep", 0) == rep),
-                  {})  # whole-run tokens/s (prefill, queueing and preemption included) in the same total memory
-        run_pw, run_eq = r.get("tokens_per_second", math.nan), eq.get("tokens_per_second", math.nan)
+                  {})  # whole-run tokens served per second (prompt and generated tokens once each; queueing and
+        # preemption slow it, recomputed prompt chunks do not count) in the same total memory
+        run_pw, run_eq = r.get("served_tokens_per_second", math.nan), eq.get("served_tokens_per_second", math.nan)
         summary.setdefault(b, []).append((pw / u4 - 1, matched))
-        eq_cell = "n/a" if math.isnan(run_eq) else f"{run_pw:.0f} / {run_eq:.0f} ({_pct(run_pw / run_eq - 1)})"
+        eq_cell = "n/a" if math.isnan(run_eq) or math.isnan(run_pw) else \
+            f"{run_pw:.0f} / {run_eq:.0f} ({_pct(run_pw / run_eq - 1)})"
         if (b, rep) in refused:
             eq_cell = f"{run_pw:.0f} / uniform does not fit"
         out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {_pct(pw / u4 - 1)} | {read:.2f} | {_pct(matched)} | "

@@ -272,6 +272,10 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
     new = triton_cache_dirs() - cached
     s["triton_compiles_in_run"] = len(new)
     s["triton_kernels_compiled_in_run"] = kernel_names(new)  # which ones the warm-up missed
+    # tokens served per second of the whole run: each prompt and generated token once (summarize's tokens_per_second
+    # also counts the prompt chunks a preempted request computes again)
+    s["served_tokens_per_second"] = sum(len(q.prompt) + len(q.out) for q in e.seqs.values()) / max(e.totals.seconds,
+                                                                                                  1e-9)
     tr = e.totals.trace
     dec_all = [r for r in tr if r["step_tokens"] == r["running"] and r["running"] > 0 and r["preempted"] == 0]
     dec = [r for r in dec_all if not r.get("graph_captured")]
@@ -509,7 +513,8 @@ KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture"
         "demoted_blocks", "promoted_blocks",
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
         "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes",
-        "triton_compiles_in_run", "triton_kernels_compiled_in_run", "slowest_steps", "tokens_per_second", "seconds")
+        "triton_compiles_in_run", "triton_kernels_compiled_in_run", "slowest_steps", "served_tokens_per_second",
+        "seconds")
 
 
 def _pick(s: dict[str, Any]) -> dict[str, Any]:
