@@ -1,6 +1,9 @@
 #!/bin/bash
 # The GPU runs that CPU-only changes wait for. Fifteenth session: serving re-run (serve: planner < 1% met), Mixtral's
 # buckets with inline shuffles (slots, SLOTS_APPLY), first equal-memory runs. What waits now:
+#   0. the prefill target (<= 1.3x dense at T >= 256): `fused` was never timed past 64 tokens nor with BLOCK_M > 32
+#      (bench/prefill_tune.py; tests/test_ap_moe_kernel.py -k prefill_tile passed in the interpreter):
+#        PREFILL_APPLY=1 bash bench/gpu_pending_check.sh prefill,table   (copy $OUT/ap_moe_prefill.json if it won)
 #   1. serving with the fixed compile record and the equal-memory row at every batch (which kernels do first runs
 #      and uniform-in-PagedWeight's-budget runs compile inside their timing? triton_kernels_compiled_in_run):
 #        SERVE_BITS=4 SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=450 bash bench/gpu_pending_check.sh serve
@@ -10,7 +13,7 @@
 # Always with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its
 # results into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles
 # for minutes) and COMMIT=<local short hash> in the command.
-# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, table, profile, serve (default:
+# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, prefill, table, profile, serve (default:
 # tests and attention, ~6 min; serving in a second call, ~5 min: one call may run 10 min). Results land in $OUT.
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -74,6 +77,16 @@ if [[ $STAGES == *slots* ]]; then
   > "$OUT/gemv1_slots.txt"
 pack; echo "slots done at ${SECONDS}s"; grep -v '^{' "$OUT/gemv1_slots.txt" | tail -30
 if [[ ${SLOTS_APPLY:-0} == 1 ]]; then cp "$OUT/ap_moe_slots.json" kernels/configs/ap_moe.json; echo "later stages use the slots winners"; fi
+fi
+if [[ $STAGES == *prefill* ]]; then  # fused at prefill tile sizes vs the committed dequant path (~4-6 min)
+{ echo "# fused at prefill tiles (BLOCK_M 32..128) vs the committed path, T = 256 / 2048, commit $C, $(date -u +%F)"
+  cp kernels/configs/ap_moe.json "$OUT/ap_moe_prefill.json"
+  timeout ${PREFILL_TIMEOUT:-360} python -u bench/prefill_tune.py --shapes ${PREFILL_SHAPES:-qwen1.5-moe,mixtral-8x7b} \
+    --ts 256,2048 --qs 4,mixed --time-limit $(( ${PREFILL_TIMEOUT:-360} - 60 )) --write-configs "$OUT/ap_moe_prefill.json" 2>&1
+  python -m pytest -q -p no:warnings tests/test_ap_moe_kernel.py -k "prefill_tile or fused" 2>&1 | tail -2; } \
+  > "$OUT/prefill_tune.txt"
+pack; echo "prefill tuning done at ${SECONDS}s"; grep -v '^{' "$OUT/prefill_tune.txt" | tail -16
+if [[ ${PREFILL_APPLY:-0} == 1 ]]; then cp "$OUT/ap_moe_prefill.json" kernels/configs/ap_moe.json; echo "later stages use the prefill winners"; fi
 fi
 if [[ $STAGES == *table* ]]; then  # the kernel table of issue 4 with the committed buckets (~1 min, cache warm)
 timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts 1,4,16,256,2048 --qs 4,mixed --reps 20 \
