@@ -139,11 +139,11 @@ def main() -> None:
                 winners[t] = FUSED_PREFILL[i_best]
         if winners:
             configs = write_buckets(configs, f"{h}x{inter}", winners)
-    if args.write_configs:
-        with open(args.write_configs, "w") as f:
-            json.dump(configs, f, indent=4)
-            f.write("\n")
-        print(f"wrote {args.write_configs}")
+        if args.write_configs:  # after every shape: a run cut short by a timeout keeps what it measured
+            with open(args.write_configs, "w") as f:
+                json.dump(configs, f, indent=4)
+                f.write("\n")
+            print(f"wrote {args.write_configs}", flush=True)
 
 
 if __name__ == "__main__":
