@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -140,9 +141,11 @@ def main() -> None:
         if winners:
             configs = write_buckets(configs, f"{h}x{inter}", winners)
         if args.write_configs:  # after every shape: a run cut short by a timeout keeps what it measured
-            with open(args.write_configs, "w") as f:
+            tmp = f"{args.write_configs}.tmp"  # then renamed: a kill mid-write leaves the old file whole
+            with open(tmp, "w") as f:
                 json.dump(configs, f, indent=4)
                 f.write("\n")
+            os.replace(tmp, args.write_configs)
             print(f"wrote {args.write_configs}", flush=True)
 
 
