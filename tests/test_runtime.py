@@ -115,6 +115,11 @@ def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: 
 
     s = summarize(e, {})  # every demotion plan was taken, ready-made or made on the critical path
     assert e.planner is not None and s["planner_plans_prepared"] + s["planner_plans_fresh"] >= 1
+    # tokens computed = every prompt and fed token once (the last sampled one is never fed) + what preemptions
+    # discarded (0 when there were none)
+    served = sum(len(q.prompt) + len(q.out) - 1 for q in e.seqs.values())
+    assert s["prefill_tokens"] + s["decode_tokens"] == served + s["recomputed_tokens"]
+    assert s["recomputed_tokens"] == 0 or s["preemptions"] > 0
     trace = e.totals.trace
     # the steps' planner seconds add up to the run's (each step's share is what the serving bench reports per decode
     # step); the planner ran on some steps' critical path

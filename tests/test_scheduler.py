@@ -34,8 +34,9 @@ class FakeKV:
 
 
 def _drive(sched: Scheduler, kv: FakeKV, seqs: list[Sequence], rng: random.Random) -> int:
-    """Run to completion with random 'sampled' tokens; returns steps. Checks invariants each step."""
-    steps = 0
+    """Run to completion with random 'sampled' tokens; returns the tokens computed (all chunks). Checks invariants
+    each step."""
+    steps = computed = 0
     while not sched.idle:
         plan = sched.schedule(kv)
         assert plan.chunks, "no progress"
@@ -44,6 +45,7 @@ def _drive(sched: Scheduler, kv: FakeKV, seqs: list[Sequence], rng: random.Rando
             s = seqs[c.rid]
             assert c.start == s.computed and list(c.token_ids) == s.tokens[c.start:c.start + len(c.token_ids)]
             s.computed += len(c.token_ids)
+            computed += len(c.token_ids)
             assert kv.tables.extra_blocks(c.rid, s.computed) == 0  # the chunk's blocks were reserved
             if c.last:
                 s.out.append(rng.randrange(1000))
@@ -52,7 +54,7 @@ def _drive(sched: Scheduler, kv: FakeKV, seqs: list[Sequence], rng: random.Rando
                     sched.finish(s, kv)
         steps += 1
         assert steps < 10_000
-    return steps
+    return computed
 
 
 def test_every_request_completes_under_tight_kv_with_preemption() -> None:
@@ -63,9 +65,12 @@ def test_every_request_completes_under_tight_kv_with_preemption() -> None:
     sched = Scheduler(max_batch=6, max_step_tokens=48)
     for s in seqs:
         sched.add(s)
-    _drive(sched, kv, seqs, rng)
+    computed = _drive(sched, kv, seqs, rng)
     assert all(s.finish == "length" and len(s.out) == s.max_new_tokens for s in seqs)
     assert sched.preemptions > 0
+    # every prompt and fed token once (the last sampled token is never fed), plus what preemption discarded
+    assert sched.recomputed_tokens > 0
+    assert computed == sum(len(s.prompt) + len(s.out) - 1 for s in seqs) + sched.recomputed_tokens
     assert kv.tables.allocator.num_free == 14  # everything released
 
 
@@ -78,8 +83,9 @@ def test_no_preemption_with_room_and_chunked_prefill() -> None:
         sched.add(s)
     first = sched.schedule(kv)
     assert [len(c.token_ids) for c in first.chunks] == [64] and not first.chunks[0].last
-    _drive(sched, kv, seqs, rng)
-    assert sched.preemptions == 0
+    computed = _drive(sched, kv, seqs, rng)
+    assert sched.preemptions == 0 and sched.recomputed_tokens == 0
+    assert computed == sum(len(s.prompt) + len(s.out) - 1 for s in seqs)
 
 
 def test_admission_waits_for_room_for_the_whole_prompt() -> None:

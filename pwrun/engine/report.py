@@ -4,9 +4,10 @@ What it does: ``summarize`` turns an engine's totals and trace into one flat dic
 between expert weights and KV over time (min / mean / max bytes), the committed-bitwidth
 histogram at the end and the time-averaged mean bitwidth, demotions and promotions (blocks),
 bytes moved host -> device (device -> host is always 0: the host mirror keeps every plane),
-preemptions, tokens/s, planner time per step and, on CUDA, the peak device memory against the
-budget. ``format_summary`` renders it for the terminal; ``write_trace`` writes the trace as
-Parquet (zstd, atomic) for the notebooks.
+preemptions and the tokens they made the engine compute again (counted in the prefill tokens, so
+tokens/s is tokens computed per second, not served), tokens/s, planner time per step and, on CUDA, the
+peak device memory against the budget. ``format_summary`` renders it for the terminal; ``write_trace``
+writes the trace as Parquet (zstd, atomic) for the notebooks.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def summarize(engine: Engine, info: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_second": (t.prefill_tokens + t.decode_tokens) / secs, "decode_tokens_per_second":
         t.decode_tokens / secs, "demoted_blocks": t.demoted_blocks, "promoted_blocks": t.promoted_blocks,
         "bytes_host_to_device": int(engine.store.bytes_h2d), "bytes_device_to_host": int(engine.store.bytes_d2h),
-        "preemptions": t.preemptions, "planner_ms_per_step": 1e3 * t.planner_seconds / max(t.steps, 1),
+        "preemptions": t.preemptions, "recomputed_tokens": engine.scheduler.recomputed_tokens,
+        "planner_ms_per_step": 1e3 * t.planner_seconds / max(t.steps, 1),
         "planner_overlapped_ms_per_step": 1e3 * t.planner_overlapped_seconds / max(t.steps, 1),
         "planner_share_of_step": t.planner_seconds / secs, "final_mean_bits": float(w.q.mean()),
         "final_bits_hist": {int(b): int(hist[b]) for b in range(9) if hist[b]},
@@ -80,9 +82,10 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s.get('mean_bits_time_avg', s['final_mean_bits']):.2f})",
         f"{s['demoted_blocks']} demotions, {s['promoted_blocks']} promotions, {format_size(s['bytes_host_to_device'])}"
         f" host->device, {format_size(s['bytes_device_to_host'])} device->host, {s['preemptions']} preemptions",
-        f"{s['steps']} steps in {s['seconds']:.2f} s: {s['prefill_tokens']} prefill + {s['decode_tokens']} decode "
-        f"tokens = {s['tokens_per_second']:.1f} tokens/s; planner {s['planner_ms_per_step']:.2f} ms/step "
-        f"({100 * s['planner_share_of_step']:.2f}% of step time; "
+        f"{s['steps']} steps in {s['seconds']:.2f} s: {s['prefill_tokens']} prefill "
+        + (f"({s['recomputed_tokens']} of them recomputed after preemptions) " if s.get("recomputed_tokens") else "")
+        + f"+ {s['decode_tokens']} decode tokens = {s['tokens_per_second']:.1f} tokens/s; planner "
+        f"{s['planner_ms_per_step']:.2f} ms/step ({100 * s['planner_share_of_step']:.2f}% of step time; "
         f"+{s['planner_overlapped_ms_per_step']:.2f} ms/step while the device computed)",
     ]
     if "device_peak_bytes" in s:

@@ -81,6 +81,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.recomputed_tokens = 0  # tokens whose KV a preemption discarded: computed again after re-admission
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -92,6 +93,7 @@ class Scheduler:
     def _preempt(self, kv: KVCapacity, plan: StepPlan) -> Sequence:
         victim = self.running.pop()
         kv.free(victim.rid)
+        self.recomputed_tokens += victim.computed
         victim.computed = 0
         victim.preemptions += 1
         self.preemptions += 1
