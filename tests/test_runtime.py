@@ -217,6 +217,26 @@ def test_cached_expert_views_follow_lower_and_raise(calibrated_artifacts: Path) 
     assert torch.equal(ap_moe_ref(x, ids, w, again), y8)
 
 
+def test_expert_views_start_16_byte_aligned(calibrated_artifacts: Path) -> None:
+    """Every layer's kernel tables (bits, LUT offsets, plane offsets) start 16-byte aligned: Triton compiles a kernel
+    per alignment class of its pointer arguments, so a misaligned layer compiled every decode kernel a second time
+    inside serving (the warm-up's fresh tensors are aligned). The bundled model has 2 x 16 routed + 2 shared rows
+    per layer, so unpadded, layer 1's routed bits started 136 bytes in."""
+    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=2), [[1, 2, 3]],
+                     set(), device="cpu").engine
+    store = e.store
+    seen = 0
+    for layer, ls in enumerate(e.model.spec.layers):
+        if ls.moe is None:
+            continue
+        for kind in ["routed", "shared"] if ls.moe.shared_intermediate else ["routed"]:
+            ex = store.experts(layer, kind)
+            for t in (ex.bits, ex.lut_offset, ex.plane_offset):
+                assert t.data_ptr() % 16 == 0, (layer, kind, t.dtype)
+            seen += 1
+    assert seen >= 4
+
+
 def test_budget_too_small_states_the_minimum(calibrated_artifacts: Path) -> None:
     with pytest.raises(PagedWeightError, match=r"give at least --gpu-memory \d+MiB"):
         build_engine(MODEL, calibrated_artifacts, ServeConfig(30 * 2**20), SamplingParams(max_new_tokens=8),

@@ -33,6 +33,7 @@ from pwrun.pool.pages import PagePool
 from pwrun.pool.weight_table import CopyOrder, WeightPageTable
 
 LUT_BYTES = 2  # LUT entries are stored as 16-bit floats (fp16, or bf16 for a bf16 model)
+TABLE_ROW_ALIGN = 4  # rows: 4 int32 bits = 16 bytes (int64 offsets: 32 and 256 bytes), see ExpertStore.__init__
 
 
 def block_pages(shapes: list[tuple[int, int]], bits: list[int], page_bytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -105,9 +106,14 @@ class ExpertStore:
         for la, e, _ in self.key:
             k = (la, "shared" if e == SHARED_EXPERT else "routed")
             counts[k] = counts.get(k, 0) + 1
+        # each layer's rows start at a multiple of TABLE_ROW_ALIGN, so every view the kernels read starts 16-byte
+        # aligned: Triton specializes a kernel on whether each pointer argument is 16-byte aligned, and Qwen's
+        # 120 + 2 rows per layer put odd layers' bits at 8 bytes past it, so every decode kernel compiled twice,
+        # the second time inside serving (the warm-up's fresh tensors are aligned): a ~40 s first-run stall on the
+        # H200 (fifteenth session, bench/results/serve_s15a_h200.md)
         bases, total = {}, 0
         for k in sorted(counts):
-            bases[k], total = total, total + counts[k]
+            bases[k], total = total, total + -(-counts[k] // TABLE_ROW_ALIGN) * TABLE_ROW_ALIGN
         self._plane_offset = torch.zeros(total, 8, dtype=torch.int64, device=self.device)
         self._lut_offset = torch.zeros(total, dtype=torch.int64, device=self.device)
         self._bits = torch.zeros(total, dtype=torch.int32, device=self.device)
