@@ -4,8 +4,8 @@
 #   0. the prefill target (<= 1.3x dense at T >= 256): `fused` was never timed past 64 tokens nor with BLOCK_M > 32
 #      (bench/prefill_tune.py; tests/test_ap_moe_kernel.py -k prefill_tile passed in the interpreter):
 #        PREFILL_APPLY=1 bash bench/gpu_pending_check.sh prefill,table   (copy $OUT/ap_moe_prefill.json if it won)
-#   1. serving with the fixed compile record and the equal-memory row at every batch (which kernels do first runs
-#      and uniform-in-PagedWeight's-budget runs compile inside their timing? triton_kernels_compiled_in_run):
+#   1. serving with the fixed compile record and the equal-memory row at every batch (e2d5d65 aligned every layer's
+#      kernel tables: first runs should now compile nothing inside their timing; triton_kernels_compiled_in_run):
 #        SERVE_BITS=4 SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=450 bash bench/gpu_pending_check.sh serve
 #   2. Mixtral serving with its new buckets (uniform 4-bit and PagedWeight; serve_speed --config-dir
 #      tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1) and the Mixtral T = 4 / 16 kernel table (stage table).
