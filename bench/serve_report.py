@@ -3,8 +3,9 @@
 ``render(meta, rows)`` -> the markdown written next to the JSON; ``ratio_lines`` adds, per batch and repeat,
 PagedWeight's decode tokens/s against uniform 4-bit (equal committed bytes, issue #8's target) and against
 uniform interpolated to the bits a PagedWeight token reads (equal bytes read), with median and range over
-repeats (``--interleave``), and the whole run's tokens/s against uniform 4-bit in PagedWeight's own budget (equal
-total memory: uniform cannot lower its weights, so it queues or preempts requests where PagedWeight demotes).
+repeats (``--interleave``), and the whole run's served tokens/s against the highest uniform bitwidth (4, else 3)
+that serves in PagedWeight's own budget (equal total memory: uniform cannot lower its weights, so it queues or
+preempts requests where PagedWeight demotes).
 No torch: plain dicts in, text out.
 """
 
@@ -15,7 +16,9 @@ import math
 import statistics
 from typing import Any
 
-EQUAL_MEMORY = "uniform 4-bit, PagedWeight's budget"  # serve_speed's row of uniform 4-bit in PagedWeight's budget
+# serve_speed's rows of the highest uniform bitwidth that serves in PagedWeight's budget: "uniform {q}-bit" + this
+# (a failed row, where not even the lowest tried fits: "uniform" + this)
+EQUAL_MEMORY = ", PagedWeight's budget"
 
 
 def _uniform_ms_at(uni: dict[int, float], bits: float) -> float:
@@ -45,11 +48,12 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
     target) and vs uniform interpolated to the bits a PagedWeight token reads (equal bytes read)."""
     out = ["", "## PagedWeight vs uniform, per repeat (decode tok/s ratio - 1)", "",
            "| batch | repeat | PW tok/s | uniform 4-bit tok/s | vs uniform 4-bit | bits read / token | "
-           "vs uniform at equal bits read | served tok/s, whole run: PW / uniform 4-bit in PW's budget (ratio - 1) |",
+           "vs uniform at equal bits read | served tok/s, whole run: PW / the highest uniform that fits PW's budget "
+           "(ratio - 1) |",
            "|---|---|---|---|---|---|---|---|"]
     summary: dict[int, list[tuple[float, float]]] = {}
-    refused = {(r["batch"], r.get("rep", 0)) for r in rows  # uniform whose one request does not fit PW's budget
-               if r["system"] == EQUAL_MEMORY and "BudgetTooSmall" in r.get("error", "")}
+    refused = {(r["batch"], r.get("rep", 0)) for r in rows  # no uniform bitwidth tried fits PW's budget
+               if r["system"].endswith(EQUAL_MEMORY) and "BudgetTooSmall" in r.get("error", "")}
     rows = [r for r in rows if "error" not in r]  # failed rows have no measurements
     for r in rows:
         if r["system"] != "PagedWeight under pressure":
@@ -64,13 +68,14 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
         read = r.get("bits_read_per_token", math.nan)
         # tok/s ratio at equal bytes read = uniform step ms at those bits / PagedWeight step ms
         matched = _uniform_ms_at(uni, read) / r.get("decode_step_ms_median", math.nan) - 1
-        eq = next((u for u in rows if u["system"] == EQUAL_MEMORY and u["batch"] == b and u.get("rep", 0) == rep),
-                  {})  # whole-run tokens served per second (prompt and generated tokens once each; queueing and
-        # preemption slow it, recomputed prompt chunks do not count) in the same total memory
+        eq = next((u for u in rows if u["system"].endswith(EQUAL_MEMORY) and u["batch"] == b
+                   and u.get("rep", 0) == rep), {})
+        # whole-run tokens served per second (prompt and generated tokens once each; queueing and preemption slow
+        # it, recomputed prompt chunks do not count) in the same total memory
         run_pw, run_eq = r.get("served_tokens_per_second", math.nan), eq.get("served_tokens_per_second", math.nan)
         summary.setdefault(b, []).append((pw / u4 - 1, matched))
         eq_cell = "n/a" if math.isnan(run_eq) or math.isnan(run_pw) else \
-            f"{run_pw:.0f} / {run_eq:.0f} ({_pct(run_pw / run_eq - 1)})"
+            f"{run_pw:.0f} / {run_eq:.0f} at {eq.get('bits', '?')} bits ({_pct(run_pw / run_eq - 1)})"
         if (b, rep) in refused:
             eq_cell = f"{run_pw:.0f} / uniform does not fit"
         out.append(f"| {b} | {rep} | {pw:.1f} | {u4:.1f} | {_pct(pw / u4 - 1)} | {read:.2f} | {_pct(matched)} | "

@@ -13,8 +13,9 @@ calibration tables (monotone random sensitivities, Dirichlet routing mass), then
   (``--uniform-workload same``, the default since the thirteenth session; before, only its b long prompts);
 * PagedWeight under a budget that makes the planner demote during the first batch and reload when
   it finishes (2 x batch requests, ``max_batch`` = batch), so copies overlap the second batch;
-* uniform 4-bit in that same budget (equal total memory, fifteenth session; ``--no-equal-memory`` skips it):
-  unable to lower its weights, it queues or preempts requests where PagedWeight demotes (or cannot serve one);
+* uniform in that same budget (equal total memory, fifteenth session; ``--no-equal-memory`` skips it), at the
+  highest of 4 and 3 bits that serves: unable to lower its weights, it queues or preempts requests where
+  PagedWeight demotes;
 * ``transformers`` eager bf16 ``generate`` (what a user has today).
 
 For each it reports prefill and decode tokens/s, peak device memory, and the bandwidth floor: bytes
@@ -47,6 +48,7 @@ from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.engine import HOST_PHASES, EngineConfig
 from pwrun.engine.report import summarize
 from pwrun.engine.serve import ServeConfig, assemble_engine, strip_experts
+from pwrun.errors import BudgetTooSmall
 from pwrun.model.checkpoint import LayerWeights, ModelWeights, _attention, _moe
 from pwrun.model.families import spec_from_config
 from pwrun.model.inventory import expert_blocks
@@ -246,8 +248,20 @@ def pressure_setup(spec: Any, stripped: LeanMoEModel, table: BlockTable, b: int,
     return reqs, int(fixed + work + at4 + 0.7 * b * kv_req)
 
 
+EQUAL_MEMORY_BITS = (4, 3)  # uniform bitwidths tried in PagedWeight's budget, highest first
 PRESSURE_POLICY = BucketPolicy((0.5, 0.85), (1.0, 1.0, 1.0), ((4, 5, 6), (3, 4, 5)), (2, 2, 2))
 PLANNER = PlannerConfig(free_threshold=4, reload_threshold=16)
+
+
+def highest_that_fits(bits: tuple[int, ...], run: Any) -> tuple[int, dict[str, Any]]:
+    """(q, run(q)) for the first q of ``bits`` (highest first) whose run does not raise ``BudgetTooSmall``; the last
+    one's ``BudgetTooSmall`` propagates (nothing fits). Other errors propagate at once."""
+    for q in bits[:-1]:
+        try:
+            return q, run(q)
+        except BudgetTooSmall:
+            continue
+    return bits[-1], run(bits[-1])
 
 
 def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy: str, bits: int | None,
@@ -374,8 +388,8 @@ def main() -> None:
                          "'long' = only the b long prompts (the thirteenth session's call 3 and earlier results)")
     ap.add_argument("--only-pressure", action="store_true", help="only the PagedWeight-under-pressure rows")
     ap.add_argument("--no-equal-memory", dest="equal_memory", action="store_false",
-                    help="skip the uniform 4-bit run under PagedWeight's budget (equal total memory) after each "
-                         "PagedWeight run")
+                    help="skip the uniform run (4 bits, else 3) under PagedWeight's budget (equal total memory) after "
+                         "each PagedWeight run")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--big-budget-gib", type=float, default=60.0, help="budget of the no-pressure runs (GiB)")
     ap.add_argument("--compare-unfused", action="store_true",
@@ -446,13 +460,15 @@ def main() -> None:
         save()
 
     def equal_memory_row(b: int, rep: int = 0) -> None:
-        """Uniform 4-bit in PagedWeight's budget (equal total memory): it cannot lower its weights, so its KV room
-        is what the budget leaves (it queues or preempts requests where PagedWeight demotes; BudgetTooSmall, a
-        failed row, where one request does not fit)."""
+        """The highest uniform bitwidth of EQUAL_MEMORY_BITS that serves in PagedWeight's budget (equal total
+        memory; what a static deployment of that memory picks): it cannot lower its weights, so its KV room is what
+        the budget leaves (it queues or preempts requests where PagedWeight demotes). BudgetTooSmall from the
+        lowest one (not even one request fits) is the row's error."""
         reqs, budget = pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen)
-        u = engine_run(stripped, src, table, "uniform", 4, budget, reqs, args.gen, b)
-        rows.append({"system": EQUAL_MEMORY, "batch": b, "rep": rep, "requests": len(reqs), **_pick(u),
-                     "floor_tps": floor_tokens_per_s(spec, model, 4, b, ctx, bw)})
+        q, u = highest_that_fits(EQUAL_MEMORY_BITS, lambda q: engine_run(stripped, src, table, "uniform", q, budget,
+                                                                         reqs, args.gen, b))
+        rows.append({"system": f"uniform {q}-bit{EQUAL_MEMORY}", "bits": q, "batch": b, "rep": rep,
+                     "requests": len(reqs), **_pick(u), "floor_tps": floor_tokens_per_s(spec, model, q, b, ctx, bw)})
         save()
 
     def guarded(label: str, b: int, rep: int, run: Any) -> None:
@@ -476,7 +492,7 @@ def main() -> None:
                 if not over():
                     guarded("PagedWeight under pressure", b, rep, lambda: pressure_row(b, rep))  # noqa: B023
                 if args.equal_memory and not over():
-                    guarded(EQUAL_MEMORY, b, rep, lambda: equal_memory_row(b, rep))  # noqa: B023
+                    guarded(f"uniform{EQUAL_MEMORY}", b, rep, lambda: equal_memory_row(b, rep))  # noqa: B023
     else:
         for b in [] if args.only_pressure else batches:
             runs = [(q, True) for q in bit_list]
@@ -489,7 +505,7 @@ def main() -> None:
             if not over():
                 guarded("PagedWeight under pressure", b, 0, lambda: pressure_row(b))  # noqa: B023
             if args.equal_memory and not over():
-                guarded(EQUAL_MEMORY, b, 0, lambda: equal_memory_row(b))  # noqa: B023
+                guarded(f"uniform{EQUAL_MEMORY}", b, 0, lambda: equal_memory_row(b))  # noqa: B023
     if not args.skip_hf:
         del model, stripped
         reset_peak()

@@ -92,6 +92,37 @@ def test_serve_report_names_runs_that_compiled_kernels(tmp_path, monkeypatch) ->
     assert "compiled inside" not in render({"command": "x"}, rows[1:])
 
 
+def test_equal_memory_takes_the_highest_uniform_bitwidth_that_fits() -> None:
+    """serve_speed.highest_that_fits: 4 bits if it fits PagedWeight's budget, else 3; BudgetTooSmall from the last
+    one propagates (the row's error), other errors at once."""
+    import sys
+
+    sys.path.insert(0, "bench")
+    from bench.serve_speed import highest_that_fits
+    from pwrun.errors import BudgetTooSmall
+
+    tried: list[int] = []
+
+    def run(fits: set[int]):  # type: ignore[no-untyped-def]
+        def go(q: int) -> dict:
+            tried.append(q)
+            if q not in fits:
+                raise BudgetTooSmall("too small", 1)
+            return {"q": q}
+        return go
+
+    assert highest_that_fits((4, 3), run({3, 4})) == (4, {"q": 4}) and tried == [4]
+    tried.clear()
+    assert highest_that_fits((4, 3), run({3})) == (3, {"q": 3}) and tried == [4, 3]
+    with pytest.raises(BudgetTooSmall):
+        highest_that_fits((4, 3), run(set()))
+
+    def oom(q: int) -> dict:
+        raise RuntimeError("out of memory")
+    with pytest.raises(RuntimeError):
+        highest_that_fits((4, 3), oom)
+
+
 def test_serve_report_interpolates_equal_bits_read_or_says_n_a() -> None:
     """The equal-bits-read ratio interpolates uniform runs linearly in bits (4 and 8 bits: 10 and 18 ms, so 5 bits
     read -> 12 ms; PagedWeight at 12.5 ms is 4% slower); with one uniform bitwidth it is "n/a", never "+nan%"."""
@@ -110,17 +141,18 @@ def test_serve_report_interpolates_equal_bits_read_or_says_n_a() -> None:
     one = "\n".join(ratio_lines(rows([4])))
     assert "nan" not in one and "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | n/a |" in one
     # whole-run tokens/s against uniform 4-bit in PagedWeight's budget, matched by batch and repeat
-    eq = [{"system": "uniform 4-bit, PagedWeight's budget", "batch": 1, "rep": rep, "served_tokens_per_second": t,
-           "tokens_per_second": 9e9} for rep, t in ((0, 400.0), (1, 250.0))]  # served, not processed, tokens count
+    eq = [{"system": f"uniform {q}-bit, PagedWeight's budget", "bits": q, "batch": 1, "rep": rep,
+           "served_tokens_per_second": t, "tokens_per_second": 9e9}  # served, not processed, tokens count
+          for rep, t, q in ((0, 400.0, 4), (1, 250.0, 3))]
     pw_run = [dict(r, served_tokens_per_second=500.0) if r["system"].startswith("Paged") else r for r in rows([4])]
     text = "\n".join(ratio_lines(pw_run + eq))
-    assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 400 (+25.0%) |" in text
-    assert "| 1 | 1 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 250 (+100.0%) |" in text
-    refused = [eq[0], {"system": "uniform 4-bit, PagedWeight's budget", "batch": 1, "rep": 1,
+    assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 400 at 4 bits (+25.0%) |" in text
+    assert "| 1 | 1 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 250 at 3 bits (+100.0%) |" in text
+    refused = [eq[0], {"system": "uniform, PagedWeight's budget", "batch": 1, "rep": 1,
                        "error": "BudgetTooSmall: --gpu-memory 11.13 GiB is too small"}]
     text = "\n".join(ratio_lines(pw_run + refused))
     assert "| 1 | 1 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / uniform does not fit |" in text
-    assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 400 (+25.0%) |" in text
+    assert "| 1 | 0 | 80.0 | 100.0 | -20.0% | 5.00 | n/a | 500 / 400 at 4 bits (+25.0%) |" in text
     assert "| 1 | 2 | -20.0% (-20.0 .. -20.0) | n/a |" in one
 
 
@@ -230,5 +262,5 @@ def test_serve_speed_gives_uniform_the_pagedweight_requests(tmp_path) -> None:  
             # served tokens: each prompt and generated token once (2 x 64 + 2 x 256 prompt tokens + 4 x 4 generated)
             assert abs(r["served_tokens_per_second"] * r["seconds"] - (2 * 64 + 2 * 256 + 4 * 4)) < 1e-6
             assert len(r["slowest_steps"]) == 3 and r["slowest_steps"][0]["seconds"] >= r["slowest_steps"][2]["seconds"]
-        assert "uniform 4-bit in PW's budget" in out.read_text()
+        assert "the highest uniform that fits PW's budget" in out.read_text() and " at 4 bits (" in out.read_text()
     assert requests == {"same": [4], "long": [2]}
