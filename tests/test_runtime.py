@@ -234,6 +234,8 @@ def test_expert_views_start_16_byte_aligned(calibrated_artifacts: Path) -> None:
             for t in (ex.bits, ex.lut_offset, ex.plane_offset):
                 assert t.data_ptr() % 16 == 0, (layer, kind, t.dtype)
             seen += 1
+        for t in (store.mass_acc[layer], store.norm_acc[layer]):  # the routing kernel's live statistics rows
+            assert t.data_ptr() % 16 == 0 and t.is_contiguous(), (layer, t.shape)
     assert seen >= 4
 
 

@@ -132,7 +132,10 @@ class ExpertStore:
         # live routing statistics (read and zeroed every few steps), shared expert in column e_max
         # (fp32 for the routing kernel's atomics on CUDA; fp64 sums on the CPU reference path)
         acc_dtype = torch.float32 if use_kernel else torch.float64
-        self.mass_acc = torch.zeros(num_layers, e_max + 1, dtype=acc_dtype, device=self.device)
+        # rows padded to a multiple of TABLE_ROW_ALIGN columns, so each layer's row the routing kernel updates starts
+        # 16-byte aligned (Qwen's 61 fp32 columns put 3 of 4 layers off: two compiled variants, as for the tables)
+        cols = -(-(e_max + 1) // TABLE_ROW_ALIGN) * TABLE_ROW_ALIGN
+        self.mass_acc = torch.zeros(num_layers, cols, dtype=acc_dtype, device=self.device)[:, :e_max + 1]
         self.norm_acc = torch.zeros(num_layers, e_max + 1, 4, dtype=acc_dtype, device=self.device)
         self.observe = True  # the engine turns it off when no planner reads the statistics
         self.e_max = e_max
