@@ -34,7 +34,7 @@ from pwrun.planner.online import OnlineStats
 from pwrun.planner.runtime import Planner, PlannerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_speed import BITS, synthetic_table  # the table serve_speed serves with
+from serve_synthetic import BITS, synthetic_table  # the table serve_speed serves with
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:

@@ -83,7 +83,8 @@ def main() -> None:
                     str(args.batch), "--bits", "4", "--prompt-len", str(args.prompt_len), "--gen", str(args.gen),
                     "--big-budget-gib", "1", "--only-pressure", "--out-md", str(out)]
         serve_speed.main()
-        row = json.loads(out.with_suffix(".json").read_text())["rows"][-1]
+        row = next(r for r in json.loads(out.with_suffix(".json").read_text())["rows"]
+                   if r["system"] == "PagedWeight under pressure")
     print(f"\n{'cuda' if args.cuda_order else 'cpu'} step order, batch {args.batch}, prompts {args.prompt_len} + 256, "
           f"{args.gen} new tokens (warm-up and timed run together):")
     for (where, why, ok), n in sorted(TAKES.items()):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import serve_speed as sp  # type: ignore[import-not-found]
+import serve_synthetic as syn  # type: ignore[import-not-found]
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -49,11 +50,11 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="profile the prefill step instead of decode steps")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    model = sp.random_model(args.config_dir, torch.bfloat16, "cuda")
+    model = syn.random_model(args.config_dir, torch.bfloat16, "cuda")
     model = strip_experts(model, torch.device("cuda"))
     torch.cuda.empty_cache()
-    src = sp.SyntheticAP(model.spec, torch.bfloat16)
-    table = sp.synthetic_table(model.spec)
+    src = syn.SyntheticAP(model.spec, torch.bfloat16)
+    table = syn.synthetic_table(model.spec)
     if args.pressure:
         reqs, budget = sp.pressure_setup(model.spec, model, table, 1, args.prompt_len, args.steps + 4)
         cfg = ServeConfig(budget, "pagedweight", None, EngineConfig(max_batch=1, max_step_tokens=2048,

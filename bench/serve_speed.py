@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 from serve_report import EQUAL_MEMORY, render  # bench/ sibling: the markdown report of these rows
+from serve_synthetic import SyntheticAP, random_model, synthetic_table, table_at  # bench/ sibling
 from triton_cache import kernel_names, triton_cache_dirs  # bench/ sibling
 
 from pwrun.engine.budget import workspace_bytes
@@ -49,18 +50,13 @@ from pwrun.engine.engine import HOST_PHASES, EngineConfig
 from pwrun.engine.report import summarize
 from pwrun.engine.serve import ServeConfig, assemble_engine, strip_experts
 from pwrun.errors import BudgetTooSmall
-from pwrun.model.checkpoint import LayerWeights, ModelWeights, _attention, _moe
-from pwrun.model.families import spec_from_config
-from pwrun.model.inventory import expert_blocks
 from pwrun.model.lean import LeanMoEModel
-from pwrun.model.loader import read_config
 from pwrun.planner.buckets import BucketPolicy
 from pwrun.planner.runtime import PlannerConfig
-from pwrun.planner.tables import UNITS, BlockTable
+from pwrun.planner.tables import BlockTable
 from pwrun.runner import ModelRunner
 from pwrun.sampling import SamplingParams
 
-BITS = [3, 4, 5, 6, 7, 8]
 DEV = "cuda"  # --device cpu gives a slow dry run of the whole script (tiny configs) on a machine without GPU
 
 
@@ -79,101 +75,6 @@ def reset_peak() -> None:
     if DEV == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-
-
-class RandomReader:
-    """Stands in for the checkpoint reader: random tensors of the asked shapes (norms = 1)."""
-
-    def __init__(self, dtype: torch.dtype, device: str) -> None:
-        self.dtype, self.device = dtype, device
-
-    def has(self, name: str) -> bool:
-        return name.endswith("experts.gate_up_proj")
-
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        assert shape is not None
-        if "norm" in name:
-            return torch.ones(shape, dtype=self.dtype, device=self.device)
-        return torch.randn(shape, dtype=self.dtype, device=self.device) * 0.02
-
-    def maybe(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        return None
-
-
-def random_model(config_dir: Path, dtype: torch.dtype, device: str) -> LeanMoEModel:
-    spec, names = spec_from_config(read_config(config_dir))
-    r = RandomReader(dtype, device)
-    h, v = spec.hidden_size, spec.vocab_size
-    embed = r.get("embed", (v, h))
-    lm_head = embed if spec.tie_word_embeddings else r.get("lm_head", (v, h))
-    layers = []
-    for layer in spec.layers:
-        p = f"model.layers.{layer.index}."
-        lw = LayerWeights(attn_norm=r.get(p + "norm", (h,)), ffn_norm=r.get(p + "norm2", (h,)),
-                          attn=_attention(r, p + "self_attn.", spec, layer))  # type: ignore[arg-type]
-        assert layer.moe is not None
-        lw.moe = _moe(r, p, spec, layer, names)  # type: ignore[arg-type]
-        layers.append(lw)
-    return LeanMoEModel(spec, ModelWeights(embed=embed, lm_head=lm_head, final_norm=r.get("norm", (h,)), layers=layers))
-
-
-class SyntheticAP:
-    """Random AP planes/LUTs for every expert block, in one pinned host buffer (an artifact stand-in)."""
-
-    def __init__(self, spec: Any, dtype: torch.dtype) -> None:
-        self.bits, self.seed_bits = BITS, 3
-        self.blocks = expert_blocks(spec)
-        sizes = []
-        for b in self.blocks:
-            kw = -(-b.k // 32)
-            sizes.append(8 * b.n * kw * 4 + sum(b.n * 2**q * 2 for q in BITS))
-        self.buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=DEV == "cuda")
-        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
-        pos = 0
-        g = torch.Generator(device=DEV).manual_seed(0)
-        for b, size in zip(self.blocks, sizes, strict=True):
-            kw = -(-b.k // 32)
-            name = f"{'shared' if b.expert < 0 else b.expert}.{b.unit}"
-            d = self.tensors.setdefault(b.layer, {})
-            n_pl = 8 * b.n * kw * 4
-            planes = self.buf[pos:pos + n_pl].view(torch.int32).view(8, b.n, kw)
-            planes.copy_(torch.randint(-2**31, 2**31 - 1, (8, b.n, kw), dtype=torch.int32, device=DEV,
-                                       generator=g))
-            d[f"{name}.planes"] = planes
-            off = pos + n_pl
-            for q in BITS:
-                nb = b.n * 2**q * 2
-                lut = self.buf[off:off + nb].view(dtype).view(b.n, 2**q)
-                lut.copy_(torch.sort(torch.randn(b.n, 2**q, device=DEV, generator=g) * 0.02, dim=1)[0].to(dtype))
-                d[f"{name}.lut{q}"] = lut
-                off += nb
-            pos += size
-        sync()
-
-    def layer_tensors(self, layer: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-        return self.tensors[layer]
-
-
-def synthetic_table(spec: Any, seed: int = 0) -> BlockTable:
-    rng = np.random.default_rng(seed)
-    blocks = sorted(expert_blocks(spec), key=lambda b: (b.layer, b.expert, b.unit))
-    n = len(blocks)
-    e = max(ls.moe.num_experts for ls in spec.layers if ls.moe is not None)
-    mass_le = rng.dirichlet(np.ones(e) * 2, size=spec.num_layers)
-    mass = np.array([1.0 if b.expert < 0 else mass_le[b.layer, b.expert] for b in blocks])
-    base = rng.lognormal(0, 1, n) * mass * 1e3
-    sens = base[:, None] * 4.0 ** -(np.arange(len(BITS))[None, :])  # each bit ~4x less error
-    return BlockTable(bits=np.array(BITS), layer=np.array([b.layer for b in blocks]),
-                      expert=np.array([b.expert for b in blocks]), unit=np.array([UNITS.index(b.unit) for b in blocks]),
-                      sens=sens, bytes=np.zeros((n, len(BITS)), np.int64), tokens=np.full(n, 1000), mass=mass)
-
-
-def table_at(table: BlockTable, spec: Any, bits: int) -> np.ndarray:
-    """[n] page-rounded bytes of every block at ``bits`` (16-token KV pages of this model, bf16)."""
-    from pwrun.engine.experts import page_rounded_bytes
-
-    a = spec.layers[0].attention
-    return page_rounded_bytes(table, spec, 16 * a.num_kv_heads * a.head_dim * 2)[:, BITS.index(bits)]
 
 
 def copy_bandwidth() -> float:
@@ -386,7 +287,8 @@ def main() -> None:
                     help="requests of the uniform runs: 'same' = the PagedWeight run's (b prompts of --prompt-len, "
                          "then b of 256 tokens), so both sides of the PagedWeight-vs-uniform ratio serve equal work; "
                          "'long' = only the b long prompts (the thirteenth session's call 3 and earlier results)")
-    ap.add_argument("--only-pressure", action="store_true", help="only the PagedWeight-under-pressure rows")
+    ap.add_argument("--only-pressure", action="store_true",
+                    help="only the PagedWeight-under-pressure rows (no uniform rows, the equal-memory one included)")
     ap.add_argument("--no-equal-memory", dest="equal_memory", action="store_false",
                     help="skip the uniform run (4 bits, else 3) under PagedWeight's budget (equal total memory) after "
                          "each PagedWeight run")
@@ -414,7 +316,7 @@ def main() -> None:
     meta["copy_bandwidth_TBps"] = round(bw / 1e12, 3)
     model = random_model(args.config_dir, torch.bfloat16, DEV)
     spec = model.spec
-    src = SyntheticAP(spec, torch.bfloat16)
+    src = SyntheticAP(spec, torch.bfloat16, DEV)
     meta["setup_s"] = round(time.time() - t_start, 1)
     table = synthetic_table(spec)
     batches = [int(b) for b in args.batches.split(",")]
@@ -491,7 +393,7 @@ def main() -> None:
                         guarded(f"ours uniform {q}-bit", b, rep, lambda: uniform_row(b, q, rep=rep))  # noqa: B023
                 if not over():
                     guarded("PagedWeight under pressure", b, rep, lambda: pressure_row(b, rep))  # noqa: B023
-                if args.equal_memory and not over():
+                if args.equal_memory and not args.only_pressure and not over():
                     guarded(f"uniform{EQUAL_MEMORY}", b, rep, lambda: equal_memory_row(b, rep))  # noqa: B023
     else:
         for b in [] if args.only_pressure else batches:
@@ -504,7 +406,7 @@ def main() -> None:
         for b in batches:
             if not over():
                 guarded("PagedWeight under pressure", b, 0, lambda: pressure_row(b))  # noqa: B023
-            if args.equal_memory and not over():
+            if args.equal_memory and not args.only_pressure and not over():
                 guarded(f"uniform{EQUAL_MEMORY}", b, 0, lambda: equal_memory_row(b))  # noqa: B023
     if not args.skip_hf:
         del model, stripped
