@@ -223,19 +223,27 @@ def tune_shape(family: str, s: dict, ex: Any, reps: int) -> list[dict[str, Any]]
     return [b for i, b in enumerate(buckets) if i == 0 or b["config"] != buckets[i - 1]["config"]]
 
 
-def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, reps: int,
-              tuned: dict[str, list]) -> list[dict]:
+def random_layer(s: dict) -> tuple[list, list, torch.Tensor, torch.Tensor]:
+    """A layer of shape ``s`` on the GPU, seeded (torch.manual_seed(0)): per block (gate_up [2I, H], down [H, I] of
+    each expert) 8-bit codes packed into planes (``pack_planes``, reused for every q) and LUTs {q: [N, 2^q]} for
+    q = 2..8, plus the bf16 dense weights gate_up [E, 2I, H] and down [E, H, I] of the dense baseline."""
     e, hdim, inter = s["experts"], s["hidden"], s["inter"]
-    g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     codes, luts = [], []
     for i in range(2 * e):
         n, kk = (2 * inter, hdim) if i % 2 == 0 else (hdim, inter)
-        c = torch.randint(0, 256, (n, kk), dtype=torch.uint8, device="cuda")
-        codes.append(pack_planes(c))  # packed once on the GPU, reused for every q
+        codes.append(pack_planes(torch.randint(0, 256, (n, kk), dtype=torch.uint8, device="cuda")))
         luts.append({b: torch.randn(n, 2**b, device="cuda") * kk**-0.5 for b in range(2, 9)})
     gate_up = torch.randn(e, 2 * inter, hdim, device="cuda", dtype=torch.bfloat16) * hdim**-0.5
     down = torch.randn(e, hdim, inter, device="cuda", dtype=torch.bfloat16) * inter**-0.5
+    return codes, luts, gate_up, down
+
+
+def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, reps: int,
+              tuned: dict[str, list]) -> list[dict]:
+    e, hdim, inter = s["experts"], s["hidden"], s["inter"]
+    g = torch.Generator().manual_seed(0)
+    codes, luts, gate_up, down = random_layer(s)
     hf = hf_block(family, s)
     key = f"{hdim}x{inter}"
     if key in tuned:

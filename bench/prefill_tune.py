@@ -64,9 +64,8 @@ def write_buckets(configs: dict[str, Any], key: str, winners: dict[int, dict[str
 def main() -> None:
     import torch
 
-    from bench.ap_moe_speed import ALL_SHAPES, dense_grouped, make_layer, precompile, routed, timeit
+    from bench.ap_moe_speed import ALL_SHAPES, dense_grouped, make_layer, precompile, random_layer, routed, timeit
     from kernels.ap_moe import CONFIGS, ap_moe, ap_moe_ref, pick_config
-    from pwrun.ap.format import pack_planes
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="qwen1.5-moe,mixtral-8x7b")
@@ -91,15 +90,8 @@ def main() -> None:
     for family in args.shapes.split(","):
         s = ALL_SHAPES[family]
         e, h, inter = s["experts"], s["hidden"], s["inter"]
-        torch.manual_seed(0)
         g = torch.Generator().manual_seed(0)
-        codes, luts = [], []
-        for i in range(2 * e):
-            n, kk = (2 * inter, h) if i % 2 == 0 else (h, inter)
-            codes.append(pack_planes(torch.randint(0, 256, (n, kk), dtype=torch.uint8, device="cuda")))
-            luts.append({b: torch.randn(n, 2**b, device="cuda") * kk**-0.5 for b in range(2, 9)})
-        gate_up = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * h**-0.5
-        down = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * inter**-0.5
+        codes, luts, gate_up, down = random_layer(s)
         layers = {q: make_layer(s, torch.randint(2, 9, (2 * e,), generator=g).tolist() if q == "mixed"
                                 else [int(q)] * (2 * e), codes, luts) for q in args.qs.split(",")}
         winners: dict[int, dict[str, Any]] = {}
