@@ -109,8 +109,9 @@ class ExpertStore:
         # each layer's rows start at a multiple of TABLE_ROW_ALIGN, so every view the kernels read starts 16-byte
         # aligned: Triton specializes a kernel on whether each pointer argument is 16-byte aligned, and Qwen's
         # 120 + 2 rows per layer put odd layers' bits at 8 bytes past it, so every decode kernel compiled twice,
-        # the second time inside serving (the warm-up's fresh tensors are aligned): the likely cause of a ~40 s
-        # first-run stall on the H200 (fifteenth session, bench/results/serve_s15a_h200.md; not yet re-measured)
+        # the second time inside serving (the warm-up's fresh tensors are aligned): the likely cause of a ~50 s
+        # first-run stall on the H200 (batch 4: prefill at 186 tokens/s over 9216 prompt tokens, ~14.5k in later runs;
+        # bench/results/serve_s15a_h200.md, gpu_checks/triton_cache_diff_s15.txt; not yet re-measured)
         bases, total = {}, 0
         for k in sorted(counts):
             bases[k], total = total, total + -(-counts[k] // TABLE_ROW_ALIGN) * TABLE_ROW_ALIGN
