@@ -2,7 +2,7 @@
 # The GPU runs that CPU-only changes wait for. Fifteenth session: serving re-run (serve: planner < 1% met), Mixtral's
 # buckets with inline shuffles (slots, SLOTS_APPLY), first equal-memory runs. What waits now:
 #   0. the prefill target (<= 1.3x dense at T >= 256): `fused` was never timed past 64 tokens nor with BLOCK_M > 32
-#      (bench/prefill_tune.py; tests/test_ap_moe_kernel.py -k prefill_tile passed in the interpreter):
+#      (bench/prefill_tune.py; tests/test_ap_moe_prefill_tiles.py passed in the interpreter):
 #        PREFILL_APPLY=1 bash bench/gpu_pending_check.sh prefill,table   (copy $OUT/ap_moe_prefill.json if it won)
 #   1. serving with the fixed compile record and the equal-memory row at every batch (e2d5d65 aligned every layer's
 #      kernel tables: first runs should now compile nothing inside their timing; triton_kernels_compiled_in_run):
@@ -83,7 +83,7 @@ if [[ $STAGES == *prefill* ]]; then  # fused at prefill tile sizes vs the commit
   cp kernels/configs/ap_moe.json "$OUT/ap_moe_prefill.json"
   timeout ${PREFILL_TIMEOUT:-360} python -u bench/prefill_tune.py --shapes ${PREFILL_SHAPES:-qwen1.5-moe,mixtral-8x7b} \
     --ts 256,2048 --qs 4,mixed --time-limit $(( ${PREFILL_TIMEOUT:-360} - 60 )) --write-configs "$OUT/ap_moe_prefill.json" 2>&1
-  python -m pytest -q -p no:warnings tests/test_ap_moe_kernel.py -k "prefill_tile or fused" 2>&1 | tail -2; } \
+  python -m pytest -q -p no:warnings tests/test_ap_moe_prefill_tiles.py tests/test_ap_moe_kernel.py -k "prefill_tile or fused" 2>&1 | tail -2; } \
   > "$OUT/prefill_tune.txt"
 pack; echo "prefill tuning done at ${SECONDS}s"; grep -v '^{' "$OUT/prefill_tune.txt" | tail -16
 if [[ ${PREFILL_APPLY:-0} == 1 ]]; then cp "$OUT/ap_moe_prefill.json" kernels/configs/ap_moe.json; echo "later stages use the prefill winners"; fi

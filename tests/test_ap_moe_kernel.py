@@ -272,21 +272,6 @@ def test_word_first_path_raw_shuffles(t: int) -> None:
             check(t, 4, 7, hidden=1064, inter=1400, bits=bits, dtype=dtype, seed=70 + t + bk_dn, config=raw)
 
 
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_fused_path_at_prefill_tile_sizes(block_m: int) -> None:
-    """``fused`` with the BLOCK_M that ``bench/prefill_tune.py`` times (64, 128): ragged H and I, a random mix of q
-    2..8, experts with more and fewer tokens than one tile, one expert with none, bf16 and fp16."""
-    cfg = {"path": "fused", "SPREAD": 1, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 64}
-    g = torch.Generator().manual_seed(block_m)
-    for dtype in (torch.bfloat16, torch.float16):
-        t, k, e = 150, 2, 5
-        ids = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])  # expert e - 1: no tokens
-        ids[:100, 0] = 0  # expert 0: more than one tile of 64
-        ids[:100, 1] = torch.where(ids[:100, 1] == 0, 1, ids[:100, 1])
-        bits = torch.randint(2, 9, (2 * e,), generator=g).tolist()
-        check(t, k, e, hidden=104, inter=40, bits=bits, dtype=dtype, seed=block_m + 7, ids=ids, config=cfg)
-
-
 def test_raw_shuffles_only_on_nvidia_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """RAW_SHFL is inline PTX: asked for by the tile, it is used only on NVIDIA CUDA tensors with a 16- or 32-word K
     step; CPU (interpreter), ROCm (torch.version.hip set, is_cuda also true) and other K steps keep tl.gather."""
