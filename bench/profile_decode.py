@@ -38,6 +38,21 @@ from pwrun.planner.buckets import BucketPolicy
 from pwrun.sampling import SamplingParams
 
 
+def to_decode(e: Any, batch: int) -> None:
+    """Step ``e`` through every prompt's prefill chunks (batch 16 x 2048 tokens is 16 steps of 2048: the
+    fifteenth session's batch-16 profile timed prefill steps) and 2 warm-up steps with ``batch`` decode
+    tokens each; raises ``RuntimeError`` if the requests never all decode together."""
+    warm = 0
+    for _ in range(4 * batch + 16):
+        before = (e.totals.prefill_tokens, e.totals.decode_tokens)
+        e.step()
+        only_decode = e.totals.prefill_tokens == before[0] and e.totals.decode_tokens - before[1] == batch
+        warm = warm + 1 if only_decode else 0
+        if warm == 2:
+            return
+    raise RuntimeError(f"the {batch} requests never decoded together: profile a smaller batch or shorter prompt")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config-dir", type=Path, default=Path("tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B"))
@@ -86,8 +101,7 @@ def main() -> None:
     steps = 1 if args.prefill else args.steps
     e = fresh()
     if not args.prefill:
-        for _ in range(3):  # prefill + warm-up decode steps
-            e.step()
+        to_decode(e, args.batch)
     plain = timed(e, steps)  # wall time per step without the profiler
     plain_phases = {k: round(1e3 * v, 3) for k, v in e.totals.trace[-1].items() if k.endswith("seconds") and v}
     host = ""
