@@ -93,8 +93,8 @@ timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --
   --out-md "$OUT/ap_moe_table_h200.md" > "$OUT/ap_moe_table_stdout.txt" 2>&1
 pack; echo "kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_h200.md" | cut -c1-220 | tail -24
 fi
-if [[ $STAGES == *profile* ]]; then  # where a batch-1 / batch-16 decode step's GPU time goes now (eager steps)
-for b in 1 16; do timeout 200 python -u bench/profile_decode.py --bits 4 --batch $b --out "$OUT/profile_decode_u4_b${b}.txt" \
+if [[ $STAGES == *profile* ]]; then  # where a decode step's GPU time goes now (eager steps; PROFILE_BATCHES, default "1 16")
+for b in ${PROFILE_BATCHES:-1 16}; do timeout 200 python -u bench/profile_decode.py --bits 4 --batch $b --out "$OUT/profile_decode_u4_b${b}.txt" \
   > "$OUT/profile_b${b}_stdout.txt" 2>&1; head -12 "$OUT/profile_decode_u4_b${b}.txt"; done
 pack; echo "profiles done at ${SECONDS}s"
 fi
