@@ -89,9 +89,16 @@ pack; echo "prefill tuning done at ${SECONDS}s"; grep -v '^{' "$OUT/prefill_tune
 if [[ ${PREFILL_APPLY:-0} == 1 ]]; then cp "$OUT/ap_moe_prefill.json" kernels/configs/ap_moe.json; echo "later stages use the prefill winners"; fi
 fi
 if [[ $STAGES == *table* ]]; then  # the kernel table of issue 4 with the committed buckets (~1 min, cache warm)
-timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts 1,4,16,256,2048 --qs 4,mixed --reps 20 \
+# TABLE_TS (default 1,4,16,256,2048), TABLE_COLD=1: a second table with L2 flushed before every timed call
+timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs 4,mixed --reps 20 \
   --out-md "$OUT/ap_moe_table_h200.md" > "$OUT/ap_moe_table_stdout.txt" 2>&1
-pack; echo "kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_h200.md" | cut -c1-220 | tail -24
+echo "kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_h200.md" | cut -c1-220 | tail -24
+if [[ ${TABLE_COLD:-0} == 1 ]]; then
+timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs 4,mixed --reps 20 \
+  --cold-l2 --out-md "$OUT/ap_moe_table_cold_h200.md" > "$OUT/ap_moe_table_cold_stdout.txt" 2>&1
+echo "cold-L2 kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_cold_h200.md" | cut -c1-220 | tail -24
+fi
+pack
 fi
 if [[ $STAGES == *profile* ]]; then  # where a decode step's GPU time goes now (eager steps; PROFILE_BATCHES, default "1 16")
 for b in ${PROFILE_BATCHES:-1 16}; do timeout 200 python -u bench/profile_decode.py --bits 4 --batch $b --out "$OUT/profile_decode_u4_b${b}.txt" \

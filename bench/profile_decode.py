@@ -37,6 +37,16 @@ from pwrun.engine.serve import ServeConfig, assemble_engine, strip_experts
 from pwrun.planner.buckets import BucketPolicy
 from pwrun.sampling import SamplingParams
 
+STEP_TOKENS = 2048  # tokens per engine step (a 2048-token prompt is one prefill step)
+
+
+def new_tokens(batch: int, prompt_len: int, steps: int) -> int:
+    """Tokens each request must generate so that none finishes before the last profiled step: the first
+    request decodes through the other prompts' ceil(batch * prompt_len / STEP_TOKENS) prefill steps, then 2
+    warm-up, ``steps`` timed and ``steps`` profiled steps (+ 4 to spare; the sixteenth session's first batch-16
+    run sized it 2 * steps + 4, and every request finished before the last prompt was in)."""
+    return -(-batch * prompt_len // STEP_TOKENS) + 2 * steps + 4
+
 
 def to_decode(e: Any, batch: int) -> None:
     """Step ``e`` through every prompt's prefill chunks (batch 16 x 2048 tokens is 16 steps of 2048: the
@@ -72,13 +82,13 @@ def main() -> None:
     table = syn.synthetic_table(model.spec)
     if args.pressure:
         reqs, budget = sp.pressure_setup(model.spec, model, table, 1, args.prompt_len, args.steps + 4)
-        cfg = ServeConfig(budget, "pagedweight", None, EngineConfig(max_batch=1, max_step_tokens=2048,
+        cfg = ServeConfig(budget, "pagedweight", None, EngineConfig(max_batch=1, max_step_tokens=STEP_TOKENS,
                                                                      cuda_graphs=False), sp.PLANNER)
         pol = sp.PRESSURE_POLICY
     else:
         reqs = sp.prompts(args.batch, args.prompt_len, model.spec.vocab_size, 0)
-        cfg = ServeConfig(40 * 2**30, "uniform", args.bits, EngineConfig(max_batch=args.batch, max_step_tokens=2048,
-                                                                         cuda_graphs=False))
+        cfg = ServeConfig(40 * 2**30, "uniform", args.bits,
+                          EngineConfig(max_batch=args.batch, max_step_tokens=STEP_TOKENS, cuda_graphs=False))
         pol = BucketPolicy.neutral(3)
     # compile every kernel of the prefill and first decode steps (so no timing below includes Triton's JIT), then
     # a fresh engine
@@ -87,8 +97,8 @@ def main() -> None:
     def fresh() -> Any:
         gc.collect()  # the previous engine (and its pool) is gone before the next one is built
         torch.cuda.empty_cache()
-        return assemble_engine(model, src, table, pol, None, None, cfg,
-                               SamplingParams(max_new_tokens=2 * args.steps + 4), reqs, set()).engine
+        gen = SamplingParams(max_new_tokens=new_tokens(args.batch, args.prompt_len, args.steps))
+        return assemble_engine(model, src, table, pol, None, None, cfg, gen, reqs, set()).engine
 
     def timed(e: Any, n: int) -> float:
         torch.cuda.synchronize()

@@ -1,5 +1,6 @@
-"""bench/profile_decode.to_decode: the profiled steps start only once every request decodes (the fifteenth
-session's batch-16 profile measured prefill chunks), and a batch that never decodes together is an error."""
+"""bench/profile_decode: the profiled steps start only once every request decodes (the fifteenth session's
+batch-16 profile measured prefill chunks), no request finishes before the last profiled step (the sixteenth
+session's first fix ran out of tokens at batch 16), and a batch that never decodes together is an error."""
 
 from __future__ import annotations
 
@@ -10,31 +11,38 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from profile_decode import to_decode  # noqa: E402
+from profile_decode import STEP_TOKENS, new_tokens, to_decode
 
 
 class ChunkedPrefill:
-    """An engine stand-in: ``batch`` prompts of ``prompt`` tokens prefilled ``chunk`` tokens per step (a request's
-    last chunk yields its first token), then one decode token per request per step; ``cap`` limits how many
-    requests decode at once (a KV cache too small for the whole batch)."""
+    """An engine stand-in: ``batch`` prompts of ``prompt`` tokens prefilled in order, ``chunk`` tokens per step
+    (a request's last chunk yields its first token), one decode token per decoding request per step (decodes ride
+    along with prefill chunks), a request finishes at ``max_new`` tokens; ``cap`` limits how many requests hold
+    KV at once (a cache too small for the whole batch)."""
 
-    def __init__(self, batch: int, prompt: int, chunk: int, cap: int | None = None) -> None:
-        self.left = [prompt] * batch
-        self.chunk, self.cap = chunk, cap or batch
+    def __init__(self, batch: int, prompt: int, chunk: int, max_new: int = 10**6, cap: int | None = None) -> None:
+        self.left, self.out = [prompt] * batch, [0] * batch
+        self.chunk, self.max_new, self.cap = chunk, max_new, cap or batch
         self.totals = SimpleNamespace(prefill_tokens=0, decode_tokens=0)
         self.steps = 0
 
     def step(self) -> None:
+        live = [i for i in range(len(self.left)) if self.out[i] < self.max_new][: self.cap]
+        if not live:
+            raise RuntimeError("no request fits in the KV cache even with every expert at its floor")
         self.steps += 1
-        budget = self.chunk
-        decoding = [i for i, n in enumerate(self.left) if n == 0][: self.cap]
+        decoding = [i for i in live if self.left[i] == 0]
+        for i in decoding:
+            self.out[i] += 1
         self.totals.decode_tokens += len(decoding)
-        for i, n in enumerate(self.left):
-            take = min(n, budget)
-            if take and len(decoding) < self.cap:
+        budget = self.chunk
+        for i in live:
+            take = min(self.left[i], budget)
+            if take:
                 self.left[i] -= take
                 budget -= take
                 self.totals.prefill_tokens += take
+                self.out[i] += self.left[i] == 0
 
 
 @pytest.mark.parametrize(("batch", "prompt", "chunk"), [(1, 2048, 2048), (16, 2048, 2048), (4, 300, 256),
@@ -46,6 +54,23 @@ def test_stops_after_two_pure_decode_steps(batch: int, prompt: int, chunk: int) 
     prefill_steps = -(-batch * prompt // chunk)
     assert e.steps == prefill_steps + 2  # the last chunk's step decodes nothing yet: 2 pure-decode steps after it
     assert e.totals.prefill_tokens == batch * prompt
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("steps", [1, 5])
+def test_new_tokens_last_through_the_profiled_steps(batch: int, steps: int) -> None:
+    e = ChunkedPrefill(batch, 2048, STEP_TOKENS, max_new=new_tokens(batch, 2048, steps))
+    to_decode(e, batch)
+    for _ in range(2 * steps):  # timed, then profiled: every request decodes in each
+        before = e.totals.decode_tokens
+        e.step()
+        assert e.totals.decode_tokens - before == batch
+
+
+def test_old_sizing_ran_out_at_batch_16() -> None:
+    e = ChunkedPrefill(16, 2048, STEP_TOKENS, max_new=2 * 5 + 4)
+    with pytest.raises(RuntimeError, match="no request fits"):
+        to_decode(e, 16)
 
 
 def test_batch_that_never_decodes_together_is_an_error() -> None:
