@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.dense_gemv import gemv
+from kernels.dense_gemv import gemv, pick_config
 
 # name: (N, K, bias)
 SHAPES = {
@@ -73,6 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="3 tiles instead of the grid")
     ap.add_argument("--ts", default="1,4")
+    ap.add_argument("--shapes", default="", help="only the linears whose name contains this (e.g. router)")
     ap.add_argument("--out-md", type=Path)
     ap.add_argument("--write-configs", type=Path, help="write the best T = 1 tile per shape into this JSON "
                     "(kernels/configs/dense_gemv.json layout, by_shape)")
@@ -85,7 +86,8 @@ def main() -> None:
         grid = [dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4), dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),
                 dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)]
     rows = []
-    for (name, (n, k, has_bias)), t in itertools.product(SHAPES.items(), [int(v) for v in args.ts.split(",")]):
+    shapes = {name: v for name, v in SHAPES.items() if args.shapes in name}
+    for (name, (n, k, has_bias)), t in itertools.product(shapes.items(), [int(v) for v in args.ts.split(",")]):
         # as many copies of the weight as make 240 MB, called in turn: as in a decode step, every call reads its
         # weight from HBM (one copy would stay in the 50 MB L2 across calls)
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
@@ -96,7 +98,7 @@ def main() -> None:
         ref = F.linear(x, w, b).float()
         base = graph_us(lambda i: F.linear(x, ws[i % len(ws)], b))
         best, best_cfg, worst_err = float("inf"), None, 0.0
-        for cfg in grid:
+        for cfg in grid + ([pick_config(n, k)] if args.quick else []):  # --quick: also the tile in force
             try:
                 y = gemv(x, w, b, cfg)
                 us = graph_us(lambda i: gemv(x, ws[i % len(ws)], b, cfg))

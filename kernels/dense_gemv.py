@@ -1,4 +1,4 @@
-"""Decode GEMV for 16-bit weights (Triton), with its PyTorch reference twin: y = x W^T (+ b) for 1..8 tokens.
+"""Decode GEMV for 16-bit weights (Triton), with its PyTorch reference twin: y = x W^T (+ b) for 1..16 tokens.
 
 What it computes: for x [T, K] and a 16-bit weight W [N, K] (optional bias b [N]), ``y [T, N]`` in x's
 dtype, accumulated in fp32 with the bias added before the one rounding (what ``torch.nn.functional.linear``
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kernels.rounding import round_to
 
-MAX_TOKENS = 8
+MAX_TOKENS = 16  # 8 until the sixteenth session: the router at batch 16 fell to cuBLAS (22 us per layer)
 # tiles {BLOCK_N, BLOCK_K, num_warps}: "default", "small_n" (N < SMALL_N rows: routers) and "by_shape" ("NxK"),
 # tuned on the H200 by ``bench/dense_gemv_speed.py --write-configs``; "max_tokens" / "max_tokens_small_n": T up
 # to which ``linear`` takes the Triton kernel for N >= / < SMALL_N rows (above it cuBLAS wins; that bench's results)
@@ -93,7 +93,7 @@ def _gemv_kernel(
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: dict[str, Any] | None = None) -> torch.Tensor:
-    """``gemv_ref`` by the Triton kernel: x [T, K] (T <= 8), weight [N, K], bias [N] or None, all one 16-bit
+    """``gemv_ref`` by the Triton kernel: x [T, K] (T <= MAX_TOKENS), weight [N, K], bias [N] or None, all one 16-bit
     dtype on one CUDA device (or Triton's interpreter), columns contiguous. Returns a new [T, N] tensor.
 
     ``config``: ``{BLOCK_N, BLOCK_K, num_warps}`` (default: ``pick_config``). Raises ``ValueError`` on

@@ -18,7 +18,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("t,n,k", [(1, 37, 100), (3, 130, 1030), (8, 1, 64), (5, 64, 2048)])
+@pytest.mark.parametrize("t,n,k", [(1, 37, 100), (3, 130, 1030), (8, 1, 64), (5, 64, 2048), (13, 61, 300), (16, 8, 96)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_gemv_matches_linear(dtype: torch.dtype, t: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(t * n + k)
