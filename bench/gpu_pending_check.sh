@@ -1,19 +1,22 @@
 #!/bin/bash
-# The GPU runs that CPU-only changes wait for. Fifteenth session: serving re-run (serve: planner < 1% met), Mixtral's
-# buckets with inline shuffles (slots, SLOTS_APPLY), first equal-memory runs. What waits now:
-#   0. the prefill target (<= 1.3x dense at T >= 256): `fused` was never timed past 64 tokens nor with BLOCK_M > 32
-#      (bench/prefill_tune.py; tests/test_ap_moe_prefill_tiles.py passed in the interpreter):
-#        PREFILL_APPLY=1 bash bench/gpu_pending_check.sh prefill,table   (copy $OUT/ap_moe_prefill.json if it won)
-#   1. serving with the fixed compile record and the equal-memory row at every batch (e2d5d65 aligned every layer's
-#      kernel tables: first runs should now compile nothing inside their timing; triton_kernels_compiled_in_run):
-#        SERVE_BITS=4 SERVE_BATCHES=1,4,16 SERVE_REPEATS=2 SERVE_TIMEOUT=450 bash bench/gpu_pending_check.sh serve
-#   2. Mixtral serving with its new buckets (uniform 4-bit and PagedWeight; serve_speed --config-dir
-#      tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1) and the Mixtral T = 4 / 16 kernel table (stage table).
-#   3. where the batch-1 decode step's time goes now (the 50%-of-floor target is at 26-27%): stage profile (~3 min).
+# The GPU runs that CPU-only changes wait for. Sixteenth session: the alignment fix confirmed (no in-run compiles),
+# the shared expert's 9..16-token bucket moved to gemv1 sorted slots (batch 16 +40%), the router's Triton GEMV to
+# 16 tokens (1.67x, not yet served), fused prefill tiles measured (no gain). What waits now:
+#   0. the shared expert at 8..32 tokens over every path (dequant / narrow fused tiles were never timed there; its
+#      gemv1 at 16 tokens is ~108 us against a ~4 us floor): SHARED_APPLY=1 bash bench/gpu_pending_check.sh shared
+#      (~3 min; copy $OUT/ap_moe_shared.json into kernels/configs/ap_moe.json if a bucket moved)
+#   1. the full serving table of issue 8 in one run, current code (every system: transformers, 16-bit, uniform 3 / 4
+#      / 8, PagedWeight; the last such run is the fourth session's serve_h200.md), batches 1, 4, 16: serve_speed.py
+#      without --skip-hf / --skip-lean16, --bits 3,4,8 (~9 min: its own call)
+#   2. the full kernel table of issue 4 in one run (q 2, 3, 4, 6, 8, mixed; T 1..2048; --cold-l2): table stage with
+#      the ap_moe_speed arguments widened (~4 min)
+#   3. Mixtral serving with its sorted-slots buckets (serve_speed --config-dir
+#      tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1; last run: thirteenth session)
+#   4. the GEMV warm-up (kernels/warmup_gemv.py) and the 16-token GEMV natively: stage tests (with 0 or 1)
 # Always with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its
 # results into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles
 # for minutes) and COMMIT=<local short hash> in the command.
-# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, prefill, table, profile, serve (default:
+# Usage on the device machine: bash bench/gpu_pending_check.sh [STAGES]: comma-separated of warm, tests, attention, slots, prefill, shared, table, profile, serve (default:
 # tests and attention, ~6 min; serving in a second call, ~5 min: one call may run 10 min). Results land in $OUT.
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -54,7 +57,7 @@ if [[ $STAGES == *tests* ]]; then
     "tests/test_ap_moe_kernel.py::test_word_first_path_chunks_beyond_8_tokens" \
     "tests/test_ap_moe_kernel.py::test_chunked_word_first_path_rebuilds_foreign_activations" \
     "tests/test_ap_moe_kernel.py::test_routed_and_shared_block_on_chunked_word_first_path" \
-    tests/test_warmup.py -rs 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
+    tests/test_warmup.py tests/test_warmup_gemv.py tests/test_dense_gemv.py -rs 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
 pack
 echo "tests done at ${SECONDS}s"; tail -3 "$OUT/pytest_pending.txt"
 fi
@@ -88,13 +91,21 @@ if [[ $STAGES == *prefill* ]]; then  # fused at prefill tile sizes vs the commit
 pack; echo "prefill tuning done at ${SECONDS}s"; grep -v '^{' "$OUT/prefill_tune.txt" | tail -16
 if [[ ${PREFILL_APPLY:-0} == 1 ]]; then cp "$OUT/ap_moe_prefill.json" kernels/configs/ap_moe.json; echo "later stages use the prefill winners"; fi
 fi
+if [[ $STAGES == *shared* ]]; then  # Qwen's shared expert at 8..32 tokens: dequant / fused / gemv1 slots vs committed
+{ echo "# shared expert paths at 8..32 tokens vs the committed config, commit $C, $(date -u +%F)"
+  cp kernels/configs/ap_moe.json "$OUT/ap_moe_shared.json"
+  timeout ${SHARED_TIMEOUT:-300} python -u bench/shared_paths.py --ts ${SHARED_TS:-16,32,8} \
+    --write-configs "$OUT/ap_moe_shared.json" 2>&1; } > "$OUT/shared_paths.txt"
+pack; echo "shared paths done at ${SECONDS}s"; grep -v '^{' "$OUT/shared_paths.txt" | tail -8
+if [[ ${SHARED_APPLY:-0} == 1 ]]; then cp "$OUT/ap_moe_shared.json" kernels/configs/ap_moe.json; echo "later stages use the shared winners"; fi
+fi
 if [[ $STAGES == *table* ]]; then  # the kernel table of issue 4 with the committed buckets (~1 min, cache warm)
-# TABLE_TS (default 1,4,16,256,2048), TABLE_COLD=1: a second table with L2 flushed before every timed call
-timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs 4,mixed --reps 20 \
+# TABLE_TS (default 1,4,16,256,2048), TABLE_QS (4,mixed), TABLE_COLD=1: a second table with L2 flushed before every timed call
+timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs ${TABLE_QS:-4,mixed} --reps 20 \
   --out-md "$OUT/ap_moe_table_h200.md" > "$OUT/ap_moe_table_stdout.txt" 2>&1
 echo "kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_h200.md" | cut -c1-220 | tail -24
 if [[ ${TABLE_COLD:-0} == 1 ]]; then
-timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs 4,mixed --reps 20 \
+timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs ${TABLE_QS:-4,mixed} --reps 20 \
   --cold-l2 --out-md "$OUT/ap_moe_table_cold_h200.md" > "$OUT/ap_moe_table_cold_stdout.txt" 2>&1
 echo "cold-L2 kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_cold_h200.md" | cut -c1-220 | tail -24
 fi

@@ -44,10 +44,12 @@ def pick_config(n: int, k: int) -> dict[str, int]:
     return CONFIGS["small_n" if n < SMALL_N else "default"]
 
 
-def max_tokens(n: int) -> int:
+def max_tokens(n: int, k: int) -> int:
     """The most tokens for which ``linear`` takes the Triton kernel on an [N, K] weight (``configs/dense_gemv.json``:
-    routers, N < SMALL_N rows, up to ``max_tokens_small_n``; the rest up to ``max_tokens``)."""
-    return int(CONFIGS["max_tokens_small_n" if n < SMALL_N else "max_tokens"])
+    "max_tokens_by_shape" 'NxK' where measured, else routers, N < SMALL_N rows, up to ``max_tokens_small_n``
+    and the rest up to ``max_tokens``)."""
+    by = CONFIGS.get("max_tokens_by_shape", {}).get(f"{n}x{k}")
+    return int(by if by is not None else CONFIGS["max_tokens_small_n" if n < SMALL_N else "max_tokens"])
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,10 +137,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for the runtime's decode steps: y [T, N] = x [T, K] W [N, K]^T (+ b [N]), the Triton GEMV for up
-    to ``max_tokens(N)`` tokens of a 16-bit x on CUDA with contiguous columns, else ``F.linear`` itself
+    to ``max_tokens(N, K)`` tokens of a 16-bit x on CUDA with contiguous columns, else ``F.linear`` itself
     (whose shape and dtype errors it raises). Not a SPEC equation: the non-expert part of the decode step
     (SPEC section 9's serving numbers)."""
-    if (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= max_tokens(weight.shape[0]) and x.dtype == weight.dtype
+    if (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= max_tokens(*weight.shape[:2]) and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
             and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype and bias.is_contiguous()
                                   and bias.device == x.device))):

@@ -75,8 +75,12 @@ def test_pick_config_and_linear_dispatch() -> None:
     w = torch.randn(16, 64, dtype=torch.bfloat16)
     assert torch.equal(linear(x, w), F.linear(x, w))  # off CUDA: F.linear itself
     # routers (N < SMALL_N rows) have their own token limit; both within what the kernel takes
-    assert max_tokens(SMALL_N - 1) == CONFIGS["max_tokens_small_n"] and max_tokens(SMALL_N) == CONFIGS["max_tokens"]
-    assert 1 <= max_tokens(SMALL_N) <= max_tokens(61) <= MAX_TOKENS
+    assert max_tokens(SMALL_N - 1, 64) == CONFIGS["max_tokens_small_n"]
+    assert max_tokens(SMALL_N, 64) == CONFIGS["max_tokens"]
+    # a measured shape's own limit wins over its class (Qwen's router + gate to 16 tokens, Mixtral's not)
+    assert max_tokens(61, 2048) == CONFIGS["max_tokens_by_shape"]["61x2048"] > CONFIGS["max_tokens_small_n"]
+    assert max_tokens(8, 4096) == CONFIGS["max_tokens_small_n"]
+    assert all(1 <= max_tokens(n, k) <= MAX_TOKENS for n, k in [(SMALL_N, 64), (61, 2048), (8, 4096), (61, 64)])
 
 
 def test_fuse_qkv_keeps_projections() -> None:

@@ -43,6 +43,7 @@ from pwrun.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kernels.warmup import MoEShape
+    from kernels.warmup_gemv import LinearShape
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,26 @@ def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
         for ls in spec.layers if ls.moe is not None))
 
 
+def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
+    """The distinct 16-bit linears a CUDA decode step runs through ``kernels.dense_gemv.linear`` (fused q/k/v or
+    q, k, v; o_proj; the router, with the shared-expert gate as one more row where the layer has one, as
+    ``ExpertStore`` fuses them; the LM head), for ``kernels.warmup_gemv.precompile_gemv``."""
+    from kernels.warmup_gemv import LinearShape  # Triton is imported only where kernels run
+
+    dt = str(model.dtype).removeprefix("torch.")
+    h = model.spec.hidden_size
+    out = []
+    for lw in model.weights.layers:
+        a = lw.attn
+        qkv = [(a.qkv, a.qkv_bias)] if a.qkv is not None else [(a.q, a.q_bias), (a.k, a.k_bias), (a.v, a.v_bias)]
+        out += [LinearShape(w.shape[0], w.shape[1], b is not None, dt) for w, b in qkv]
+        out.append(LinearShape(a.o.shape[0], a.o.shape[1], False, dt))
+        if lw.moe is not None:
+            out.append(LinearShape(lw.moe.router.shape[0] + (lw.moe.shared_gate is not None), h, False, dt))
+    out.append(LinearShape(model.weights.lm_head.shape[0], model.weights.lm_head.shape[1], False, dt))
+    return list(dict.fromkeys(out))
+
+
 def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy: BucketPolicy,
                     heads: ResidualHeads | None, calib_features: np.ndarray | None, cfg: ServeConfig,
                     params: SamplingParams, requests: list[list[int]], eos: set[int],
@@ -275,9 +296,11 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             f"concurrent requests shrink it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
     if dev.type == "cuda" and ecfg.precompile_workers != 0:  # before the pool takes the device's memory
         from kernels.warmup import precompile_decode
+        from kernels.warmup_gemv import precompile_gemv
 
-        for msg in precompile_decode(moe_shapes(model), ecfg.max_batch,
-                                     None if ecfg.precompile_workers < 0 else ecfg.precompile_workers):
+        workers = None if ecfg.precompile_workers < 0 else ecfg.precompile_workers
+        for msg in precompile_decode(moe_shapes(model), ecfg.max_batch, workers) + \
+                precompile_gemv(linear_shapes(model), ecfg.max_batch, workers):
             warnings.warn(f"decode kernels compile on first use instead: {msg}", stacklevel=2)
     pool = PagePool(PoolConfig(int(num_pages), page_bytes))
     try:
