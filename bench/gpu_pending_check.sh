@@ -2,8 +2,8 @@
 # The GPU runs that CPU-only changes wait for. Sixteenth session: the alignment fix confirmed (no in-run compiles),
 # the shared expert's 9..16-token bucket moved to gemv1 sorted slots (batch 16 +40%), the router's Triton GEMV to
 # 16 tokens (1.67x, not yet served), fused prefill tiles measured (no gain). What waits now:
-#   0. the shared expert at 8..32 tokens over every path (dequant / narrow fused tiles were never timed there; its
-#      gemv1 at 16 tokens is ~108 us against a ~4 us floor): SHARED_APPLY=1 bash bench/gpu_pending_check.sh shared
+#   0. the shared expert at 8 and 32 tokens over every path (at 16, dequant won 1.32x over gemv1 slots and is
+#      committed, not yet served): SHARED_APPLY=1 SHARED_TS=32,8 bash bench/gpu_pending_check.sh shared
 #      (~3 min; copy $OUT/ap_moe_shared.json into kernels/configs/ap_moe.json if a bucket moved)
 #   1. the full serving table of issue 8 in one run, current code (every system: transformers, 16-bit, uniform 3 / 4
 #      / 8, PagedWeight; the last such run is the fourth session's serve_h200.md), batches 1, 4, 16: serve_speed.py

@@ -148,25 +148,39 @@ def run_in_workers(fn: Callable[[J], str], jobs: Sequence[J], workers: int) -> l
     return errors
 
 
+def check_workers(workers: int | None) -> None:
+    """Raises ``ValueError`` unless ``workers`` is None or an integer >= 0 (not a bool)."""
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+        raise ValueError(f"workers must be an integer >= 0 (or None: one per core, up to 8), got {workers!r}")
+
+
+def compile_in_workers(fn: Callable[[J], str], jobs: Sequence[J], done: set[J], workers: int | None,
+                       what: str) -> list[str]:
+    """Run ``fn`` over the ``jobs`` not in ``done`` in ``workers`` processes (None: ``default_workers()``; 0:
+    nothing), on CUDA only, saying on stderr that ``what`` compiles; adds the jobs to ``done`` if none failed (a
+    failed one is tried again by the next call, its kernels compile on first use meanwhile). Returns the failures'
+    messages."""
+    todo = [j for j in jobs if j not in done]
+    n = default_workers() if workers is None else workers
+    if not todo or n <= 0 or not torch.cuda.is_available():
+        return []
+    print(f"compiling {what} ({len(todo)} jobs on {min(n, len(todo))} processes; a warm Triton cache makes this "
+          f"quick)", file=sys.stderr, flush=True)
+    errors = run_in_workers(fn, todo, n)
+    if not errors:
+        done.update(todo)
+    return errors
+
+
 def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | None = None) -> list[str]:
     """Compile the decode kernels of every shape in ``shapes`` for 1..``max_batch`` tokens (see
     ``decode_token_counts``) into Triton's on-disk cache, ``workers`` processes at a time (default
     ``default_workers()``; 0: do nothing). Needs CUDA. Jobs already done in this process are skipped, and shapes
     whose dtype is not bf16 / fp16 (the AP MoE kernels take only those). Returns one message per job that failed
     (its kernels then compile on first use). Raises ``ValueError`` for a negative or non-integer ``workers``."""
-    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
-        raise ValueError(f"workers must be an integer >= 0 (or None: one per core, up to 8), got {workers!r}")
+    check_workers(workers)
     shapes = [s for s in shapes if s.dtype in ("bfloat16", "float16")]
     sets = [(s.hidden, s.inter, s.topk, s.dtype) for s in shapes]
     sets += [(s.hidden, s.shared_inter, 1, s.dtype) for s in shapes if s.shared_inter]
-    jobs = [(*e, t) for e in dict.fromkeys(sets) for t in decode_token_counts(max_batch, e[0], e[1], topk=e[2])
-            if (*e, t) not in _done]
-    n = default_workers() if workers is None else workers
-    if not jobs or n <= 0 or not torch.cuda.is_available():
-        return []
-    print(f"compiling the decode MoE kernels ({len(jobs)} jobs on {min(n, len(jobs))} processes; a warm Triton cache "
-          f"makes this quick)", file=sys.stderr, flush=True)
-    errors = run_in_workers(_warm, jobs, n)
-    if not errors:  # failed jobs compile on first use; a failed one is tried again by the next call
-        _done.update(jobs)
-    return errors
+    jobs = [(*e, t) for e in dict.fromkeys(sets) for t in decode_token_counts(max_batch, e[0], e[1], topk=e[2])]
+    return compile_in_workers(_warm, jobs, _done, workers, "the decode MoE kernels")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.dense_gemv import gemv, max_tokens, pick_config
-from kernels.warmup import default_workers, run_in_workers, triton_int_class
+from kernels.warmup import check_workers, compile_in_workers, triton_int_class
 
 _done: set[tuple[int, int, bool, str, int]] = set()  # warmed in this process (the on-disk cache outlives it)
 
@@ -92,17 +92,7 @@ def precompile_gemv(shapes: list[LinearShape], max_batch: int, workers: int | No
     nothing). Needs CUDA; skips linears whose dtype is not bf16 / fp16 (``linear`` sends those to ``F.linear``) and
     jobs already done in this process. Returns one message per failed job (its kernel then compiles on first use).
     Raises ``ValueError`` for a negative or non-integer ``workers``."""
-    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
-        raise ValueError(f"workers must be an integer >= 0 (or None: one per core, up to 8), got {workers!r}")
+    check_workers(workers)
     jobs = [(s.n, s.k, s.bias, s.dtype, t) for s in dict.fromkeys(shapes) if s.dtype in ("bfloat16", "float16")
             for t in linear_token_counts(s, max_batch)]
-    jobs = [j for j in jobs if j not in _done]
-    n = default_workers() if workers is None else workers
-    if not jobs or n <= 0 or not torch.cuda.is_available():
-        return []
-    print(f"compiling the decode GEMVs ({len(jobs)} jobs on {min(n, len(jobs))} processes; a warm Triton cache makes "
-          f"this quick)", file=sys.stderr, flush=True)
-    errors = run_in_workers(_warm, jobs, n)
-    if not errors:
-        _done.update(jobs)
-    return errors
+    return compile_in_workers(_warm, jobs, _done, workers, "the decode GEMVs")
