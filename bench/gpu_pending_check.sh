@@ -57,7 +57,7 @@ if [[ $STAGES == *tests* ]]; then
     "tests/test_ap_moe_kernel.py::test_word_first_path_chunks_beyond_8_tokens" \
     "tests/test_ap_moe_kernel.py::test_chunked_word_first_path_rebuilds_foreign_activations" \
     "tests/test_ap_moe_kernel.py::test_routed_and_shared_block_on_chunked_word_first_path" \
-    tests/test_warmup.py tests/test_warmup_gemv.py tests/test_dense_gemv.py -rs 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
+    tests/test_warmup.py tests/test_warmup_gemv.py tests/test_dense_gemv.py tests/test_shared_paths.py -rs 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
 pack
 echo "tests done at ${SECONDS}s"; tail -3 "$OUT/pytest_pending.txt"
 fi
