@@ -42,18 +42,25 @@ STEP_TOKENS = 2048  # tokens per engine step (a 2048-token prompt is one prefill
 
 def new_tokens(batch: int, prompt_len: int, steps: int) -> int:
     """Tokens each request must generate so that none finishes before the last profiled step: the first
-    request decodes through the other prompts' ceil(batch * prompt_len / STEP_TOKENS) prefill steps, then 2
+    request decodes through the prompts' ``prefill_steps`` steps, then 2
     warm-up, ``steps`` timed and ``steps`` profiled steps (+ 4 to spare; the sixteenth session's first batch-16
     run sized it 2 * steps + 4, and every request finished before the last prompt was in)."""
-    return -(-batch * prompt_len // STEP_TOKENS) + 2 * steps + 4
+    return prefill_steps(batch, prompt_len) + 2 * steps + 4
 
 
-def to_decode(e: Any, batch: int) -> None:
+def prefill_steps(batch: int, prompt_len: int) -> int:
+    """Steps until every prompt is in, at most: the running requests' decode tokens take their share of each
+    step's STEP_TOKENS before the prompts' chunks do (the scheduler's order; a breaker helper of the sixteenth
+    session found batch 92 running out with STEP_TOKENS per step)."""
+    return -(-batch * prompt_len // max(1, STEP_TOKENS - batch))
+
+
+def to_decode(e: Any, batch: int, prompt_len: int) -> None:
     """Step ``e`` through every prompt's prefill chunks (batch 16 x 2048 tokens is 16 steps of 2048: the
     fifteenth session's batch-16 profile timed prefill steps) and 2 warm-up steps with ``batch`` decode
     tokens each; raises ``RuntimeError`` if the requests never all decode together."""
     warm = 0
-    for _ in range(4 * batch + 16):
+    for _ in range(prefill_steps(batch, prompt_len) + batch + 16):
         before = (e.totals.prefill_tokens, e.totals.decode_tokens)
         e.step()
         only_decode = e.totals.prefill_tokens == before[0] and e.totals.decode_tokens - before[1] == batch
@@ -111,7 +118,7 @@ def main() -> None:
     steps = 1 if args.prefill else args.steps
     e = fresh()
     if not args.prefill:
-        to_decode(e, args.batch)
+        to_decode(e, args.batch, args.prompt_len)
     plain = timed(e, steps)  # wall time per step without the profiler
     plain_phases = {k: round(1e3 * v, 3) for k, v in e.totals.trace[-1].items() if k.endswith("seconds") and v}
     host = ""

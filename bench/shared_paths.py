@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -48,10 +49,11 @@ def candidates(committed: dict[str, Any]) -> list[dict[str, Any]]:
 def sum_row(t: int, cands: list[dict[str, Any]], us: list[list[float]]) -> dict[str, Any]:
     """The row ``gemv_compare.write_configs`` reads (q "sum"): ``us[i]`` holds candidate i's times over the q's;
     candidate 0 is the committed config (the baseline)."""
-    total = [sum(u) for u in us]
+    total = [sum(u) if u and not any(math.isnan(v) for v in u) else math.inf for u in us]  # NaN / none: never wins
     best = min(range(len(cands)), key=lambda i: total[i])
+    speedup = total[0] / total[best] if math.isfinite(total[best]) else 1.0  # nothing ran: keep the committed one
     return {"shape": FAMILY, "q": "sum", "T": t, "experts": 1, "base_us": round(total[0], 1),
-            "base_path": cands[0]["path"], "new_us": round(total[best], 1), "speedup": round(total[0] / total[best], 2),
+            "base_path": cands[0]["path"], "new_us": round(total[best], 1), "speedup": round(speedup, 2),
             "new_cfg": cands[best], "sums_us": [round(v, 1) for v in total]}
 
 

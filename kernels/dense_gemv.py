@@ -140,7 +140,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     to ``max_tokens(N, K)`` tokens of a 16-bit x on CUDA with contiguous columns, else ``F.linear`` itself
     (whose shape and dtype errors it raises). Not a SPEC equation: the non-expert part of the decode step
     (SPEC section 9's serving numbers)."""
-    if (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= max_tokens(*weight.shape[:2]) and x.dtype == weight.dtype
+    if (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and 0 < x.shape[0] <= max_tokens(*weight.shape) and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
             and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype and bias.is_contiguous()
                                   and bias.device == x.device))):

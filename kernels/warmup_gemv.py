@@ -32,7 +32,7 @@ _done: set[tuple[int, int, bool, str, int]] = set()  # warmed in this process (t
 @dataclass(frozen=True)
 class LinearShape:
     """A 16-bit linear of the decode step: weight [``n``, ``k``], a bias or not, ``dtype`` a torch dtype name.
-    Raises ``ValueError`` for a size below 1."""
+    Raises ``ValueError`` for a size that is not an integer >= 1."""
 
     n: int
     k: int
@@ -40,8 +40,8 @@ class LinearShape:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        if min(self.n, self.k) < 1:
-            raise ValueError(f"a linear needs positive sizes, got {self}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (self.n, self.k)):
+            raise ValueError(f"a linear needs positive integer sizes, got {self}")
 
 
 def gemv_key(t: int) -> tuple[int, int]:

@@ -106,3 +106,22 @@ def test_fuse_qkv_keeps_projections() -> None:
     fuse_qkv(a)
     assert torch.equal(a.qkv[64:80], new_k) and torch.equal(a.q, q)
     assert a.k.untyped_storage().data_ptr() == a.qkv.untyped_storage().data_ptr()
+
+
+class _FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: ``linear``'s dispatch sees a CUDA call, ``F.linear`` still runs."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_linear_leaves_malformed_weights_to_f_linear() -> None:
+    """A 1-D weight and a K mismatch go to ``F.linear`` (its result, or its own error), not to the GEMV's checks
+    (a breaker helper of the sixteenth session: a 1-D weight crashed in ``max_tokens``)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 8, generator=g).to(torch.bfloat16).as_subclass(_FakeCuda)
+    w1 = torch.randn(8, generator=g).to(torch.bfloat16)
+    assert x.is_cuda and torch.equal(linear(x, w1).as_subclass(torch.Tensor), F.linear(x, w1).as_subclass(torch.Tensor))
+    with pytest.raises(RuntimeError):  # F.linear's own shape error, not gemv's ValueError
+        linear(x, torch.randn(3, 9, generator=g).to(torch.bfloat16))

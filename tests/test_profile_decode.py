@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from profile_decode import STEP_TOKENS, new_tokens, to_decode
+from profile_decode import STEP_TOKENS, new_tokens, prefill_steps, to_decode
 
 
 class ChunkedPrefill:
@@ -20,9 +20,11 @@ class ChunkedPrefill:
     along with prefill chunks), a request finishes at ``max_new`` tokens; ``cap`` limits how many requests hold
     KV at once (a cache too small for the whole batch)."""
 
-    def __init__(self, batch: int, prompt: int, chunk: int, max_new: int = 10**6, cap: int | None = None) -> None:
+    def __init__(self, batch: int, prompt: int, chunk: int, max_new: int = 10**6, cap: int | None = None,
+                 decode_first: bool = False) -> None:
         self.left, self.out = [prompt] * batch, [0] * batch
         self.chunk, self.max_new, self.cap = chunk, max_new, cap or batch
+        self.decode_first = decode_first  # decode tokens take the step's budget first (the real scheduler)
         self.totals = SimpleNamespace(prefill_tokens=0, decode_tokens=0)
         self.steps = 0
 
@@ -35,7 +37,7 @@ class ChunkedPrefill:
         for i in decoding:
             self.out[i] += 1
         self.totals.decode_tokens += len(decoding)
-        budget = self.chunk
+        budget = self.chunk - (len(decoding) if self.decode_first else 0)
         for i in live:
             take = min(self.left[i], budget)
             if take:
@@ -49,18 +51,21 @@ class ChunkedPrefill:
                                                         (3, 10, 2048)])
 def test_stops_after_two_pure_decode_steps(batch: int, prompt: int, chunk: int) -> None:
     e = ChunkedPrefill(batch, prompt, chunk)
-    to_decode(e, batch)
+    to_decode(e, batch, prompt)
     assert all(n == 0 for n in e.left)
     prefill_steps = -(-batch * prompt // chunk)
     assert e.steps == prefill_steps + 2  # the last chunk's step decodes nothing yet: 2 pure-decode steps after it
     assert e.totals.prefill_tokens == batch * prompt
 
 
-@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize(("batch", "prompt"), [(1, 2048), (4, 2048), (16, 2048), (16, 3000), (64, 2048), (92, 2048),
+                                               (1, 65536), (4, 32768)])
 @pytest.mark.parametrize("steps", [1, 5])
-def test_new_tokens_last_through_the_profiled_steps(batch: int, steps: int) -> None:
-    e = ChunkedPrefill(batch, 2048, STEP_TOKENS, max_new=new_tokens(batch, 2048, steps))
-    to_decode(e, batch)
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_new_tokens_last_through_the_profiled_steps(batch: int, prompt: int, steps: int, decode_first: bool) -> None:
+    e = ChunkedPrefill(batch, prompt, STEP_TOKENS, max_new=new_tokens(batch, prompt, steps), decode_first=decode_first)
+    to_decode(e, batch, prompt)
+    assert e.steps <= prefill_steps(batch, prompt) + 2
     for _ in range(2 * steps):  # timed, then profiled: every request decodes in each
         before = e.totals.decode_tokens
         e.step()
@@ -70,10 +75,10 @@ def test_new_tokens_last_through_the_profiled_steps(batch: int, steps: int) -> N
 def test_old_sizing_ran_out_at_batch_16() -> None:
     e = ChunkedPrefill(16, 2048, STEP_TOKENS, max_new=2 * 5 + 4)
     with pytest.raises(RuntimeError, match="no request fits"):
-        to_decode(e, 16)
+        to_decode(e, 16, 2048)
 
 
 def test_batch_that_never_decodes_together_is_an_error() -> None:
     e = ChunkedPrefill(4, 64, 64, cap=2)
     with pytest.raises(RuntimeError, match="never decoded together"):
-        to_decode(e, 4)
+        to_decode(e, 4, 64)

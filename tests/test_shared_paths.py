@@ -45,6 +45,10 @@ def test_sum_row_compares_the_least_total_with_the_committed_config() -> None:
     assert row["speedup"] == round(220 / 85, 2) and row["q"] == "sum" and row["shape"] == FAMILY
     same = sum_row(16, cands, [[10.0], [40.0], [50.0]])  # the committed config wins: speed-up 1, nothing to write
     assert same["new_cfg"] == COMMITTED and same["speedup"] == 1.0
+    nan = sum_row(16, cands, [[float("nan")], [40.0], [50.0]])  # a NaN time never wins
+    assert nan["new_cfg"] == DEQUANT[0]
+    none = sum_row(16, cands, [[float("inf")]] * 3)  # nothing ran: the committed config stays, speed-up 1
+    assert none["new_cfg"] == COMMITTED and none["speedup"] == 1.0
 
 
 def test_winner_takes_its_bucket_only(tmp_path: Path) -> None:

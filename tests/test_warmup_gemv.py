@@ -64,8 +64,9 @@ def test_linear_shapes_of_the_bundled_model() -> None:
 def test_without_cuda_nothing_runs_and_bad_input_is_refused() -> None:
     if not torch.cuda.is_available():
         assert precompile_gemv([ROUTER], 16, workers=2) == []
-    with pytest.raises(ValueError, match="positive"):
-        LinearShape(0, 64, False)
+    for n in (0, 1.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            LinearShape(n, 64, False)  # type: ignore[arg-type]
     for bad in (-1, 1.5, False):
         with pytest.raises(ValueError, match="workers"):
             precompile_gemv([ROUTER], 4, workers=bad)  # type: ignore[arg-type]

@@ -226,9 +226,10 @@ def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
 
 
 def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
-    """The distinct 16-bit linears a CUDA decode step runs through ``kernels.dense_gemv.linear`` (fused q/k/v or
-    q, k, v; o_proj; the router, with the shared-expert gate as one more row where the layer has one, as
-    ``ExpertStore`` fuses them; the LM head), for ``kernels.warmup_gemv.precompile_gemv``."""
+    """The distinct 16-bit linears a CUDA decode step runs through ``kernels.dense_gemv.linear`` (fused q/k/v, which
+    serving always builds (unfused projections take ``F.linear``); o_proj; the router, with the shared-expert gate
+    as one more row where the layer has one, as ``ExpertStore`` fuses them; the LM head), for
+    ``kernels.warmup_gemv.precompile_gemv``."""
     from kernels.warmup_gemv import LinearShape  # Triton is imported only where kernels run
 
     dt = str(model.dtype).removeprefix("torch.")
@@ -236,8 +237,8 @@ def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
     out = []
     for lw in model.weights.layers:
         a = lw.attn
-        qkv = [(a.qkv, a.qkv_bias)] if a.qkv is not None else [(a.q, a.q_bias), (a.k, a.k_bias), (a.v, a.v_bias)]
-        out += [LinearShape(w.shape[0], w.shape[1], b is not None, dt) for w, b in qkv]
+        if a.qkv is not None:
+            out.append(LinearShape(a.qkv.shape[0], a.qkv.shape[1], a.qkv_bias is not None, dt))
         out.append(LinearShape(a.o.shape[0], a.o.shape[1], False, dt))
         if lw.moe is not None:
             out.append(LinearShape(lw.moe.router.shape[0] + (lw.moe.shared_gate is not None), h, False, dt))
