@@ -16,6 +16,7 @@ What it does not do: more than ``MAX_TOKENS`` tokens (use ``F.linear``), transpo
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -44,6 +45,7 @@ def pick_config(n: int, k: int) -> dict[str, int]:
     return CONFIGS["small_n" if n < SMALL_N else "default"]
 
 
+@functools.cache  # called per linear per step on the host; the configs are read-only
 def max_tokens(n: int, k: int) -> int:
     """The most tokens for which ``linear`` takes the Triton kernel on an [N, K] weight (``configs/dense_gemv.json``:
     "max_tokens_by_shape" 'NxK' where measured, else routers, N < SMALL_N rows, up to ``max_tokens_small_n``

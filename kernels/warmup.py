@@ -87,10 +87,16 @@ def decode_token_counts(max_batch: int, hidden: int | None = None, inter: int | 
     any count in that range launches (``kernels_at``), for experts of hidden size ``hidden`` and intermediate size
     ``inter`` routing ``topk`` experts per token under ``configs`` (default: ``kernels/configs/ap_moe.json``; its
     buckets decide the path per count): the smallest count that needs a specialization stands for it."""
-    seen: set[tuple[str, int, int]] = set()
+    return covering_counts(max_batch, lambda t: kernels_at(t, pick_config(t, hidden, inter, configs), topk))
+
+
+def covering_counts(max_t: int, keys_of: Callable[[int], set[Any]]) -> list[int]:
+    """The fewest token counts in 1..``max_t`` whose kernel keys (``keys_of(t)``: the specializations a call of t
+    tokens launches) cover every count's: each count that brings a key not seen below it, in order."""
+    seen: set[Any] = set()
     out = []
-    for t in range(1, max_batch + 1):
-        new = kernels_at(t, pick_config(t, hidden, inter, configs), topk) - seen
+    for t in range(1, max_t + 1):
+        new = keys_of(t) - seen
         if new:
             out.append(t)
             seen |= new

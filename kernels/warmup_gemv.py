@@ -22,9 +22,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from kernels.dense_gemv import gemv, max_tokens, pick_config
-from kernels.warmup import check_workers, compile_in_workers, triton_int_class
+from kernels.warmup import check_workers, compile_in_workers, covering_counts, triton_int_class
 
 _done: set[tuple[int, int, bool, str, int]] = set()  # warmed in this process (the on-disk cache outlives it)
 
@@ -47,19 +48,13 @@ class LinearShape:
 def gemv_key(t: int) -> tuple[int, int]:
     """The specialization of ``kernels.dense_gemv._gemv_kernel`` that ``t`` tokens launch on a given weight:
     (T_PAD = the next power of 2 >= t, Triton int class of t)."""
-    return 1 << (t - 1).bit_length(), triton_int_class(t)
+    return triton.next_power_of_2(t), triton_int_class(t)  # T_PAD as ``kernels.dense_gemv.gemv`` computes it
 
 
 def linear_token_counts(shape: LinearShape, max_batch: int) -> list[int]:
     """The fewest token counts in 1..min(``max_batch``, ``max_tokens(N, K)``) whose GEMV calls launch every
     specialization (``gemv_key``) any count of that range launches: the smallest count stands for its key."""
-    seen: set[tuple[int, int]] = set()
-    out = []
-    for t in range(1, min(max_batch, max_tokens(shape.n, shape.k)) + 1):
-        if gemv_key(t) not in seen:
-            seen.add(gemv_key(t))
-            out.append(t)
-    return out
+    return covering_counts(min(max_batch, max_tokens(shape.n, shape.k)), lambda t: {gemv_key(t)})
 
 
 def stand_in_rows(n: int) -> int:
