@@ -38,7 +38,8 @@ fi
 # ...; join them here with cat into .triton_cache.txz (carry that; with gemv_compare's tile candidates it grew to 463 MB,
 # 19 MB as xz -9; fifteenth session: 25.2 MB travelled beside the 40.7 MB checkout, 26.7 MB was refused in the
 # fourteenth: past that drop the cache and start cold)
-pack() { rm -f "$OUT"/triton_cache.txz.part*; tar cf - .triton_cache | xz -9 -T0 | split -b 15m - "$OUT/triton_cache.txz.part"; }
+# NOPACK=1: skip packing (a warm machine keeps .triton_cache between calls; pack in the last call of a session)
+pack() { [[ ${NOPACK:-0} == 1 ]] && return 0; rm -f "$OUT"/triton_cache.txz.part*; tar cf - .triton_cache | xz -9 -T0 | split -b 15m - "$OUT/triton_cache.txz.part"; }
 if [[ $STAGES == *warm* ]]; then
 { echo "# decode warm-up of the Qwen1.5-MoE shape up to 16 tokens, commit $C, $(date -u +%F)"
   timeout 330 python -u -c "
@@ -51,13 +52,14 @@ pack; echo "warm-up done at ${SECONDS}s"; cat "$OUT/warmup.txt"
 fi
 if [[ $STAGES == *tests* ]]; then
 { echo "# pending-change tests, commit $C, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader)"
-  timeout 300 python -u -m pytest -q -p no:warnings tests/test_paged_attention.py tests/test_pooled_attention.py \
+  # TESTS: a narrower list (space-separated pytest ids) when only some changes wait
+  timeout ${TESTS_TIMEOUT:-300} python -u -m pytest -q -p no:warnings ${TESTS:-tests/test_paged_attention.py tests/test_pooled_attention.py \
     tests/test_moe_prefill.py tests/test_cuda.py \
     "tests/test_ap_moe_kernel.py::test_shared_expert_prefill_path" \
     "tests/test_ap_moe_kernel.py::test_word_first_path_chunks_beyond_8_tokens" \
     "tests/test_ap_moe_kernel.py::test_chunked_word_first_path_rebuilds_foreign_activations" \
     "tests/test_ap_moe_kernel.py::test_routed_and_shared_block_on_chunked_word_first_path" \
-    tests/test_warmup.py tests/test_warmup_gemv.py tests/test_dense_gemv.py tests/test_shared_paths.py -rs 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
+    tests/test_warmup.py tests/test_warmup_gemv.py tests/test_dense_gemv.py tests/test_shared_paths.py} -rs 2>&1 | tail -15; } > "$OUT/pytest_pending.txt"
 pack
 echo "tests done at ${SECONDS}s"; tail -3 "$OUT/pytest_pending.txt"
 fi
@@ -100,12 +102,12 @@ pack; echo "shared paths done at ${SECONDS}s"; grep -v '^{' "$OUT/shared_paths.t
 if [[ ${SHARED_APPLY:-0} == 1 ]]; then cp "$OUT/ap_moe_shared.json" kernels/configs/ap_moe.json; echo "later stages use the shared winners"; fi
 fi
 if [[ $STAGES == *table* ]]; then  # the kernel table of issue 4 with the committed buckets (~1 min, cache warm)
-# TABLE_TS (default 1,4,16,256,2048), TABLE_QS (4,mixed), TABLE_COLD=1: a second table with L2 flushed before every timed call
-timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs ${TABLE_QS:-4,mixed} --reps 20 \
+# TABLE_TS (default 1,4,16,256,2048), TABLE_QS (4,mixed), TABLE_TIMEOUT (200 s per table), TABLE_COLD=1: a second table with L2 flushed before every timed call
+timeout ${TABLE_TIMEOUT:-200} python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs ${TABLE_QS:-4,mixed} --reps 20 \
   --out-md "$OUT/ap_moe_table_h200.md" > "$OUT/ap_moe_table_stdout.txt" 2>&1
 echo "kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_h200.md" | cut -c1-220 | tail -24
 if [[ ${TABLE_COLD:-0} == 1 ]]; then
-timeout 200 python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs ${TABLE_QS:-4,mixed} --reps 20 \
+timeout ${TABLE_TIMEOUT:-200} python -u bench/ap_moe_speed.py --shapes qwen1.5-moe,mixtral-8x7b --ts ${TABLE_TS:-1,4,16,256,2048} --qs ${TABLE_QS:-4,mixed} --reps 20 \
   --cold-l2 --out-md "$OUT/ap_moe_table_cold_h200.md" > "$OUT/ap_moe_table_cold_stdout.txt" 2>&1
 echo "cold-L2 kernel table done at ${SECONDS}s"; grep '^|' "$OUT/ap_moe_table_cold_h200.md" | cut -c1-220 | tail -24
 fi
@@ -117,7 +119,8 @@ for b in ${PROFILE_BATCHES:-1 16}; do timeout 200 python -u bench/profile_decode
 pack; echo "profiles done at ${SECONDS}s"
 fi
 if [[ $STAGES == *serve* ]]; then
-timeout ${SERVE_TIMEOUT:-300} python -u bench/serve_speed.py --skip-hf --skip-lean16 --batches ${SERVE_BATCHES:-16,4,1} --bits ${SERVE_BITS:-4} --interleave ${SERVE_REPEATS:-3} \
+# SERVE_FLAGS: the full table of issue 8 (transformers and the 16-bit lean rows too) with SERVE_FLAGS=" "
+timeout ${SERVE_TIMEOUT:-300} python -u bench/serve_speed.py ${SERVE_FLAGS:---skip-hf --skip-lean16} --batches ${SERVE_BATCHES:-16,4,1} --bits ${SERVE_BITS:-4} --interleave ${SERVE_REPEATS:-3} \
   --time-limit $(( ${SERVE_TIMEOUT:-300} - 40 )) --out-md "$OUT/serve_pending_h200.md" > "$OUT/serve_stdout.txt" 2>&1
 pack; echo "serving done at ${SECONDS}s"; sed -n '/| system/,$p' "$OUT/serve_pending_h200.md" | cut -c1-160 | tail -30
 fi
