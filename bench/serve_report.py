@@ -96,9 +96,9 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              "(Triton JIT compilation is not timed, except in the runs listed below the table, if any).", "",
              "| system | batch | prefill tok/s | decode tok/s | incl. capture | floor tok/s | % of floor | "
              "decode step ms (moving / still) | of which model ms | planner ms/step: all steps, decode steps "
-             "(+ overlapped) | mean bits | "
+             "(+ overlapped) | reloaded GiB (CPU -> GPU) | mean bits | "
              "bits read / token | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fl = r.get("floor_tps")
         dec = r.get("decode_tps_measured", math.nan)
@@ -111,6 +111,7 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{r.get('decode_step_ms_still', math.nan):.2f}) | {r.get('decode_model_ms_median', math.nan):.2f} | "
             f"{r.get('planner_ms_per_step', math.nan):.3f}, {r.get('planner_ms_per_decode_step', math.nan):.3f} "
             f"(+{r.get('planner_overlapped_ms_per_step', math.nan):.3f})"
+            f" | {r.get('bytes_host_to_device', math.nan) / 2**30:.2f}"
             f" | {r.get('mean_bits_time_avg', math.nan):.2f} | {r.get('bits_read_per_token', math.nan):.2f} | "
             f"{peak / 2**30:.2f} |")
     errors = [f"- {r['system']}, batch {r['batch']} (repeat {r.get('rep', 0)}): {r['error']}" for r in rows
@@ -123,4 +124,7 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                 for r in rows if (r.get("triton_compiles_in_run") or 0) > 0]
     if compiled:  # prefill and capture-step figures of these runs include JIT compilation
         lines += ["", "Kernels Triton compiled inside a timed run (the warm-up missed them): " + "; ".join(compiled)]
+        specs = sorted({u for r in rows for u in r.get("triton_specializations_compiled_in_run") or []})
+        if specs:  # which specialization: argument classes and constexprs (bench/triton_cache.py::first_uses)
+            lines += ["", "Their specializations:", *(f"- `{u}`" for u in specs)]
     return "\n".join(lines + ratio_lines(rows)) + "\n"

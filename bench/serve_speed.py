@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from serve_report import EQUAL_MEMORY, render  # bench/ sibling: the markdown report of these rows
 from serve_synthetic import SyntheticAP, random_model, synthetic_table, table_at  # bench/ sibling
-from triton_cache import kernel_names, triton_cache_dirs  # bench/ sibling
+from triton_cache import first_uses, kernel_names, missed_specializations, triton_cache_dirs  # bench/ sibling
 
 from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.engine import HOST_PHASES, EngineConfig
@@ -182,11 +182,13 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
     built = assemble_engine(model, src, table, pol, None, None, cfg, SamplingParams(max_new_tokens=gen), reqs, set())
     e = built.engine
     cached = triton_cache_dirs()
-    e.run()
+    with first_uses() as uses:
+        e.run()
     s = summarize(e, built.info)
     new = triton_cache_dirs() - cached
     s["triton_compiles_in_run"] = len(new)
     s["triton_kernels_compiled_in_run"] = kernel_names(new)  # which ones the warm-up missed
+    s["triton_specializations_compiled_in_run"] = missed_specializations(uses, s["triton_kernels_compiled_in_run"])
     # tokens served per second of the whole run: each prompt and generated token once (summarize's tokens_per_second
     # also counts the prompt chunks a preempted request computes again)
     s["served_tokens_per_second"] = sum(len(q.prompt) + len(q.out) for q in e.seqs.values()) / max(e.totals.seconds,
@@ -431,8 +433,8 @@ KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture"
         "demoted_blocks", "promoted_blocks",
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
         "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes",
-        "triton_compiles_in_run", "triton_kernels_compiled_in_run", "slowest_steps", "served_tokens_per_second",
-        "seconds")
+        "triton_compiles_in_run", "triton_kernels_compiled_in_run", "triton_specializations_compiled_in_run",
+        "slowest_steps", "served_tokens_per_second", "seconds")
 
 
 def _pick(s: dict[str, Any]) -> dict[str, Any]:

@@ -92,6 +92,77 @@ def test_serve_report_names_runs_that_compiled_kernels(tmp_path, monkeypatch) ->
     assert "compiled inside" not in render({"command": "x"}, rows[1:])
 
 
+def test_first_uses_records_specializations_and_restores_the_hook() -> None:
+    """first_uses installs Triton's jit_cache_hook for the block only, chains to a hook already set (whose True,
+    'skip the compile', it passes on; its own answer is False), names constexprs by parameter, survives an
+    undescribable call; missed_specializations keeps the uses of the kernels a run compiled, by name."""
+    triton = pytest.importorskip("triton")
+    if not hasattr(getattr(triton, "knobs", None), "runtime"):
+        pytest.skip("this Triton has no knobs.runtime.jit_cache_hook")
+    from types import SimpleNamespace
+
+    from bench.triton_cache import first_uses, missed_specializations
+
+    runtime = triton.knobs.runtime
+    calls: list[str] = []
+
+    def outer(**kw):  # type: ignore[no-untyped-def]
+        calls.append(kw["repr"])
+        return kw["repr"].startswith("skip")
+
+    saved = runtime.jit_cache_hook
+    runtime.jit_cache_hook = outer
+    try:
+        fn = SimpleNamespace(jit_function=SimpleNamespace(arg_names=["x_ptr", "T", "T_PAD"]))
+        base = dict(key=None, is_manual_warmup=False, already_compiled=False)
+        with first_uses() as uses:
+            hook = runtime.jit_cache_hook
+            assert hook is not outer
+            assert hook(repr="kernels.dense_gemv._gemv_kernel[num_warps=4](x_ptr: *bf16, T: i32)", fn=fn,
+                        compile={"constants": {(2,): 4}}, **base) is False
+            assert hook(repr="skip_kernel[num_warps=1]()", fn=fn, compile={}, **base) is True
+            assert hook(repr="_gemv1_down_kernel[num_warps=8](a: i32)", fn=None,
+                        compile={"constants": {(7,): 1}}, **base) is False
+            assert hook(repr="odd_kernel[]()", fn=fn, compile={"constants": 5}, **base) is False
+        assert runtime.jit_cache_hook is outer
+        assert calls == ["kernels.dense_gemv._gemv_kernel[num_warps=4](x_ptr: *bf16, T: i32)",
+                         "skip_kernel[num_warps=1]()", "_gemv1_down_kernel[num_warps=8](a: i32)", "odd_kernel[]()"]
+        assert uses[0].endswith("constexprs={'T_PAD': 4}") and "(7,)" in uses[2]
+        assert "not described" in uses[3]
+        assert missed_specializations(uses, ["_gemv_kernel"]) == [uses[0]]
+        assert missed_specializations(uses, ["_gemv1_down_kernel", "_route_kernel"]) == [uses[2]]
+        assert missed_specializations(uses, []) == []
+        runtime.jit_cache_hook = None
+        with first_uses() as uses:
+            assert runtime.jit_cache_hook(repr="k[]()", fn=fn, compile={}, **base) is False
+        assert runtime.jit_cache_hook is None and uses == ["k[]() constexprs={}"]
+    finally:
+        runtime.jit_cache_hook = saved
+
+
+def test_serve_report_lists_missed_specializations_and_reloaded_bytes() -> None:
+    """The report adds, under the compiled-kernel line, each specialization a run compiled (once), and a column of
+    the bytes reloaded CPU -> GPU in GiB."""
+    from bench.serve_report import render
+
+    ok = {"decode_tps_measured": 100.0, "decode_step_ms_median": 10.0, "bits_read_per_token": 4.0}
+    spec = "_gemv_kernel[num_warps=4](T: i32) constexprs={'T_PAD': 4}"
+    rows = [{"system": "PagedWeight under pressure", "batch": 4, "rep": 0, **ok, "bytes_host_to_device": 3 * 2**29,
+             "triton_compiles_in_run": 1, "triton_kernels_compiled_in_run": ["_gemv_kernel"],
+             "triton_specializations_compiled_in_run": [spec]},
+            {"system": "PagedWeight under pressure", "batch": 4, "rep": 1, **ok, "bytes_host_to_device": 0,
+             "triton_compiles_in_run": 1, "triton_kernels_compiled_in_run": ["_gemv_kernel"],
+             "triton_specializations_compiled_in_run": [spec]}]
+    text = render({"command": "x"}, rows)
+    assert text.count(f"- `{spec}`") == 1 and "Their specializations:" in text
+    head = next(line for line in text.splitlines() if line.startswith("| system"))
+    first = next(line for line in text.splitlines() if line.startswith("| PagedWeight under pressure | 4 |"))
+    cells = [c.strip() for c in first.split("|")]
+    assert cells[head.split("|").index(" reloaded GiB (CPU -> GPU) ")] == "1.50"
+    assert len(cells) == len(head.split("|"))
+    assert "Their specializations" not in render({"command": "x"}, [{**rows[0], "triton_compiles_in_run": 0}])
+
+
 def test_equal_memory_takes_the_highest_uniform_bitwidth_that_fits() -> None:
     """serve_speed.highest_that_fits: 4 bits if it fits PagedWeight's budget, else 3; BudgetTooSmall from the last
     one propagates (the row's error), other errors at once."""
