@@ -1,18 +1,12 @@
 #!/bin/bash
-# The GPU runs that CPU-only changes wait for. Sixteenth session: the alignment fix confirmed (no in-run compiles),
-# the shared expert's 9..16-token bucket moved to gemv1 sorted slots (batch 16 +40%), the router's Triton GEMV to
-# 16 tokens (1.67x, not yet served), fused prefill tiles measured (no gain). What waits now:
-#   0. the shared expert at 8 and 32 tokens over every path (at 16, dequant won 1.32x over gemv1 slots and is
-#      committed, not yet served): SHARED_APPLY=1 SHARED_TS=32,8 bash bench/gpu_pending_check.sh shared
-#      (~3 min; copy $OUT/ap_moe_shared.json into kernels/configs/ap_moe.json if a bucket moved)
-#   1. the full serving table of issue 8 in one run, current code (every system: transformers, 16-bit, uniform 3 / 4
-#      / 8, PagedWeight; the last such run is the fourth session's serve_h200.md), batches 1, 4, 16: serve_speed.py
-#      without --skip-hf / --skip-lean16, --bits 3,4,8 (~9 min: its own call)
-#   2. the full kernel table of issue 4 in one run (q 2, 3, 4, 6, 8, mixed; T 1..2048; --cold-l2): table stage with
-#      the ap_moe_speed arguments widened (~4 min)
-#   3. Mixtral serving with its sorted-slots buckets (serve_speed --config-dir
-#      tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1; last run: thirteenth session)
-#   4. the GEMV warm-up (kernels/warmup_gemv.py) and the 16-token GEMV natively: stage tests (with 0 or 1)
+# The GPU runs that CPU-only changes wait for. Seventeenth session: the full tables of issues 4 and 8 ran on
+# 746ba40 (ap_moe_s17*, serve_s17*, serve_mixtral_s17*); the 16-token GEMV, its warm-up and shared_paths passed
+# natively (gpu_checks/pytest_s17_h200.txt). What waits now:
+#   0. which specialization the warm-up misses (one _gemv_kernel at Qwen uniform 3-bit batch 4; Mixtral's gemv1
+#      pair at 3-bit batch 4): any serve stage now records it (bench/triton_cache.py::first_uses) under the table
+#   1. the shared expert at 8 and 32 tokens over every path (SHARED_APPLY=1 SHARED_TS=32,8 ... shared, ~3 min)
+#   2. tests/test_cuda.py natively (call 1 of the seventeenth session cut it at the 200 s stage limit:
+#      TESTS=tests/test_cuda.py TESTS_TIMEOUT=400)
 # Always with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its
 # results into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles
 # for minutes) and COMMIT=<local short hash> in the command.
