@@ -82,6 +82,8 @@ def first_uses() -> Iterator[list[str]]:
 
 def missed_specializations(uses: list[str], compiled: list[str]) -> list[str]:
     """The ``first_uses`` descriptions of kernels named in ``compiled`` (``kernel_names`` of the cache directories
-    a run added): what a run compiled, with its arguments' specializations and constexprs."""
+    a run added): what a run compiled, with its arguments' specializations and constexprs. Names are all a cache
+    directory tells, so a specialization of the same kernel first loaded from the on-disk cache in that block is
+    listed too (few: the serving bench's 3-token run before each timed run has launched the rest)."""
     names = set(compiled)
     return [u for u in uses if u.split("[", 1)[0].rsplit(".", 1)[-1] in names]
