@@ -63,15 +63,13 @@ def first_uses() -> Iterator[list[str]]:
         yield seen
         return
 
-    def hook(*, key: Any, repr: str, fn: Any, compile: dict[str, Any], is_manual_warmup: bool,
-             already_compiled: bool) -> bool:
+    def hook(**kw: Any) -> bool:  # Triton passes key, repr, fn, compile, ...: taken as they come (versions differ)
         try:
-            seen.append(_describe(repr, fn, compile))
+            seen.append(_describe(kw["repr"], kw.get("fn"), kw.get("compile") or {}))
         except Exception as err:  # a diagnostic must never stop a launch
-            seen.append(f"{repr} (not described: {err!r})")
+            seen.append(f"{kw.get('repr', '?')} (not described: {err!r})")
         # True would tell Triton to skip the compile: only a chained hook may say so
-        return bool(prev(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
-                         already_compiled=already_compiled)) if prev else False
+        return bool(prev(**kw)) if prev else False
 
     runtime.jit_cache_hook = hook
     try:

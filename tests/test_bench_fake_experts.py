@@ -124,9 +124,13 @@ def test_first_uses_records_specializations_and_restores_the_hook() -> None:
             assert hook(repr="_gemv1_down_kernel[num_warps=8](a: i32)", fn=None,
                         compile={"constants": {(7,): 1}}, **base) is False
             assert hook(repr="odd_kernel[]()", fn=fn, compile={"constants": 5}, **base) is False
+            # another Triton's keywords: an extra one, none for fn / compile
+            assert hook(repr="new_kernel[]()", key=None, specialization_data="x") is False
         assert runtime.jit_cache_hook is outer
         assert calls == ["kernels.dense_gemv._gemv_kernel[num_warps=4](x_ptr: *bf16, T: i32)",
-                         "skip_kernel[num_warps=1]()", "_gemv1_down_kernel[num_warps=8](a: i32)", "odd_kernel[]()"]
+                         "skip_kernel[num_warps=1]()", "_gemv1_down_kernel[num_warps=8](a: i32)", "odd_kernel[]()",
+                         "new_kernel[]()"]
+        assert uses[4] == "new_kernel[]() constexprs={}"
         assert uses[0].endswith("constexprs={'T_PAD': 4}") and "(7,)" in uses[2]
         assert "not described" in uses[3]
         assert missed_specializations(uses, ["_gemv_kernel"]) == [uses[0]]
