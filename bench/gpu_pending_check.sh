@@ -4,8 +4,11 @@
 # passed natively (gpu_checks/pytest_s17_h200.txt). What waits now:
 #   0. which specialization the warm-up misses (one _gemv_kernel at Qwen uniform 3-bit batch 4; Mixtral's gemv1
 #      pair at 3-bit batch 4): any serve stage now records it (bench/triton_cache.py::first_uses) under the table;
-#      the carried cache (packed in call 3) holds Qwen's miss already, not Mixtral's (call 4 did not pack): serve
-#      Mixtral at SERVE_BITS=3,4 SERVE_BATCHES=1,4 to see which specialization its warm-up leaves out
+#      the carried cache (packed in call 3) holds Qwen's miss already, not Mixtral's (calls 4 and 7 did not pack):
+#      serve Mixtral (SERVE_FLAGS="--skip-hf --skip-lean16 --no-equal-memory --config-dir
+#      tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1" SERVE_BITS=3 SERVE_BATCHES=1,4, ~2.5 min): call 7
+#      (serve_mixtral_s17b_h200.md) found the gemv1 pair again with the bucket's own constexprs, so an argument's
+#      alignment or divisibility differs from the warm-up's; the describer now prints those marks
 #   1. the shared expert at 8 and 32 tokens over every path (SHARED_APPLY=1 SHARED_TS=32,8 ... shared, ~3 min)
 # Always with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its
 # results into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles

@@ -189,6 +189,7 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: BlockTable, policy:
     s["triton_compiles_in_run"] = len(new)
     s["triton_kernels_compiled_in_run"] = kernel_names(new)  # which ones the warm-up missed
     s["triton_specializations_compiled_in_run"] = missed_specializations(uses, s["triton_kernels_compiled_in_run"])
+    s["triton_first_uses_in_run"] = uses  # every specialization the 3-token run before did not launch (disk or JIT)
     # tokens served per second of the whole run: each prompt and generated token once (summarize's tokens_per_second
     # also counts the prompt chunks a preempted request computes again)
     s["served_tokens_per_second"] = sum(len(q.prompt) + len(q.out) for q in e.seqs.values()) / max(e.totals.seconds,
@@ -434,7 +435,7 @@ KEYS = ("prefill_tps_measured", "decode_tps_measured", "decode_tps_incl_capture"
         "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_mean", "weight_bytes_max",
         "kv_bytes_max", "device_peak_bytes", "gpu_memory", "fixed_bytes", "workspace_bytes", "pool_bytes",
         "triton_compiles_in_run", "triton_kernels_compiled_in_run", "triton_specializations_compiled_in_run",
-        "slowest_steps", "served_tokens_per_second", "seconds")
+        "triton_first_uses_in_run", "slowest_steps", "served_tokens_per_second", "seconds")
 
 
 def _pick(s: dict[str, Any]) -> dict[str, Any]:

@@ -36,15 +36,41 @@ def kernel_names(dirs: set[str]) -> list[str]:
     return sorted(f.stem for n in dirs for f in (d / n).glob("*.json") if not f.name.startswith("__grp__"))
 
 
+def _arg_name(path: Any, names: list[str]) -> str:
+    """An argument path of Triton's (``(3,)``, or ``(4, 1)`` inside a tuple argument) by parameter name: ``n``,
+    ``pair[1]``; the path itself where it does not index ``names``."""
+    if isinstance(path, tuple) and path and isinstance(path[0], int) and 0 <= path[0] < len(names):
+        return names[path[0]] + "".join(f"[{i}]" for i in path[1:])
+    return str(path)
+
+
+def _attr(a: Any) -> str:
+    """One specialization attribute (``["tt.divisibility", 16]`` -> ``div16``; others ``name=value``)."""
+    k, v = (a[0], a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else (a, "")
+    return f"div{v}" if k == "tt.divisibility" else f"{k}={v}"
+
+
 def _describe(repr_: str, fn: Any, compile_: dict[str, Any]) -> str:
-    """One specialization as Triton's hook gives it: ``name[options](arg: type or specialization, ...)`` and the
-    constexpr values by parameter name (Triton keys them by argument index paths)."""
-    names = getattr(getattr(fn, "jit_function", None), "arg_names", None) or []
-    consts = {}
-    for k, v in (compile_.get("constants") or {}).items():
-        i = k[0] if isinstance(k, tuple) and k else k
-        consts[names[i] if isinstance(i, int) and i < len(names) else str(k)] = v
-    return f"{repr_} constexprs={consts}"
+    """One specialization from what Triton's ``jit_cache_hook`` gets: ``name[options](arg: type [attributes], ...)``
+    (e.g. ``x_ptr: *bf16 [div16]``: the pointer is 16-byte aligned; an int arg equal to 1 is a constexpr) and the
+    constexpr values by parameter name. Triton's own ``repr`` lists no argument types (its launch key is a string),
+    so they come from ``compile["signature"]`` and ``compile["configs"][0]``; without those, ``repr`` as it is."""
+    sig = compile_.get("signature")
+    head = repr_.split("(", 1)[0]
+    names = list(sig) if isinstance(sig, dict) else list(getattr(getattr(fn, "jit_function", None), "arg_names", None)
+                                                         or [])
+    attrs = (compile_.get("configs") or [{}])[0] or {}
+    args = []
+    for i, (arg, ty) in enumerate(sig.items() if isinstance(sig, dict) else []):
+        if ty == "constexpr":
+            continue  # listed with its value below
+        marks = [f"{_arg_name(p, names)} {_attr(x)}" if len(p) > 1 else _attr(x)
+                 for p, xs in sorted(attrs.items()) if isinstance(p, tuple) and p and p[0] == i for x in xs]
+        ty_s = f"({', '.join(map(str, ty))})" if isinstance(ty, tuple) else str(ty)
+        args.append(f"{arg}: {ty_s}" + (f" [{', '.join(marks)}]" if marks else ""))
+    consts = {_arg_name(k, names): v for k, v in (compile_.get("constants") or {}).items()}
+    body = f"{head}({', '.join(args)})" if isinstance(sig, dict) else repr_
+    return f"{body} constexprs={consts}"
 
 
 @contextmanager
@@ -60,6 +86,8 @@ def first_uses() -> Iterator[list[str]]:
         runtime = triton.knobs.runtime
         prev: Callable[..., Any] | None = runtime.jit_cache_hook
     except (ImportError, AttributeError):
+        runtime = None
+    if runtime is None:
         yield seen
         return
 

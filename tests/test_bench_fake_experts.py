@@ -3,6 +3,8 @@ made it build the wrong number of bitwidths for any n but the default, which onl
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -142,6 +144,55 @@ def test_first_uses_records_specializations_and_restores_the_hook() -> None:
         assert runtime.jit_cache_hook is None and uses == ["k[]() constexprs={}"]
     finally:
         runtime.jit_cache_hook = saved
+
+
+_REAL_SPECIALIZATION = """
+import inspect, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from bench.triton_cache import _describe
+from tests._triton_probe_kernel import probe_kernel as k
+try:
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(k.signature, k.params, backend)
+    kw = {"debug": False}
+    if "instrumentation_mode" in inspect.getsource(k.run):
+        kw.update(instrumentation_mode=triton.knobs.compilation.instrumentation_mode,
+                  fpsan_homomorphic_casts=triton.knobs.compilation.fpsan_homomorphic_casts)
+    x = torch.empty(64, dtype=torch.bfloat16)
+    y = torch.empty(64, dtype=torch.float32)[1:]  # 4-byte offset: not 16-byte aligned
+    bound, spec, options = binder(x, y, 64, 1, (3, 32), BLOCK=32, **kw)
+    _, signature, constexprs, attrs = k._pack_args(backend, kw | {"BLOCK": 32}, bound, spec, options)
+except Exception as err:
+    print("SKIP", repr(err)); sys.exit(0)
+print(_describe("probe_kernel[num_warps=4](x_ptr: (", None,
+                {"signature": signature, "constants": constexprs, "configs": [attrs]}))
+"""
+
+
+def test_describe_reads_a_real_specialization() -> None:
+    """_describe on what this Triton's launcher builds for a real kernel (an sm_90 target, no GPU needed; in a child
+    process without the interpreter, which replaces JIT functions): argument types from the signature, 16-byte
+    alignment and divisibility marks per argument (also inside a tuple argument), an int equal to 1 and the
+    constexpr as constexprs by name. Skips where Triton's launcher internals differ."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _REAL_SPECIALIZATION], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    if line.startswith("SKIP"):
+        pytest.skip(f"this Triton's launcher internals differ: {line}")
+    assert line == ("probe_kernel[num_warps=4](x_ptr: *bf16 [div16], y_ptr: *fp32, n: i32 [div16], "
+                    "pair: (i32, i32) [pair[1] div16]) constexprs={'m': 1, 'BLOCK': 32}")
 
 
 def test_serve_report_lists_missed_specializations_and_reloaded_bytes() -> None:
