@@ -12,8 +12,9 @@ per (expert set, token count) runs the decode-step MoE call on random experts of
 in Triton's on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), from which the serving process then
 loads them. The routed and the shared experts compile in separate workers (their kernels differ in shape constants).
 
-What it does not do: compile the prefill paths (more tokens than ``max_batch``: they compile on first use) or
-anything on the CPU (the runtime's CPU path uses no Triton kernel).
+What it does not do: anything on the CPU (the runtime's CPU path uses no Triton kernel). Given the engine's
+``max_step_tokens`` it also compiles what steps mixing decodes with a prompt's last chunk launch (any token count:
+``step_token_limit``; before the seventeenth session only 1..max_batch, and such steps compiled inside serving).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kernels.ap_moe import APExperts, ap_moe, build_experts, pick_config
+from kernels.ap_moe import CONFIGS, APExperts, ap_moe, build_experts, pick_config
 from kernels.ap_moe_gemv import token_pad
 from kernels.ap_moe_gemv1 import launches
 
@@ -88,6 +89,22 @@ def decode_token_counts(max_batch: int, hidden: int | None = None, inter: int | 
     ``inter`` routing ``topk`` experts per token under ``configs`` (default: ``kernels/configs/ap_moe.json``; its
     buckets decide the path per count): the smallest count that needs a specialization stands for it."""
     return covering_counts(max_batch, lambda t: kernels_at(t, pick_config(t, hidden, inter, configs), topk))
+
+
+def step_token_limit(max_batch: int, max_step_tokens: int | None, hidden: int | None = None,
+                     inter: int | None = None, configs: dict[str, Any] | None = None) -> int:
+    """The largest token count whose MoE kernels the warm-up compiles for experts ``hidden`` x ``inter``:
+    ``max_batch`` if ``max_step_tokens`` is None (decode steps only), else every count a step of at most
+    ``max_step_tokens`` tokens can hand the MoE (chunked prefill mixes a prompt's last piece with the running
+    decodes: any count, seventeenth session, ``bench/results/serve_mixtral_s17b_h200.md``), scanned up to the last
+    bucket's first count + 15 (that bucket's path at both Triton int classes of its pair count; more tokens launch
+    nothing new) and never below ``max_batch``."""
+    if max_step_tokens is None:
+        return max_batch
+    table = CONFIGS if configs is None else configs
+    buckets = table["by_shape"].get(f"{hidden}x{inter}", table["default"])
+    last = max((b["min_tokens"] for b in buckets), default=1)
+    return max(max_batch, min(max_step_tokens, last + 15))
 
 
 def covering_counts(max_t: int, keys_of: Callable[[int], set[Any]]) -> list[int]:
@@ -178,15 +195,19 @@ def compile_in_workers(fn: Callable[[J], str], jobs: Sequence[J], done: set[J], 
     return errors
 
 
-def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | None = None) -> list[str]:
-    """Compile the decode kernels of every shape in ``shapes`` for 1..``max_batch`` tokens (see
-    ``decode_token_counts``) into Triton's on-disk cache, ``workers`` processes at a time (default
-    ``default_workers()``; 0: do nothing). Needs CUDA. Jobs already done in this process are skipped, and shapes
-    whose dtype is not bf16 / fp16 (the AP MoE kernels take only those). Returns one message per job that failed
-    (its kernels then compile on first use). Raises ``ValueError`` for a negative or non-integer ``workers``."""
+def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | None = None,
+                      max_step_tokens: int | None = None) -> list[str]:
+    """Compile the MoE kernels of every shape in ``shapes`` for 1..``step_token_limit(max_batch, max_step_tokens,
+    ...)`` tokens (see ``decode_token_counts``; None: decode steps of up to ``max_batch`` tokens only) into Triton's
+    on-disk cache, ``workers`` processes at a time (default ``default_workers()``; 0: do nothing). Needs CUDA. Jobs
+    already done in this process are skipped, and shapes whose dtype is not bf16 / fp16 (the AP MoE kernels take
+    only those). Returns one message per job that failed (its kernels then compile on first use). Raises
+    ``ValueError`` for a negative or non-integer ``workers``."""
     check_workers(workers)
     shapes = [s for s in shapes if s.dtype in ("bfloat16", "float16")]
     sets = [(s.hidden, s.inter, s.topk, s.dtype) for s in shapes]
     sets += [(s.hidden, s.shared_inter, 1, s.dtype) for s in shapes if s.shared_inter]
-    jobs = [(*e, t) for e in dict.fromkeys(sets) for t in decode_token_counts(max_batch, e[0], e[1], topk=e[2])]
+    jobs = [(*e, t) for e in dict.fromkeys(sets)
+            for t in decode_token_counts(step_token_limit(max_batch, max_step_tokens, e[0], e[1]), e[0], e[1],
+                                         topk=e[2])]
     return compile_in_workers(_warm, jobs, _done, workers, "the decode MoE kernels")

@@ -81,13 +81,17 @@ def _warm(job: tuple[int, int, bool, str, int]) -> str:
         return f"GEMV {n}x{k} {dt}, {t} tokens: {type(err).__name__}: {str(err)[:200]}"
 
 
-def precompile_gemv(shapes: list[LinearShape], max_batch: int, workers: int | None = None) -> list[str]:
-    """Compile the decode GEMV of every linear in ``shapes`` for 1..``max_batch`` tokens (``linear_token_counts``)
-    into Triton's on-disk cache, ``workers`` processes at a time (default ``kernels.warmup.default_workers()``; 0:
-    nothing). Needs CUDA; skips linears whose dtype is not bf16 / fp16 (``linear`` sends those to ``F.linear``) and
-    jobs already done in this process. Returns one message per failed job (its kernel then compiles on first use).
-    Raises ``ValueError`` for a negative or non-integer ``workers``."""
+def precompile_gemv(shapes: list[LinearShape], max_batch: int, workers: int | None = None,
+                    max_step_tokens: int | None = None) -> list[str]:
+    """Compile the decode GEMV of every linear in ``shapes`` for 1..``max_batch`` tokens, or, given the engine's
+    ``max_step_tokens``, for every count a step can hand it (a prompt's last chunk beside the running decodes: up to
+    ``max(max_batch, max_step_tokens)``) (``linear_token_counts``), into Triton's on-disk cache, ``workers``
+    processes at a time (default ``kernels.warmup.default_workers()``; 0: nothing). Needs CUDA; skips linears
+    whose dtype is not bf16 / fp16 (``linear`` sends those to ``F.linear``) and jobs already done in this process.
+    Returns one message per failed job (its kernel then compiles on first use). Raises ``ValueError`` for a
+    negative or non-integer ``workers``."""
     check_workers(workers)
+    limit = max_batch if max_step_tokens is None else max(max_batch, max_step_tokens)
     jobs = [(s.n, s.k, s.bias, s.dtype, t) for s in dict.fromkeys(shapes) if s.dtype in ("bfloat16", "float16")
-            for t in linear_token_counts(s, max_batch)]
+            for t in linear_token_counts(s, limit)]
     return compile_in_workers(_warm, jobs, _done, workers, "the decode GEMVs")

@@ -41,6 +41,31 @@ def test_decode_token_counts_cover_every_kernel_specialization() -> None:
     assert counts[0] == 1 and union_shipped(counts) == union_shipped(range(1, 17))
 
 
+@pytest.mark.parametrize("shape", [(4096, 14336, 2), (2048, 1408, 4), (2048, 5632, 1), (64, 32, 2)])
+@pytest.mark.parametrize("max_batch", [1, 4, 16])
+def test_step_token_limit_covers_every_step_a_mixed_batch_makes(shape: tuple[int, int, int], max_batch: int) -> None:
+    """Chunked prefill puts a prompt's last piece beside the running decodes, so a step hands the MoE any count up
+    to max_step_tokens (the seventeenth session's Mixtral run compiled the 5..16-token bucket inside serving at
+    batch 4): with max_step_tokens the warm-up counts launch every specialization of 1..2048 on the shipped
+    configs (Mixtral, Qwen routed and shared, an untuned shape), including 5 for Mixtral; without it, decode
+    counts only, as before; never below max_batch, never above max_step_tokens."""
+    from kernels.ap_moe import pick_config
+    from kernels.warmup import kernels_at, step_token_limit
+
+    h, i, k = shape
+
+    def union(ts: list[int] | range) -> set:
+        return set().union(*(kernels_at(t, pick_config(t, h, i), k) for t in ts))
+
+    limit = step_token_limit(max_batch, 2048, h, i)
+    counts = decode_token_counts(limit, h, i, topk=k)
+    assert union(counts) == union(range(1, 2049))
+    assert step_token_limit(max_batch, None, h, i) == max_batch
+    assert step_token_limit(max_batch, 3, h, i) == max(max_batch, 3)
+    if (h, i) == (4096, 14336):
+        assert 5 in counts  # the 5..16-token bucket
+
+
 def test_sorted_slots_and_triton_int_specialization() -> None:
     """A gemv1 config in the sorted-slots mode (SLOTS = S) launches T_PAD = S at every token count and passes the
     whole T (no chunks), on which Triton specializes (1, a multiple of 16, other): counts 2 and 16 stand for 2..32.

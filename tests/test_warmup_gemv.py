@@ -30,6 +30,21 @@ def test_token_counts_by_hand() -> None:
     assert linear_token_counts(LinearShape(8, 4096, False), 16) == [1, 2, 3]  # Mixtral's router: up to 4
 
 
+def test_precompile_gemv_covers_mixed_steps_past_max_batch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Given max_step_tokens, the GEMV warm-up takes every count a step can hand a linear (the router up to its 16
+    tokens at max_batch 4: the seventeenth session compiled a _gemv_kernel inside a batch-4 run); without it, up to
+    max_batch as before. The job list is read through a stand-in runner (no GPU)."""
+    import kernels.warmup_gemv as wg
+
+    seen: list = []
+    monkeypatch.setattr(wg, "compile_in_workers", lambda fn, jobs, done, workers, what: seen.append(jobs) or [])
+    assert wg.precompile_gemv([ROUTER], 4, workers=2, max_step_tokens=2048) == []
+    assert wg.precompile_gemv([ROUTER], 4, workers=2) == []
+    assert [j[-1] for j in seen[0]] == [1, 2, 3, 5, 9, 16] and [j[-1] for j in seen[1]] == [1, 2, 3]
+    assert wg.precompile_gemv([ROUTER], 4, workers=2, max_step_tokens=6) == []
+    assert [j[-1] for j in seen[2]] == [1, 2, 3, 5]
+
+
 @pytest.mark.parametrize("max_batch", [1, 3, 8, 16, 40])
 def test_chosen_counts_launch_every_specialization_of_the_range(max_batch: int) -> None:
     counts = linear_token_counts(ROUTER, max_batch)

@@ -300,8 +300,8 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         from kernels.warmup_gemv import precompile_gemv
 
         workers = None if ecfg.precompile_workers < 0 else ecfg.precompile_workers
-        for msg in precompile_decode(moe_shapes(model), ecfg.max_batch, workers) + \
-                precompile_gemv(linear_shapes(model), ecfg.max_batch, workers):
+        for msg in precompile_decode(moe_shapes(model), ecfg.max_batch, workers, ecfg.max_step_tokens) + \
+                precompile_gemv(linear_shapes(model), ecfg.max_batch, workers, ecfg.max_step_tokens):
             warnings.warn(f"decode kernels compile on first use instead: {msg}", stacklevel=2)
     pool = PagePool(PoolConfig(int(num_pages), page_bytes))
     try:
