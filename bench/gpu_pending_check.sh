@@ -2,13 +2,13 @@
 # The GPU runs that CPU-only changes wait for. Seventeenth session: the full tables of issues 4 and 8 ran on
 # 746ba40 (ap_moe_s17*, serve_s17*, serve_mixtral_s17*); the 16-token GEMV, its warm-up, shared_paths and test_cuda
 # passed natively (gpu_checks/pytest_s17_h200.txt). What waits now:
-#   0. which specialization the warm-up misses (one _gemv_kernel at Qwen uniform 3-bit batch 4; Mixtral's gemv1
-#      pair at 3-bit batch 4): any serve stage now records it (bench/triton_cache.py::first_uses) under the table;
-#      the carried cache (packed in call 3) holds Qwen's miss already, not Mixtral's (calls 4 and 7 did not pack):
-#      serve Mixtral (SERVE_FLAGS="--skip-hf --skip-lean16 --no-equal-memory --config-dir
-#      tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1" SERVE_BITS=3 SERVE_BATCHES=1,4, ~2.5 min): call 7
-#      (serve_mixtral_s17b_h200.md) found the gemv1 pair again with the bucket's own constexprs, so an argument's
-#      alignment or divisibility differs from the warm-up's; the describer now prints those marks
+#   0. the warm-up's coverage of mixed steps (kernels/warmup.py::step_token_limit, CPU-tested only): the
+#      seventeenth session's batch-4 runs compiled Qwen's router GEMV and Mixtral's 5..16-token gemv1 pair inside
+#      serving (a prompt's last chunk beside the running decodes: more tokens than the batch). Check: serve
+#      Mixtral (SERVE_FLAGS="--skip-hf --skip-lean16 --no-equal-memory --config-dir
+#      tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1" SERVE_BITS=3 SERVE_BATCHES=1,4, ~2.5 min; the carried
+#      cache lacks that pair, calls 4 and 7 did not pack): no compile inside a run, and the startup's warm-up time
+#      (more jobs now: Qwen 20, Mixtral 9, on a cold cache)
 #   1. the shared expert at 8 and 32 tokens over every path (SHARED_APPLY=1 SHARED_TS=32,8 ... shared, ~3 min)
 # Always with carry [".triton_cache.txz"] (the Triton cache of the last call: join $OUT/triton_cache.txz.part* from its
 # results into .triton_cache.txz in the checkout, which .git/info/exclude ignores; a cold machine otherwise compiles
