@@ -226,12 +226,12 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
                                   cfg.calib_seed)
     hess = collect_hessian(model, windows, progress=progress)
     partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    blocks = expert_blocks(model.spec)
-    layers = sorted({b.layer for b in blocks})
     fallback: list[LinearBlock] = []
-    try:
+    try:  # from the mkdir on: a SIGTERM right after it (seventeenth session's CI) must remove OUT.partial too
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        blocks = expert_blocks(model.spec)
+        layers = sorted({b.layer for b in blocks})
         for i, layer in enumerate(layers):
             tensors, fb = quantize_layer([b for b in blocks if b.layer == layer], lambda b: dense_weight(model, b),
                                          lambda b: hess.weights_for(b, cfg.min_tokens)[0], cfg)
