@@ -240,13 +240,20 @@ def _dequant_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
-def pick_config(num_tokens: int, hidden: int | None = None, inter: int | None = None,
-                configs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Config for ``num_tokens`` tokens from ``configs/ap_moe.json`` (or ``configs``, the same layout): the
-    buckets of shape "HxI" if tuned, else the default buckets; the largest ``min_tokens`` <= T wins.
+def shape_buckets(hidden: int | None = None, inter: int | None = None,
+                  configs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The token buckets (``{"min_tokens": T, "config": ...}``) of experts ``hidden`` x ``inter`` in
+    ``configs/ap_moe.json`` (or ``configs``, the same layout): the shape's own if tuned, else the default ones.
     Read-only (shared)."""
     table = CONFIGS if configs is None else configs
-    return pick_bucket(table["by_shape"].get(f"{hidden}x{inter}", table["default"]), num_tokens, "min_tokens") or {}
+    return table["by_shape"].get(f"{hidden}x{inter}", table["default"])
+
+
+def pick_config(num_tokens: int, hidden: int | None = None, inter: int | None = None,
+                configs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Config for ``num_tokens`` tokens among ``shape_buckets(hidden, inter, configs)``: the largest
+    ``min_tokens`` <= T wins. Read-only (shared)."""
+    return pick_bucket(shape_buckets(hidden, inter, configs), num_tokens, "min_tokens") or {}
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kernels.ap_moe import CONFIGS, APExperts, ap_moe, build_experts, pick_config
+from kernels.ap_moe import APExperts, ap_moe, build_experts, pick_config, shape_buckets
 from kernels.ap_moe_gemv import token_pad
 from kernels.ap_moe_gemv1 import launches
 
@@ -101,9 +101,7 @@ def step_token_limit(max_batch: int, max_step_tokens: int | None, hidden: int | 
     nothing new) and never below ``max_batch``."""
     if max_step_tokens is None:
         return max_batch
-    table = CONFIGS if configs is None else configs
-    buckets = table["by_shape"].get(f"{hidden}x{inter}", table["default"])
-    last = max((b["min_tokens"] for b in buckets), default=1)
+    last = max((b["min_tokens"] for b in shape_buckets(hidden, inter, configs)), default=1)
     return max(max_batch, min(max_step_tokens, last + 15))
 
 
