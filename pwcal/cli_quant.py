@@ -30,6 +30,19 @@ def quantize(
     min_tokens: Annotated[int, typer.Option(help="Experts seeing fewer calibration tokens use uniform k-means "
                                             "weights.")] = 16,
     calib_seed: Annotated[int, typer.Option(help="Seed of the calibration document order.")] = 0,
+    method: Annotated[str, typer.Option(help="kmeans: nested k-means on the Hessian diagonal (SqueezeLLM + "
+                                        "Any-Precision). gptq: that, then GPTQ-style error feedback on each block's "
+                                        "full input Hessian and least-squares LUTs per bitwidth: much better at the "
+                                        "seed bitwidth (3 bits), level at 4-5, slightly worse at 6-7 "
+                                        "(docs/quantizer.md); needs enough calibration tokens per expert.")
+                      ] = "kmeans",
+    damp: Annotated[float, typer.Option(help="gptq: ridge added to the Hessian, as a fraction of its mean "
+                                        "diagonal.")] = 0.01,
+    feedback_bits: Annotated[int, typer.Option(help="gptq: highest bitwidth quantized with error feedback; higher "
+                                               "ones take plain nested splits (faster).")] = 6,
+    hessian_memory: Annotated[float, typer.Option(help="gptq: GiB of full Hessians (float64, on --device) held at "
+                                                  "once; layers that do not fit take further calibration "
+                                                  "passes.")] = 8.0,
     device: DeviceOpt = "auto",
     force: Annotated[bool, typer.Option(help="Overwrite an existing artifact.")] = False,
 ) -> None:
@@ -39,7 +52,8 @@ def quantize(
 
     with user_errors():
         cfg = QuantizeConfig(seed_bits=seed_bits, calib=calib, samples=samples, seq_len=seq_len,
-                             calib_seed=calib_seed, min_tokens=min_tokens)
+                             calib_seed=calib_seed, min_tokens=min_tokens, method=method, damp=damp,
+                             feedback_bits=feedback_bits, hessian_memory_gib=hessian_memory)
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*cols, console=console) as bar:
             tasks: dict[str, TaskID] = {}

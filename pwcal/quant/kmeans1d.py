@@ -7,6 +7,9 @@ exact weighted 2-means of its own members (children 2c and 2c+1). In 1-D every c
 interval of the sorted row, so all statistics come from prefix sums (float64) and each level
 is O(R * K) work with no per-row Python loop.
 
+``split_clusters`` is step (2) for memberships that are not intervals of the sorted row (the error-feedback
+quantizer, ``pwcal.quant.gptq``, moves weights between clusters).
+
 LUT values are rounded to float16 and then, per child, the better of (rounded child mean,
 rounded parent value) is kept, so the weighted error provably never increases with b, rounding
 included. An empty child (a cluster with < 2 distinct members) inherits its parent's value.
@@ -134,3 +137,34 @@ def nested_kmeans(x: torch.Tensor, w: torch.Tensor, seed_bits: int = 3, iters: i
     codes = torch.empty(r, k, dtype=torch.uint8, device=x.device)
     codes.scatter_(1, order, code_sorted.clamp(max=2**PARENT_BITS - 1).to(torch.uint8))
     return NestedCodes(codes=codes, luts={b: v.to(torch.float16) for b, v in luts.items()})
+
+
+def split_clusters(x: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, clusters: int,
+                   fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One nested level for arbitrary memberships: the exact weighted 2-means inside every cluster.
+
+    x [R, K] float, w [R, K] > 0 (k-means weights), codes [R, K] int64 in [0, clusters): each weight's cluster
+    (not necessarily an interval of the sorted row, e.g. after error feedback); fallback [R, clusters] float64:
+    the value of a child left without members (its parent's). Returns child codes [R, K] int64 (2c or 2c + 1)
+    and the children's weighted means [R, 2 * clusters] float64. Sorting by (cluster, value) makes every
+    cluster an interval again, so the same prefix-sum split as ``nested_kmeans`` applies.
+    """
+    r, k = x.shape
+    xd = x.double()
+    rank = xd.argsort(1).argsort(1)
+    order = (codes * k + rank).argsort(1)
+    xs = xd.gather(1, order).contiguous()
+    ws = w.double().gather(1, order)
+    zero = torch.zeros(r, 1, dtype=torch.float64, device=x.device)
+    sw = torch.cat([zero, ws.cumsum(1)], 1)
+    swx = torch.cat([zero, (ws * xs).cumsum(1)], 1)
+    swxx = torch.cat([zero, (ws * xs * xs).cumsum(1)], 1)
+    counts = torch.zeros(r, clusters, dtype=torch.int64, device=x.device).scatter_add_(1, codes, torch.ones_like(codes))
+    bnd = torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=x.device), counts.cumsum(1)], 1)
+    bnd = _split(sw, swx, swxx, bnd)
+    means = _means(sw, swx, bnd, fallback.repeat_interleave(2, dim=1))
+    pos = torch.arange(k, device=x.device, dtype=torch.int64).expand(r, k).contiguous()
+    child_sorted = torch.searchsorted(bnd[:, 1:].contiguous(), pos, right=True).clamp(max=2 * clusters - 1)
+    child = torch.empty(r, k, dtype=torch.int64, device=x.device)
+    child.scatter_(1, order, child_sorted)
+    return child, means

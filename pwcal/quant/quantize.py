@@ -1,9 +1,11 @@
 """``pwcal quantize``: calibrate, quantize every expert linear block to nested AP codes, write the artifact.
 
-What it does: (1) runs the lean model over calibration windows with a ``HessianDiag`` observer;
-(2) for every MoE layer, quantizes all routed experts' ``gate_up`` / ``down`` rows (and the shared
-expert, an always-active block) with ``nested_kmeans`` weighted by each block's Hessian diagonal
-(uniform weights for experts that saw fewer than ``min_tokens`` tokens: reported); (3) packs
+What it does: (1) runs the lean model over calibration windows with a ``HessianDiag`` observer
+(``method = kmeans``, the default) or, per group of layers whose matrices fit ``hessian_memory_gib``, a
+``HessianFull`` one (``method = gptq``); (2) for every MoE layer, quantizes all routed experts' ``gate_up`` / ``down``
+rows (and the shared expert, an always-active block) with ``nested_kmeans`` weighted by each block's Hessian
+diagonal (uniform weights for experts that saw fewer than ``min_tokens`` tokens: reported), then for ``gptq``
+refines every bitwidth's codes and LUT with error feedback on the full Hessian (``nested_gptq``); (3) packs
 bit-planes and writes one safetensors file per layer plus ``manifest.json``, all inside
 ``OUT.partial/`` that is renamed to ``OUT`` only when complete (an existing ``OUT`` is first renamed to
 ``OUT.old``, put back if the run stops between the two renames, else removed). A rerun on a complete artifact
@@ -20,6 +22,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial as partial_fn
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +31,11 @@ from safetensors.torch import save_file
 
 from pwcal.calib_data import calibration_windows
 from pwcal.manifest import MANIFEST, model_fingerprint, package_version, read_manifest, write_manifest
-from pwcal.quant.kmeans1d import nested_kmeans
+from pwcal.quant.gptq import nested_gptq
+from pwcal.quant.kmeans1d import NestedCodes, nested_kmeans
 from pwcal.stats.collect import observe
 from pwcal.stats.hessian import HessianDiag
+from pwcal.stats.hessian_full import HessianFull, layer_groups
 from pwcal.writer_lock import writer_lock
 from pwrun.ap.artifact import FORMAT
 from pwrun.ap.format import FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS, pack_planes
@@ -40,12 +45,23 @@ from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.model.weights import dense_weight
 
+METHODS = ("gptq", "kmeans")
+# What a manifest written before these options existed means by their absence (the quantizer it ran).
+PRE_METHOD_DEFAULTS = {"method": "kmeans", "damp": 0.01, "feedback_bits": 6, "hessian_memory_gib": 8.0}
+
 
 @dataclass(frozen=True)
 class QuantizeConfig:
     """Parameters of one quantization run (all recorded in the manifest).
 
-    ``min_tokens``: experts that saw fewer calibration tokens get uniform k-means weights.
+    ``min_tokens``: experts that saw fewer calibration tokens get uniform k-means weights (and an identity
+    Hessian). ``method``: ``kmeans`` = SqueezeLLM-style nested k-means on the Hessian diagonal (SPEC section 2);
+    ``gptq`` = that, then error feedback on the full input Hessian and least-squares LUTs per bitwidth
+    (``pwcal.quant.gptq``; ``docs/quantizer.md``). ``damp``: GPTQ's ridge as a fraction of the mean Hessian
+    diagonal; ``feedback_bits``: the highest bitwidth quantized with feedback (above it, plain nested splits: the
+    least-squares LUT's cost grows with 2^b, and 8 bits measured +0.05% on the tiny model either way).
+    ``hessian_memory_gib``: the full Hessians held at once (GiB, float64; more layers -> more
+    calibration passes).
     """
 
     seed_bits: int = 3
@@ -55,8 +71,20 @@ class QuantizeConfig:
     calib_seed: int = 0
     min_tokens: int = 16
     kmeans_iters: int = 50
+    method: str = "kmeans"
+    damp: float = 0.01
+    feedback_bits: int = 6
+    hessian_memory_gib: float = 8.0
 
     def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise PagedWeightError(f"--method {self.method!r} is not one of {', '.join(METHODS)}")
+        if not 0 < self.damp < 1:
+            raise PagedWeightError(f"--damp {self.damp} must be in (0, 1) (a fraction of the mean Hessian diagonal)")
+        if not 2 <= self.feedback_bits <= PARENT_BITS:
+            raise PagedWeightError(f"--feedback-bits {self.feedback_bits} must be in [2, {PARENT_BITS}]")
+        if not self.hessian_memory_gib > 0:
+            raise PagedWeightError(f"--hessian-memory {self.hessian_memory_gib} must be > 0 GiB")
         if self.seed_bits not in SUPPORTED_SEEDS:
             raise PagedWeightError(f"--seed-bits {self.seed_bits} is not supported: use 2 or 3")
         if self.samples < 1 or self.seq_len < 2:
@@ -103,14 +131,35 @@ def quantize_rows(w: torch.Tensor, row_weights: torch.Tensor, cfg: QuantizeConfi
     return torch.cat(codes), {b: torch.cat([x[b] for x in luts]) for b in cfg.bits}
 
 
+def feedback_rows(ws: list[torch.Tensor], hs: list[torch.Tensor], init: tuple[torch.Tensor, dict], cfg: QuantizeConfig,
+                  max_elements: int = 1 << 24) -> tuple[torch.Tensor, dict]:
+    """``quantize_rows``' result refined by ``nested_gptq`` for blocks ws [N, K] (same shape) with Hessians
+    hs [K, K]; blocks are processed a few at a time (at most ``max_elements`` weights, at least one block)."""
+    n, k = ws[0].shape
+    per = max(1, max_elements // (n * k))
+    codes, luts = init
+    out_codes, out_luts = [], []
+    for lo in range(0, len(ws), per):
+        hi = min(lo + per, len(ws))
+        rows = slice(lo * n, hi * n)
+        seed = NestedCodes(codes=codes[rows], luts={b: v[rows] for b, v in luts.items()})
+        nc = nested_gptq(torch.stack(ws[lo:hi]), torch.stack(hs[lo:hi]), seed, cfg.seed_bits, cfg.damp,
+                         cfg.feedback_bits)
+        out_codes.append(nc.codes)
+        out_luts.append(nc.luts)
+    return torch.cat(out_codes), {b: torch.cat([x[b] for x in out_luts]) for b in cfg.bits}
+
+
 def quantize_layer(blocks: list[LinearBlock], weight_of: Callable[[LinearBlock], torch.Tensor],
                    hessian_of: Callable[[LinearBlock], torch.Tensor | None], cfg: QuantizeConfig,
-                   max_elements: int = 1 << 24) -> tuple[dict[str, torch.Tensor], list[LinearBlock]]:
+                   max_elements: int = 1 << 24, full_of: Callable[[LinearBlock], torch.Tensor | None] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], list[LinearBlock]]:
     """All AP tensors (on CPU) of one layer's expert blocks, and the blocks that used uniform weights.
 
     ``weight_of(block)``: the dense weight [N, K]; ``hessian_of(block)``: k-means weights [K] or
-    ``None`` for the uniform fallback. Blocks of the same unit and shape are quantized together
-    (rows stacked) for speed. Raises ``PagedWeightError`` if a weight holds NaN or Inf.
+    ``None`` for the uniform fallback; ``full_of(block)``: the full Hessian [K, K] for ``method = gptq``
+    (``None``: an identity, i.e. no error feedback, for fallback blocks). Blocks of the same unit and shape are
+    quantized together (rows stacked) for speed. Raises ``PagedWeightError`` if a weight holds NaN or Inf.
     """
     tensors: dict[str, torch.Tensor] = {}
     fallback: list[LinearBlock] = []
@@ -118,7 +167,7 @@ def quantize_layer(blocks: list[LinearBlock], weight_of: Callable[[LinearBlock],
     for b in blocks:
         groups.setdefault((b.unit, b.n, b.k), []).append(b)
     for group in groups.values():
-        ws, rw = [], []
+        ws, rw, hs = [], [], []
         for b in group:
             w = weight_of(b).float()
             if not torch.isfinite(w).all():
@@ -130,7 +179,13 @@ def quantize_layer(blocks: list[LinearBlock], weight_of: Callable[[LinearBlock],
                 h = torch.ones(b.k, dtype=torch.float64, device=w.device)
             ws.append(w)
             rw.append(h.to(w.device).float().expand(b.n, b.k))
+            if full_of is not None:
+                full = full_of(b)
+                hs.append(torch.eye(b.k, dtype=torch.float64, device=w.device) if full is None
+                          else full.to(w.device))
         codes, luts = quantize_rows(torch.cat(ws), torch.cat(rw), cfg, max_elements)
+        if full_of is not None:
+            codes, luts = feedback_rows(ws, hs, (codes, luts), cfg, max_elements)
         for i, b in enumerate(group):
             rows = slice(i * b.n, (i + 1) * b.n)
             key = block_key(b)
@@ -138,6 +193,12 @@ def quantize_layer(blocks: list[LinearBlock], weight_of: Callable[[LinearBlock],
             for bits, lut in luts.items():
                 tensors[f"{key}.lut{bits}"] = lut[rows].cpu().contiguous()
     return tensors, fallback
+
+
+def _first(lookup: Callable[[LinearBlock, int], tuple[torch.Tensor | None, int]], min_tokens: int
+           ) -> Callable[[LinearBlock], torch.Tensor | None]:
+    """``block -> lookup(block, min_tokens)[0]``: a Hessian observer's tensor for a block, without its count."""
+    return lambda block: lookup(block, min_tokens)[0]
 
 
 def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[str, str], layers: list[int],
@@ -172,7 +233,8 @@ def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConf
     m = read_manifest(out)
     q = m.get("stages", {}).get("quantize", {})
     same_model = all(m.get("model", {}).get(k) == model_fp[k] for k in ("weights_sha256", "config_sha256"))
-    if q.get("complete") and same_model and q.get("config") == asdict(cfg):
+    recorded = {**PRE_METHOD_DEFAULTS, **q.get("config", {})}  # artifacts from before --method were k-means ones
+    if q.get("complete") and same_model and recorded == asdict(cfg):
         return True
     raise PagedWeightError(f"{out} already holds an artifact of another model or other parameters: pass --force "
                            "to overwrite it or choose another --out")
@@ -224,22 +286,36 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
     model = load_model(model_dir, device=device, dtype="float32")
     windows = calibration_windows(tok, cfg.calib, cfg.samples, min(cfg.seq_len, model.spec.max_position_embeddings),
                                   cfg.calib_seed)
-    hess = collect_hessian(model, windows, progress=progress)
+    blocks = expert_blocks(model.spec)
+    groups = ([sorted({b.layer for b in blocks})] if cfg.method == "kmeans" else
+              layer_groups(blocks, int(cfg.hessian_memory_gib * 2**30)))
+    hess = collect_hessian(model, windows, progress=progress) if cfg.method == "kmeans" else None
     partial = out.with_name(out.name + ".partial")
     fallback: list[LinearBlock] = []
     try:  # from the mkdir on: a SIGTERM right after it (seventeenth session's CI) must remove OUT.partial too
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        blocks = expert_blocks(model.spec)
         layers = sorted({b.layer for b in blocks})
-        for i, layer in enumerate(layers):
-            tensors, fb = quantize_layer([b for b in blocks if b.layer == layer], lambda b: dense_weight(model, b),
-                                         lambda b: hess.weights_for(b, cfg.min_tokens)[0], cfg)
-            fallback += fb
-            save_file(tensors, str(partial / layer_file(layer)),
-                      metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
-            if progress:
-                progress("quantize", i + 1, len(layers))
+        done = 0
+        for group in groups:
+            full: HessianFull | None = None
+            if cfg.method == "gptq":  # one calibration pass per group of layers whose full Hessians fit
+                full = HessianFull(set(group))
+                observe(model, windows, full, progress=progress)
+            obs: HessianFull | HessianDiag | None = full if full is not None else hess
+            assert obs is not None
+            for layer in group:
+                tensors, fb = quantize_layer(
+                    [b for b in blocks if b.layer == layer], partial_fn(dense_weight, model),
+                    _first(obs.weights_for, cfg.min_tokens), cfg,
+                    full_of=None if full is None else _first(full.matrix_for, cfg.min_tokens))
+                fallback += fb
+                save_file(tensors, str(partial / layer_file(layer)),
+                          metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+                done += 1
+                if progress:
+                    progress("quantize", done, len(layers))
+            del full
         manifest = _manifest(cfg, model_dir, model.spec.family, model_fp, layers, blocks, fallback,
                              len(windows) * len(windows[0]), time.time() - t0)
         write_manifest(partial, manifest)

@@ -41,5 +41,10 @@ class HessianDiag:
         d = self.diag.get((block.layer, block.expert, block.unit))
         if d is None or n < min_tokens:
             return None, n
-        return d + eps * d.mean().clamp_min(1e-30), n
+        return kmeans_weights(d, eps), n
+
+
+def kmeans_weights(diag: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The k-means weights [K] of a Hessian diagonal [K]: ``diag + eps * mean(diag)``, all positive."""
+    return diag + eps * diag.mean().clamp_min(1e-30)
 
