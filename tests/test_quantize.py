@@ -112,6 +112,9 @@ def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Pa
     assert r.exit_code == 0 and "nothing to do" in r.stderr
     r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(old), *ARGS, "--method", "gptq"])
     assert r.exit_code == 2 and "--force" in r.stderr
+    # options that do not change a k-means artifact do not block a rerun
+    r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(old), *ARGS, "--damp", "0.2", "--hessian-memory", "1"])
+    assert r.exit_code == 0 and "nothing to do" in r.stderr
     r = runner.invoke(app, ["quantize", str(MODEL), "--out", str(artifact), *ARGS[:1], "9", *ARGS[2:]])
     assert r.exit_code == 2 and "--force" in r.stderr
     other = tmp_path / "other"

@@ -17,6 +17,7 @@ Tensor names in ``layer_LLL.safetensors``: ``{e}.{unit}.planes`` int32 [8, N, Kw
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -83,8 +84,11 @@ class QuantizeConfig:
             raise PagedWeightError(f"--damp {self.damp} must be in (0, 1) (a fraction of the mean Hessian diagonal)")
         if not 2 <= self.feedback_bits <= PARENT_BITS:
             raise PagedWeightError(f"--feedback-bits {self.feedback_bits} must be in [2, {PARENT_BITS}]")
-        if not self.hessian_memory_gib > 0:
-            raise PagedWeightError(f"--hessian-memory {self.hessian_memory_gib} must be > 0 GiB")
+        if not (math.isfinite(self.hessian_memory_gib) and self.hessian_memory_gib > 0):
+            raise PagedWeightError(f"--hessian-memory {self.hessian_memory_gib} must be a finite number of GiB > 0")
+        if self.method == "gptq" and self.feedback_bits < self.seed_bits:
+            raise PagedWeightError(f"--feedback-bits {self.feedback_bits} is below --seed-bits {self.seed_bits}: no "
+                                   "bitwidth would get error feedback; give --feedback-bits >= --seed-bits")
         if self.seed_bits not in SUPPORTED_SEEDS:
             raise PagedWeightError(f"--seed-bits {self.seed_bits} is not supported: use 2 or 3")
         if self.samples < 1 or self.seq_len < 2:
@@ -195,6 +199,13 @@ def quantize_layer(blocks: list[LinearBlock], weight_of: Callable[[LinearBlock],
     return tensors, fallback
 
 
+def _result_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """The parameters that change a quantize stage's output: not ``hessian_memory_gib`` (calibration passes
+    only), nor gptq's ``damp`` / ``feedback_bits`` for a k-means run."""
+    unused = {"hessian_memory_gib"} | ({"damp", "feedback_bits"} if config.get("method") == "kmeans" else set())
+    return {k: v for k, v in config.items() if k not in unused}
+
+
 def _first(lookup: Callable[[LinearBlock, int], tuple[torch.Tensor | None, int]], min_tokens: int
            ) -> Callable[[LinearBlock], torch.Tensor | None]:
     """``block -> lookup(block, min_tokens)[0]``: a Hessian observer's tensor for a block, without its count."""
@@ -234,7 +245,7 @@ def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConf
     q = m.get("stages", {}).get("quantize", {})
     same_model = all(m.get("model", {}).get(k) == model_fp[k] for k in ("weights_sha256", "config_sha256"))
     recorded = {**PRE_METHOD_DEFAULTS, **q.get("config", {})}  # artifacts from before --method were k-means ones
-    if q.get("complete") and same_model and recorded == asdict(cfg):
+    if q.get("complete") and same_model and _result_keys(recorded) == _result_keys(asdict(cfg)):
         return True
     raise PagedWeightError(f"{out} already holds an artifact of another model or other parameters: pass --force "
                            "to overwrite it or choose another --out")
