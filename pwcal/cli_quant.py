@@ -33,7 +33,7 @@ def quantize(
     method: Annotated[str, typer.Option(help="kmeans: nested k-means on the Hessian diagonal (SqueezeLLM + "
                                         "Any-Precision). gptq: that, then GPTQ-style error feedback on each block's "
                                         "full input Hessian and least-squares LUTs per bitwidth: much better at the "
-                                        "seed bitwidth (3 bits), level at 4-5, slightly worse at 6-7 "
+                                        "seed bitwidth (3 bits), level or slightly worse at 4-7 "
                                         "(docs/quantizer.md); needs enough calibration tokens per expert.")
                       ] = "kmeans",
     damp: Annotated[float, typer.Option(help="gptq: ridge added to the Hessian, as a fraction of its mean "

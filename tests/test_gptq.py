@@ -121,7 +121,7 @@ def test_nested_gptq_is_nested_never_worse_with_bits_and_beats_kmeans_at_the_see
     h = torch.stack([correlated_hessian(k, seed=s) for s in (6, 7)])
     kw = torch.cat([h[i].diagonal().expand(r, k) for i in range(nb)])
     init = nested_kmeans(w.reshape(nb * r, k), kw, seed_bits)
-    out = nested_gptq(w.float(), h, init, seed_bits)
+    out = nested_gptq(w.float(), h, init, kw, seed_bits)
     assert out.codes.dtype == torch.uint8 and out.codes.shape == (nb * r, k)
     errs, kmeans_errs = [], []
     for b in range(seed_bits, 9):
@@ -139,7 +139,7 @@ def test_nested_gptq_refuses_mismatched_shapes() -> None:
     w = torch.randn(1, 4, 10)
     init = nested_kmeans(w[0], torch.ones(4, 10), 3)
     with pytest.raises(ValueError, match="shapes do not match"):
-        nested_gptq(w, torch.eye(9, dtype=torch.float64)[None], init, 3)
+        nested_gptq(w, torch.eye(9, dtype=torch.float64)[None], init, torch.ones(4, 10), 3)
 
 
 def test_layer_groups_fit_the_budget_and_refuse_a_layer_too_big() -> None:

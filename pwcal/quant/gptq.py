@@ -134,24 +134,23 @@ def _best_of(w: torch.Tensor, h: torch.Tensor, lut0: torch.Tensor, plain: torch.
             torch.where(take, plain_err, err))
 
 
-def nested_gptq(w: torch.Tensor, h: torch.Tensor, init: NestedCodes, seed_bits: int, damp: float = 0.01,
-                max_feedback_bits: int = PARENT_BITS) -> NestedCodes:
+def nested_gptq(w: torch.Tensor, h: torch.Tensor, init: NestedCodes, kmeans_weights: torch.Tensor, seed_bits: int,
+                damp: float = 0.01, max_feedback_bits: int = PARENT_BITS) -> NestedCodes:
     """Error-feedback nested codes and LUTs for B blocks: w [B, R, K] float, h [B, K, K] float64.
 
     ``init``: the nested k-means of the same B * R rows (``kmeans1d.nested_kmeans``), whose seed LUT and codes
-    start the tree. Bitwidths above ``max_feedback_bits`` take the weighted 2-means split of the memberships
+    start the tree; ``kmeans_weights`` [B * R, K] > 0: the weights that k-means used, which the splits of the higher
+    bitwidths use too. Bitwidths above ``max_feedback_bits`` take the weighted 2-means split of the memberships
     below them only (no feedback, no refit: the refit's cost grows with 2^b). Returns codes [B * R, K] uint8 and
     luts {b: [B * R, 2^b] float16} like ``nested_kmeans``, with per-row full-Hessian error non-increasing in b.
     Raises ``ValueError`` for mismatched shapes.
     """
     nb, r, k = w.shape
-    if h.shape != (nb, k, k) or init.codes.shape != (nb * r, k):
+    if h.shape != (nb, k, k) or init.codes.shape != (nb * r, k) or kmeans_weights.shape != (nb * r, k):
         raise ValueError(f"shapes do not match: w {tuple(w.shape)}, h {tuple(h.shape)}, "
                          f"init codes {tuple(init.codes.shape)}")
     w = w.double()
     h = h.double()
-    diag = h.diagonal(dim1=1, dim2=2)
-    kw = (diag + 1e-6 * diag.mean(1, keepdim=True).clamp_min(1e-30)).clamp_min(1e-30)[:, None, :].expand(nb, r, k)
     parent: torch.Tensor | None = None
     prev_err: torch.Tensor | None = None
     luts: dict[int, torch.Tensor] = {}
@@ -160,7 +159,7 @@ def nested_gptq(w: torch.Tensor, h: torch.Tensor, init: NestedCodes, seed_bits: 
             lut0 = init.luts[bits].double().view(nb, r, 2**bits)
             plain = (init.codes.long() >> (PARENT_BITS - bits)).view(nb, r, k)
         else:  # split the clusters as error feedback left them, not as the k-means cut the sorted row
-            child, means = split_clusters(w.reshape(nb * r, k), kw.reshape(nb * r, k), parent.reshape(nb * r, k),
+            child, means = split_clusters(w.reshape(nb * r, k), kmeans_weights, parent.reshape(nb * r, k),
                                           2**(bits - 1), luts[bits - 1])
             lut0 = means.to(torch.float16).double().view(nb, r, 2**bits)
             plain = child.view(nb, r, k)

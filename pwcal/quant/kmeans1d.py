@@ -41,6 +41,13 @@ class NestedCodes:
     luts: dict[int, torch.Tensor]
 
 
+def _prefix_sums(xs: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prefix sums [R, K+1] float64 of w, w x and w x^2 along the (sorted) rows xs, ws [R, K]."""
+    zero = torch.zeros(xs.shape[0], 1, dtype=torch.float64, device=xs.device)
+    return (torch.cat([zero, ws.cumsum(1)], 1), torch.cat([zero, (ws * xs).cumsum(1)], 1),
+            torch.cat([zero, (ws * xs * xs).cumsum(1)], 1))
+
+
 def _seg(prefix: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Sum over sorted positions [lo, hi) per row, from a prefix sum [R, K+1]."""
     return prefix.gather(1, hi) - prefix.gather(1, lo)
@@ -99,10 +106,7 @@ def nested_kmeans(x: torch.Tensor, w: torch.Tensor, seed_bits: int = 3, iters: i
     xs, order = x.double().sort(dim=1)
     xs = xs.contiguous()
     ws = w.double().gather(1, order)
-    zero = torch.zeros(r, 1, dtype=torch.float64, device=x.device)
-    sw = torch.cat([zero, ws.cumsum(1)], 1)
-    swx = torch.cat([zero, (ws * xs).cumsum(1)], 1)
-    swxx = torch.cat([zero, (ws * xs * xs).cumsum(1)], 1)
+    sw, swx, swxx = _prefix_sums(xs, ws)
     kk = torch.full((r, 1), k, dtype=torch.int64, device=x.device)
     z = torch.zeros_like(kk)
 
@@ -155,10 +159,7 @@ def split_clusters(x: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, cluste
     order = (codes * k + rank).argsort(1)
     xs = xd.gather(1, order).contiguous()
     ws = w.double().gather(1, order)
-    zero = torch.zeros(r, 1, dtype=torch.float64, device=x.device)
-    sw = torch.cat([zero, ws.cumsum(1)], 1)
-    swx = torch.cat([zero, (ws * xs).cumsum(1)], 1)
-    swxx = torch.cat([zero, (ws * xs * xs).cumsum(1)], 1)
+    sw, swx, swxx = _prefix_sums(xs, ws)
     counts = torch.zeros(r, clusters, dtype=torch.int64, device=x.device).scatter_add_(1, codes, torch.ones_like(codes))
     bnd = torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=x.device), counts.cumsum(1)], 1)
     bnd = _split(sw, swx, swxx, bnd)

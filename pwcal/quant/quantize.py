@@ -47,8 +47,8 @@ from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.model.weights import dense_weight
 
 METHODS = ("gptq", "kmeans")
-# What a manifest written before these options existed means by their absence (the quantizer it ran).
-PRE_METHOD_DEFAULTS = {"method": "kmeans", "damp": 0.01, "feedback_bits": 6, "hessian_memory_gib": 8.0}
+# A manifest written before --method existed records a k-means run (its gptq-only options do not count).
+PRE_METHOD = {"method": "kmeans"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ class QuantizeConfig:
     ``gptq`` = that, then error feedback on the full input Hessian and least-squares LUTs per bitwidth
     (``pwcal.quant.gptq``; ``docs/quantizer.md``). ``damp``: GPTQ's ridge as a fraction of the mean Hessian
     diagonal; ``feedback_bits``: the highest bitwidth quantized with feedback (above it, plain nested splits: the
-    least-squares LUT's cost grows with 2^b, and 8 bits measured +0.05% on the tiny model either way).
+    least-squares LUT's cost grows with 2^b; with feedback up to 6 bits, 8 bits measured +0.05% / -0.02% on the
+    tiny model, feedback at 7-8 bits was not measured).
     ``hessian_memory_gib``: the full Hessians held at once (GiB, float64; more layers -> more
     calibration passes).
     """
@@ -135,10 +136,12 @@ def quantize_rows(w: torch.Tensor, row_weights: torch.Tensor, cfg: QuantizeConfi
     return torch.cat(codes), {b: torch.cat([x[b] for x in luts]) for b in cfg.bits}
 
 
-def feedback_rows(ws: list[torch.Tensor], hs: list[torch.Tensor], init: tuple[torch.Tensor, dict], cfg: QuantizeConfig,
-                  max_elements: int = 1 << 24) -> tuple[torch.Tensor, dict]:
-    """``quantize_rows``' result refined by ``nested_gptq`` for blocks ws [N, K] (same shape) with Hessians
-    hs [K, K]; blocks are processed a few at a time (at most ``max_elements`` weights, at least one block)."""
+def feedback_rows(ws: list[torch.Tensor], hs: list[torch.Tensor], row_weights: torch.Tensor,
+                  init: tuple[torch.Tensor, dict], cfg: QuantizeConfig, max_elements: int = 1 << 24
+                  ) -> tuple[torch.Tensor, dict]:
+    """``quantize_rows``' result ``init`` refined by ``nested_gptq`` for blocks ws [N, K] float (same shape) with
+    Hessians hs [K, K] float64 and the k-means weights row_weights [len(ws) * N, K] that ``init`` used; blocks
+    are processed a few at a time (at most ``max_elements`` weights, at least one block)."""
     n, k = ws[0].shape
     per = max(1, max_elements // (n * k))
     codes, luts = init
@@ -147,8 +150,8 @@ def feedback_rows(ws: list[torch.Tensor], hs: list[torch.Tensor], init: tuple[to
         hi = min(lo + per, len(ws))
         rows = slice(lo * n, hi * n)
         seed = NestedCodes(codes=codes[rows], luts={b: v[rows] for b, v in luts.items()})
-        nc = nested_gptq(torch.stack(ws[lo:hi]), torch.stack(hs[lo:hi]), seed, cfg.seed_bits, cfg.damp,
-                         cfg.feedback_bits)
+        nc = nested_gptq(torch.stack(ws[lo:hi]), torch.stack(hs[lo:hi]), seed, row_weights[rows], cfg.seed_bits,
+                         cfg.damp, cfg.feedback_bits)
         out_codes.append(nc.codes)
         out_luts.append(nc.luts)
     return torch.cat(out_codes), {b: torch.cat([x[b] for x in out_luts]) for b in cfg.bits}
@@ -187,9 +190,10 @@ def quantize_layer(blocks: list[LinearBlock], weight_of: Callable[[LinearBlock],
                 full = full_of(b)
                 hs.append(torch.eye(b.k, dtype=torch.float64, device=w.device) if full is None
                           else full.to(w.device))
-        codes, luts = quantize_rows(torch.cat(ws), torch.cat(rw), cfg, max_elements)
+        row_weights = torch.cat(rw)
+        codes, luts = quantize_rows(torch.cat(ws), row_weights, cfg, max_elements)
         if full_of is not None:
-            codes, luts = feedback_rows(ws, hs, (codes, luts), cfg, max_elements)
+            codes, luts = feedback_rows(ws, hs, row_weights, (codes, luts), cfg, max_elements)
         for i, b in enumerate(group):
             rows = slice(i * b.n, (i + 1) * b.n)
             key = block_key(b)
@@ -244,7 +248,7 @@ def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConf
     m = read_manifest(out)
     q = m.get("stages", {}).get("quantize", {})
     same_model = all(m.get("model", {}).get(k) == model_fp[k] for k in ("weights_sha256", "config_sha256"))
-    recorded = {**PRE_METHOD_DEFAULTS, **q.get("config", {})}  # artifacts from before --method were k-means ones
+    recorded = {**PRE_METHOD, **q.get("config", {})}  # artifacts from before --method were k-means ones
     if q.get("complete") and same_model and _result_keys(recorded) == _result_keys(asdict(cfg)):
         return True
     raise PagedWeightError(f"{out} already holds an artifact of another model or other parameters: pass --force "
