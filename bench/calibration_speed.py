@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quantize_speed import qwen_spec
 
 from pwcal.quant.quantize import FORMAT, QuantizeConfig, layer_file, quantize_layer
-from pwcal.sensitivity import block_hessians, column_errors, sensitivity_table
+from pwcal.sensitivity import block_hessians, sensitivity_table, weighted_sensitivities
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import NormFeatures
 from pwcal.stats.hessian import HessianDiag
@@ -117,8 +117,7 @@ def main() -> None:
         times["calibration_pass_s"] = time.perf_counter() - t
         t = time.perf_counter()
         h = block_hessians(hess, blocks, 16)
-        errors = column_errors(model, art, blocks)
-        table = sensitivity_table(blocks, h, errors, art.bits, art.seed_bits)
+        table = sensitivity_table(blocks, h, weighted_sensitivities(model, art, blocks, h), art.bits, art.seed_bits)
         sync()
         times["column_errors_and_table_s"] = time.perf_counter() - t
     total = times["calibration_pass_s"] + times["column_errors_and_table_s"]

@@ -46,22 +46,27 @@ def sensitivity(
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 512,
     seed: Annotated[int, typer.Option(help="Seed of the document order (reproducible sampling).")] = 1,
     min_tokens: Annotated[int, typer.Option(help="Experts with fewer routed tokens use the documented "
-                                            "fallback Hessian.")] = 16,
+                                            "fallback importance.")] = 16,
+    importance: Annotated[str, typer.Option(help="What weights the AP errors in s_i^b: fisher (squared per-window "
+                                            "gradients of the calibration loss, one forward+backward pass per "
+                                            "window; sees downstream layers) or hessian (diag(X^T X) of the "
+                                            "block's inputs; one pass, local).")] = "fisher",
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
 ) -> None:
-    """Hessian sensitivity s_i^b and bytes M_i^b per block and bitwidth; routing mass per expert (Eq. 1-3)."""
+    """Sensitivity s_i^b (Fisher or Hessian) and bytes M_i^b per block and bitwidth; routing mass (Eq. 1-3)."""
     from pwcal.sensitivity import SensitivityConfig, run_sensitivity
 
     with user_errors():
         bars = Bars()
         with bars.progress:
-            info = run_sensitivity(model, artifacts, SensitivityConfig(dataset, samples, seq_len, seed, min_tokens),
+            info = run_sensitivity(model, artifacts, SensitivityConfig(dataset, samples, seq_len, seed, min_tokens,
+                                                                              importance),
                                    device, force, bars)
         warn = ""
         if info.get("fallback_experts"):
             warn = (f"; warning: {len(info['fallback_experts'])} experts saw fewer than {min_tokens} tokens and use "
-                    "the fallback Hessian")
+                    "the fallback importance")
         _report("sensitivity", info, warn)
 
 

@@ -7,7 +7,8 @@ diagonal h_i(p), its routed-token count n_i(p) and its input-norm features. Then
 transition b -> b' (b > b'):
 
 * prompt damage per routed token:  g_i(p) = max(h_i(p) . (e_i^{b'} - e_i^b), 0) / n_i(p)
-* global damage per routed token:  g_i    = max(s_i^{b'} - s_i^b, 0) / n_i            (Eq. 4 / tokens)
+* global damage per routed token:  g_i    = max(s_i^{b'} - s_i^b, 0) / n_i            (Eq. 4 / tokens), with
+  the Hessian-diagonal s_i^b on the sensitivity windows (recomputed if that stage used the Fisher)
 * **target**:  rho = log(g_i(p) / g_i)  -- how much more (rho > 0) or less this prompt is hurt
   than the calibration average, per routed token (routing frequency is the planner's online
   statistics' business, not the residual's).
@@ -34,7 +35,7 @@ import pandas as pd
 
 from pwcal.calib_data import calibration_windows
 from pwcal.manifest import read_manifest
-from pwcal.sensitivity import column_errors
+from pwcal.sensitivity import block_hessians, column_errors, sensitivity_table, weighted_sensitivities
 from pwcal.stages import begin_stage, finish_stage, start_writing
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
@@ -43,6 +44,7 @@ from pwcal.tables import read_table, write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import expert_blocks
+from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
 
 
@@ -97,6 +99,23 @@ def prompt_rows(errors: dict, sens: pd.DataFrame, ref: pd.DataFrame, per_prompt:
     return pd.DataFrame(out)
 
 
+def hessian_reference(model: LeanMoEModel, art: APArtifact, tok: Any, sens_cfg: dict[str, Any], sens: pd.DataFrame
+                      ) -> pd.DataFrame:
+    """The sensitivity table with the Hessian-diagonal importance on the sensitivity stage's windows: ``sens``
+    itself if that stage used it, else recomputed (one calibration pass). The residual compares a prompt's
+    Hessian damage with this calibration average, so its target is the prompt's deviation whatever importance the
+    global damage g uses (with the Fisher, g also carries the downstream effect the prompt's inputs do not)."""
+    if sens_cfg.get("importance", "hessian") == "hessian":
+        return sens
+    windows = calibration_windows(tok, sens_cfg["dataset"], sens_cfg["samples"], sens_cfg["seq_len"],
+                                  sens_cfg["seed"])
+    hess = HessianDiag()
+    observe(model, windows, hess)
+    blocks = expert_blocks(model.spec)
+    imp = block_hessians(hess, blocks, sens_cfg["min_tokens"])
+    return sensitivity_table(blocks, imp, weighted_sensitivities(model, art, blocks, imp), art.bits, art.seed_bits)
+
+
 def fit_heads(rows: pd.DataFrame, prompts: int, heldout_fraction: float) -> pd.DataFrame:
     """One LinearRegression head per (unit, bits_from, bits_to), scored on held-out prompts."""
     from sklearn.linear_model import LinearRegression
@@ -142,7 +161,8 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
         if progress:
             progress("prompts", i + 1, len(windows))
     errors = column_errors(model, art, expert_blocks(model.spec))
-    rows = prompt_rows(errors, sens, ref, per_prompt, art.bits, cfg.min_prompt_tokens)
+    rows = prompt_rows(errors, hessian_reference(model, art, tok, sens_cfg, sens), ref, per_prompt, art.bits,
+                       cfg.min_prompt_tokens)
     heads = fit_heads(rows, cfg.prompts, cfg.heldout_fraction)
     if heads.empty:
         raise PagedWeightError("no residual head could be fit: use more --prompts (and a --heldout-fraction in "

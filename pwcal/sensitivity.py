@@ -1,16 +1,24 @@
-"""``pwcal sensitivity``: Hessian sensitivity s_i^b (SPEC Eq. 2), bytes M_i^b (Eq. 3), routing mass (Eq. 1).
+"""``pwcal sensitivity``: sensitivity s_i^b (SPEC Eq. 2), bytes M_i^b (Eq. 3), routing mass (Eq. 1).
 
 What it does: one calibration pass of the lean model over C4 windows collects, per linear block
 i = (layer, expert, unit), the Hessian diagonal h_i of its inputs over the tokens routed to it
 (gate_up: the layer input; down: silu(gate) * up; the shared expert: every token) and the token
-count, and per expert the routing mass. Then, with the column errors of the artifact's AP weights
-``e_i^b[j] = sum_r (W_rj - W^b_rj)^2``, ``s_i^b = h_i . e_i^b``. Writes ``sensitivity.parquet``,
-``routing.parquet`` and ``block_features.parquet`` (each block's reference input-norm features,
-the normaliser of the prompt-residual features; schemas in ``pwcal.tables``) and a manifest entry.
+count, and per expert the routing mass. The importance weighting the AP errors is ``--importance``:
 
-Fallback (never a silent zero): an expert that saw fewer than ``min_tokens`` tokens gets
-``h = max(n, 1) x`` the mean per-token Hessian diagonal of the well-observed experts of its layer and
-unit, i.e. typical inputs counted at its (tiny) frequency; those rows have ``fallback = True``.
+* ``fisher`` (default): F_i [N, K], squared per-window gradients of the calibration loss
+  (``pwcal.stats.fisher``), ``s_i^b = sum_rj F_i[r, j] (W_rj - W^b_rj)^2``. It sees how much an error in
+  this layer moves the loss downstream, which the input Hessian does not (it differs ~150x across the
+  tiny model's 4 layers).
+* ``hessian``: with the column errors ``e_i^b[j] = sum_r (W_rj - W^b_rj)^2``, ``s_i^b = h_i . e_i^b``.
+
+Writes ``sensitivity.parquet``, ``routing.parquet`` and ``block_features.parquet`` (each block's reference
+input-norm features, the normaliser of the prompt-residual features; schemas in ``pwcal.tables``) and a
+manifest entry.
+
+Fallback (never a silent zero): an expert that saw fewer than ``min_tokens`` tokens gets, as importance,
+``max(n, 1) x`` the mean per-token column profile of the well-observed experts of its layer and unit (the
+Hessian diagonal, or the Fisher averaged over rows), i.e. typical inputs counted at its (tiny) frequency;
+those rows have ``fallback = True``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pwcal.calib_data import calibration_windows
 from pwcal.stages import begin_stage, finish_stage, start_writing
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
+from pwcal.stats.fisher import fisher_diagonal
 from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.routing import RoutingMass
 from pwcal.tables import write_table
@@ -39,18 +48,28 @@ from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.model.weights import dense_weight
 
+IMPORTANCE = ("fisher", "hessian")
+PRE_IMPORTANCE = {"importance": "hessian"}  # what a manifest from before --importance computed
+
+Key = tuple[int, int, str]
+Importance = dict[Key, tuple[torch.Tensor, int, bool]]  # per block: ([K] or [N, K] float, tokens, fallback)
+
 
 @dataclass(frozen=True)
 class SensitivityConfig:
-    """``seed`` orders the calibration documents; windows 0..samples-1 of that order are used."""
+    """``seed`` orders the calibration documents; windows 0..samples-1 of that order are used. ``importance``:
+    one of ``IMPORTANCE`` (module docstring)."""
 
     dataset: str = "c4-calib"
     samples: int = 64
     seq_len: int = 512
     seed: int = 1
     min_tokens: int = 16
+    importance: str = "fisher"
 
     def __post_init__(self) -> None:
+        if self.importance not in IMPORTANCE:
+            raise PagedWeightError(f"--importance {self.importance!r} is not one of {', '.join(IMPORTANCE)}")
         if self.min_tokens < 1:
             raise PagedWeightError(f"--min-tokens {self.min_tokens} must be >= 1 (an expert that saw no token has no "
                                    "Hessian)")
@@ -71,22 +90,27 @@ def column_errors(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBlock
     return out
 
 
-def block_hessians(hess: HessianDiag, blocks: list[LinearBlock], min_tokens: int
-                   ) -> dict[tuple[int, int, str], tuple[torch.Tensor, int, bool]]:
-    """(h_i [K] float64, tokens, fallback) per block, with the documented fallback for rare experts."""
+def with_fallback(imp: dict[Key, torch.Tensor], tokens: dict[tuple[int, int], int], blocks: list[LinearBlock],
+                  min_tokens: int) -> Importance:
+    """(importance, tokens, fallback) per block, with the documented fallback for rare experts.
+
+    ``imp``: per block a Hessian diagonal [K] or a Fisher [N, K] (float, summed over calibration tokens);
+    ``tokens[(layer, expert)]``: tokens routed to the expert. Raises ``PagedWeightError`` if a layer and unit
+    has no expert with ``min_tokens`` tokens to take the typical profile from.
+    """
     typical: dict[tuple[int, str, int], torch.Tensor] = {}
     for layer, unit, k in {(b.layer, b.unit, b.k) for b in blocks}:
-        per_token = [hess.diag[(b.layer, b.expert, b.unit)] / hess.tokens[(b.layer, b.expert)]
+        per_token = [_columns(imp[(b.layer, b.expert, b.unit)]) / tokens[(b.layer, b.expert)]
                      for b in blocks if (b.layer, b.unit, b.k) == (layer, unit, k)
-                     and hess.tokens.get((b.layer, b.expert), 0) >= min_tokens]
+                     and tokens.get((b.layer, b.expert), 0) >= min_tokens]
         if per_token:
             typical[(layer, unit, k)] = torch.stack(per_token).mean(0)
     out = {}
     for b in blocks:
-        n = hess.tokens.get((b.layer, b.expert), 0)
+        n = tokens.get((b.layer, b.expert), 0)
         key = (b.layer, b.expert, b.unit)
         if n >= min_tokens:
-            out[key] = (hess.diag[key], n, False)
+            out[key] = (imp[key], n, False)
         else:
             base = typical.get((b.layer, b.unit, b.k))
             if base is None:
@@ -96,16 +120,42 @@ def block_hessians(hess: HessianDiag, blocks: list[LinearBlock], min_tokens: int
     return out
 
 
-def sensitivity_table(blocks: list[LinearBlock], hess: dict[tuple[int, int, str], tuple[torch.Tensor, int, bool]],
-                      errors: dict[tuple[int, int, str], torch.Tensor], bits: list[int], seed_bits: int
-                      ) -> pd.DataFrame:
-    """One row per (block, bits): s_i^b = h_i . e_i^b (Eq. 2) and M_i^b (Eq. 3)."""
+def _columns(x: torch.Tensor) -> torch.Tensor:
+    """A per-column profile [K]: a Hessian diagonal as it is, a Fisher [N, K] averaged over rows."""
+    return x if x.dim() == 1 else x.mean(0)
+
+
+def block_hessians(hess: HessianDiag, blocks: list[LinearBlock], min_tokens: int) -> Importance:
+    """(h_i [K] float64, tokens, fallback) per block (``with_fallback`` of the Hessian diagonals)."""
+    return with_fallback(hess.diag, hess.tokens, blocks, min_tokens)
+
+
+def weighted_sensitivities(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBlock], imp: Importance
+                           ) -> dict[Key, list[float]]:
+    """s_i^b = sum_rj F_i[r, j] (W_rj - W^b_rj)^2 per block and bitwidth of ``art`` (Eq. 2); an importance of
+    shape [K] (a Hessian diagonal, or the fallback) weights every row alike: ``h_i . e_i^b``."""
+    out = {}
+    for layer in sorted({b.layer for b in blocks}):
+        t = art.layer_tensors(layer, model.device)
+        for b in (x for x in blocks if x.layer == layer):
+            key = (b.layer, b.expert, b.unit)
+            w = dense_weight(model, b).double()
+            f = imp[key][0].to(w.device, torch.float64)
+            code8 = unpack_codes(t[f"{art.key(b)}.planes"], b.k, 8)
+            out[key] = [float(((w - t[f"{art.key(b)}.lut{q}"].double().gather(1, code8 >> (8 - q))).pow(2) * f).sum())
+                        for q in art.bits]
+    return out
+
+
+def sensitivity_table(blocks: list[LinearBlock], imp: Importance, sens: dict[Key, list[float]], bits: list[int],
+                      seed_bits: int) -> pd.DataFrame:
+    """One row per (block, bits): s_i^b (Eq. 2, ``weighted_sensitivities``) and
+    M_i^b (Eq. 3), with the block's token count and fallback flag from ``imp``."""
     rows = []
     for b in blocks:
         key = (b.layer, b.expert, b.unit)
-        h, n, fb = hess[key]
-        s = (errors[key] @ h.to(errors[key].device)).tolist()
-        for q, sq in zip(bits, s, strict=True):
+        _, n, fb = imp[key]
+        for q, sq in zip(bits, sens[key], strict=True):
             rows.append({"layer": b.layer, "expert": b.expert, "unit": b.unit, "bits": q, "sensitivity": sq,
                          "bytes": block_bytes(b.n, b.k, q, seed_bits), "tokens": n, "fallback": fb})
     return pd.DataFrame(rows)
@@ -114,7 +164,7 @@ def sensitivity_table(blocks: list[LinearBlock], hess: dict[tuple[int, int, str]
 def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig, device: str = "auto",
                     force: bool = False, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """The whole stage; returns its manifest entry (``{"skipped": True}`` if already complete)."""
-    if not begin_stage(artifact_dir, model_dir, "sensitivity", asdict(cfg), force):
+    if not begin_stage(artifact_dir, model_dir, "sensitivity", asdict(cfg), force, defaults=PRE_IMPORTANCE):
         return {"skipped": True}
     t0 = time.time()
     art = APArtifact(artifact_dir)
@@ -126,9 +176,12 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
     assert moe is not None
     hess, mass, feats = HessianDiag(), RoutingMass(model.spec.num_layers, moe.num_experts), NormFeatures()
     observe(model, windows, Tee(hess, mass, feats), progress=progress)
-    h = block_hessians(hess, blocks, cfg.min_tokens)
-    errors = column_errors(model, art, blocks)
-    table = sensitivity_table(blocks, h, errors, art.bits, art.seed_bits)
+    if cfg.importance == "fisher":
+        imp = with_fallback(fisher_diagonal(model, windows, blocks, progress=progress), hess.tokens, blocks,
+                            cfg.min_tokens)
+    else:
+        imp = block_hessians(hess, blocks, cfg.min_tokens)
+    table = sensitivity_table(blocks, imp, weighted_sensitivities(model, art, blocks, imp), art.bits, art.seed_bits)
     start_writing(artifact_dir, "sensitivity")
     write_table(table, artifact_dir / "sensitivity.parquet", "sensitivity")
     m = mass.mass()
@@ -140,7 +193,7 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
     write_table(pd.DataFrame([{"layer": k[0], "expert": k[1], "unit": k[2], **dict(zip(FEATURES, v, strict=True))}
                               for k, v in sorted(phi.items())]), artifact_dir / "block_features.parquet",
                 "block_features")
-    fallback = sorted({(b[0], b[1]) for b, v in h.items() if v[2]})
+    fallback = sorted({(b[0], b[1]) for b, v in imp.items() if v[2]})
     info = {"config": asdict(cfg), "files": ["sensitivity.parquet", "routing.parquet", "block_features.parquet"],
             "calibration_tokens": len(windows) * cfg.seq_len, "fallback_experts": [list(x) for x in fallback],
             "seconds": round(time.time() - t0, 2)}

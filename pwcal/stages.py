@@ -20,8 +20,10 @@ from pwrun.errors import PagedWeightError
 ORDER = ("quantize", "sensitivity", "fit-residual", "search-buckets")
 
 
-def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[str, Any], force: bool) -> bool:
-    """True if ``stage`` must run; False if it is complete with the same ``config`` (skip).
+def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[str, Any], force: bool,
+                defaults: dict[str, Any] | None = None) -> bool:
+    """True if ``stage`` must run; False if it is complete with the same ``config`` (skip). ``defaults``: the
+    values of parameters that a manifest from before they existed did not record.
 
     Raises ``PagedWeightError`` if a previous stage is missing, the artifact is another model's, or
     the stage is complete with other parameters and ``force`` is not set.
@@ -35,7 +37,7 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
                                    f"`pwcal {stage}`")
     done = stages.get(stage, {})
     if done.get("complete") and not force:
-        if done.get("config") == json.loads(json.dumps(config)):  # as stored: tuples become lists
+        if {**(defaults or {}), **done.get("config", {})} == json.loads(json.dumps(config)):  # as stored: lists
             return False
         raise PagedWeightError(f"{artifact_dir}: '{stage}' already ran with other parameters; pass --force to redo it")
     return True  # the manifest is untouched until ``start_writing``: a run refused or stopped before it loses nothing

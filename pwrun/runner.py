@@ -27,11 +27,12 @@ class ModelRunner:
         self.lengths: dict[int, int] = {}
 
     def run(self, new_tokens: dict[int, list[int]], logits_for: str = "last",
-            observer: MoEObserver | None = None) -> torch.Tensor:
+            observer: MoEObserver | None = None, with_grad: bool = False) -> torch.Tensor:
         """Append ``new_tokens[seq_id]`` to each sequence and run them in one step.
 
         Returns fp32 logits [S, V] (last token of each sequence, in ``new_tokens`` order) or
-        [T, V] (``logits_for="all"``). Raises ``OutOfBlocks`` (allocating nothing) if the cache is full.
+        [T, V] (``logits_for="all"``). ``with_grad``: through ``LeanMoEModel.forward_with_grad`` (no observer).
+        Raises ``OutOfBlocks`` (allocating nothing) if the cache is full.
         """
         needs = sum(self.tables.extra_blocks(s, self.lengths.get(s, 0) + len(t)) for s, t in new_tokens.items())
         if needs > self.tables.allocator.num_free:
@@ -47,6 +48,8 @@ class ModelRunner:
                                    tuple(self.tables.table(seq_id))))
             self.lengths[seq_id] = end
         step = StepTensors.build(chunks, self.model.device)
+        if with_grad:
+            return self.model.forward_with_grad(step, self.cache, logits_for=logits_for)
         return self.model.forward(step, self.cache, logits_for=logits_for, observer=observer)
 
     def release(self, seq_id: int) -> None:

@@ -63,9 +63,20 @@ class LeanMoEModel:
         Returns fp32 logits: [S, V] for each sequence's last token (``logits_for="last"``) or
         [T, V] for every token (``"all"``, used by perplexity and parity tests).
         """
+        return self._step(step, cache, logits_for, observer, moe, self.fused)
+
+    def forward_with_grad(self, step: StepTensors, cache: PagedKVCache, logits_for: str = "all") -> torch.Tensor:
+        """``forward`` with autograd on and the reference ops only (no Triton kernel: they have no backward), so
+        that a loss of the logits can be differentiated with respect to weights that require grad (the Fisher
+        importance of ``pwcal sensitivity``). Same arguments, shapes and cache writes as ``forward``."""
+        with torch.enable_grad():
+            return self._step(step, cache, logits_for, None, None, False)
+
+    def _step(self, step: StepTensors, cache: PagedKVCache, logits_for: str, observer: MoEObserver | None,
+              moe: Callable[[torch.Tensor, int], torch.Tensor] | None, fused: bool) -> torch.Tensor:
         spec, w = self.spec, self.weights
         h = F.embedding(step.tokens, w.embed)
-        fused = self.fused and h.is_cuda
+        fused = fused and h.is_cuda
         norm = add_rms_norm
         if fused:
             from kernels import fused_norm

@@ -1,0 +1,163 @@
+"""The Fisher importance of ``pwcal sensitivity`` (default ``--importance fisher``).
+
+- ``fisher_diagonal`` equals the squared per-window gradients that transformers' own model gives (autograd through
+  an independent implementation of the same network), routed and shared experts; weights stop requiring grad.
+- ``weighted_sensitivities`` equals sum F (W - W^b)^2 computed from the dequantized weights, and with a [K]
+  importance the Hessian formula h . e^b of ``column_errors``.
+- the rare-expert fallback: a typical per-token column profile counted at the expert's frequency, flagged.
+- fit-residual's reference is the Hessian table whatever the importance (same heads' inputs either way).
+- manifests from before ``--importance`` count as Hessian runs; a bad ``--importance`` is one error line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+from typer.testing import CliRunner
+
+from pwcal.cli import app
+from pwcal.residual import hessian_reference
+from pwcal.sensitivity import column_errors, weighted_sensitivities, with_fallback
+from pwcal.stats.fisher import fisher_diagonal
+from pwcal.tables import read_table
+from pwrun.ap.artifact import APArtifact
+from pwrun.ap.format import dequantize
+from pwrun.data import default_model_dir
+from pwrun.errors import PagedWeightError
+from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
+from pwrun.model.loader import load_model, load_tokenizer
+from pwrun.model.weights import dense_weight
+
+MODEL = default_model_dir()
+runner = CliRunner()
+SMALL = ["--device", "cpu"]
+
+
+def test_fisher_matches_transformers_gradients(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                         shared_expert_intermediate_size=20, intermediate_size=40, max_position_embeddings=64)
+    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    windows = [torch.randint(0, 61, (11,)).tolist() for _ in range(3)]
+    model = load_model(tmp_path, device="cpu", dtype="float32")
+    blocks = expert_blocks(model.spec)
+    ours = fisher_diagonal(model, windows, blocks)
+    assert not any(t.requires_grad for lw in model.weights.layers if lw.moe is not None
+                   for t in (lw.moe.gate_up, lw.moe.down))
+
+    params = {}
+    for i, layer in enumerate(hf.model.layers):
+        moe = layer.mlp
+        params[(i, "gate_up")], params[(i, "down")] = moe.experts.gate_up_proj, moe.experts.down_proj
+        se = moe.shared_expert
+        params[(i, "s_gate")], params[(i, "s_up")], params[(i, "s_down")] = (
+            se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
+    names = list(params)
+    ref = {k: torch.zeros_like(v) for k, v in params.items()}
+    for w in windows:
+        ids = torch.tensor([w])
+        logits = hf(input_ids=ids).logits[0].float()
+        loss = F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")
+        for k, g in zip(names, torch.autograd.grad(loss, [params[k] for k in names]), strict=True):
+            ref[k] += g.square()
+    for b in blocks:
+        got = ours[(b.layer, b.expert, b.unit)]
+        if b.expert == SHARED_EXPERT:
+            want = (torch.cat([ref[(b.layer, "s_gate")], ref[(b.layer, "s_up")]]) if b.unit == "gate_up"
+                    else ref[(b.layer, "s_down")])
+        else:
+            want = ref[(b.layer, b.unit)][b.expert]
+        assert got.shape == (b.n, b.k)
+        scale = want.abs().max().clamp_min(1e-12)
+        assert torch.allclose(got, want, rtol=1e-3, atol=1e-4 * float(scale)), (b, float((got - want).abs().max()))
+    assert sum(float(v.sum()) for v in ours.values()) > 0
+
+
+def test_weighted_sensitivities_match_explicit_formulas(calibrated_artifacts: Path) -> None:
+    art = APArtifact(calibrated_artifacts)
+    model = load_model(MODEL, device="cpu", dtype="float32")
+    blocks = [b for b in expert_blocks(model.spec) if b.layer == 1 and b.expert in (SHARED_EXPERT, 2, 7)]
+    g = torch.Generator().manual_seed(3)
+    fisher = {(b.layer, b.expert, b.unit): (torch.rand(b.n, b.k, generator=g, dtype=torch.float64), 5, False)
+              for b in blocks}
+    diag = {(b.layer, b.expert, b.unit): (torch.rand(b.k, generator=g, dtype=torch.float64), 5, False)
+            for b in blocks}
+    s_f = weighted_sensitivities(model, art, blocks, fisher)
+    s_h = weighted_sensitivities(model, art, blocks, diag)
+    errors = column_errors(model, art, blocks)
+    t = art.layer_tensors(1)
+    for b in blocks:
+        key = (b.layer, b.expert, b.unit)
+        w = dense_weight(model, b).double()
+        for i, q in enumerate(art.bits):
+            wq = dequantize(t[f"{art.key(b)}.planes"], t[f"{art.key(b)}.lut{q}"], b.k, q, torch.float64)
+            assert s_f[key][i] == pytest.approx(float((fisher[key][0] * (w - wq) ** 2).sum()), rel=1e-9)
+        assert s_h[key] == pytest.approx((errors[key] @ diag[key][0]).tolist(), rel=1e-9)
+
+
+def test_fallback_takes_the_typical_column_profile() -> None:
+    blocks = [LinearBlock(0, e, "down", 3, 4) for e in range(3)]
+    imp = {(0, 0, "down"): torch.ones(3, 4) * 2.0, (0, 1, "down"): torch.ones(3, 4) * 6.0,
+           (0, 2, "down"): torch.zeros(3, 4)}
+    out = with_fallback(imp, {(0, 0): 20, (0, 1): 30, (0, 2): 2}, blocks, min_tokens=16)
+    assert not out[(0, 0, "down")][2] and out[(0, 0, "down")][1] == 20
+    f, n, fb = out[(0, 2, "down")]
+    assert fb and n == 2 and f.shape == (4,)
+    assert torch.allclose(f, torch.full((4,), (2.0 / 20 + 6.0 / 30) / 2 * 2))  # mean per-token profile x n
+    with pytest.raises(PagedWeightError, match="no expert with >= 16"):
+        with_fallback(imp, {(0, 0): 1, (0, 1): 1, (0, 2): 1}, blocks, min_tokens=16)
+
+
+def test_residual_reference_is_the_hessian_table(tmp_path: Path, calibrated_artifacts: Path) -> None:
+    """The session pipeline ran the default (Fisher) sensitivity; a Hessian run of the same windows gives the
+    table that fit-residual's reference recomputes."""
+    cfg = json.loads((calibrated_artifacts / "manifest.json").read_text())["stages"]["sensitivity"]["config"]
+    assert cfg["importance"] == "fisher"
+    hess = tmp_path / "ap"
+    shutil.copytree(calibrated_artifacts, hess)
+    r = runner.invoke(app, ["sensitivity", str(MODEL), "--artifacts", str(hess), "--samples", str(cfg["samples"]),
+                            "--seq-len", str(cfg["seq_len"]), "--importance", "hessian", "--force", *SMALL])
+    assert r.exit_code == 0, r.stderr
+    want = read_table(hess / "sensitivity.parquet", "sensitivity")
+    fisher = read_table(calibrated_artifacts / "sensitivity.parquet", "sensitivity")
+    model = load_model(MODEL, device="cpu", dtype="float32")
+    got = hessian_reference(model, APArtifact(calibrated_artifacts), load_tokenizer(MODEL), cfg, fisher)
+    keys = ["layer", "expert", "unit", "bits"]
+    m = got.merge(want, on=keys, suffixes=("", "_want"))
+    assert len(m) == len(want)
+    assert ((m.sensitivity - m.sensitivity_want).abs() <= 1e-9 * m.sensitivity_want.abs().clip(lower=1e-30)).all()
+    assert (m.fallback == m.fallback_want).all() and (m.tokens == m.tokens_want).all()
+    # the Fisher table ranks differently from the Hessian one: the later layers' errors weigh less
+    f = fisher.merge(want, on=keys, suffixes=("", "_h"))
+    ratio = (f.sensitivity / f.sensitivity_h)[~f.fallback].groupby(f.layer).median()
+    assert ratio.iloc[0] > 3 * ratio.iloc[-1], ratio
+    # an old manifest (no importance recorded) was a Hessian run: the same parameters are a no-op
+    m2 = json.loads((hess / "manifest.json").read_text())
+    del m2["stages"]["sensitivity"]["config"]["importance"]
+    (hess / "manifest.json").write_text(json.dumps(m2))
+    args = ["sensitivity", str(MODEL), "--artifacts", str(hess), "--samples", str(cfg["samples"]), "--seq-len",
+            str(cfg["seq_len"])]
+    r = runner.invoke(app, [*args, "--importance", "hessian", *SMALL])
+    assert r.exit_code == 0 and "nothing to do" in r.stderr, r.stderr
+    r = runner.invoke(app, [*args, *SMALL])
+    assert r.exit_code == 2 and "--force" in r.stderr, r.stderr
+
+
+def test_bad_importance_is_one_line(calibrated_artifacts: Path) -> None:
+    r = runner.invoke(app, ["sensitivity", str(MODEL), "--artifacts", str(calibrated_artifacts), "--importance",
+                            "curvature", *SMALL])
+    assert r.exit_code == 2 and "--importance 'curvature' is not one of fisher, hessian" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
