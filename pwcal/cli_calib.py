@@ -47,10 +47,11 @@ def sensitivity(
     seed: Annotated[int, typer.Option(help="Seed of the document order (reproducible sampling).")] = 1,
     min_tokens: Annotated[int, typer.Option(help="Experts with fewer routed tokens use the documented "
                                             "fallback importance.")] = 16,
-    importance: Annotated[str, typer.Option(help="What weights the AP errors in s_i^b: fisher (squared per-window "
+    importance: Annotated[str, typer.Option(help="What weights the AP errors in s_i^b: hessian (diag(X^T X) of the "
+                                            "block's inputs; one pass, local) or fisher (squared per-window "
                                             "gradients of the calibration loss, one forward+backward pass per "
-                                            "window; sees downstream layers) or hessian (diag(X^T X) of the "
-                                            "block's inputs; one pass, local).")] = "fisher",
+                                            "window; also sees the layers downstream; docs/eval/oracle).")
+                  ] = "hessian",
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
 ) -> None:

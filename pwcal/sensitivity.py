@@ -5,11 +5,13 @@ i = (layer, expert, unit), the Hessian diagonal h_i of its inputs over the token
 (gate_up: the layer input; down: silu(gate) * up; the shared expert: every token) and the token
 count, and per expert the routing mass. The importance weighting the AP errors is ``--importance``:
 
-* ``fisher`` (default): F_i [N, K], squared per-window gradients of the calibration loss
-  (``pwcal.stats.fisher``), ``s_i^b = sum_rj F_i[r, j] (W_rj - W^b_rj)^2``. It sees how much an error in
-  this layer moves the loss downstream, which the input Hessian does not (it differs ~150x across the
-  tiny model's 4 layers).
-* ``hessian``: with the column errors ``e_i^b[j] = sum_r (W_rj - W^b_rj)^2``, ``s_i^b = h_i . e_i^b``.
+* ``hessian`` (default): with the column errors ``e_i^b[j] = sum_r (W_rj - W^b_rj)^2``, ``s_i^b = h_i . e_i^b``.
+* ``fisher``: F_i [N, K], squared per-window gradients of the calibration loss (``pwcal.stats.fisher``),
+  ``s_i^b = sum_rj F_i[r, j] (W_rj - W^b_rj)^2``. It sees how much an error in this layer moves the loss
+  downstream, which the input Hessian does not (per unit of Hessian sensitivity, the measured KL differs ~150x
+  across the tiny model's 4 layers), and ranks blocks far closer to their measured damage; served under the
+  planner it was not consistently better on the tiny model (``docs/eval/oracle/README.md``), so it is not the
+  default.
 
 Writes ``sensitivity.parquet``, ``routing.parquet`` and ``block_features.parquet`` (each block's reference
 input-norm features, the normaliser of the prompt-residual features; schemas in ``pwcal.tables``) and a
@@ -65,7 +67,7 @@ class SensitivityConfig:
     seq_len: int = 512
     seed: int = 1
     min_tokens: int = 16
-    importance: str = "fisher"
+    importance: str = "hessian"
 
     def __post_init__(self) -> None:
         if self.importance not in IMPORTANCE:

@@ -1,4 +1,4 @@
-"""The Fisher importance of ``pwcal sensitivity`` (default ``--importance fisher``).
+"""The Fisher importance of ``pwcal sensitivity`` (``--importance fisher``; the default is ``hessian``).
 
 - ``fisher_diagonal`` equals the squared per-window gradients that transformers' own model gives (autograd through
   an independent implementation of the same network), routed and shared experts; weights stop requiring grad.
@@ -122,37 +122,41 @@ def test_fallback_takes_the_typical_column_profile() -> None:
 
 
 def test_residual_reference_is_the_hessian_table(tmp_path: Path, calibrated_artifacts: Path) -> None:
-    """The session pipeline ran the default (Fisher) sensitivity; a Hessian run of the same windows gives the
-    table that fit-residual's reference recomputes."""
+    """The session pipeline ran the default (Hessian) sensitivity; on a Fisher run of the same windows,
+    fit-residual's reference recomputes that Hessian table."""
     cfg = json.loads((calibrated_artifacts / "manifest.json").read_text())["stages"]["sensitivity"]["config"]
-    assert cfg["importance"] == "fisher"
-    hess = tmp_path / "ap"
-    shutil.copytree(calibrated_artifacts, hess)
-    r = runner.invoke(app, ["sensitivity", str(MODEL), "--artifacts", str(hess), "--samples", str(cfg["samples"]),
-                            "--seq-len", str(cfg["seq_len"]), "--importance", "hessian", "--force", *SMALL])
+    assert cfg["importance"] == "hessian"
+    fis = tmp_path / "ap"
+    shutil.copytree(calibrated_artifacts, fis)
+    args = ["sensitivity", str(MODEL), "--artifacts", str(fis), "--samples", str(cfg["samples"]), "--seq-len",
+            str(cfg["seq_len"])]
+    r = runner.invoke(app, [*args, "--importance", "fisher", "--force", *SMALL])
     assert r.exit_code == 0, r.stderr
-    want = read_table(hess / "sensitivity.parquet", "sensitivity")
-    fisher = read_table(calibrated_artifacts / "sensitivity.parquet", "sensitivity")
+    want = read_table(calibrated_artifacts / "sensitivity.parquet", "sensitivity")
+    fisher = read_table(fis / "sensitivity.parquet", "sensitivity")
+    fcfg = json.loads((fis / "manifest.json").read_text())["stages"]["sensitivity"]["config"]
+    assert fcfg["importance"] == "fisher"
     model = load_model(MODEL, device="cpu", dtype="float32")
-    got = hessian_reference(model, APArtifact(calibrated_artifacts), load_tokenizer(MODEL), cfg, fisher)
+    got = hessian_reference(model, APArtifact(fis), load_tokenizer(MODEL), fcfg, fisher)
     keys = ["layer", "expert", "unit", "bits"]
     m = got.merge(want, on=keys, suffixes=("", "_want"))
     assert len(m) == len(want)
     assert ((m.sensitivity - m.sensitivity_want).abs() <= 1e-9 * m.sensitivity_want.abs().clip(lower=1e-30)).all()
     assert (m.fallback == m.fallback_want).all() and (m.tokens == m.tokens_want).all()
-    # the Fisher table ranks differently from the Hessian one: the later layers' errors weigh less
+    # the Fisher table weighs the later layers' errors less than the Hessian one does
     f = fisher.merge(want, on=keys, suffixes=("", "_h"))
     ratio = (f.sensitivity / f.sensitivity_h)[~f.fallback].groupby(f.layer).median()
     assert ratio.iloc[0] > 3 * ratio.iloc[-1], ratio
+    # fit-residual runs on the Fisher artifact
+    r = runner.invoke(app, ["fit-residual", str(MODEL), "--artifacts", str(fis), "--prompts", "16", *SMALL])
+    assert r.exit_code == 0, r.stderr
     # an old manifest (no importance recorded) was a Hessian run: the same parameters are a no-op
-    m2 = json.loads((hess / "manifest.json").read_text())
-    del m2["stages"]["sensitivity"]["config"]["importance"]
-    (hess / "manifest.json").write_text(json.dumps(m2))
-    args = ["sensitivity", str(MODEL), "--artifacts", str(hess), "--samples", str(cfg["samples"]), "--seq-len",
-            str(cfg["seq_len"])]
-    r = runner.invoke(app, [*args, "--importance", "hessian", *SMALL])
-    assert r.exit_code == 0 and "nothing to do" in r.stderr, r.stderr
+    m2 = json.loads((fis / "manifest.json").read_text())
+    m2["stages"]["sensitivity"]["config"].pop("importance")
+    (fis / "manifest.json").write_text(json.dumps(m2))
     r = runner.invoke(app, [*args, *SMALL])
+    assert r.exit_code == 0 and "nothing to do" in r.stderr, r.stderr
+    r = runner.invoke(app, [*args, "--importance", "fisher", *SMALL])
     assert r.exit_code == 2 and "--force" in r.stderr, r.stderr
 
 
