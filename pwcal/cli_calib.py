@@ -59,15 +59,14 @@ def sensitivity(
     from pwcal.sensitivity import SensitivityConfig, run_sensitivity
 
     with user_errors():
+        cfg = SensitivityConfig(dataset, samples, seq_len, seed, min_tokens, importance)  # bad values: before bars
         bars = Bars()
         with bars.progress:
-            info = run_sensitivity(model, artifacts, SensitivityConfig(dataset, samples, seq_len, seed, min_tokens,
-                                                                              importance),
-                                   device, force, bars)
+            info = run_sensitivity(model, artifacts, cfg, device, force, bars)
         warn = ""
         if info.get("fallback_experts"):
-            warn = (f"; warning: {len(info['fallback_experts'])} experts saw fewer than {min_tokens} tokens and use "
-                    "the fallback importance")
+            warn = (f"; warning: {len(info['fallback_experts'])} experts saw fewer than {min_tokens} calibration "
+                    "tokens (or got no loss gradient) and use the fallback importance")
         _report("sensitivity", info, warn)
 
 

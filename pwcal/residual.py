@@ -99,8 +99,8 @@ def prompt_rows(errors: dict, sens: pd.DataFrame, ref: pd.DataFrame, per_prompt:
     return pd.DataFrame(out)
 
 
-def hessian_reference(model: LeanMoEModel, art: APArtifact, tok: Any, sens_cfg: dict[str, Any], sens: pd.DataFrame
-                      ) -> pd.DataFrame:
+def hessian_reference(model: LeanMoEModel, art: APArtifact, tok: Any, sens_cfg: dict[str, Any], sens: pd.DataFrame,
+                      progress: Callable[[str, int, int], None] | None = None) -> pd.DataFrame:
     """The sensitivity table with the Hessian-diagonal importance on the sensitivity stage's windows: ``sens``
     itself if that stage used it, else recomputed (one calibration pass). The residual compares a prompt's
     Hessian damage with this calibration average, so its target is the prompt's deviation whatever importance the
@@ -110,7 +110,7 @@ def hessian_reference(model: LeanMoEModel, art: APArtifact, tok: Any, sens_cfg: 
     windows = calibration_windows(tok, sens_cfg["dataset"], sens_cfg["samples"], sens_cfg["seq_len"],
                                   sens_cfg["seed"])
     hess = HessianDiag()
-    observe(model, windows, hess)
+    observe(model, windows, hess, progress=progress, label="hessian reference")
     blocks = expert_blocks(model.spec)
     imp = block_hessians(hess, blocks, sens_cfg["min_tokens"])
     return sensitivity_table(blocks, imp, weighted_sensitivities(model, art, blocks, imp), art.bits, art.seed_bits)
@@ -161,8 +161,8 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
         if progress:
             progress("prompts", i + 1, len(windows))
     errors = column_errors(model, art, expert_blocks(model.spec))
-    rows = prompt_rows(errors, hessian_reference(model, art, tok, sens_cfg, sens), ref, per_prompt, art.bits,
-                       cfg.min_prompt_tokens)
+    rows = prompt_rows(errors, hessian_reference(model, art, tok, sens_cfg, sens, progress), ref, per_prompt,
+                       art.bits, cfg.min_prompt_tokens)
     heads = fit_heads(rows, cfg.prompts, cfg.heldout_fraction)
     if heads.empty:
         raise PagedWeightError("no residual head could be fit: use more --prompts (and a --heldout-fraction in "

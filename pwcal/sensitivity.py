@@ -20,7 +20,8 @@ manifest entry.
 Fallback (never a silent zero): an expert that saw fewer than ``min_tokens`` tokens gets, as importance,
 ``max(n, 1) x`` the mean per-token column profile of the well-observed experts of its layer and unit (the
 Hessian diagonal, or the Fisher averaged over rows), i.e. typical inputs counted at its (tiny) frequency;
-those rows have ``fallback = True``.
+those rows have ``fallback = True``. So does an expert whose importance is all zero (a Fisher from tokens that
+were all the last of their window, which has no target).
 """
 
 from __future__ import annotations
@@ -100,18 +101,23 @@ def with_fallback(imp: dict[Key, torch.Tensor], tokens: dict[tuple[int, int], in
     ``tokens[(layer, expert)]``: tokens routed to the expert. Raises ``PagedWeightError`` if a layer and unit
     has no expert with ``min_tokens`` tokens to take the typical profile from.
     """
+    def observed(b: LinearBlock) -> bool:
+        # an all-zero importance is not an observation: e.g. a Fisher whose expert saw only windows' last tokens
+        # (no target, so no gradient) even though they count as routed tokens
+        key = (b.layer, b.expert, b.unit)
+        return tokens.get((b.layer, b.expert), 0) >= min_tokens and key in imp and bool(imp[key].any())
+
     typical: dict[tuple[int, str, int], torch.Tensor] = {}
     for layer, unit, k in {(b.layer, b.unit, b.k) for b in blocks}:
         per_token = [_columns(imp[(b.layer, b.expert, b.unit)]) / tokens[(b.layer, b.expert)]
-                     for b in blocks if (b.layer, b.unit, b.k) == (layer, unit, k)
-                     and tokens.get((b.layer, b.expert), 0) >= min_tokens]
+                     for b in blocks if (b.layer, b.unit, b.k) == (layer, unit, k) and observed(b)]
         if per_token:
             typical[(layer, unit, k)] = torch.stack(per_token).mean(0)
     out = {}
     for b in blocks:
         n = tokens.get((b.layer, b.expert), 0)
         key = (b.layer, b.expert, b.unit)
-        if n >= min_tokens:
+        if observed(b):
             out[key] = (imp[key], n, False)
         else:
             base = typical.get((b.layer, b.unit, b.k))
@@ -178,11 +184,10 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
     assert moe is not None
     hess, mass, feats = HessianDiag(), RoutingMass(model.spec.num_layers, moe.num_experts), NormFeatures()
     observe(model, windows, Tee(hess, mass, feats), progress=progress)
+    imp = block_hessians(hess, blocks, cfg.min_tokens)  # also refuses too few tokens before the Fisher pass
     if cfg.importance == "fisher":
         imp = with_fallback(fisher_diagonal(model, windows, blocks, progress=progress), hess.tokens, blocks,
                             cfg.min_tokens)
-    else:
-        imp = block_hessians(hess, blocks, cfg.min_tokens)
     table = sensitivity_table(blocks, imp, weighted_sensitivities(model, art, blocks, imp), art.bits, art.seed_bits)
     start_writing(artifact_dir, "sensitivity")
     write_table(table, artifact_dir / "sensitivity.parquet", "sensitivity")

@@ -37,9 +37,13 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
                                    f"`pwcal {stage}`")
     done = stages.get(stage, {})
     if done.get("complete") and not force:
-        if {**(defaults or {}), **done.get("config", {})} == json.loads(json.dumps(config)):  # as stored: lists
+        recorded, wanted = {**(defaults or {}), **done.get("config", {})}, json.loads(json.dumps(config))  # lists
+        if recorded == wanted:
             return False
-        raise PagedWeightError(f"{artifact_dir}: '{stage}' already ran with other parameters; pass --force to redo it")
+        diff = ", ".join(f"{k}: {recorded.get(k)!r} -> {wanted.get(k)!r}" for k in sorted(set(recorded) | set(wanted))
+                         if recorded.get(k) != wanted.get(k))
+        raise PagedWeightError(f"{artifact_dir}: '{stage}' already ran with other parameters ({diff}); pass --force "
+                               "to redo it")
     return True  # the manifest is untouched until ``start_writing``: a run refused or stopped before it loses nothing
 
 

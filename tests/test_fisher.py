@@ -117,6 +117,11 @@ def test_fallback_takes_the_typical_column_profile() -> None:
     f, n, fb = out[(0, 2, "down")]
     assert fb and n == 2 and f.shape == (4,)
     assert torch.allclose(f, torch.full((4,), (2.0 / 20 + 6.0 / 30) / 2 * 2))  # mean per-token profile x n
+    # an all-zero importance (a Fisher from last-of-window tokens only) is a fallback too, never a silent zero
+    imp[(0, 1, "down")] = torch.zeros(3, 4)
+    out = with_fallback(imp, {(0, 0): 20, (0, 1): 30, (0, 2): 2}, blocks, min_tokens=16)
+    f, n, fb = out[(0, 1, "down")]
+    assert fb and n == 30 and torch.allclose(f, torch.full((4,), 2.0 / 20 * 30))
     with pytest.raises(PagedWeightError, match="no expert with >= 16"):
         with_fallback(imp, {(0, 0): 1, (0, 1): 1, (0, 2): 1}, blocks, min_tokens=16)
 
@@ -157,7 +162,7 @@ def test_residual_reference_is_the_hessian_table(tmp_path: Path, calibrated_arti
     r = runner.invoke(app, [*args, *SMALL])
     assert r.exit_code == 0 and "nothing to do" in r.stderr, r.stderr
     r = runner.invoke(app, [*args, "--importance", "fisher", *SMALL])
-    assert r.exit_code == 2 and "--force" in r.stderr, r.stderr
+    assert r.exit_code == 2 and "--force" in r.stderr and "importance: 'hessian' -> 'fisher'" in r.stderr, r.stderr
 
 
 def test_bad_importance_is_one_line(calibrated_artifacts: Path) -> None:
@@ -165,3 +170,17 @@ def test_bad_importance_is_one_line(calibrated_artifacts: Path) -> None:
                             "curvature", *SMALL])
     assert r.exit_code == 2 and "--importance 'curvature' is not one of fisher, hessian" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_no_silent_zero_from_last_tokens(tmp_path: Path, calibrated_artifacts: Path) -> None:
+    """Windows of 2 tokens: the second has no target, so experts routed only there get no gradient; they must take
+    the fallback (a breaker's finding: they had sensitivity 0 with fallback False)."""
+    a = tmp_path / "ap"
+    shutil.copytree(calibrated_artifacts, a)
+    r = runner.invoke(app, ["sensitivity", str(MODEL), "--artifacts", str(a), "--importance", "fisher", "--samples",
+                            "2", "--seq-len", "2", "--min-tokens", "1", "--force", *SMALL])
+    assert r.exit_code == 0, r.stderr
+    s = read_table(a / "sensitivity.parquet", "sensitivity")
+    assert (s.sensitivity > 0).all(), s[s.sensitivity <= 0]
+    assert s.fallback.any()
+
