@@ -17,7 +17,6 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 from typer.testing import CliRunner
 
 from pwcal.cli import app
@@ -31,6 +30,7 @@ from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.loader import load_model
 from pwrun.planner.tables import BlockTable
+from tests._tiny_hf import save_tiny_qwen2moe
 
 MODEL = default_model_dir()
 runner = CliRunner()
@@ -38,16 +38,7 @@ SMALL = ["--device", "cpu"]
 
 
 def test_hessian_and_routing_mass_match_brute_force(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    cfg = Qwen2MoeConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
-                         shared_expert_intermediate_size=20, intermediate_size=40, max_position_embeddings=64)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if n.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
-    hf.save_pretrained(tmp_path)
+    hf = save_tiny_qwen2moe(tmp_path)
     windows = [torch.randint(0, 61, (9,)).tolist() for _ in range(3)]
     hess, mass = HessianDiag(), RoutingMass(2, 6)
     observe(load_model(tmp_path, device="cpu"), windows, Tee(hess, mass), batch=2)
