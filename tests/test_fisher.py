@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from pwcal.cli import app
 from pwcal.residual import hessian_reference
 from pwcal.sensitivity import column_errors, weighted_sensitivities, with_fallback
-from pwcal.stats.fisher import fisher_diagonal
+from pwcal.stats.fisher import _expert_tensors, fisher_bytes, fisher_diagonal
 from pwcal.tables import read_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import dequantize
@@ -76,6 +76,9 @@ def test_fisher_matches_transformers_gradients(tmp_path: Path) -> None:
         scale = want.abs().max().clamp_min(1e-12)
         assert torch.allclose(got, want, rtol=1e-3, atol=1e-4 * float(scale)), (b, float((got - want).abs().max()))
     assert sum(float(v.sum()) for v in ours.values()) > 0
+    n = sum(b.n * b.k for b in blocks if b.expert == SHARED_EXPERT) + sum(
+        lw.moe.gate_up.numel() + lw.moe.down.numel() for lw in model.weights.layers if lw.moe is not None)
+    assert fisher_bytes(_expert_tensors(model)) == n * (4 + 4)  # float32 weights: accumulator + gradient
 
 
 def test_weighted_sensitivities_match_explicit_formulas(calibrated_artifacts: Path) -> None:

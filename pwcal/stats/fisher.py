@@ -11,7 +11,10 @@ ranks (block, bitwidth) pairs by that KL with Spearman 0.94 at 3 bits against th
 (``docs/eval/oracle/``). It does not quantize or compute s_i^b (``pwcal.sensitivity`` does).
 
 Cost: one forward and backward pass per window (batch 1: per-window gradients), and float32 accumulators of the
-experts' weight shape (4 bytes per expert weight) on the model's device.
+experts' weight shape plus one gradient on the model's device (``fisher_bytes``: 8 bytes per expert weight, since
+``pwcal sensitivity`` loads the model in float32). For Qwen1.5-MoE-A2.7B's 13.3B expert weights that is ~107 GB
+beside the 53 GB of float32 experts, more than one H200 holds: more than the free memory is refused up front, and
+such models need ``--importance hessian`` (a Fisher pass by layer groups is not built).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pwrun.errors import PagedWeightError
 from pwrun.kv.blocks import blocks_needed
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock
 from pwrun.model.lean import LeanMoEModel
@@ -41,6 +45,23 @@ def _expert_tensors(model: LeanMoEModel) -> dict[tuple[int, str, bool], torch.Te
     return out
 
 
+def fisher_bytes(tensors: dict[tuple[int, str, bool], torch.Tensor]) -> int:
+    """Device bytes the Fisher pass adds for these expert weights: float32 accumulators plus one gradient in the
+    weights' dtype (activations not counted)."""
+    return sum(t.numel() * (4 + t.element_size()) for t in tensors.values())
+
+
+def _check_memory(tensors: dict[tuple[int, str, bool], torch.Tensor]) -> None:
+    dev = next(iter(tensors.values())).device
+    if dev.type != "cuda":
+        return
+    need, free = fisher_bytes(tensors), torch.cuda.mem_get_info(dev)[0]
+    if need > 0.9 * free:
+        raise PagedWeightError(f"the Fisher importance needs {need / 2**30:.1f} GiB on {dev} (float32 accumulators "
+                               f"and gradients of every expert weight), {free / 2**30:.1f} GiB are free: use "
+                               "--importance hessian")
+
+
 def fisher_diagonal(model: LeanMoEModel, windows: list[list[int]], blocks: list[LinearBlock],
                     progress: Callable[[str, int, int], None] | None = None, label: str = "fisher"
                     ) -> dict[Key, torch.Tensor]:
@@ -48,12 +69,14 @@ def fisher_diagonal(model: LeanMoEModel, windows: list[list[int]], blocks: list[
     all of one length >= 2). ``progress(label, windows_done, windows_total)`` after each window.
 
     The model's expert weights require grad only while this runs. Raises ``ValueError`` for an empty window list
-    or windows of unequal or < 2 length.
+    or windows of unequal or < 2 length, ``PagedWeightError`` if on CUDA ``fisher_bytes`` exceeds 90% of the free
+    memory.
     """
     if not windows or len({len(w) for w in windows}) != 1 or len(windows[0]) < 2:
         raise ValueError("fisher_diagonal needs windows of one length >= 2")
     seq = len(windows[0])
     tensors = _expert_tensors(model)
+    _check_memory(tensors)
     keys = list(tensors)
     acc = {k: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for k, t in tensors.items()}
     try:
