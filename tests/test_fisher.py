@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from pwcal.cli import app
 from pwcal.residual import hessian_reference
 from pwcal.sensitivity import column_errors, weighted_sensitivities, with_fallback
-from pwcal.stats.fisher import _expert_tensors, fisher_bytes, fisher_diagonal
+from pwcal.stats.fisher import _expert_tensors, check_memory, fisher_bytes, fisher_diagonal
 from pwcal.tables import read_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import dequantize
@@ -178,4 +178,12 @@ def test_no_silent_zero_from_last_tokens(tmp_path: Path, calibrated_artifacts: P
     s = read_table(a / "sensitivity.parquet", "sensitivity")
     assert (s.sensitivity > 0).all(), s[s.sensitivity <= 0]
     assert s.fallback.any()
+
+
+def test_fisher_refuses_more_than_the_free_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (10 * 2**30, 80 * 2**30))
+    check_memory(9 * 2**30, torch.device("cuda:0"))  # fits
+    with pytest.raises(PagedWeightError, match=r"needs 9\.5 GiB on cuda:0 .* 10\.0 GiB are free: use --importance"):
+        check_memory(int(9.5 * 2**30), torch.device("cuda:0"))
+    check_memory(10**15, torch.device("cpu"))  # not checked off CUDA
 

@@ -51,11 +51,12 @@ def fisher_bytes(tensors: dict[tuple[int, str, bool], torch.Tensor]) -> int:
     return sum(t.numel() * (4 + t.element_size()) for t in tensors.values())
 
 
-def _check_memory(tensors: dict[tuple[int, str, bool], torch.Tensor]) -> None:
-    dev = next(iter(tensors.values())).device
+def check_memory(need: int, dev: torch.device) -> None:
+    """Raise ``PagedWeightError`` if ``need`` bytes exceed 90% of the free memory of CUDA device ``dev`` (other
+    devices are not checked)."""
     if dev.type != "cuda":
         return
-    need, free = fisher_bytes(tensors), torch.cuda.mem_get_info(dev)[0]
+    free = torch.cuda.mem_get_info(dev)[0]
     if need > 0.9 * free:
         raise PagedWeightError(f"the Fisher importance needs {need / 2**30:.1f} GiB on {dev} (float32 accumulators "
                                f"and gradients of every expert weight), {free / 2**30:.1f} GiB are free: use "
@@ -76,7 +77,7 @@ def fisher_diagonal(model: LeanMoEModel, windows: list[list[int]], blocks: list[
         raise ValueError("fisher_diagonal needs windows of one length >= 2")
     seq = len(windows[0])
     tensors = _expert_tensors(model)
-    _check_memory(tensors)
+    check_memory(fisher_bytes(tensors), next(iter(tensors.values())).device)
     keys = list(tensors)
     acc = {k: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for k, t in tensors.items()}
     try:
