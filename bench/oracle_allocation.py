@@ -35,6 +35,7 @@ from pwrun.kv.blocks import blocks_needed
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
+from pwrun.model.weights import dense_weight
 from pwrun.ppl import perplexity
 from pwrun.runner import ModelRunner
 
@@ -75,8 +76,7 @@ def measure_damage(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBloc
         t = art.layer_tensors(layer, model.device)
         for b in (x for x in blocks if x.layer == layer):
             k = art.key(b)
-            orig = (getattr(model.weights.layers[b.layer].moe.shared, b.unit) if b.expert == SHARED_EXPERT
-                    else getattr(model.weights.layers[b.layer].moe, b.unit)[b.expert]).clone()
+            orig = dense_weight(model, b).clone()
             for q in art.bits:
                 set_block(model, b, dequantize(t[f"{k}.planes"], t[f"{k}.lut{q}"], b.k, q, model.dtype))
                 lp = logprobs(model, windows)

@@ -32,9 +32,10 @@ from pwcal.stats.collect import observe
 from pwcal.stats.fisher import fisher_diagonal
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import dequantize
-from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
+from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
+from pwrun.model.weights import dense_weight
 
 
 class Proxies:
@@ -58,12 +59,8 @@ class Proxies:
         pass
 
     def weights(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        moe = self.model.weights.layers[layer].moe
-        assert moe is not None
-        if expert == SHARED_EXPERT:
-            assert moe.shared is not None
-            return moe.shared.gate_up, moe.shared.down
-        return moe.gate_up[expert], moe.down[expert]
+        return tuple(dense_weight(self.model, LinearBlock(layer, expert, u, 0, 0))  # type: ignore[return-value]
+                     for u in ("gate_up", "down"))
 
     def expert_inputs(self, layer: int, expert: int, x: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
         self.tokens[(layer, expert)] = self.tokens.get((layer, expert), 0) + x.shape[0]

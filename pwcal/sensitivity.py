@@ -8,7 +8,7 @@ count, and per expert the routing mass. The importance weighting the AP errors i
 * ``hessian`` (default): with the column errors ``e_i^b[j] = sum_r (W_rj - W^b_rj)^2``, ``s_i^b = h_i . e_i^b``.
 * ``fisher``: F_i [N, K], squared per-window gradients of the calibration loss (``pwcal.stats.fisher``),
   ``s_i^b = sum_rj F_i[r, j] (W_rj - W^b_rj)^2``. It sees how much an error in this layer moves the loss
-  downstream, which the input Hessian does not (per unit of Hessian sensitivity, the measured KL differs ~150x
+  downstream, which the input Hessian does not (per unit of Hessian sensitivity, the measured KL differs ~20x
   across the tiny model's 4 layers), and ranks blocks far closer to their measured damage; served under the
   planner it was not consistently better on the tiny model (``docs/eval/oracle/README.md``), so it is not the
   default.
@@ -27,7 +27,7 @@ were all the last of their window, which has no target).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -78,19 +78,23 @@ class SensitivityConfig:
                                    "Hessian)")
 
 
-def column_errors(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBlock]
-                  ) -> dict[tuple[int, int, str], torch.Tensor]:
-    """e_i [len(bits), K] float64: per input column, the squared AP error summed over rows, per bitwidth."""
-    out = {}
+def squared_errors(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBlock]
+                   ) -> Iterator[tuple[Key, Iterator[torch.Tensor]]]:
+    """Per block, lazily per bitwidth of ``art``: (W - W^b)^2 [N, K] float64 on the model's device (the one loop
+    over the artifact's planes and LUTs that ``column_errors`` and ``weighted_sensitivities`` reduce)."""
     for layer in sorted({b.layer for b in blocks}):
         t = art.layer_tensors(layer, model.device)
         for b in (x for x in blocks if x.layer == layer):
             w = dense_weight(model, b).double()
             key = art.key(b)
             code8 = unpack_codes(t[f"{key}.planes"], b.k, 8)  # unpack once; code_b = code8 >> (8 - b)
-            out[(b.layer, b.expert, b.unit)] = torch.stack([
-                (w - t[f"{key}.lut{q}"].double().gather(1, code8 >> (8 - q))).pow(2).sum(0) for q in art.bits])
-    return out
+            yield (b.layer, b.expert, b.unit), (
+                (w - t[f"{key}.lut{q}"].double().gather(1, code8 >> (8 - q))).pow(2) for q in art.bits)
+
+
+def column_errors(model: LeanMoEModel, art: APArtifact, blocks: list[LinearBlock]) -> dict[Key, torch.Tensor]:
+    """e_i [len(bits), K] float64: per input column, the squared AP error summed over rows, per bitwidth."""
+    return {key: torch.stack([d2.sum(0) for d2 in per_bit]) for key, per_bit in squared_errors(model, art, blocks)}
 
 
 def with_fallback(imp: dict[Key, torch.Tensor], tokens: dict[tuple[int, int], int], blocks: list[LinearBlock],
@@ -143,15 +147,9 @@ def weighted_sensitivities(model: LeanMoEModel, art: APArtifact, blocks: list[Li
     """s_i^b = sum_rj F_i[r, j] (W_rj - W^b_rj)^2 per block and bitwidth of ``art`` (Eq. 2); an importance of
     shape [K] (a Hessian diagonal, or the fallback) weights every row alike: ``h_i . e_i^b``."""
     out = {}
-    for layer in sorted({b.layer for b in blocks}):
-        t = art.layer_tensors(layer, model.device)
-        for b in (x for x in blocks if x.layer == layer):
-            key = (b.layer, b.expert, b.unit)
-            w = dense_weight(model, b).double()
-            f = imp[key][0].to(w.device, torch.float64)
-            code8 = unpack_codes(t[f"{art.key(b)}.planes"], b.k, 8)
-            out[key] = [float(((w - t[f"{art.key(b)}.lut{q}"].double().gather(1, code8 >> (8 - q))).pow(2) * f).sum())
-                        for q in art.bits]
+    for key, per_bit in squared_errors(model, art, blocks):
+        f = imp[key][0]
+        out[key] = [float((d2 * f.to(d2.device, torch.float64)).sum()) for d2 in per_bit]
     return out
 
 

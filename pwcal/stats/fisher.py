@@ -6,7 +6,7 @@ with respect to the expert weights only, and accumulates its square: ``F_i = sum
 linear block i = (layer, expert, unit). This is the "Fisher diagonal" importance of SPEC Eq. 2 (SqueezeLLM's
 sensitivity, one gradient per sequence). Unlike the input Hessian diagonal it also measures how much an error in
 this layer moves the loss downstream, which differs by layer: on the bundled tiny MoE the measured end-to-end KL of
-one block's quantization per unit of Hessian sensitivity falls ~150x from layer 0 to layer 3, and the Fisher
+one block's quantization per unit of Hessian sensitivity falls ~20x from layer 0 to layer 3 (medians), and the Fisher
 ranks (block, bitwidth) pairs by that KL with Spearman 0.94 at 3 bits against the Hessian's 0.52
 (``docs/eval/oracle/``). It does not quantize or compute s_i^b (``pwcal.sensitivity`` does).
 
