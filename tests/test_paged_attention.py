@@ -253,24 +253,3 @@ def test_cuda_serving_shapes(hq: int, hkv: int, dtype: torch.dtype, num_layers: 
     got = check(c, num_splits, cfg)
     torch.cuda.synchronize()
     assert got.is_cuda
-
-
-def test_bench_writes_buckets_that_pick_config_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """``bench/paged_attention_speed.py --write-configs``: a winner > 3% faster becomes its batch's bucket, a smaller
-    gain keeps the default's values from that batch on, and ``pick_config`` reads the result back."""
-    import json
-
-    from bench.paged_attention_speed import write_configs
-
-    path = tmp_path / "pa.json"
-    path.write_text(json.dumps({"default": pa.CONFIGS["default"], "by_shape": {}}))
-    d = pa.CONFIGS["default"]
-    rows = [{"heads": "16x16x128", "S": 4, "speedup": 1.02, "best_cfg": {**d, "BLOCK_N": 128}},
-            {"heads": "16x16x128", "S": 1, "speedup": 1.5, "best_cfg": {**d, "DOT": 0, "BLOCK_N": 32}},
-            {"heads": "16x16x128", "S": 16, "speedup": 1.2, "best_cfg": {**d, "num_warps": 8}}]
-    write_configs(str(path), rows)
-    table = json.loads(path.read_text())
-    assert [b["min_seqs"] for b in table["by_shape"]["16x16x128"]] == [1, 4, 16]
-    assert pa.pick_config(1, 16, 16, 128, table) == {**d, "DOT": 0, "BLOCK_N": 32}
-    assert pa.pick_config(7, 16, 16, 128, table) == d  # the 2% gain at S = 4 was not taken
-    assert pa.pick_config(64, 16, 16, 128, table) == {**d, "num_warps": 8}

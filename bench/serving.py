@@ -1,0 +1,470 @@
+"""End-to-end serving suite at a seed model's real size (default Qwen1.5-MoE-A2.7B, 14.3B parameters).
+
+Two parts, one JSON line per measurement in ``bench/results/serving.jsonl``:
+
+* **decode table** (default): the lean model of the config with random bf16 weights, random AP planes and LUTs
+  and a synthetic calibration table (``bench.common``), served in this process at each batch of ``--batches``:
+  our 16-bit lean reference; uniform ``--bits`` with a budget larger than everything (no page moves), serving the
+  PagedWeight run's requests; PagedWeight under a budget that makes the planner demote during the first ``b``
+  long requests and reload while the ``b`` short ones decode; uniform at the highest of 4 / 3 bits that serves in
+  that same budget (equal total memory); transformers' eager bf16 ``generate``. Each row: prefill and decode
+  tokens/s (decode leaves out CUDA-graph capture steps; a 3-token run of the same prompts first keeps Triton's JIT
+  out of the timing), the bandwidth floor (``common.decode_step_bytes`` / copy bandwidth), planner time, bytes
+  reloaded, mean bits, peak memory.
+* **user path** (``--user-path``): what a user runs, timed stage by stage: a random-weight Hugging Face checkpoint
+  at the real shape -> ``pwcal quantize`` -> ``pwcal sensitivity`` (random weights: the tables' values mean
+  nothing, their cost is real) -> ``pwrun generate`` on ``--user-requests`` prompts, read from its summary JSON.
+
+``--label`` names the build in the records (``bench.render --compare A B`` prints the decode table of two labels
+side by side); ``--compare-commit REV`` also runs REV's own serving benchmark from ``git archive REV`` in a
+temporary directory with the same options, in this process's GPU session, and records its rows labelled REV.
+
+Usage (GPU machine, repository root)::
+
+    python -m bench.serving --batches 1,4,16 --bits 3,4,5,8 [--interleave 2] [--compare-commit base-29]
+    python -m bench.serving --user-path --skip-table
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bench.common import (
+    BENCH_PLANNER,
+    BENCH_POLICY,
+    MIXTRAL,
+    QWEN,
+    SyntheticAP,
+    copy_bandwidth,
+    decode_step_bytes,
+    environment,
+    kv_bytes,
+    prompts,
+    random_model,
+    read_records,
+    sync,
+    synthetic_table,
+    table_at,
+    triton_cache_entries,
+    write_random_checkpoint,
+    write_records,
+)
+from bench.render import serving_table
+from pwrun.engine.budget import workspace_bytes
+from pwrun.engine.engine import HOST_PHASES, EngineConfig
+from pwrun.engine.report import summarize
+from pwrun.engine.serve import ServeConfig, assemble_engine, strip_experts
+from pwrun.errors import BudgetTooSmall
+from pwrun.model.lean import LeanMoEModel
+from pwrun.runner import ModelRunner
+from pwrun.sampling import SamplingParams
+
+EQUAL_MEMORY_BITS = (4, 3)  # uniform bitwidths tried in PagedWeight's budget, highest first
+EQUAL_MEMORY = ", PagedWeight's budget"  # suffix of those rows' system name
+MODELS = {"qwen1.5-moe": QWEN, "mixtral-8x7b": MIXTRAL}
+
+
+def reset_peak(device: str) -> None:
+    """Free what earlier engines held (reference cycles included) and restart the peak-memory count."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak(device: str) -> int:
+    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else 0
+
+
+def non_expert_bytes(model: LeanMoEModel) -> int:
+    w = model.weights
+    return sum(t.numel() * t.element_size() for lw in w.layers for t in lw.attn.tensors()) \
+        + w.lm_head.numel() * w.lm_head.element_size()
+
+
+def bits_read_per_token(spec: Any, steps: list[dict[str, Any]]) -> float:
+    """Committed bits per expert weight one decode token reads (median over ``steps``): every shared expert at its
+    blocks' bits plus top-k routed experts at the routed blocks' mean bits (the random router picks each expert
+    equally often)."""
+    if not steps:
+        return math.nan
+    moe = [ls.moe for ls in spec.layers if ls.moe is not None]
+    shared = sum(3 * spec.hidden_size * m.shared_intermediate for m in moe)
+    routed = sum(3 * spec.hidden_size * m.expert_intermediate * m.top_k for m in moe)
+    per = [(shared * r["shared_bits"] if shared else 0.0) + routed * r["routed_bits"] for r in steps]
+    return float(np.median(per)) / (shared + routed)
+
+
+def pressure_setup(spec: Any, stripped: LeanMoEModel, table: Any, b: int, prompt_len: int, gen: int,
+                   device: str) -> tuple[list[list[int]], int]:
+    """(requests, budget bytes) of PagedWeight under pressure at batch b: b long prompts then b of 256 tokens
+    (max_batch b); budget = 16-bit weights + workspace + every block at 4 bits + 70% of the long requests' KV, so
+    the long ones force demotions and the short ones decode while planes reload."""
+    reqs = prompts(b, prompt_len, spec.vocab_size, 7 + b) + prompts(b, 256, spec.vocab_size, 9 + b)
+    longest = max(prompt_len, 256) + gen
+    work = workspace_bytes(spec, 2048, b, longest, 2, cuda=device == "cuda")
+    at4 = int(sum(table_at(table, spec, 4)))
+    return reqs, int(stripped.weights.num_bytes() + work + at4 + 0.7 * b * kv_bytes(spec, longest))
+
+
+def highest_that_fits(bits: tuple[int, ...], run: Any) -> tuple[int, dict[str, Any]]:
+    """(q, run(q)) for the first q of ``bits`` (highest first) whose run does not raise ``BudgetTooSmall``; the
+    last one's ``BudgetTooSmall`` propagates."""
+    for q in bits[:-1]:
+        try:
+            return q, run(q)
+        except BudgetTooSmall:
+            continue
+    return bits[-1], run(bits[-1])
+
+
+def _median_ms(rows: list[dict[str, Any]], key: str) -> float:
+    return 1e3 * float(np.median([r[key] for r in rows])) if rows else math.nan
+
+
+def engine_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str, bits: int | None, budget: int,
+               reqs: list[list[int]], gen: int, max_batch: int, device: str) -> dict[str, Any]:
+    """One timed serving run, after a 3-token throw-away run of the same prompts (Triton's JIT is not timed); the
+    steps that capture a CUDA graph are left out of the decode figures (``decode_tps_incl_capture`` keeps them)."""
+    cfg = ServeConfig(budget, policy, bits, EngineConfig(max_batch=max_batch, max_step_tokens=2048), BENCH_PLANNER)
+
+    def build(n: int) -> Any:
+        return assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(max_new_tokens=n),
+                               reqs, set())
+
+    build(3).engine.run()
+    reset_peak(device)
+    built = build(gen)
+    e = built.engine
+    cached = triton_cache_entries()
+    e.run()
+    s = summarize(e, built.info)
+    keep = {k: s[k] for k in SUMMARY_KEYS if k in s}
+    keep["triton_compiles_in_run"] = triton_cache_entries() - cached  # > 0: JIT time inside the timed run
+    # tokens served per second of the whole run: each prompt and generated token once
+    keep["served_tokens_per_second"] = sum(len(q.prompt) + len(q.out) for q in e.seqs.values()) / max(
+        e.totals.seconds, 1e-9)
+    tr = e.totals.trace
+    dec_all = [r for r in tr if r["step_tokens"] == r["running"] and r["running"] > 0 and r["preempted"] == 0]
+    dec = [r for r in dec_all if not r.get("graph_captured")]
+    pre = [r for r in tr if r not in dec_all]
+    moving = [r for r in dec if r["bytes_in_flight"] > 0]
+    still = [r for r in dec if r["bytes_in_flight"] == 0]
+    keep |= {
+        "graph_capture_steps": len(dec_all) - len(dec),
+        "decode_tps_incl_capture": sum(r["step_tokens"] for r in dec_all) / max(sum(r["seconds"] for r in dec_all),
+                                                                                1e-9),
+        "decode_tps_measured": sum(r["step_tokens"] for r in dec) / max(sum(r["seconds"] for r in dec), 1e-9),
+        "prefill_tps_measured": sum(r["step_tokens"] for r in pre) / max(sum(r["seconds"] for r in pre), 1e-9),
+        "decode_step_ms_median": _median_ms(dec, "seconds"), "decode_model_ms_median": _median_ms(dec, "model_seconds"),
+        "decode_step_ms_moving": _median_ms(moving, "seconds"), "decode_step_ms_still": _median_ms(still, "seconds"),
+        "steps_moving": len(moving), "bits_read_per_token": bits_read_per_token(e.model.spec, dec),
+        "device_peak_bytes": peak(device)}
+    for name, rs in (("moving", moving), ("still", still)):
+        if rs:  # where a decode step's host time goes (medians, ms)
+            keep[f"breakdown_{name}_ms"] = {k: round(_median_ms(rs, k), 3) for k in (
+                "seconds", "model_seconds", "reload_seconds", "after_seconds", "sync_seconds",
+                *(f"{p}_seconds" for p in HOST_PHASES))}
+    if dec:  # planner time of the decode steps alone
+        keep["planner_ms_per_decode_step"] = 1e3 * float(np.mean([r["planner_seconds"] for r in dec]))
+        keep["planner_share_of_decode_step"] = sum(r["planner_seconds"] for r in dec) / max(
+            sum(r["seconds"] for r in dec), 1e-9)
+    del e, built
+    reset_peak(device)
+    return keep
+
+
+SUMMARY_KEYS = ("planner_ms_per_step", "planner_overlapped_ms_per_step", "demoted_blocks", "promoted_blocks",
+                "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_max", "kv_bytes_max",
+                "gpu_memory", "seconds")
+
+
+def lean16_run(model: LeanMoEModel, reqs: list[list[int]], gen: int, device: str) -> dict[str, Any]:
+    """Our 16-bit lean model over a paged KV cache (reference expert loop): prefill, then greedy decode."""
+    bs = 16
+    reset_peak(device)
+    runner = ModelRunner(model, num_blocks=sum(-(-(len(r) + gen) // bs) for r in reqs), block_size=bs)
+    sync(device)
+    t0 = time.perf_counter()
+    nxt = runner.run(dict(enumerate(reqs))).argmax(-1).tolist()
+    sync(device)
+    t1 = time.perf_counter()
+    for _ in range(gen - 1):
+        nxt = runner.run({i: [t] for i, t in enumerate(nxt)}).argmax(-1).tolist()
+    sync(device)
+    t2 = time.perf_counter()
+    return {"prefill_tps_measured": sum(map(len, reqs)) / (t1 - t0),
+            "decode_tps_measured": len(reqs) * (gen - 1) / (t2 - t1), "device_peak_bytes": peak(device)}
+
+
+def hf_run(config_dir: Path, batch: int, plen: int, gen: int) -> dict[str, Any]:
+    """transformers' eager bf16 ``generate`` with random weights (CUDA): prefill from a 1-token run, decode from
+    the difference to a ``gen``-token run."""
+    cfg = AutoConfig.from_pretrained(str(config_dir))
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(100, cfg.vocab_size - 100, (batch, plen), device="cuda")
+    times = {}
+    with torch.inference_mode():
+        m.generate(ids, max_new_tokens=2, do_sample=False, min_new_tokens=2)
+        for n in (1, gen):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            torch.cuda.synchronize()
+            times[n] = time.perf_counter() - t
+    out = {"prefill_tps_measured": batch * plen / times[1],
+           "decode_tps_measured": batch * (gen - 1) / (times[gen] - times[1]),
+           "device_peak_bytes": int(torch.cuda.max_memory_allocated())}
+    del m
+    torch.cuda.empty_cache()
+    return out
+
+
+def decode_table(args: argparse.Namespace, emit: Any) -> None:
+    """The decode table's rows, each passed to ``emit`` as soon as it is measured."""
+    dev, t_start = args.device, time.time()
+    bw = copy_bandwidth(dev)
+    model = random_model(args.config_dir, torch.bfloat16, dev)
+    spec = model.spec
+    src = SyntheticAP(spec, torch.bfloat16, dev)
+    table = synthetic_table(spec)
+    batches = [int(b) for b in args.batches.split(",")]
+    bit_list = [int(x) for x in args.bits.split(",")]
+    ctx = args.prompt_len + args.gen // 2
+    base = {"model": args.config_dir.name, "prompt_len": args.prompt_len, "gen": args.gen,
+            "copy_bandwidth_TBps": round(bw / 1e12, 3)}
+    ne = non_expert_bytes(model)
+
+    def floor(bits: float | None, b: int) -> float:
+        return b * bw / decode_step_bytes(spec, ne, bits, b, ctx)
+
+    def over() -> bool:
+        return time.time() - t_start > args.time_limit
+
+    def row(system: str, b: int, rep: int, run: Any, *run_args: Any) -> None:
+        """One row, ``run(*run_args)``; a failure (out of memory, a refused budget) becomes the row's error and the
+        run goes on."""
+        if over():
+            return
+        try:
+            emit({**base, "system": system, "batch": b, "rep": rep, **run(*run_args)})
+        except Exception as exc:  # recorded and printed; the other rows still run
+            emit({**base, "system": system, "batch": b, "rep": rep, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            reset_peak(dev)
+
+    def lean16(b: int) -> dict[str, Any]:
+        reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
+        return {**lean16_run(model, reqs, min(args.gen, 32), dev), "floor_tps": floor(None, b)}
+
+    if not (args.only_pressure or args.skip_lean16):
+        for b in batches:
+            row("ours 16-bit (lean reference)", b, 0, lean16, b)
+    stripped = strip_experts(model, torch.device(dev))  # the 16-bit experts leave the device
+    reset_peak(dev)
+
+    def uniform(b: int, q: int) -> dict[str, Any]:
+        reqs = (pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen, dev)[0]
+                if args.uniform_workload == "same" else prompts(b, args.prompt_len, spec.vocab_size, b))
+        s = engine_run(stripped, src, table, "uniform", q, int(args.big_budget_gib * 2**30), reqs, args.gen, b, dev)
+        return {"policy": "uniform", "bits": q, "requests": len(reqs), **s, "floor_tps": floor(q, b)}
+
+    def pressure(b: int) -> dict[str, Any]:
+        reqs, budget = pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen, dev)
+        s = engine_run(stripped, src, table, "pagedweight", None, budget, reqs, args.gen, b, dev)
+        return {"policy": "pagedweight", "requests": len(reqs), **s,
+                "floor_tps": floor(s.get("mean_bits_time_avg", 4.0), b)}
+
+    def equal_memory(b: int) -> dict[str, Any]:
+        reqs, budget = pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen, dev)
+        q, s = highest_that_fits(EQUAL_MEMORY_BITS, lambda q: engine_run(stripped, src, table, "uniform", q, budget,
+                                                                         reqs, args.gen, b, dev))
+        return {"policy": "uniform", "bits": q, "requests": len(reqs), **s, "floor_tps": floor(q, b)}
+
+    for rep in range(max(args.interleave, 1)):
+        for b in batches:
+            for q in [] if args.only_pressure else bit_list:
+                row(f"ours uniform {q}-bit", b, rep, uniform, b, q)
+            row("PagedWeight under pressure", b, rep, pressure, b)
+            if args.equal_memory and not args.only_pressure:
+                row(f"uniform{EQUAL_MEMORY}", b, rep, equal_memory, b)
+    if not args.skip_hf and dev == "cuda":
+        del model, stripped, src
+        reset_peak(dev)
+        for b in batches:
+            row("transformers eager bf16", b, 0, hf_run, args.config_dir, b, args.prompt_len, min(args.gen, 32))
+
+
+def _cli(*argv: str) -> float:
+    """Run ``python -m argv...`` from the repository root; its wall seconds. Raises on a non-zero exit."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", *argv], check=True)
+    return time.perf_counter() - t
+
+
+def user_path(args: argparse.Namespace, emit: Any) -> None:
+    """Checkpoint -> pwcal quantize -> pwcal sensitivity -> pwrun generate, as a user runs them; one record."""
+    dev = args.device
+    with tempfile.TemporaryDirectory(dir=args.workdir) as d:
+        ckpt, art, p = Path(d) / "ckpt", Path(d) / "art", Path(d) / "prompts.jsonl"
+        t = time.perf_counter()
+        write_random_checkpoint(args.config_dir, ckpt, dev)
+        rec: dict[str, Any] = {"model": args.config_dir.name, "system": "user path", "policy": args.user_policy,
+                               "checkpoint_s": round(time.perf_counter() - t, 1)}
+        cal = ["--samples", str(args.user_samples), "--seq-len", str(args.user_seq_len), "--device", dev]
+        rec["quantize_s"] = round(_cli("pwcal", "quantize", str(ckpt), "--out", str(art), *cal), 1)
+        rec["sensitivity_s"] = round(_cli("pwcal", "sensitivity", str(ckpt), "--artifacts", str(art), *cal), 1)
+        text = "The paged weights of a mixture of experts are moved between host and device memory. " * 40
+        p.write_text("".join(json.dumps({"prompt": text[: 400 + 37 * i]}) + "\n" for i in range(args.user_requests)))
+        summary = Path(d) / "summary.json"
+        policy = ["--policy", "uniform", "--bits", "4"] if args.user_policy == "uniform" else []
+        rec["generate_s"] = round(_cli(
+            "pwrun", "generate", "--model", str(ckpt), "--artifacts", str(art), "--prompts", str(p),
+            "--output", str(Path(d) / "out.jsonl"), "--gpu-memory", args.user_gpu_memory, "--max-new-tokens",
+            str(args.gen), "--max-batch", str(args.user_max_batch), "--device", dev, "--summary-json", str(summary),
+            *policy), 1)
+        s = json.loads(summary.read_text())
+        rec |= {"requests": args.user_requests, "max_batch": args.user_max_batch, "gpu_memory": args.user_gpu_memory,
+                **{k: s[k] for k in ("tokens_per_second", "decode_tokens_per_second", "prefill_tokens_per_second",
+                                     "mean_bits_time_avg", "demoted_blocks", "promoted_blocks", "preemptions",
+                                     "seconds") if k in s}}
+        emit(rec)
+
+
+OURS_ONLY = ("--skip-table", "--user-path")  # flags the older serve_speed.py does not take
+OURS_ONLY_VALUES = ("--label", "--compare-commit", "--out", "--out-md", "--user-samples", "--user-seq-len",
+                    "--user-requests", "--user-max-batch", "--user-gpu-memory", "--user-policy", "--workdir")
+
+
+def compare_commit(rev: str, argv: list[str], out: Path) -> None:
+    """Run the serving benchmark of REV (a git revision, extracted with ``git archive``, or a directory holding
+    that tree) with the decode-table options of ``argv`` in a fresh process, and append its rows to ``out``
+    labelled REV: ``python -m bench.serving`` where the tree has it, else its ``bench/serve_speed.py``."""
+    with tempfile.TemporaryDirectory() as d:
+        if Path(rev).is_dir():
+            tree, commit = Path(rev).resolve(), os.environ.get("COMPARE_COMMIT", Path(rev).name)
+        else:
+            tree = Path(d) / "tree"
+            tree.mkdir()
+            archive = subprocess.run(["git", "archive", rev], check=True, capture_output=True).stdout
+            subprocess.run(["tar", "x", "-C", str(tree)], input=archive, check=True)
+            commit = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True,
+                                    text=True).stdout.strip()
+        env = {**os.environ, "PYTHONPATH": str(tree), "COMMIT": commit}
+        argv = [a for a in _drop_options(argv, OURS_ONLY_VALUES) if a not in OURS_ONLY]
+        if (tree / "bench" / "serving.py").is_file():
+            subprocess.run([sys.executable, "-m", "bench.serving", *argv, "--label", rev, "--out", str(out.resolve())],
+                           cwd=tree, env=env, check=True)
+            return
+        md = Path(d) / "old.md"
+        subprocess.run([sys.executable, "bench/serve_speed.py", *argv, "--out-md", str(md)], cwd=tree, env=env,
+                       check=True)
+        old = json.loads(md.with_suffix(".json").read_text())
+        meta = old["meta"]
+        envrec = {"commit": commit, "label": rev, "gpu": meta.get("gpu"), "torch": meta.get("torch"),
+                  "triton": meta.get("triton"), "transformers": meta.get("transformers"),
+                  "date": environment()["date"], "command": meta.get("command")}
+        base = {"model": Path(meta.get("config", "")).name, "prompt_len": meta.get("prompt_len"),
+                "gen": meta.get("gen"), "copy_bandwidth_TBps": meta.get("copy_bandwidth_TBps")}
+        write_records("serving", ({**base, "rep": 0, **from_serve_speed(r)} for r in old["rows"]), envrec, out)
+
+
+def from_serve_speed(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of the older ``bench/serve_speed.py`` as this suite records it: equal-memory rows named alike at every
+    bitwidth (the bits in ``bits``), ``policy`` and ``bits`` set, peak memory as ``device_peak_bytes``."""
+    r = {k: v for k, v in row.items() if k not in ("triton_first_uses_in_run", "triton_specializations_compiled_in_run",
+                                                     "slowest_steps")}
+    system = r["system"]
+    if system.endswith(EQUAL_MEMORY) and "error" not in r:
+        r |= {"system": f"uniform{EQUAL_MEMORY}", "policy": "uniform", "bits": int(system.split()[1].split("-")[0])}
+    elif system.startswith("ours uniform") and "eager" not in system:
+        r |= {"policy": "uniform", "bits": int(system.split()[2].split("-")[0])}
+    elif system == "PagedWeight under pressure":
+        r["policy"] = "pagedweight"
+    if "peak_device_bytes" in r:
+        r["device_peak_bytes"] = r.pop("peak_device_bytes")
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config-dir", type=Path, default=QWEN, help="seed config (tests/fixtures/configs/...)")
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--bits", default="3,4,8")
+    ap.add_argument("--time-limit", type=float, default=520.0, help="seconds; later rows are skipped past it")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-lean16", action="store_true", help="no 16-bit lean reference rows")
+    ap.add_argument("--skip-table", action="store_true", help="no decode table (with --user-path: only that)")
+    ap.add_argument("--uniform-workload", choices=("same", "long"), default="same",
+                    help="requests of the uniform runs: the PagedWeight run's ('same') or only its b long prompts")
+    ap.add_argument("--only-pressure", action="store_true", help="only the PagedWeight-under-pressure rows")
+    ap.add_argument("--no-equal-memory", dest="equal_memory", action="store_false",
+                    help="skip uniform in PagedWeight's budget after each PagedWeight run")
+    ap.add_argument("--interleave", type=int, default=0, help="N > 0: the rows of each batch N times in turn")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--big-budget-gib", type=float, default=60.0, help="budget of the no-pressure runs (GiB)")
+    ap.add_argument("--label", default=None, help="name of this build in the records (default: its commit)")
+    ap.add_argument("--compare-commit", default=None,
+                    help="also run the serving benchmark of REV (a git revision or a directory holding its tree) with "
+                    "the same options, after ours, its rows labelled REV")
+    ap.add_argument("--out", type=Path, default=None, help="JSONL to append to (default bench/results/serving.jsonl)")
+    ap.add_argument("--out-md", type=Path, default=None, help="also render this run's records as markdown here")
+    ap.add_argument("--user-path", action="store_true", help="time checkpoint -> pwcal -> pwrun generate")
+    ap.add_argument("--user-samples", type=int, default=16, help="calibration windows of the user path")
+    ap.add_argument("--user-seq-len", type=int, default=512)
+    ap.add_argument("--user-requests", type=int, default=16)
+    ap.add_argument("--user-max-batch", type=int, default=16)
+    ap.add_argument("--user-gpu-memory", default="24GiB")
+    ap.add_argument("--user-policy", choices=("pagedweight", "uniform"), default="pagedweight")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the user path writes its checkpoint")
+    args = ap.parse_args()
+    env = environment(args.label)
+    out = args.out or Path("bench/results/serving.jsonl")
+    done: list[dict[str, Any]] = []
+
+    def emit(rec: dict[str, Any]) -> None:
+        write_records("serving", [rec], env, out)
+        done.append({**env, **rec})
+        print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, dict)}, default=str), flush=True)
+
+    if not args.skip_table:
+        decode_table(args, emit)
+    if args.user_path:
+        user_path(args, emit)
+    if args.compare_commit:
+        compare_commit(args.compare_commit, sys.argv[1:], out)
+    if args.out_md:
+        args.out_md.write_text(serving_table(read_records(out), env["date"]) + "\n")
+
+
+def _drop_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the options ``names`` and their values (``--x v`` or ``--x=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif a.split("=", 1)[0] not in names:
+            out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The benchmark suites as a user runs them (``python -m bench.<suite>`` in a subprocess: tests never import bench):
+the renderer picks the latest run of each measurement, and the serving suite runs end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _record(date: str, label: str, batch: int, tps: float, **extra: object) -> dict[str, object]:
+    return {"suite": "serving", "commit": label, "label": label, "gpu": "G", "date": date, "command": f"run {label}",
+            "model": "m", "system": "ours uniform 4-bit", "batch": batch, "decode_tps_measured": tps, **extra}
+
+
+def test_render_shows_the_latest_run_of_each_measurement(tmp_path: Path) -> None:
+    """Batch 1 was measured twice (the later run, two repeats, wins: their median); batch 4 only by the earlier run;
+    a failed row is left out; --compare puts two labels side by side."""
+    rows = [_record("2026-01-01T00:00:00Z", "old", 1, 100.0), _record("2026-01-01T00:00:00Z", "old", 4, 300.0),
+            _record("2026-02-01T00:00:00Z", "new", 1, 110.0, rep=0), _record("2026-02-01T00:00:00Z", "new", 1, 130.0,
+                                                                              rep=1),
+            _record("2026-02-01T00:00:00Z", "new", 4, 0.0, error="OutOfMemoryError: x")]
+    (tmp_path / "serving.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "performance.md"
+    _run("bench.render", "--results", str(tmp_path), "--out", str(out))
+    text = out.read_text()
+    assert "| m | ours uniform 4-bit | 120 | 300 |" in text  # decode tok/s per batch: median of the new run; old b4
+    assert "commit new" in text and "commit old" in text and "OutOfMemoryError" not in text
+    cmp = _run("bench.render", "--results", str(tmp_path), "--compare", "old", "new")
+    assert "| m | ours uniform 4-bit | 1 | 100 | 120 | 1.200 |" in cmp
+
+
+def test_serving_suite_on_a_shrunken_config(tmp_path: Path) -> None:
+    """The serving suite on a shrunken Qwen1.5-MoE config on the CPU: uniform serves PagedWeight's requests (equal
+    work on both sides of the ratio), uniform in PagedWeight's budget fits at 4 bits, each record carries the run's
+    environment, and served tokens/s counts each prompt and generated token once."""
+    cfg = json.loads((ROOT / "tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B/config.json").read_text())
+    cfg.update(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=256,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+               num_experts_per_tok=2, vocab_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "serving.jsonl"
+    _run("bench.serving", "--device", "cpu", "--config-dir", str(tmp_path), "--skip-hf", "--skip-lean16",
+         "--batches", "2", "--bits", "4", "--prompt-len", "64", "--gen", "4", "--big-budget-gib", "1",
+         "--label", "t", "--out", str(out))
+    rows = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"ours uniform 4-bit", "PagedWeight under pressure", "uniform, PagedWeight's budget"}
+    pw, eq = rows["PagedWeight under pressure"], rows["uniform, PagedWeight's budget"]
+    assert "error" not in eq and eq["bits"] == 4 and eq["gpu_memory"] == pw["gpu_memory"]
+    assert rows["ours uniform 4-bit"]["requests"] == pw["requests"] == eq["requests"] == 4
+    for r in rows.values():
+        assert r["label"] == "t" and r["gpu"] == "cpu" and r["command"].startswith("python -m bench.serving")
+        # 2 x 64 + 2 x 256 prompt tokens + 4 x 4 generated
+        assert abs(r["served_tokens_per_second"] * r["seconds"] - (2 * 64 + 2 * 256 + 4 * 4)) < 1e-6
+        assert r["decode_tps_measured"] > 0
