@@ -174,18 +174,23 @@ def serving_table(records: list[Record], date: str | None = None) -> str:
 
 
 def compare(records: list[Record], a: str, b: str) -> str:
-    """Serving decode tok/s (median over repeats) of labels ``a`` and ``b`` per (model, system, batch)."""
+    """Serving decode tok/s of labels ``a`` and ``b`` per (model, system, batch): median over every record of the
+    label (repeats and rounds), with the range and count, and the ratio of the medians."""
     by: dict[tuple[Any, ...], dict[str, list[float]]] = {}
     for r in records:
         if r.get("label") in (a, b) and "error" not in r and "decode_tps_measured" in r:
             by.setdefault((r.get("model"), r.get("system"), r.get("batch")), {}).setdefault(
                 r["label"], []).append(r["decode_tps_measured"])
-    lines = [f"| model | system | batch | {a} decode tok/s | {b} decode tok/s | {b} / {a} |",
+
+    def cell(v: list[float] | None) -> str:
+        return "" if not v else f"{_fmt(statistics.median(v))} ({_fmt(min(v))}..{_fmt(max(v))}, n={len(v)})"
+
+    lines = [f"| model | system | batch | {a} decode tok/s (range, n) | {b} decode tok/s (range, n) | {b} / {a} |",
              "|---|---|---|---|---|---|"]
     for (model, system, batch), v in by.items():
         x, y = (statistics.median(v[k]) if k in v else None for k in (a, b))
         ratio = f"{y / x:.3f}" if x and y else ""
-        lines.append(f"| {model} | {system} | {batch} | {_fmt(x)} | {_fmt(y)} | {ratio} |")
+        lines.append(f"| {model} | {system} | {batch} | {cell(v.get(a))} | {cell(v.get(b))} | {ratio} |")
     return "\n".join(lines)
 
 

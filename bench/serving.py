@@ -15,13 +15,20 @@ Two parts, one JSON line per measurement in ``bench/results/serving.jsonl``:
   at the real shape -> ``pwcal quantize`` -> ``pwcal sensitivity`` (random weights: the tables' values mean
   nothing, their cost is real) -> ``pwrun generate`` on ``--user-requests`` prompts, read from its summary JSON.
 
-``--label`` names the build in the records (``bench.render --compare A B`` prints the decode table of two labels
-side by side); ``--compare-commit REV`` also runs REV's own serving benchmark from ``git archive REV`` in a
-temporary directory with the same options, in this process's GPU session, and records its rows labelled REV.
+``--label`` names the build in the records; ``--compare-commit REV`` then runs the serving benchmark of REV (a git
+revision, or a directory holding its tree) with the same decode-table options in a fresh process, ``--compare-rounds
+N`` times in turn with ours, its rows labelled REV; ``python -m bench.render --compare REV LABEL`` prints both
+side by side. On a machine without the git history, extract REV's code beside the tree first::
+
+    git archive base-29 pwrun pwcal kernels bench tests/fixtures/configs | (mkdir -p .base-29 && tar -x -C .base-29)
+    export COMMIT=<HEAD> COMPARE_COMMIT=<base-29>   # the commits the records name
+    python -m bench.serving --batches 1,4,16 --bits 4 --skip-hf --skip-lean16 --label main
+        --compare-commit .base-29 --compare-rounds 2    # (one command line)
+    python -m bench.render --compare base-29 main
 
 Usage (GPU machine, repository root)::
 
-    python -m bench.serving --batches 1,4,16 --bits 3,4,5,8 [--interleave 2] [--compare-commit base-29]
+    python -m bench.serving --batches 1,4,16 --bits 3,4,5,8 [--interleave 2] [--config-dir ...Mixtral-8x7B-v0.1]
     python -m bench.serving --user-path --skip-table
 """
 
@@ -346,17 +353,22 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
 
 
 OURS_ONLY = ("--skip-table", "--user-path")  # flags the older serve_speed.py does not take
-OURS_ONLY_VALUES = ("--label", "--compare-commit", "--out", "--out-md", "--user-samples", "--user-seq-len",
-                    "--user-requests", "--user-max-batch", "--user-gpu-memory", "--user-policy", "--workdir")
+OURS_ONLY_VALUES = ("--label", "--compare-commit", "--compare-rounds", "--out", "--out-md", "--user-samples",
+                    "--user-seq-len", "--user-requests", "--user-max-batch", "--user-gpu-memory", "--user-policy",
+                    "--workdir")
 
 
 def compare_commit(rev: str, argv: list[str], out: Path) -> None:
     """Run the serving benchmark of REV (a git revision, extracted with ``git archive``, or a directory holding
-    that tree) with the decode-table options of ``argv`` in a fresh process, and append its rows to ``out``
-    labelled REV: ``python -m bench.serving`` where the tree has it, else its ``bench/serve_speed.py``."""
+    that tree's pwrun, pwcal, kernels, bench and tests/fixtures/configs) with the decode-table options of ``argv``
+    in a fresh process, and append its rows to ``out``: ``python -m bench.serving`` where the tree has it, else its
+    ``bench/serve_speed.py``. Rows are labelled REV (a directory: its name without a leading dot); their commit is
+    $COMPARE_COMMIT for a directory."""
+    is_dir = Path(rev).is_dir()
+    label = Path(rev).name.lstrip(".") if is_dir else rev
     with tempfile.TemporaryDirectory() as d:
-        if Path(rev).is_dir():
-            tree, commit = Path(rev).resolve(), os.environ.get("COMPARE_COMMIT", Path(rev).name)
+        if is_dir:
+            tree, commit = Path(rev).resolve(), os.environ.get("COMPARE_COMMIT", label)
         else:
             tree = Path(d) / "tree"
             tree.mkdir()
@@ -367,15 +379,15 @@ def compare_commit(rev: str, argv: list[str], out: Path) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree), "COMMIT": commit}
         argv = [a for a in _drop_options(argv, OURS_ONLY_VALUES) if a not in OURS_ONLY]
         if (tree / "bench" / "serving.py").is_file():
-            subprocess.run([sys.executable, "-m", "bench.serving", *argv, "--label", rev, "--out", str(out.resolve())],
-                           cwd=tree, env=env, check=True)
+            subprocess.run([sys.executable, "-m", "bench.serving", *argv, "--label", label, "--out",
+                            str(out.resolve())], cwd=tree, env=env, check=True)
             return
         md = Path(d) / "old.md"
         subprocess.run([sys.executable, "bench/serve_speed.py", *argv, "--out-md", str(md)], cwd=tree, env=env,
                        check=True)
         old = json.loads(md.with_suffix(".json").read_text())
         meta = old["meta"]
-        envrec = {"commit": commit, "label": rev, "gpu": meta.get("gpu"), "torch": meta.get("torch"),
+        envrec = {"commit": commit, "label": label, "gpu": meta.get("gpu"), "torch": meta.get("torch"),
                   "triton": meta.get("triton"), "transformers": meta.get("transformers"),
                   "date": environment()["date"], "command": meta.get("command")}
         base = {"model": Path(meta.get("config", "")).name, "prompt_len": meta.get("prompt_len"),
@@ -423,6 +435,8 @@ def main() -> None:
     ap.add_argument("--compare-commit", default=None,
                     help="also run the serving benchmark of REV (a git revision or a directory holding its tree) with "
                     "the same options, after ours, its rows labelled REV")
+    ap.add_argument("--compare-rounds", type=int, default=1,
+                    help="with --compare-commit: run (ours, REV's) this many times in turn (run-to-run spread)")
     ap.add_argument("--out", type=Path, default=None, help="JSONL to append to (default bench/results/serving.jsonl)")
     ap.add_argument("--out-md", type=Path, default=None, help="also render this run's records as markdown here")
     ap.add_argument("--user-path", action="store_true", help="time checkpoint -> pwcal -> pwrun generate")
@@ -443,12 +457,13 @@ def main() -> None:
         done.append({**env, **rec})
         print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, dict)}, default=str), flush=True)
 
-    if not args.skip_table:
-        decode_table(args, emit)
+    for _ in range(args.compare_rounds if args.compare_commit else 1):  # ours, then REV's, in turn
+        if not args.skip_table:
+            decode_table(args, emit)
+        if args.compare_commit:
+            compare_commit(args.compare_commit, sys.argv[1:], out)
     if args.user_path:
         user_path(args, emit)
-    if args.compare_commit:
-        compare_commit(args.compare_commit, sys.argv[1:], out)
     if args.out_md:
         args.out_md.write_text(serving_table(read_records(out), env["date"]) + "\n")
 

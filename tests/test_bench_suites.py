@@ -39,7 +39,7 @@ def test_render_shows_the_latest_run_of_each_measurement(tmp_path: Path) -> None
     assert "| m | ours uniform 4-bit | 120 | 300 |" in text  # decode tok/s per batch: median of the new run; old b4
     assert "commit new" in text and "commit old" in text and "OutOfMemoryError" not in text
     cmp = _run("bench.render", "--results", str(tmp_path), "--compare", "old", "new")
-    assert "| m | ours uniform 4-bit | 1 | 100 | 120 | 1.200 |" in cmp
+    assert "| m | ours uniform 4-bit | 1 | 100 (100..100, n=1) | 120 (110..130, n=2) | 1.200 |" in cmp
 
 
 def test_serving_suite_on_a_shrunken_config(tmp_path: Path) -> None:
