@@ -461,6 +461,7 @@ def main() -> None:
         if not args.skip_table:
             decode_table(args, emit)
         if args.compare_commit:
+            reset_peak(args.device)  # hand the cached device memory back before the other build's process starts
             compare_commit(args.compare_commit, sys.argv[1:], out)
     if args.user_path:
         user_path(args, emit)
