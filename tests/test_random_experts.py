@@ -1,6 +1,5 @@
 """kernels.warmup.random_experts: the random experts the warm-up compiles the decode kernels with (and the MoE kernel
-suite times) have the asked count, shapes and bitwidth (a shadowed loop variable once gave them the wrong number of
-bitwidths for any count but top-k)."""
+suite times) have the asked count, shapes and bitwidth, for counts other than a layer's top-k too."""
 
 from __future__ import annotations
 
