@@ -7,7 +7,7 @@ of ``position * theta^(-2i/D)`` computed in fp32 and rounded to the model dtype,
 ``pwrun.model.ops.rope_cos_sin_fp32``), applied to q (returned) and to k; the rotated k and v go
 straight into the paged KV cache rows at the step's slots. A slot s lives in KV block
 ``s // block_size``; its key row is ``k_units[block] * block_size + s % block_size`` of
-``cache_rows`` (values: ``v_units``), the layout of ``pwrun.engine.kv_store.PooledKVCache``.
+``cache_rows`` (values: ``v_units``), the layout of ``pwrun.runner.kv_store.PooledKVCache``.
 Eagerly this is ~30 launches per layer (cos/sin, two rotate-halfs, index math, two index_copy).
 Rounding: the kernel rotates in fp32 and rounds once; the eager model rounds each product
 (differences of one unit in the last place of the model dtype).

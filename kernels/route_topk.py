@@ -6,7 +6,7 @@ experts (ties: lowest id), optionally renormalised to sum 1; weights are rounded
 (as ``pwrun.model.moe.route`` returns them) and handed out as fp32 [T, k] with ids int64 [T, k];
 the shared expert's weight is ``sigmoid(gate logit)`` (fp32 [T]) or 1.
 With ``stats`` it also adds the live routing statistics of SPEC section 6 for this layer
-(what ``pwrun.engine.experts.ExpertStore`` reads every few steps): ``mass[e] += w`` and
+(what ``pwrun.runner.experts.store.ExpertStore`` reads every few steps): ``mass[e] += w`` and
 ``acc[e] += (w, w*n, w*n^2)``, ``acc[e, 3] = max(acc[e, 3], n)`` for n = ||x_t||_2 (fp32), and for
 the shared expert (column E) weight 1 per token. Atomic adds: the sums are not bit-deterministic. The atomics
 are relaxed: fire-and-forget REDG on sm_90 (nothing in this launch reads them back). Triton's default

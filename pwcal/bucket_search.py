@@ -4,7 +4,7 @@ What it does: scores every setting of a grid of ``BucketPolicy`` settings (bucke
 mass-quantile boundaries, the hot bucket's damage multiplier mu, stage-0 floors, depth caps; or a
 reproducible sample of it, a prefix of one seeded permutation, so a larger sample only adds
 settings) plus the neutral one-bucket policy, by held-out perplexity when the runtime's own planner
-(``pwrun.planner.greedy.fit_budget``, run offline over the calibration tables, with eta = 1 since no
+(``pwrun.core.planner.greedy.fit_budget``, run offline over the calibration tables, with eta = 1 since no
 live prompt exists) must fit each memory budget. Settings that give the same allocation at a budget
 share one perplexity. Selection score = mean log-perplexity over the budgets (infeasible = +inf).
 
@@ -14,7 +14,7 @@ never saw (the best of many settings on one text is optimistically scored there)
 at a budget when its mean per-window NLL gain exceeds ``gain_z`` standard errors of the paired
 differences. The winner is kept only below the smallest budget from which on it shows no gain at
 any larger budget: ``neutral_from_bits`` of the written policy, the band the runtime planner hands to
-the neutral policy (``pwrun.planner.buckets``). The budgets span where the runtime works (its mean
+the neutral policy (``pwrun.core.planner.buckets``). The budgets span where the runtime works (its mean
 expert bits on the evaluation's text suite run from ~3.5 at U3 to ~5.8 at U6), so a setting that
 helps at 3.5-4 bits but not at 5-6 is not applied at 5-6. Below the smallest budget (floors only
 bind there) the winner applies. The held-out text is the calibration windows after those of
@@ -43,11 +43,11 @@ from pwcal.manifest import read_manifest
 from pwcal.stages import begin_stage, finish_stage, start_writing
 from pwcal.tables import read_table, write_table
 from pwrun.ap.artifact import APArtifact
+from pwrun.core.planner.buckets import BucketPolicy
+from pwrun.core.planner.greedy import fit_budget
+from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.errors import PagedWeightError
 from pwrun.model.loader import load_model, load_tokenizer
-from pwrun.planner.buckets import BucketPolicy
-from pwrun.planner.greedy import fit_budget
-from pwrun.planner.tables import UNITS, BlockTable
 from pwrun.ppl import perplexity
 
 

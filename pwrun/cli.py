@@ -132,10 +132,10 @@ def generate(
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
 ) -> None:
     """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
+    from pwrun.core.request import SamplingParams
     from pwrun.generate import encode_prompts
     from pwrun.generate import generate as run_generate
     from pwrun.model.loader import load_model, load_spec, load_tokenizer
-    from pwrun.sampling import SamplingParams
 
     with user_errors():
         if (prompt is None) == (prompts is None):
@@ -183,12 +183,12 @@ def generate(
 
         if artifacts is not None:
             from pwrun.ap.artifact import APArtifact
+            from pwrun.core.config import EngineConfig
             from pwrun.engine.budget import parse_size
-            from pwrun.engine.engine import EngineConfig
+            from pwrun.engine.build import ServeConfig
             from pwrun.engine.policies import check_policy
             from pwrun.engine.report import format_summary
-            from pwrun.engine.run import serve_prompts
-            from pwrun.engine.serve import ServeConfig
+            from pwrun.generate import serve_prompts
 
             art = APArtifact(artifacts)
             art.check_model(model_dir)
@@ -220,11 +220,12 @@ def generate(
             console.print(format_summary(summary), style="dim", highlight=False, soft_wrap=True)
             if summary_json is not None:
                 try:
-                    _write_file("--summary-json", summary_json, json.dumps(summary, indent=1, default=str) + "\n")
+                    _write_file("--summary-json", summary_json,
+                                json.dumps(summary.to_dict(), indent=1, default=str) + "\n")
                 except PagedWeightError as exc:
                     failed.append(str(exc))
-            if summary.get("trace_error"):
-                failed.append(str(summary["trace_error"]))
+            if summary.trace_error:
+                failed.append(summary.trace_error)
             if failed:
                 where = "printed above" if printed else f"in {output}"
                 raise PagedWeightError("; ".join(failed) + f" (the results are {where})")

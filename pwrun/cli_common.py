@@ -139,9 +139,9 @@ def check_writable_file(flag: str, path: Path) -> None:
 
 def warn_missing_tables(art: APArtifact, policies: Iterable[str], model_dir: Path) -> None:
     """Print ``warning: <line>`` on stderr once per optional calibration table that one of ``policies`` would
-    read but whose pwcal stage has not run (``pwrun.engine.serve.missing_tables``). ``policies``: names that
+    read but whose pwcal stage has not run (``pwrun.engine.build.missing_tables``). ``policies``: names that
     ``check_policy`` accepts. Raises ``PagedWeightError`` for a damaged artifact (a table its manifest records)."""
-    from pwrun.engine.serve import missing_tables
+    from pwrun.engine.build import missing_tables
 
     shown: list[str] = []
     for policy in policies:

@@ -1,25 +1,26 @@
-"""Text generation with the lean model: batched prefill, then batched decode over the paged KV cache.
+"""Text generation: the one loop over the engine, for the 16-bit model and for AP artifacts under a budget.
 
-What it does: tokenizes prompts, checks they fit the model's context, sizes a KV cache for all
-of them, prefills them in one step and decodes them together until each reaches EOS or
-``max_new_tokens``; ``on_text`` receives each sequence's new text as it is produced (streaming).
-It does not yet trade weight precision for KV blocks (the planner of a later stage does).
+What it does: tokenizes prompts (checking each fits the model's context with its generation), builds the
+engine (``dense_engine``: the model's own 16-bit experts, every prompt in one prefill step and all decoded
+together; ``build_engine``: AP experts in a page pool under ``--gpu-memory`` with the chosen policy), runs
+it to completion, streaming each request's new text through ``on_text``, and returns one ``Generation``
+per prompt. Nothing is dropped: every request runs to EOS or ``max_new_tokens``.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import torch
-
+from pwrun.core.request import RequestOutput, SamplingParams
+from pwrun.engine.build import ServeConfig, build_engine, dense_engine
+from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.report import RunSummary, summarize, write_trace
 from pwrun.errors import PagedWeightError
-from pwrun.kv.blocks import blocks_needed
 from pwrun.model.lean import LeanMoEModel
-from pwrun.runner import ModelRunner
-from pwrun.sampling import SamplingParams, sample
+from pwrun.model.loader import load_spec
 
 
 @dataclass
@@ -62,60 +63,72 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new
     return out
 
 
+def eos_ids(spec_eos: tuple[int, ...], tokenizer: Any) -> set[int]:
+    """The model's EOS ids and the tokenizer's."""
+    eos = set(spec_eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return eos
+
+
+def run_generation(engine: LLMEngine, tokenizer: Any, prompts: list[str],
+                   on_text: Callable[[int, str], None] | None = None,
+                   on_progress: Callable[[int, int], None] | None = None) -> list[Generation]:
+    """Run ``engine`` (holding requests 0..n-1 for ``prompts``) to completion; generations in prompt order.
+
+    ``on_text(i, new text)`` streams request i's text (whole characters only); ``on_progress(finished requests,
+    generated tokens)`` is called after every sampled token.
+    """
+    printed = [""] * len(prompts)
+    counts = [0, 0]  # finished requests, generated tokens
+    seen = [0] * len(prompts)
+
+    def on_output(o: RequestOutput) -> None:
+        if on_text is not None:
+            text = tokenizer.decode(list(o.token_ids), skip_special_tokens=True)
+            if len(text) > len(printed[o.rid]) and not text.endswith("\ufffd"):
+                on_text(o.rid, text[len(printed[o.rid]):])
+                printed[o.rid] = text
+        if on_progress is not None:
+            counts[0] += o.finished
+            counts[1] += len(o.token_ids) - seen[o.rid]
+            seen[o.rid] = len(o.token_ids)
+            on_progress(counts[0], counts[1])
+
+    outs = engine.run_until_done(on_output)
+    return [Generation(p, tokenizer.decode(list(outs[i].token_ids), skip_special_tokens=True), outs[i].prompt_tokens,
+                       len(outs[i].token_ids), outs[i].finish or "length") for i, p in enumerate(prompts)]
+
+
 def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: SamplingParams,
              block_size: int = 16, on_text: Callable[[int, str], None] | None = None,
              on_progress: Callable[[int, int], None] | None = None) -> tuple[list[Generation], GenerationStats]:
-    """Generate a continuation for every prompt; returns the generations and timing stats.
-
-    ``on_progress(finished requests, generated tokens)`` is called after every step.
-    """
+    """Generate with ``model``'s own 16-bit experts (``dense_engine``); the generations and timing stats."""
     ids = encode_prompts(tokenizer, prompts, model.spec.max_position_embeddings, params.max_new_tokens)
-    num_blocks = sum(blocks_needed(len(x) + params.max_new_tokens, block_size) for x in ids)
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
-    gen = torch.Generator().manual_seed(params.seed)
-    eos = set(model.spec.eos_token_ids)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    out_ids: list[list[int]] = [[] for _ in prompts]
-    printed = [""] * len(prompts)
-    finish = ["length"] * len(prompts)
+    engine = dense_engine(model, params, ids, eos_ids(model.spec.eos_token_ids, tokenizer), block_size)
+    gens = run_generation(engine, tokenizer, prompts, on_text, on_progress)
+    prefill = sum(r.seconds for r in engine.trace if r.prefill_tokens)
+    decode = sum(r.seconds for r in engine.trace if not r.prefill_tokens)
+    return gens, GenerationStats(prefill, decode, engine.core.decode_tokens)
 
-    def emit(i: int) -> None:
-        text = tokenizer.decode(out_ids[i], skip_special_tokens=True)
-        if on_text is not None and len(text) > len(printed[i]) and not text.endswith("\ufffd"):
-            on_text(i, text[len(printed[i]):])
-            printed[i] = text
 
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    logits = runner.run(dict(enumerate(ids)))
-    active = list(range(len(prompts)))
-    decode_tokens, t_decode = 0, 0.0
-    while active:
-        nxt = sample(logits, params, gen).tolist()
-        if t_decode == 0.0:
-            sync()
-            t_decode = time.perf_counter()
-        still = []
-        for i, tok in zip(active, nxt, strict=True):
-            if tok in eos:
-                finish[i] = "eos"
-                runner.release(i)
-                continue
-            out_ids[i].append(tok)
-            emit(i)
-            if len(out_ids[i]) >= params.max_new_tokens:
-                runner.release(i)
-            else:
-                still.append(i)
-        active = still
-        if on_progress is not None:
-            on_progress(len(prompts) - len(active), sum(len(o) for o in out_ids))
-        if active:
-            logits = runner.run({i: [out_ids[i][-1]] for i in active})
-            decode_tokens += len(active)
-    sync()
-    t_end = time.perf_counter()
-    results = [Generation(p, tokenizer.decode(o, skip_special_tokens=True), len(x), len(o), f)
-               for p, o, x, f in zip(prompts, out_ids, ids, finish, strict=True)]
-    return results, GenerationStats(t_decode - t0, t_end - t_decode, decode_tokens)
+def serve_prompts(model_dir: Path, artifact_dir: Path, prompts: list[str], tokenizer: Any, cfg: ServeConfig,
+                  params: SamplingParams, device: str = "auto", dtype: str = "auto",
+                  on_text: Callable[[int, str], None] | None = None, trace: Path | None = None,
+                  on_progress: Callable[[int, int], None] | None = None) -> tuple[list[Generation], RunSummary]:
+    """Serve ``prompts`` with AP experts under ``cfg``; generations (in prompt order) and the run summary.
+
+    A ``trace`` that cannot be written does not lose the generations: the summary's ``trace_error`` says why.
+    """
+    spec, _ = load_spec(Path(model_dir))
+    ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens)
+    engine = build_engine(Path(model_dir), Path(artifact_dir), cfg, params, ids,
+                          eos_ids(spec.eos_token_ids, tokenizer), device, dtype)
+    gens = run_generation(engine, tokenizer, prompts, on_text, on_progress)
+    summary = summarize(engine)
+    if trace is not None:
+        try:
+            write_trace(engine, trace)
+        except PagedWeightError as exc:  # the generations are still returned: the caller writes them, then reports
+            summary.trace_error = str(exc)
+    return gens, summary

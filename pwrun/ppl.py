@@ -2,9 +2,10 @@
 
 What it does: splits the tokens into windows of ``seq_len`` (the GPTQ convention: every window
 starts fresh, the first token of a window is context only), runs ``batch`` windows per step
-through the paged KV cache and returns exp(mean NLL) over all predicted tokens (and each window's
-mean NLL, for paired comparisons of two models on the same text). It does not
-tokenize (the caller does) and does not change weight precision.
+through the engine (``prefill_logits``: one prefill step over the paged KV cache) and returns
+exp(mean NLL) over all predicted tokens (and each window's mean NLL, for paired comparisons of
+two models on the same text). It does not tokenize (the caller does) and does not change weight
+precision.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from pwrun.errors import PagedWeightError
-from pwrun.kv.blocks import blocks_needed
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import MoEObserver
-from pwrun.runner import ModelRunner
+from pwrun.runner.prefill import prefill_logits
 
 
 @dataclass(frozen=True)
@@ -57,18 +57,15 @@ def perplexity(model: LeanMoEModel, token_ids: list[int], seq_len: int = 512, ma
     if n == 0:
         raise PagedWeightError(f"the text has {len(token_ids)} tokens, fewer than one window of {seq_len}: "
                                "lower --seq-len or give more text")
-    runner = ModelRunner(model, num_blocks=batch * blocks_needed(seq_len, block_size), block_size=block_size)
     ids = torch.tensor(token_ids[: n * seq_len], dtype=torch.int64).view(n, seq_len)
     sums: list[float] = []
     for lo in range(0, n, batch):
         rows = range(lo, min(n, lo + batch))
-        logits = runner.run({r: ids[r].tolist() for r in rows}, logits_for="all", observer=observer)
+        logits = prefill_logits(model, [ids[r].tolist() for r in rows], block_size, observer=observer)
         logits = logits.view(len(rows), seq_len, -1)[:, :-1]
         target = ids[lo:lo + len(rows), 1:].to(logits.device)
         loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(len(rows), -1)
         sums += loss.double().sum(1).tolist()
-        for r in rows:
-            runner.release(r)
         if on_window is not None:
             on_window(len(rows))
     return PerplexityResult(nll=sum(sums) / (n * (seq_len - 1)), tokens=n * (seq_len - 1), windows=n,

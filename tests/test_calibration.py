@@ -25,11 +25,11 @@ from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.routing import RoutingMass
 from pwcal.tables import read_table, write_table
 from pwrun.ap.artifact import APArtifact
+from pwrun.core.planner.tables import BlockTable
 from pwrun.data import default_model_dir
 from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.loader import load_model
-from pwrun.planner.tables import BlockTable
 from tests._tiny_hf import save_tiny_qwen2moe
 
 MODEL = default_model_dir()
@@ -191,7 +191,7 @@ def test_tables_round_trip_and_corruption(tmp_path: Path) -> None:
 
 def test_bucket_search_band_and_sample_rules() -> None:
     from pwcal.bucket_search import neutral_from, policy_frame, sample, shows_gain
-    from pwrun.planner.buckets import BucketPolicy
+    from pwrun.core.planner.buckets import BucketPolicy
 
     budgets = [3.5, 4.0, 4.5, 5.0, 6.0]
     yes, no = True, False

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pwrun.core.request import SamplingParams
 from pwrun.data import default_model_dir, read_text
 from pwrun.generate import generate
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.ppl import perplexity
-from pwrun.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 MODEL = default_model_dir()
@@ -39,9 +39,9 @@ def test_cuda_fused_step_kernels_match_the_eager_ops(calibrated_artifacts) -> No
     the same perplexity as with the eager ops (bf16 logits: per-token log-probabilities differ by rounding only)."""
     import numpy as np
 
+    from pwrun.core.config import EngineConfig
     from pwrun.data import document_prompts
-    from pwrun.engine.engine import EngineConfig
-    from pwrun.engine.serve import ServeConfig, build_engine
+    from pwrun.engine.build import ServeConfig, build_engine
 
     tok = load_tokenizer(MODEL)
     toks = [tok(t).input_ids for t in document_prompts("c4", 6, 1200)]
@@ -50,9 +50,9 @@ def test_cuda_fused_step_kernels_match_the_eager_ops(calibrated_artifacts) -> No
     for fused in (False, True):
         cfg = ServeConfig(2**30, "uniform", 8, EngineConfig(fused_kernels=fused))
         e = build_engine(MODEL, calibrated_artifacts, cfg, SamplingParams(max_new_tokens=64), prompts, set(),
-                         device="cuda", forced=forced).engine
-        e.run()
-        lps[fused] = np.concatenate([np.asarray(q.logprobs) for q in e.seqs.values()])
+                         device="cuda", forced=forced)
+        outs = e.run_until_done()
+        lps[fused] = np.concatenate([np.asarray(o.logprobs) for o in outs.values()])
     ratio = float(np.exp(lps[False].mean() - lps[True].mean()))
     assert abs(ratio - 1) < 0.01, f"perplexity fused / eager = {ratio:.4f}"
     assert float(np.abs(lps[True] - lps[False]).mean()) < 0.1
@@ -61,8 +61,8 @@ def test_cuda_fused_step_kernels_match_the_eager_ops(calibrated_artifacts) -> No
 def test_cuda_engine_build_waits_for_the_initial_upload(calibrated_artifacts,  # type: ignore[no-untyped-def]
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The initial placement's copies are done when ``place`` returns: the first step must not count them."""
-    from pwrun.engine import experts
-    from pwrun.engine.serve import ServeConfig, build_engine
+    from pwrun.engine.build import ServeConfig, build_engine
+    from pwrun.runner.experts import store as experts
 
     idle: list[bool] = []
     real = experts.ExpertStore.place
@@ -73,6 +73,6 @@ def test_cuda_engine_build_waits_for_the_initial_upload(calibrated_artifacts,  #
 
     monkeypatch.setattr(experts.ExpertStore, "place", place)
     e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30, "uniform", 8), SamplingParams(max_new_tokens=2),
-                     [[5, 6, 7]], set(), device="cuda").engine
+                     [[5, 6, 7]], set(), device="cuda")
     assert idle == [True], "the initial plane copies were still queued when place() returned"
-    e.run()
+    e.run_until_done()

@@ -1,4 +1,4 @@
-"""Control-plane tests of the KV block allocator and block tables (no torch)."""
+"""Control-plane tests of the pooled KV block allocator and block tables (no torch)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from pwrun.kv.blocks import BlockAllocator, BlockTables, OutOfBlocks, blocks_needed
+from pwrun.core.kv_blocks import BlockTables, OutOfBlocks, PooledBlockAllocator, blocks_needed
+from pwrun.core.pool import KV, PagePool, PoolConfig
+
+
+def BlockAllocator(num_blocks: int) -> PooledBlockAllocator:
+    """``num_blocks`` KV blocks of a one-layer model (2 pages each) over a pool that holds exactly them."""
+    return PooledBlockAllocator(PagePool(PoolConfig(2 * num_blocks, 64)), num_layers=1)
 
 
 def test_blocks_needed() -> None:
@@ -62,5 +68,6 @@ def test_random_workload_conserves_blocks() -> None:
         used = [b for s in lengths for b in t.table(s)]
         assert len(used) == len(set(used)), f"block shared by two sequences at step {step}"
         assert len(used) + alloc.num_free == 40
+        assert alloc.pool.count(KV) == 2 * len(used)  # every block in use holds its two pages, no more
         for s, n in lengths.items():
             assert len(t.table(s)) == blocks_needed(n, 3)

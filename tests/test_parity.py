@@ -1,7 +1,8 @@
 """Lean model vs transformers: logits of tiny random configs of every supported family.
 
-Prefill of two ragged prompts in one step, then several decode steps and a 3-token chunk of each
-(the causal attention of a chunked prefill), compared with
+Through the engine core and the model runner: prefill of two ragged prompts in one step, then several
+decode steps feeding forced tokens, and a prompt prefilled in 4-token chunks (the causal attention of a
+chunked prefill over its cached prefix), compared with
 transformers' eager forward on the full sequences. Tolerance (fp32): max |diff| <= 2e-4 on
 logits of magnitude ~1 (accumulation-order differences only).
 """
@@ -12,8 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
+from pwrun.core.config import EngineConfig
+from pwrun.core.engine_core import EngineCore
+from pwrun.core.pool import PagePool, PoolConfig
+from pwrun.core.request import Request
 from pwrun.model.loader import load_model
-from pwrun.runner import ModelRunner
+from pwrun.runner.model_runner import ModelRunner, kv_page_bytes
 
 ATOL = 2e-4
 COMMON = dict(vocab_size=97, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -54,40 +59,62 @@ def _save(tmp_path, name: str) -> tuple[torch.nn.Module, str]:
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def _engine(model, max_step_tokens: int):  # type: ignore[no-untyped-def]
+    """Engine core and model runner over a KV-only pool of 32 blocks of 4 tokens (no kernels: the reference path)."""
+    cfg = EngineConfig(block_size=4, max_batch=2, max_step_tokens=max_step_tokens, use_kernels=False,
+                       cuda_graphs=False)
+    layers = model.spec.num_layers
+    page = kv_page_bytes(model, 4)
+    core = EngineCore(cfg, PagePool(PoolConfig(32 * 2 * layers, page)), layers)
+    return core, ModelRunner(model, cfg, 32 * 2 * layers, page)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_prefill_and_decode_match_transformers(tmp_path, name: str, device: str) -> None:
     hf, path = _save(tmp_path, name)
     hf = hf.to(device)
     ours = load_model(path, device=device, dtype="float32")
-    runner = ModelRunner(ours, num_blocks=32, block_size=4)
     gen = torch.Generator().manual_seed(1)
     prompts = {s: torch.randint(0, 97, (n,), generator=gen).tolist() for s, n in ((0, 11), (1, 6))}
+    fed = {s: torch.randint(0, 97, (5,), generator=gen).tolist() for s in prompts}
 
-    logits = runner.run(prompts, logits_for="all")
+    def ref(toks: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(input_ids=torch.tensor([toks], device=device)).logits[0]
+
+    # both prompts prefilled in one step, then 4 decode steps feeding forced tokens
+    core, runner = _engine(ours, 64)
+    for sid, toks in prompts.items():
+        req = Request(sid, tuple(toks), forced=tuple(fed[sid]))
+        core.add_request(req)
+        runner.add_request(req)
+    decision = core.step()
+    logits = runner.execute(decision, logits_for="all")
     offset = 0
     for sid, toks in prompts.items():
-        with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([toks], device=device)).logits[0]
         got = logits[offset:offset + len(toks)]
         offset += len(toks)
-        assert (got - ref).abs().max().item() <= ATOL, f"{name} prefill seq {sid}"
-
-    seqs = {k: list(v) for k, v in prompts.items()}
+        assert (got - ref(toks)).abs().max().item() <= ATOL, f"{name} prefill seq {sid}"
+    core.update(decision, *runner.sample(decision, logits[[len(prompts[0]) - 1, offset - 1]]))
     for step in range(4):
-        new = {sid: [int(torch.randint(0, 97, (1,), generator=gen))] for sid in seqs}
-        last = runner.run(new)  # [S, V]
-        for row, sid in enumerate(seqs):
-            seqs[sid] += new[sid]
-            with torch.no_grad():
-                ref = hf(input_ids=torch.tensor([seqs[sid]], device=device)).logits[0, -1]
-            assert (last[row] - ref).abs().max().item() <= ATOL, f"{name} decode step {step} seq {sid}"
+        decision = core.step()
+        last = runner.execute(decision)  # [S, V]
+        for row, c in enumerate(decision.chunks):
+            seq = prompts[c.rid] + fed[c.rid][:step + 1]
+            assert c.token_ids == (seq[-1],) and c.start == len(seq) - 1
+            assert (last[row] - ref(seq)[-1]).abs().max().item() <= ATOL, f"{name} decode step {step} seq {c.rid}"
+        core.update(decision, *runner.sample(decision, last))
 
-    # a chunk of a longer context (chunked prefill): 3 new tokens per sequence attend to their cached prefix
-    chunk = {sid: torch.randint(0, 97, (3,), generator=gen).tolist() for sid in seqs}
-    got_all = runner.run(chunk, logits_for="all")
-    for row, sid in enumerate(seqs):
-        seqs[sid] += chunk[sid]
-        with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([seqs[sid]], device=device)).logits[0, -3:]
-        assert (got_all[3 * row:3 * row + 3] - ref).abs().max().item() <= ATOL, f"{name} chunk seq {sid}"
+    # chunked prefill: 4 tokens per step, each chunk attending to its cached prefix
+    core, runner = _engine(ours, 4)
+    toks = prompts[0]
+    core.add_request(Request(0, tuple(toks), forced=(1,)))
+    want = ref(toks)
+    for start in range(0, len(toks), 4):
+        decision = core.step()
+        (c,) = decision.chunks
+        assert c.start == start and c.token_ids == tuple(toks[start:start + 4])
+        got = runner.execute(decision, logits_for="all")
+        assert (got - want[start:start + 4]).abs().max().item() <= ATOL, f"{name} chunk at {start}"
+        core.update(decision, [c.forced if c.last else None], [0.0 if c.last else None])

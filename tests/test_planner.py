@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pwrun.planner.buckets import BucketPolicy
-from pwrun.planner.greedy import fit_budget, lower_step, predicted_damage, raise_step
-from pwrun.planner.runtime import Planner, PlannerConfig
-from pwrun.planner.tables import BlockTable
+from pwrun.core.planner.buckets import BucketPolicy
+from pwrun.core.planner.greedy import fit_budget, lower_step, predicted_damage, raise_step
+from pwrun.core.planner.runtime import Planner, PlannerConfig
+from pwrun.core.planner.tables import BlockTable
 
 
 def random_table(n: int = 40, seed: int = 0) -> BlockTable:
@@ -190,7 +190,7 @@ def test_band_hands_budgets_at_and_above_it_to_the_neutral_policy() -> None:
 
 
 def test_runtime_planner_follows_the_band() -> None:
-    from pwrun.planner.runtime import Planner, PlannerConfig
+    from pwrun.core.planner.runtime import Planner, PlannerConfig
 
     t = random_table(n=200, seed=7)
     hot = BucketPolicy((0.5,), (1.0, 50.0), ((3, 5), (3, 3)), (1, 1))

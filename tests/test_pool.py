@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from pwrun.pool.pages import KV, WEIGHT, OutOfPages, PagePool, PoolConfig
-from pwrun.pool.weight_table import CPU, GPU, WeightPageTable
+from pwrun.core.pool import KV, WEIGHT, OutOfPages, PagePool, PoolConfig
+from pwrun.core.weight_table import CPU, GPU, WeightPageTable
 
 
 def test_pages_move_between_weights_and_kv_and_are_conserved() -> None:
@@ -117,7 +117,7 @@ def test_weight_table_lower_raise_keeps_invariant_and_conserves_pages() -> None:
 
 
 def _state(pool: PagePool, t: WeightPageTable) -> list[np.ndarray]:
-    return [pool._kind.copy(), np.array([pool._top, pool.num_free]), t.q.copy(), t.d.copy(), t.state.copy(),
+    return [pool._kind.copy(), np.array([pool._top, pool.num_free]), t.q.copy(), t.state.copy(),
             t.plane_start.copy(), t.lut_start.copy(), t.lut_bits.copy(), t.pending.copy()]
 
 

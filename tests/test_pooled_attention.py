@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.paged_attention import paged_decode_attention
-from pwrun.engine.kv_store import PooledKVCache
-from pwrun.kv.blocks import BlockTables
-from pwrun.kv.pooled import PooledBlockAllocator
-from pwrun.pool.pages import WEIGHT, PagePool, PoolConfig
+from pwrun.core.kv_blocks import BlockTables, PooledBlockAllocator
+from pwrun.core.pool import WEIGHT, PagePool, PoolConfig
+from pwrun.runner.kv_store import PooledKVCache
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -29,12 +28,12 @@ def test_kernel_on_pooled_cache_matches_gather_reference(dtype: torch.dtype) -> 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU, the compiled kernel on GPU
     memory = torch.full((200 * page,), 255, dtype=torch.uint8, device=dev)  # NaN poison outside written rows
     alloc = PooledBlockAllocator(pool, layers)
-    cache = PooledKVCache(memory, alloc, bs, hkv, d, dtype)
+    cache = PooledKVCache(memory, layers, alloc.max_blocks, bs, hkv, d, dtype)
     tables = BlockTables(alloc, bs)
     lens = [1, bs - 1, bs, 3 * bs + 5, 29]
     for s, n in enumerate(lens):
         tables.reserve(s, n)
-    cache.map_blocks()
+    cache.map_blocks(tuple((b, tuple(alloc.pages(b))) for b in alloc.new_blocks))
     for layer in range(layers):
         for s, n in enumerate(lens):
             slots = torch.tensor(tables.slots(s, 0, n), device=dev)

@@ -5,7 +5,7 @@
   planes and page conservation after every step (debug checks), demotions happen, peak pool use
   stays within the pool, reloads happen once pressure eases.
 - A demotion followed by a reload restores bit-identical MoE outputs; the cached per-layer kernel views
-  (``ExpertStore.experts``) follow the in-place table updates.
+  (``KernelTables.experts``) follow the in-place table updates.
 - Bad input: a budget below the floors states the minimum; another model's artifacts are refused;
   a malformed prompts file names its bad line.
 """
@@ -25,16 +25,20 @@ from kernels.ap_moe import APExperts, ap_moe_ref
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import dequantize
 from pwrun.cli import app
+from pwrun.core.config import EngineConfig
+from pwrun.core.planner.runtime import PlannerConfig
+from pwrun.core.request import SamplingParams
+from pwrun.core.weight_policy import WeightPolicy
 from pwrun.data import default_model_dir, read_text
-from pwrun.engine.engine import Engine, EngineConfig
-from pwrun.engine.scheduler import StepPlan
-from pwrun.engine.serve import ServeConfig, build_engine
+from pwrun.engine.build import ServeConfig, build_engine
+from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.report import summarize
 from pwrun.errors import PagedWeightError
 from pwrun.generate import generate
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.loader import load_model, load_tokenizer
-from pwrun.planner.runtime import PlannerConfig
-from pwrun.sampling import SamplingParams
+from pwrun.runner.experts.store import ExpertStore
+from pwrun.runner.prefill import prefill_logits
 
 MODEL = default_model_dir()
 runner = CliRunner()
@@ -62,15 +66,15 @@ def test_big_budget_equals_static_8bit_and_moves_nothing(calibrated_artifacts: P
     base = load_model(MODEL, device="cpu")
     ref, _ = generate(APArtifact(calibrated_artifacts).dense_model(base, 8), tok, texts, params)
     ids = [tok(t).input_ids for t in texts]
-    built = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30, engine=EngineConfig(debug_checks=True)),
-                         params, ids, {0}, device="cpu")
-    e = built.engine
-    assert built.info["initial_mean_bits"] == 8.0
-    e.run()
-    got = [tok.decode(e.seqs[i].out, skip_special_tokens=True) for i in range(len(texts))]
+    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30, engine=EngineConfig(debug_checks=True)),
+                     params, ids, {0}, device="cpu")
+    assert e.info["initial_mean_bits"] == 8.0
+    outs = e.run_until_done()
+    got = [tok.decode(list(outs[i].token_ids), skip_special_tokens=True) for i in range(len(texts))]
     assert got == [r.text for r in ref]
-    assert e.totals.demoted_blocks == e.totals.promoted_blocks == 0 and e.store.bytes_h2d == 0
-    assert e.totals.trace[-1]["shared_bits"] == e.totals.trace[-1]["routed_bits"] == 8.0
+    s = summarize(e)
+    assert s.demoted_blocks == s.promoted_blocks == 0 and s.bytes_host_to_device == 0
+    assert e.trace[-1].shared_bits == e.trace[-1].routed_bits == 8.0
 
 
 def test_make_room_is_all_or_nothing_and_remembers_a_failure(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
@@ -78,22 +82,21 @@ def test_make_room_is_all_or_nothing_and_remembers_a_failure(calibrated_artifact
     still does not fit only feeds the reloads), and the same request is not planned again while nothing that
     decides it changed; a request that fits plans and lowers."""
     reqs = _prompts(tok, 2, 20, 40)
-    built = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=4), reqs,
-                         set(), device="cpu")
-    e = built.engine
-    assert e.planner is not None
+    c = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=4), reqs,
+                     set(), device="cpu").core
+    assert c.planner is not None and c.wpt is not None and c.weights is not None
     calls = []
-    take = e.planner.take
-    e.planner.take = lambda *a, **kw: calls.append(1) or take(*a, **kw)  # type: ignore[method-assign]
-    q0 = e.store.wpt.q.copy()
-    huge = e.alloc.num_free + e.pool.cfg.num_pages  # more KV blocks than the whole pool holds
-    assert not e.make_room(huge)
-    assert (e.store.wpt.q == q0).all() and e.totals.demoted_blocks == 0 and len(calls) >= 1
+    take = c.planner.take
+    c.planner.take = lambda *a, **kw: calls.append(1) or take(*a, **kw)  # type: ignore[method-assign]
+    q0 = c.wpt.q.copy()
+    huge = c.alloc.num_free + c.pool.cfg.num_pages  # more KV blocks than the whole pool holds
+    assert not c.make_room(huge)
+    assert (c.wpt.q == q0).all() and c.weights.demoted_blocks == 0 and len(calls) >= 1
     n = len(calls)
-    assert not e.make_room(huge) and not e.make_room(huge + 3) and len(calls) == n  # remembered: no planning
-    assert e.make_room(e.alloc.num_free + 1)  # fewer blocks missing: planned again, and it fits
-    assert len(calls) > n and e.totals.demoted_blocks > 0 and (e.store.wpt.q <= q0).all()
-    assert (e.store.wpt.q < q0).any()
+    assert not c.make_room(huge) and not c.make_room(huge + 3) and len(calls) == n  # remembered: no planning
+    assert c.make_room(c.alloc.num_free + 1)  # fewer blocks missing: planned again, and it fits
+    assert len(calls) > n and c.weights.demoted_blocks > 0 and (c.wpt.q <= q0).all()
+    assert (c.wpt.q < q0).any()
 
 
 def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
@@ -104,72 +107,94 @@ def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: 
     budget = (probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"]
               + 60 * probe["kv_block_bytes"])
     cfg = ServeConfig(budget, engine=EngineConfig(debug_checks=True, max_batch=12, max_step_tokens=256))
-    built = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu")
-    e = built.engine
-    e.run()  # debug_checks: pool conservation and q <= resident planes asserted after every step
-    assert all(len(s.out) == 24 and s.finish == "length" for s in e.seqs.values())
-    assert e.totals.demoted_blocks > 0
-    assert e.pool.peak_used <= e.pool.cfg.num_pages
-    assert e.totals.promoted_blocks > 0  # pressure eased at the end: planes came back
-    from pwrun.engine.report import summarize
-
-    s = summarize(e, {})  # every demotion plan was taken, ready-made or made on the critical path
-    assert e.planner is not None and s["planner_plans_prepared"] + s["planner_plans_fresh"] >= 1
+    e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu")
+    outs = e.run_until_done()  # debug_checks: pool conservation and q <= resident planes asserted after every step
+    assert all(len(o.token_ids) == 24 and o.finish == "length" for o in outs.values())
+    s = summarize(e)  # every demotion plan was taken, ready-made or made on the critical path
+    c, w = e.core, e.core.weights
+    assert w is not None and c.wpt is not None
+    assert s.demoted_blocks == w.demoted_blocks > 0
+    assert c.pool.peak_used <= c.pool.cfg.num_pages
+    assert s.promoted_blocks == w.promoted_blocks > 0  # pressure eased at the end: planes came back
+    assert c.planner is not None and (s.planner_plans_prepared or 0) + (s.planner_plans_fresh or 0) >= 1
     # tokens computed = every prompt and fed token once (the last sampled one is never fed) + what preemptions
     # discarded (0 when there were none)
-    served = sum(len(q.prompt) + len(q.out) - 1 for q in e.seqs.values())
-    assert s["prefill_tokens"] + s["decode_tokens"] == served + s["recomputed_tokens"]
-    assert s["recomputed_tokens"] == 0 or s["preemptions"] > 0
-    trace = e.totals.trace
+    served = sum(q.prompt_tokens + len(q.token_ids) - 1 for q in outs.values())
+    assert s.prefill_tokens + s.decode_tokens == served + s.recomputed_tokens
+    assert s.recomputed_tokens == 0 or s.preemptions > 0
+    trace = e.trace
     # the steps' planner seconds add up to the run's (each step's share is what the serving bench reports per decode
     # step); the planner ran on some steps' critical path
-    assert sum(r["planner_seconds"] for r in trace) == pytest.approx(e.totals.planner_seconds, rel=1e-9, abs=1e-12)
-    assert sum(r["planner_overlapped_seconds"] for r in trace) == pytest.approx(e.totals.planner_overlapped_seconds,
-                                                                                 rel=1e-9, abs=1e-12)
-    assert max(r["planner_seconds"] for r in trace) > 0
+    assert sum(r.planner_seconds for r in trace) == pytest.approx(w.planner_seconds, rel=1e-9, abs=1e-12)
+    assert sum(r.planner_overlapped_seconds for r in trace) == pytest.approx(w.planner_overlapped_seconds,
+                                                                              rel=1e-9, abs=1e-12)
+    assert max(r.planner_seconds for r in trace) > 0
+    assert sum(r.demoted_blocks for r in trace) == s.demoted_blocks
+    assert sum(r.promoted_blocks for r in trace) == s.promoted_blocks
     # the KV cache grew into pages the initial weights held: it could not have fit without demotions
-    assert max(r["kv_pages"] for r in trace) > e.pool.cfg.num_pages - built.info["initial_weight_pages"]
-    assert min(r["mean_bits"] for r in trace) < built.info["initial_mean_bits"]
+    assert max(r.kv_pages for r in trace) > c.pool.cfg.num_pages - e.info["initial_weight_pages"]
+    assert min(r.mean_bits for r in trace) < e.info["initial_mean_bits"]
     # bits per weight of the blocks every token reads (shared experts) vs the routed ones, by a plain loop
+    store = e.runner.experts
+    assert store is not None
     sums = {True: [0.0, 0.0], False: [0.0, 0.0]}
-    for (_, expert, _), (n, k), q in zip(e.store.key, e.store.shape, e.store.wpt.q.tolist(), strict=True):
-        sums[expert < 0][0] += q * n * k
+    for (_, expert, _), i in store.moe.index.items():
+        n, k = store.moe.shape[i]
+        sums[expert < 0][0] += int(c.wpt.q[i]) * n * k
         sums[expert < 0][1] += n * k
     assert sums[True][1] > 0  # the bundled model has a shared expert
-    assert trace[-1]["shared_bits"] == pytest.approx(sums[True][0] / sums[True][1])
-    assert trace[-1]["routed_bits"] == pytest.approx(sums[False][0] / sums[False][1])
+    assert trace[-1].shared_bits == pytest.approx(sums[True][0] / sums[True][1])
+    assert trace[-1].routed_bits == pytest.approx(sums[False][0] / sums[False][1])
     # host time by phase: the steps that started reloads spent time planning and starting them, within the step
-    from pwrun.engine.engine import HOST_PHASES
-
-    started = [r for r in trace if r["raise_started"] > 0]
-    assert started and all(r["raise_plan_seconds"] > 0 and r["raise_start_seconds"] > 0 for r in started)
-    assert all(r["raise_start_seconds"] == 0 for r in trace if r["pressure_bytes"] > 0)  # lowering, no reload
-    assert all(0 <= sum(r[f"{p}_seconds"] for p in HOST_PHASES) <= r["seconds"] for r in trace)
+    phases = ("poll", "refresh", "raise_plan", "raise_start", "prepare")
+    started = [r for r in trace if r.reload_started_blocks > 0]
+    assert started and all(r.raise_plan_seconds > 0 and r.raise_start_seconds > 0 for r in started)
+    assert all(r.raise_start_seconds == 0 for r in trace if r.pressure_bytes > 0)  # lowering, no reload
+    assert all(0 <= sum(getattr(r, f"{p}_seconds") for p in phases) <= r.seconds for r in trace)
     # the same workload with its seed gives the same outputs (per-request generators)
-    again = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu").engine
-    again.run()
-    assert [s.out for s in again.seqs.values()] == [s.out for s in e.seqs.values()]
+    again = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu").run_until_done()
+    assert [o.token_ids for o in again.values()] == [o.token_ids for o in outs.values()]
+
+
+def _parts(e: LLMEngine) -> tuple[ExpertStore, WeightPolicy]:
+    assert e.runner.experts is not None and e.core.weights is not None
+    return e.runner.experts, e.core.weights
+
+
+def _lower_all(e: LLMEngine, bits: int) -> None:
+    """Every block to ``bits`` through the engine core's page table, mirrored by the runner."""
+    store, w = _parts(e)
+    w.lower(np.arange(w.wpt.n), np.full(w.wpt.n, bits))
+    store.apply(e.core.take_moves())
+
+
+def _raise_all(e: LLMEngine, bits: int) -> tuple[list[int], list[int]]:
+    """Every block to ``bits`` by a reload (started, copied, committed); the blocks started and those committed."""
+    store, w = _parts(e)
+    started = w.begin_raise(np.arange(w.wpt.n), np.full(w.wpt.n, bits))
+    store.apply(e.core.take_moves())
+    done = w.commit(store.finished_reloads())
+    store.apply(e.core.take_moves())
+    return started, done
 
 
 def test_demote_then_reload_is_bit_identical(calibrated_artifacts: Path) -> None:
     params = SamplingParams(max_new_tokens=2)
-    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), params, [[1, 2, 3]], set(), device="cpu").engine
-    store = e.store
-    x = torch.randn(9, e.model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
-    before = [store.moe(x, layer) for layer in range(e.model.spec.num_layers)]
-    blocks = np.arange(store.n)
-    free0 = e.pool.num_free
-    store.lower(blocks, np.full(store.n, 3))
-    assert e.pool.num_free > free0
+    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), params, [[1, 2, 3]], set(), device="cpu")
+    store, w = _parts(e)
+    spec = e.runner.model.spec
+    x = torch.randn(9, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    before = [store.moe(x, layer) for layer in range(spec.num_layers)]
+    free0 = e.core.pool.num_free
+    _lower_all(e, 3)
+    assert e.core.pool.num_free > free0
     lowered = store.moe(x, 0)
     assert not torch.equal(lowered, before[0])
-    started = store.begin_raise(blocks, np.full(store.n, 8))
-    assert started == blocks.tolist()
-    assert store.poll() == blocks.tolist()
-    store.wpt.check()
-    e.pool.check()
-    assert e.pool.num_free == free0
-    for layer in range(e.model.spec.num_layers):
+    started, done = _raise_all(e, 8)
+    assert started == done == list(range(w.wpt.n))
+    e.core.check()
+    assert e.core.pool.num_free == free0
+    for layer in range(spec.num_layers):
         assert torch.equal(store.moe(x, layer), before[layer])
 
 
@@ -178,42 +203,43 @@ def test_cached_expert_views_follow_lower_and_raise(calibrated_artifacts: Path) 
     raise write in place: every block it addresses dequantizes to the store's dense weight (read through the
     page table, not through the view), and the kernel reference gives what a freshly built view gives."""
     params = SamplingParams(max_new_tokens=2)
-    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), params, [[1, 2, 3]], set(), device="cpu").engine
-    store, layer = e.store, 0
-    moe = e.model.spec.layers[layer].moe
+    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), params, [[1, 2, 3]], set(), device="cpu")
+    (store, policy), layer = _parts(e), 0
+    tables, spec = store.tables, e.runner.model.spec
+    moe = spec.layers[layer].moe
     assert moe is not None
     kinds = ["routed", "shared"] if moe.shared_intermediate else ["routed"]
-    views = {kind: store.experts(layer, kind) for kind in kinds}
-    x = torch.randn(5, e.model.spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    views = {kind: tables.experts(layer, kind) for kind in kinds}
+    x = torch.randn(5, spec.hidden_size, generator=torch.Generator().manual_seed(1))
     ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 3]]) % moe.num_experts
     w = torch.full(ids.shape, 0.5)
 
     def check(bits: int) -> torch.Tensor:
         for kind, ex in views.items():
-            assert store.experts(layer, kind) is ex
+            assert tables.experts(layer, kind) is ex
             experts = [SHARED_EXPERT] if kind == "shared" else range(moe.num_experts)
             for e_id in experts:
                 for u, unit in enumerate(("gate_up", "down")):
-                    i = store.index[(layer, e_id, unit)]
+                    i = store.moe.index[(layer, e_id, unit)]
                     planes, lut, _, k = ex.block(2 * (0 if kind == "shared" else e_id) + u)
-                    assert planes.shape[0] == bits == int(store.wpt.q[i])
-                    assert torch.equal(dequantize(planes, lut, k, bits, e.model.dtype), store.dense(i))
-        fresh = APExperts(store.words, views["routed"].plane_offset.clone(), store.lut_view,
-                          views["routed"].lut_offset.clone(), views["routed"].bits.clone(), e.model.spec.hidden_size,
+                    assert planes.shape[0] == bits == int(policy.wpt.q[i])
+                    assert torch.equal(dequantize(planes, lut, k, bits, e.runner.model.dtype), store.moe.dense(i))
+        fresh = APExperts(tables.words, views["routed"].plane_offset.clone(), tables.lut_view,
+                          views["routed"].lut_offset.clone(), views["routed"].bits.clone(), spec.hidden_size,
                           moe.expert_intermediate)
         y = ap_moe_ref(x, ids, w, views["routed"])
         assert torch.equal(y, ap_moe_ref(x, ids, w, fresh))
         return y
 
-    blocks = np.arange(store.n)
     y8 = check(8)
-    store.lower(blocks, np.full(store.n, 3))
+    _lower_all(e, 3)
     assert not torch.equal(check(3), y8)
-    assert store.begin_raise(blocks, np.full(store.n, 8)) == blocks.tolist() and store.poll() == blocks.tolist()
+    started, done = _raise_all(e, 8)
+    assert started == done == list(range(policy.wpt.n))
     assert torch.equal(check(8), y8)
-    store.words = store.memory.view(torch.int32)  # a replaced tensor (same bytes): the view is rebuilt
-    again = store.experts(layer)
-    assert again is not views["routed"] and again.pool is store.words
+    tables.words = store.memory.view(torch.int32)  # a replaced tensor (same bytes): the view is rebuilt
+    again = tables.experts(layer)
+    assert again is not views["routed"] and again.pool is tables.words
     assert torch.equal(ap_moe_ref(x, ids, w, again), y8)
 
 
@@ -223,18 +249,18 @@ def test_expert_views_start_16_byte_aligned(calibrated_artifacts: Path) -> None:
     inside serving (the warm-up's fresh tensors are aligned). The bundled model has 2 x 16 routed + 2 shared rows
     per layer, so unpadded, layer 1's routed bits started 136 bytes in."""
     e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=2), [[1, 2, 3]],
-                     set(), device="cpu").engine
-    store = e.store
+                     set(), device="cpu")
+    store, _ = _parts(e)
     seen = 0
-    for layer, ls in enumerate(e.model.spec.layers):
+    for layer, ls in enumerate(e.runner.model.spec.layers):
         if ls.moe is None:
             continue
         for kind in ["routed", "shared"] if ls.moe.shared_intermediate else ["routed"]:
-            ex = store.experts(layer, kind)
+            ex = store.tables.experts(layer, kind)
             for t in (ex.bits, ex.lut_offset, ex.plane_offset):
                 assert t.data_ptr() % 16 == 0, (layer, kind, t.dtype)
             seen += 1
-        for t in (store.mass_acc[layer], store.norm_acc[layer]):  # the routing kernel's live statistics rows
+        for t in (store.moe.mass_acc[layer], store.moe.norm_acc[layer]):  # the routing kernel's live statistics rows
             assert t.data_ptr() % 16 == 0 and t.is_contiguous(), (layer, t.shape)
     assert seen >= 4
 
@@ -279,7 +305,7 @@ def test_cli_serves_a_batch_with_trace_and_policies(calibrated_artifacts: Path, 
         assert r.exit_code == 0, r.stderr
         rows = [json.loads(x) for x in out.read_text().splitlines()]
         assert len(rows) == 3 and all(x["new_tokens"] == 6 or x["finish_reason"] == "eos" for x in rows)
-        assert "demotions" in r.stderr and "tokens/s" in r.stderr
+        assert "demoted blocks" in r.stderr and "tokens/s" in r.stderr
         done = sum(x["finish_reason"] == "length" for x in rows)
         assert "3 of 3 requests completed (" in r.stderr and (not done or f"length: {done}" in r.stderr)
     import pandas as pd
@@ -296,18 +322,14 @@ def test_teacher_forced_scoring_matches_the_static_model(calibrated_artifacts: P
     the log-probs equal a one-shot forward of the 8-bit static model over prompt + continuation."""
     reqs = _prompts(tok, 3, 10, 30, seed=5)
     cont = _prompts(tok, 3, 5, 9, seed=6)
-    built = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=1), reqs,
-                         set(), device="cpu", forced=cont)
-    built.engine.run()
+    outs = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=1), reqs,
+                        set(), device="cpu", forced=cont).run_until_done()
     dense = APArtifact(calibrated_artifacts).dense_model(load_model(MODEL, device="cpu"), 8)
-    from pwrun.runner import ModelRunner
-
     for i, (p, c) in enumerate(zip(reqs, cont, strict=True)):
-        r = ModelRunner(dense, num_blocks=16, block_size=16)
-        logits = r.run({0: p + c[:-1]}, logits_for="all")
+        logits = prefill_logits(dense, [p + c[:-1]])
         lp = torch.log_softmax(logits[len(p) - 1:], dim=-1)
         want = lp[torch.arange(len(c)), torch.tensor(c)]
-        got = torch.tensor(built.engine.seqs[i].logprobs)
+        got = torch.tensor(outs[i].logprobs)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want.float(), atol=2e-4, rtol=0)
 
@@ -327,11 +349,11 @@ def test_prepared_plans_do_not_provision_past_the_last_token(calibrated_artifact
     params = SamplingParams(max_new_tokens=1)
     budget = _tight_budget(calibrated_artifacts, params, reqs, cont, 32)
     cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, debug_checks=True))
-    e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont).engine
-    e.run()
-    trace = [r for r in e.totals.trace if r["running"] == 4]
-    assert e.totals.demoted_blocks > 0 and min(r["mean_bits"] for r in trace) < 8
-    assert max(r["free_blocks"] for r in trace) <= PlannerConfig().free_threshold + 2
+    e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont)
+    e.run_until_done()
+    trace = [r for r in e.trace if r.running == 4]
+    assert summarize(e).demoted_blocks > 0 and min(r.mean_bits for r in trace) < 8
+    assert max(r.free_blocks for r in trace) <= PlannerConfig().free_threshold + 2
 
 
 def test_overlapped_planner_work_is_one_planner_config_field(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
@@ -344,11 +366,13 @@ def test_overlapped_planner_work_is_one_planner_config_field(calibrated_artifact
     for overlapped in (None, True):
         cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, debug_checks=True),
                           planner=PlannerConfig(overlapped=overlapped))
-        e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont).engine
-        assert e.planner is not None and e.planner.cfg.overlapped is bool(overlapped)
-        e.run()
-        assert all(len(s.logprobs) == 20 for s in e.seqs.values()) and e.totals.demoted_blocks > 0
-        assert (e.totals.planner_overlapped_seconds > 0) == bool(overlapped)
+        e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont)
+        assert e.core.planner is not None and e.core.planner.cfg.overlapped is bool(overlapped)
+        assert e.core.overlapped is bool(overlapped)
+        outs = e.run_until_done()
+        s = summarize(e)
+        assert all(len(o.logprobs) == 20 for o in outs.values()) and s.demoted_blocks > 0
+        assert (s.planner_overlapped_ms_per_step > 0) == bool(overlapped)
 
 
 def test_plan_prepared_while_the_device_computes_counts_the_blocks_of_finishing_requests(  # type: ignore[no-untyped-def]
@@ -361,26 +385,27 @@ def test_plan_prepared_while_the_device_computes_counts_the_blocks_of_finishing_
     budget = _tight_budget(calibrated_artifacts, params, reqs, cont, 28)
     cfg = ServeConfig(budget, engine=EngineConfig(max_batch=4, lookahead_tokens=4, debug_checks=True),
                       planner=PlannerConfig(overlapped=True))
-    e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont).engine
+    e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont)
     window: list[tuple[int, int, int]] = []
     after: list[int] = []
-    plan_overlapped, after_step = Engine._plan_overlapped, Engine._after_step
+    while_computing, after_step = WeightPolicy.while_computing, WeightPolicy.after_step
 
-    def record_window(self: Engine, plan: StepPlan) -> None:
-        finishing = self._finishing(plan)
-        window.append((self._next_need(finishing), self._next_need(), len(finishing)))
-        plan_overlapped(self, plan)
+    def record_window(self: WeightPolicy, running: list, finishing: list[int]) -> None:  # type: ignore[type-arg]
+        gone = set(finishing)
+        window.append((self._next_need([s for s in running if s.rid not in gone], gone), self._next_need(running),
+                       len(gone)))
+        while_computing(self, running, finishing)
 
-    def record_after(self: Engine) -> None:
-        after.append(self._next_need())
-        after_step(self)
+    def record_after(self: WeightPolicy, running: list) -> None:  # type: ignore[type-arg]
+        after.append(self._next_need(running))
+        after_step(self, running)
 
-    monkeypatch.setattr(Engine, "_plan_overlapped", record_window)
-    monkeypatch.setattr(Engine, "_after_step", record_after)
-    e.run()
-    assert all(len(s.logprobs) == len(c) for s, c in zip(e.seqs.values(), cont, strict=True))
+    monkeypatch.setattr(WeightPolicy, "while_computing", record_window)
+    monkeypatch.setattr(WeightPolicy, "after_step", record_after)
+    outs = e.run_until_done()
+    assert all(len(o.logprobs) == len(c) for o, c in zip(outs.values(), cont, strict=True))
     assert [w for w, _, _ in window] == after
     assert sum(1 for _, _, f in window if f) >= 3  # requests finished at different steps
-    assert e.totals.demoted_blocks > 0
+    assert summarize(e).demoted_blocks > 0
     # counted as still held, the finishing requests' blocks would have made the window plan more
     assert any(naive > w for w, naive, f in window if f)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pwrun.sampling import SamplingParams, sample
+from pwrun.core.request import SamplingParams
+from pwrun.runner.sampling import sample
 
 
 def test_greedy_is_argmax() -> None:

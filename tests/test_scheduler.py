@@ -6,19 +6,20 @@ import random
 
 import numpy as np
 
-from pwrun.engine.scheduler import Scheduler, Sequence
-from pwrun.kv.blocks import BlockAllocator, BlockTables
-from pwrun.planner.buckets import BucketPolicy
-from pwrun.planner.online import OnlineStats, ResidualHeads
-from pwrun.planner.runtime import Planner, PlannerConfig
-from pwrun.planner.tables import BlockTable
+from pwrun.core.kv_blocks import BlockTables, PooledBlockAllocator
+from pwrun.core.planner.buckets import BucketPolicy
+from pwrun.core.planner.online import OnlineStats, ResidualHeads
+from pwrun.core.planner.runtime import Planner, PlannerConfig
+from pwrun.core.planner.tables import BlockTable
+from pwrun.core.pool import PagePool, PoolConfig
+from pwrun.core.scheduler import RequestState, Scheduler
 
 
 class FakeKV:
     """Block tables over a fixed allocator; ``make_room`` can only wait for free blocks (no weights)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.tables = BlockTables(BlockAllocator(num_blocks), block_size)
+        self.tables = BlockTables(PooledBlockAllocator(PagePool(PoolConfig(2 * num_blocks, 64)), 1), block_size)
 
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
         return self.tables.extra_blocks(rid, num_tokens)
@@ -33,7 +34,7 @@ class FakeKV:
         self.tables.free(rid)
 
 
-def _drive(sched: Scheduler, kv: FakeKV, seqs: list[Sequence], rng: random.Random) -> int:
+def _drive(sched: Scheduler, kv: FakeKV, seqs: list[RequestState], rng: random.Random) -> int:
     """Run to completion with random 'sampled' tokens; returns the tokens computed (all chunks). Checks invariants
     each step."""
     steps = computed = 0
@@ -59,7 +60,7 @@ def _drive(sched: Scheduler, kv: FakeKV, seqs: list[Sequence], rng: random.Rando
 
 def test_every_request_completes_under_tight_kv_with_preemption() -> None:
     rng = random.Random(0)
-    seqs = [Sequence(i, [rng.randrange(1000) for _ in range(rng.randint(1, 70))], rng.randint(1, 40))
+    seqs = [RequestState(i, [rng.randrange(1000) for _ in range(rng.randint(1, 70))], rng.randint(1, 40))
             for i in range(25)]
     kv = FakeKV(num_blocks=14, block_size=8)  # the longest request needs 14 blocks: forces preemption
     sched = Scheduler(max_batch=6, max_step_tokens=48)
@@ -76,7 +77,7 @@ def test_every_request_completes_under_tight_kv_with_preemption() -> None:
 
 def test_no_preemption_with_room_and_chunked_prefill() -> None:
     rng = random.Random(1)
-    seqs = [Sequence(i, list(range(100)), 5) for i in range(3)]
+    seqs = [RequestState(i, list(range(100)), 5) for i in range(3)]
     kv = FakeKV(num_blocks=1000, block_size=16)
     sched = Scheduler(max_batch=8, max_step_tokens=64)
     for s in seqs:
@@ -93,7 +94,7 @@ def test_admission_waits_for_room_for_the_whole_prompt() -> None:
     the victim of the first request's next chunks (prefilled, preempted, re-admitted: its prompt computed again);
     now it waits until its whole prompt fits, so no prompt token is computed twice."""
     rng = random.Random(2)
-    seqs = [Sequence(i, [rng.randrange(1000) for _ in range(100)], 2) for i in range(4)]  # 13 blocks each
+    seqs = [RequestState(i, [rng.randrange(1000) for _ in range(100)], 2) for i in range(4)]  # 13 blocks each
     kv = FakeKV(num_blocks=16, block_size=8)
     sched = Scheduler(max_batch=4, max_step_tokens=16)
     for s in seqs:

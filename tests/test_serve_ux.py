@@ -72,7 +72,7 @@ def test_tables_of_an_incomplete_stage_warn_and_are_not_used(calibrated_artifact
     """sensitivity re-ran (or was interrupted): fit-residual and search-buckets are recorded incomplete, so their
     files are from an older run: one warning each, and serving goes on as without them."""
     from pwrun.ap.artifact import APArtifact
-    from pwrun.engine.serve import _read
+    from pwrun.engine.build import _read
 
     stale = tmp_path / "stale"
     shutil.copytree(calibrated_artifacts, stale)
@@ -132,12 +132,12 @@ def test_a_trace_that_cannot_be_written_loses_no_result(calibrated_artifacts: Pa
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The disk fills while the trace is written: --output and --summary-json are still written, whole, and the
     run ends with one error line that says where the results are."""
-    import pwrun.engine.run
+    import pwrun.generate
 
     def full_disk(engine: object, path: Path) -> None:
         raise PagedWeightError(f"cannot write --trace {path}: No space left on device")
 
-    monkeypatch.setattr(pwrun.engine.run, "write_trace", full_disk)
+    monkeypatch.setattr(pwrun.generate, "write_trace", full_disk)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("The river", "In 1990", "A cat")))
     out, summary = tmp_path / "o.jsonl", tmp_path / "s.json"

@@ -8,7 +8,7 @@ import torch
 
 from kernels.warmup import MoEShape, decode_token_counts, precompile_decode
 from pwrun.data import default_model_dir
-from pwrun.engine.serve import moe_shapes
+from pwrun.engine.build import moe_shapes
 from pwrun.model.loader import load_model
 
 
@@ -143,7 +143,7 @@ def test_precompile_on_cuda_compiles_without_errors_and_only_once() -> None:
 
 
 def test_engine_config_refuses_a_negative_worker_count() -> None:
-    from pwrun.engine.engine import EngineConfig
+    from pwrun.core.config import EngineConfig
 
     assert EngineConfig(precompile_workers=0).precompile_workers == 0
     for bad in (-2, 2.5, True):

@@ -1,6 +1,6 @@
 """kernels/warmup_gemv: the decode GEMV warm-up covers every kernel specialization a linear meets in 1..max_batch
 tokens with the fewest calls, compiles it on a small stand-in weight of the same Triton int class, and lists the
-linears a CUDA decode step runs (``pwrun.engine.serve.linear_shapes``)."""
+linears a CUDA decode step runs (``pwrun.engine.build.linear_shapes``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kernels.dense_gemv import CONFIGS
 from kernels.warmup import triton_int_class
 from kernels.warmup_gemv import LinearShape, gemv_key, linear_token_counts, precompile_gemv, stand_in_rows
 from pwrun.data import default_model_dir
-from pwrun.engine.serve import linear_shapes
+from pwrun.engine.build import linear_shapes
 from pwrun.model.loader import load_model
 from pwrun.model.weights import fuse_qkv
 

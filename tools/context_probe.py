@@ -16,13 +16,12 @@ import torch
 
 from pwrun.data import default_model_dir, read_text
 from pwrun.model.loader import load_model, load_tokenizer
-from pwrun.runner import ModelRunner
+from pwrun.runner.prefill import prefill_logits
 
 
 def token_nll(model, ids: list[int]) -> np.ndarray:  # type: ignore[no-untyped-def]
     """[len(ids) - 1] NLL (nats) of each next token."""
-    r = ModelRunner(model, num_blocks=len(ids) // 16 + 2, block_size=16)
-    logits = r.run({0: ids}, logits_for="all")[:-1].float()
+    logits = prefill_logits(model, [ids])[:-1].float()
     return -torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
 
 

@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from pwrun.errors import PagedWeightError
-from pwrun.kv.blocks import blocks_needed
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock
 from pwrun.model.lean import LeanMoEModel
-from pwrun.runner import ModelRunner
+from pwrun.runner.prefill import prefill_logits
 
 Key = tuple[int, int, str]
 
@@ -75,7 +74,6 @@ def fisher_diagonal(model: LeanMoEModel, windows: list[list[int]], blocks: list[
     """
     if not windows or len({len(w) for w in windows}) != 1 or len(windows[0]) < 2:
         raise ValueError("fisher_diagonal needs windows of one length >= 2")
-    seq = len(windows[0])
     tensors = _expert_tensors(model)
     check_memory(fisher_bytes(tensors), next(iter(tensors.values())).device)
     keys = list(tensors)
@@ -85,8 +83,7 @@ def fisher_diagonal(model: LeanMoEModel, windows: list[list[int]], blocks: list[
             t.requires_grad_(True)
         for n, w in enumerate(windows, 1):
             # a fresh KV cache per window: the keys/values written into it are nodes of this window's graph
-            runner = ModelRunner(model, num_blocks=blocks_needed(seq, 16), block_size=16)
-            logits = runner.run({0: w}, logits_for="all", with_grad=True)
+            logits = prefill_logits(model, [w], 16, with_grad=True)
             target = torch.tensor(w[1:], dtype=torch.int64, device=logits.device)
             loss = F.cross_entropy(logits[:-1], target, reduction="sum")
             grads = torch.autograd.grad(loss, [tensors[k] for k in keys])

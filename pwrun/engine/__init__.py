@@ -1,4 +1,4 @@
-"""The serving engine (SPEC sections 3, 5, 6): page pool memory, expert store, mover, scheduler, loop."""
+"""The serving engine (SPEC sections 3, 5, 6): ``LLMEngine`` = engine core + model runner, its build, summary, trace."""
 
 import os
 

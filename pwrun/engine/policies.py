@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pwrun.core.planner.runtime import PlannerConfig
 from pwrun.errors import PagedWeightError
-from pwrun.planner.runtime import PlannerConfig
 
 DYNAMIC = {
     "pagedweight": {},

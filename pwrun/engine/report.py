@@ -1,96 +1,165 @@
-"""The serving summary and the per-step trace (what ``pwrun generate`` prints and ``--trace`` writes).
+"""The run summary (``RunSummary``: what ``pwrun generate`` prints and ``--summary-json`` writes) and the trace file.
 
-What it does: ``summarize`` turns an engine's totals and trace into one flat dict: memory split
-between expert weights and KV over time (min / mean / max bytes), the committed-bitwidth
-histogram at the end and the time-averaged mean bitwidth, demotions and promotions (blocks),
-bytes moved host -> device (device -> host is always 0: the host mirror keeps every plane),
-preemptions and the tokens they made the engine compute again (counted in the prefill tokens, so
-tokens/s is tokens computed per second, not served), tokens/s, planner time per step and, on CUDA, the
-peak device memory against the budget. ``format_summary`` renders it for the terminal; ``write_trace``
-writes the trace as Parquet (zstd, atomic) for the notebooks.
+What it does: ``summarize`` turns an engine's totals and trace into one flat, typed summary: memory split
+between expert weights and KV over time (min / mean / max bytes), the expert share of their 16-bit bytes,
+the committed-bitwidth histogram at the end and the time-averaged mean bitwidth, demoted and promoted
+blocks, bytes moved host -> device (nothing moves back: the host mirror keeps every plane), preemptions
+and the tokens they made the engine compute again (counted in the prefill tokens, so tokens/s is tokens
+computed per second, not served), tokens/s, planner time per step and, on CUDA, the peak device memory
+against the budget. ``format_summary`` renders it for the terminal; ``write_trace`` writes the trace as
+Parquet (``trace.trace_schema``; zstd, atomic) for the notebooks.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
+import pyarrow.parquet as pq
 
 from pwrun.engine.budget import dtype_label, format_size
-from pwrun.engine.engine import Engine
+from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.trace import trace_table
 from pwrun.errors import PagedWeightError
 
 
-def summarize(engine: Engine, info: dict[str, Any]) -> dict[str, Any]:
-    """Flat summary dict of a finished run (bytes, seconds, tokens/s; see module docstring)."""
-    t = engine.totals
-    tr = pd.DataFrame(t.trace)
-    pb = engine.pool.cfg.page_bytes
-    w = engine.store.wpt
-    out: dict[str, Any] = dict(info)
-    secs = max(t.seconds, 1e-9)
-    if len(tr):
-        wt = tr.seconds.to_numpy()
-        weights = tr.committed_weight_bytes.to_numpy()
-        kv = tr.kv_pages.to_numpy() * pb
-        out.update({
-            "weight_bytes_min": int(weights.min()), "weight_bytes_mean": float(np.average(weights, weights=wt)),
-            "weight_bytes_max": int(weights.max()), "kv_bytes_min": int(kv.min()),
-            "kv_bytes_mean": float(np.average(kv, weights=wt)), "kv_bytes_max": int(kv.max()),
-            "mean_bits_time_avg": float(np.average(tr.mean_bits.to_numpy(), weights=wt)),
-        })
-    hist = np.bincount(w.q, minlength=9)
-    out.update({
-        "steps": t.steps, "seconds": t.seconds, "prefill_tokens": t.prefill_tokens, "decode_tokens": t.decode_tokens,
-        "tokens_per_second": (t.prefill_tokens + t.decode_tokens) / secs, "decode_tokens_per_second":
-        t.decode_tokens / secs, "demoted_blocks": t.demoted_blocks, "promoted_blocks": t.promoted_blocks,
-        "bytes_host_to_device": int(engine.store.bytes_h2d), "bytes_device_to_host": int(engine.store.bytes_d2h),
-        "preemptions": t.preemptions, "recomputed_tokens": engine.scheduler.recomputed_tokens,
-        "planner_ms_per_step": 1e3 * t.planner_seconds / max(t.steps, 1),
-        "planner_overlapped_ms_per_step": 1e3 * t.planner_overlapped_seconds / max(t.steps, 1),
-        "planner_share_of_step": t.planner_seconds / secs, "final_mean_bits": float(w.q.mean()),
-        "final_bits_hist": {int(b): int(hist[b]) for b in range(9) if hist[b]},
-        "pool_pages": engine.pool.cfg.num_pages, "pool_peak_pages": engine.pool.peak_used,
-    })
-    if engine.planner is not None:  # demotion plans taken ready-made vs made on the step's critical path
-        out.update({f"planner_plans_{k}": v for k, v in engine.planner.takes.items()})
-    if engine.model.device.type == "cuda":
-        out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated(engine.model.device))
-    return out
+@dataclass
+class RunSummary:
+    """A finished run (bytes, seconds, tokens/s). Build fields come from ``build_engine``'s info; ``*_min/mean/max``
+    are over steps, means weighted by step time; ``expert_share_16bit``: mean expert bytes / their 16-bit bytes;
+    ``mean_bits``: time-averaged mean committed bits; ``final_bits_hist``: blocks by committed bits at the end."""
+
+    device: str
+    dtype: str
+    policy: str
+    bits: int | None
+    gpu_memory: int
+    fixed_bytes: int
+    workspace_bytes: int
+    pool_bytes: int
+    page_bytes: int
+    kv_block_bytes: int
+    expert_bytes_16bit: int
+    initial_expert_bytes: int
+    initial_weight_pages: int
+    initial_mean_bits: float
+    floor_expert_bytes: int
+    shared_expert: bool
+    steps: int
+    seconds: float
+    prefill_tokens: int
+    decode_tokens: int
+    tokens_per_second: float
+    decode_tokens_per_second: float
+    demoted_blocks: int
+    promoted_blocks: int
+    bytes_host_to_device: int
+    preemptions: int
+    recomputed_tokens: int
+    planner_ms_per_step: float
+    planner_overlapped_ms_per_step: float
+    planner_share_of_step: float
+    final_mean_bits: float
+    final_bits_hist: dict[int, int]
+    pool_pages: int
+    pool_peak_pages: int
+    mean_bits: float
+    weight_bytes_min: int | None = None
+    weight_bytes_mean: float | None = None
+    weight_bytes_max: int | None = None
+    kv_bytes_min: int | None = None
+    kv_bytes_mean: float | None = None
+    kv_bytes_max: int | None = None
+    expert_share_16bit: float | None = None
+    planner_plans_prepared: int | None = None
+    planner_plans_fresh: int | None = None
+    device_peak_bytes: int | None = None
+    trace_error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat JSON-ready dict (fields that do not apply are left out)."""
+        d = asdict(self)
+        extra = d.pop("extra")
+        return {**{k: v for k, v in d.items() if v is not None or k == "bits"}, **extra}
 
 
-def format_summary(s: dict[str, Any]) -> str:
-    """A few terminal lines from ``summarize``'s dict."""
+def summarize(engine: LLMEngine) -> RunSummary:
+    """The summary of a finished run of ``engine`` (see ``RunSummary``)."""
+    core = engine.core
+    tr = engine.trace
+    pool = core.pool
+    pb = pool.cfg.page_bytes
+    w = core.weights
+    q = np.zeros(0, np.int64) if core.wpt is None else core.wpt.q
+    info = dict(engine.info)
+    known = {k: info.pop(k) for k in list(info) if k in RunSummary.__dataclass_fields__}
+    steps = core.steps
+    secs = max(engine.seconds, 1e-9)
+    hist = np.bincount(q, minlength=9)
+    final_bits = float(q.mean()) if q.size else 16.0
+    over: dict[str, Any] = {}
+    mean_bits = final_bits
+    if tr:
+        wt = np.array([r.seconds for r in tr])
+        weights = np.array([r.committed_weight_bytes for r in tr])
+        kv = np.array([r.kv_pages for r in tr]) * pb
+        mean_bits = float(np.average([r.mean_bits for r in tr], weights=wt))
+        over = {"weight_bytes_min": int(weights.min()), "weight_bytes_mean": float(np.average(weights, weights=wt)),
+                "weight_bytes_max": int(weights.max()), "kv_bytes_min": int(kv.min()),
+                "kv_bytes_mean": float(np.average(kv, weights=wt)), "kv_bytes_max": int(kv.max())}
+        if known.get("expert_bytes_16bit"):
+            over["expert_share_16bit"] = over["weight_bytes_mean"] / known["expert_bytes_16bit"]
+    planner_s = 0.0 if w is None else w.planner_seconds
+    if core.planner is not None:  # demotion plans taken ready-made vs made on the step's critical path
+        over.update({f"planner_plans_{k}": v for k, v in core.planner.takes.items()})
+    if engine.runner.device.type == "cuda":
+        over["device_peak_bytes"] = engine.runner.peak_bytes()
+    store = engine.runner.experts
+    return RunSummary(
+        **known, steps=steps, seconds=engine.seconds, prefill_tokens=core.prefill_tokens,
+        decode_tokens=core.decode_tokens, tokens_per_second=(core.prefill_tokens + core.decode_tokens) / secs,
+        decode_tokens_per_second=core.decode_tokens / secs,
+        demoted_blocks=0 if w is None else w.demoted_blocks, promoted_blocks=0 if w is None else w.promoted_blocks,
+        bytes_host_to_device=0 if store is None else int(store.bytes_h2d), preemptions=core.scheduler.preemptions,
+        recomputed_tokens=core.scheduler.recomputed_tokens, planner_ms_per_step=1e3 * planner_s / max(steps, 1),
+        planner_overlapped_ms_per_step=1e3 * (0.0 if w is None else w.planner_overlapped_seconds) / max(steps, 1),
+        planner_share_of_step=planner_s / secs, final_mean_bits=final_bits,
+        final_bits_hist={int(b): int(hist[b]) for b in range(9) if hist[b]}, pool_pages=pool.cfg.num_pages,
+        pool_peak_pages=pool.peak_used, mean_bits=mean_bits, extra=info, **over)
+
+
+def format_summary(s: RunSummary) -> str:
+    """A few terminal lines from a ``RunSummary``."""
     lines = [
-        f"policy {s['policy']}{' ' + str(s['bits']) + ' bits' if s.get('bits') else ''} on {s['device']} "
-        f"({s['dtype']}); budget {format_size(s['gpu_memory'])} = non-expert weights ({dtype_label(s['dtype'])}) "
-        f"{format_size(s['fixed_bytes'])}"
-        f" + workspace {format_size(s['workspace_bytes'])} + page pool {format_size(s['pool_bytes'])}",
+        f"policy {s.policy}{' ' + str(s.bits) + ' bits' if s.bits else ''} on {s.device} "
+        f"({s.dtype}); budget {format_size(s.gpu_memory)} = non-expert weights ({dtype_label(s.dtype)}) "
+        f"{format_size(s.fixed_bytes)}"
+        f" + workspace {format_size(s.workspace_bytes)} + page pool {format_size(s.pool_bytes)}",
     ]
-    if "weight_bytes_mean" in s:
+    if s.weight_bytes_mean is not None and s.expert_share_16bit is not None:
         lines.append(
-            f"experts in force {format_size(s['weight_bytes_min'])} .. {format_size(s['weight_bytes_max'])} (mean "
-            f"{format_size(s['weight_bytes_mean'])} = {100 * s['weight_bytes_mean'] / s['expert_bytes_16bit']:.1f}% of "
-            f"their 16-bit {format_size(s['expert_bytes_16bit'])}); KV {format_size(s['kv_bytes_min'])} .. "
-            f"{format_size(s['kv_bytes_max'])} (mean {format_size(s['kv_bytes_mean'])})")
-    hist = " ".join(f"{b}b:{n}" for b, n in s["final_bits_hist"].items())
+            f"experts in force {format_size(s.weight_bytes_min or 0)} .. {format_size(s.weight_bytes_max or 0)} (mean "
+            f"{format_size(s.weight_bytes_mean)} = {100 * s.expert_share_16bit:.1f}% of "
+            f"their 16-bit {format_size(s.expert_bytes_16bit)}); KV {format_size(s.kv_bytes_min or 0)} .. "
+            f"{format_size(s.kv_bytes_max or 0)} (mean {format_size(s.kv_bytes_mean or 0)})")
+    hist = " ".join(f"{b}b:{n}" for b, n in s.final_bits_hist.items())
     lines += [
-        f"committed bits at the end: {hist} (mean {s['final_mean_bits']:.2f}; time-averaged "
-        f"{s.get('mean_bits_time_avg', s['final_mean_bits']):.2f})",
-        f"{s['demoted_blocks']} demotions, {s['promoted_blocks']} promotions, {format_size(s['bytes_host_to_device'])}"
-        f" host->device, {format_size(s['bytes_device_to_host'])} device->host, {s['preemptions']} preemptions",
-        f"{s['steps']} steps in {s['seconds']:.2f} s: {s['prefill_tokens']} prefill "
-        + (f"({s['recomputed_tokens']} of them recomputed after preemptions) " if s.get("recomputed_tokens") else "")
-        + f"+ {s['decode_tokens']} decode tokens = {s['tokens_per_second']:.1f} tokens/s; planner "
-        f"{s['planner_ms_per_step']:.2f} ms/step ({100 * s['planner_share_of_step']:.2f}% of step time; "
-        f"+{s['planner_overlapped_ms_per_step']:.2f} ms/step while the device computed)",
+        f"committed bits at the end: {hist} (mean {s.final_mean_bits:.2f}; time-averaged {s.mean_bits:.2f})",
+        f"{s.demoted_blocks} demoted blocks, {s.promoted_blocks} promoted blocks, "
+        f"{format_size(s.bytes_host_to_device)} host->device, {s.preemptions} preemptions",
+        f"{s.steps} steps in {s.seconds:.2f} s: {s.prefill_tokens} prefill "
+        + (f"({s.recomputed_tokens} of them recomputed after preemptions) " if s.recomputed_tokens else "")
+        + f"+ {s.decode_tokens} decode tokens = {s.tokens_per_second:.1f} tokens/s; planner "
+        f"{s.planner_ms_per_step:.2f} ms/step ({100 * s.planner_share_of_step:.2f}% of step time; "
+        f"+{s.planner_overlapped_ms_per_step:.2f} ms/step while the device computed)",
     ]
-    if "device_peak_bytes" in s:
-        lines.append(f"peak device memory {format_size(s['device_peak_bytes'])} of the "
-                     f"{format_size(s['gpu_memory'])} budget")
+    if s.device_peak_bytes is not None:
+        lines.append(f"peak device memory {format_size(s.device_peak_bytes)} of the "
+                     f"{format_size(s.gpu_memory)} budget")
     return "\n".join(lines)
 
 
@@ -106,6 +175,17 @@ def write_frame(df: pd.DataFrame, path: Path, what: str = "") -> None:
         raise PagedWeightError(f"cannot write {what + ' ' if what else ''}{path}: {exc.strerror or exc}") from exc
 
 
-def write_trace(engine: Engine, path: Path) -> None:
-    """The engine's per-step trace as Parquet (see ``write_frame``)."""
-    write_frame(pd.DataFrame(engine.totals.trace), path, "--trace")
+def trace_frame(engine: LLMEngine) -> pd.DataFrame:
+    """The engine's per-step trace as a DataFrame (columns of ``trace.trace_schema``)."""
+    return trace_table(engine.trace).to_pandas()
+
+
+def write_trace(engine: LLMEngine, path: Path) -> None:
+    """The engine's per-step trace as Parquet with ``trace.trace_schema`` (zstd; atomic, see ``write_frame``)."""
+    from pwcal.manifest import atomic_path
+
+    try:
+        with atomic_path(path) as tmp:
+            pq.write_table(trace_table(engine.trace), tmp, compression="zstd")
+    except OSError as exc:
+        raise PagedWeightError(f"cannot write --trace {path}: {exc.strerror or exc}") from exc

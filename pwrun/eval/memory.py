@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pwrun.core.config import EngineConfig
+from pwrun.core.kv_blocks import blocks_needed
 from pwrun.engine.budget import workspace_bytes
-from pwrun.engine.engine import EngineConfig
-from pwrun.engine.experts import block_pages
-from pwrun.engine.kv_store import PooledKVCache
 from pwrun.eval.workload import Workload
-from pwrun.kv.blocks import blocks_needed
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.spec import ModelSpec
+from pwrun.runner.experts.layout import block_pages
+from pwrun.runner.kv_store import PooledKVCache
 
 
 @dataclass(frozen=True)

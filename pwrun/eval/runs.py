@@ -23,9 +23,10 @@ import pyarrow as pa
 import torch
 
 from pwrun.ap.artifact import APArtifact
+from pwrun.core.config import EngineConfig
+from pwrun.core.request import SamplingParams
 from pwrun.engine.budget import format_size
-from pwrun.engine.engine import EngineConfig
-from pwrun.engine.serve import ServeConfig, build_engine
+from pwrun.engine.build import ServeConfig, build_engine
 from pwrun.errors import BudgetTooSmall, PagedWeightError
 from pwrun.eval.meetings import qmsum_workload
 from pwrun.eval.memory import Footprint, non_expert_bytes, static_footprint
@@ -36,7 +37,6 @@ from pwrun.eval.scoring import Scored, nll, reference_logprobs, serve_workload
 from pwrun.eval.workload import Workload, interleave, text_workload
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
-from pwrun.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ class Evaluator:
             "gpu_memory": budget, "fixed_bytes": s["fixed_bytes"], "workspace_bytes": s["workspace_bytes"],
             "pool_bytes": s["pool_bytes"], "expert_bytes_mean": s["weight_bytes_mean"],
             "expert_bytes_16bit": s["expert_bytes_16bit"], "kv_bytes_max": s["kv_bytes_max"],
-            "kv_bytes_mean": s["kv_bytes_mean"], "mean_bits": s["mean_bits_time_avg"],
+            "kv_bytes_mean": s["kv_bytes_mean"], "mean_bits": s["mean_bits"],
             "preemptions": s["preemptions"], "demoted_blocks": s["demoted_blocks"],
             "promoted_blocks": s["promoted_blocks"], "tokens_per_second": s["tokens_per_second"],
             "device": s["device"], "dtype": s["dtype"],

@@ -1,7 +1,7 @@
 """Score a workload: log p of every continuation token, through the runtime or a reference model.
 
 What it does: ``serve_workload`` builds the PagedWeight engine for a budget and policy
-(``pwrun.engine.serve.build_engine``) with every request teacher-forced, serves the whole workload
+(``pwrun.engine.build.build_engine``) with every request teacher-forced, serves the whole workload
 concurrently (continuous batching, planner, preemption) and returns each request's per-token
 log-probabilities, computed with the expert precision in force at the step that scored them, plus
 the run summary and trace. ``reference_logprobs`` scores the same requests with a plain model (the
@@ -20,13 +20,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pwrun.engine.report import summarize
-from pwrun.engine.serve import ServeConfig, build_engine
+from pwrun.core.request import SamplingParams
+from pwrun.engine.build import ServeConfig, build_engine
+from pwrun.engine.report import summarize, trace_frame
 from pwrun.eval.workload import Request, Workload
-from pwrun.kv.blocks import blocks_needed
 from pwrun.model.lean import LeanMoEModel
-from pwrun.runner import ModelRunner
-from pwrun.sampling import SamplingParams
+from pwrun.runner.prefill import prefill_logits
 
 
 @dataclass
@@ -46,17 +45,16 @@ class Scored:
 def serve_workload(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, workload: Workload,
                    device: str = "cpu", dtype: str = "auto") -> Scored:
     """Serve ``workload`` teacher-forced under ``cfg``; raises ``PagedWeightError`` for a budget below the minimum."""
-    built = build_engine(model_dir, artifact_dir, cfg, SamplingParams(max_new_tokens=1), workload.prompts, set(),
-                         device=device, dtype=dtype, forced=workload.forced)
-    engine = built.engine
+    engine = build_engine(model_dir, artifact_dir, cfg, SamplingParams(max_new_tokens=1), workload.prompts, set(),
+                          device=device, dtype=dtype, forced=workload.forced)
     t0 = time.perf_counter()
-    engine.run()
+    outs = engine.run_until_done()
     seconds = time.perf_counter() - t0
-    lps = [np.asarray(engine.seqs[k].logprobs, dtype=np.float64) for k in range(len(workload.requests))]
+    lps = [np.asarray(outs[k].logprobs, dtype=np.float64) for k in range(len(workload.requests))]
     for k, (lp, r) in enumerate(zip(lps, workload.requests, strict=True)):
         if lp.size != len(r.continuation):
             raise RuntimeError(f"request {k} scored {lp.size} of {len(r.continuation)} tokens")
-    return Scored(lps, summarize(engine, built.info), pd.DataFrame(engine.totals.trace), seconds)
+    return Scored(lps, summarize(engine).to_dict(), trace_frame(engine), seconds)
 
 
 @torch.inference_mode()
@@ -76,9 +74,7 @@ def reference_logprobs(model: LeanMoEModel, workload: Workload, step_tokens: int
         while i < len(reqs) and sum(r.tokens for _, r in batch) + reqs[i][1].tokens <= step_tokens:
             batch.append(reqs[i])
             i += 1
-        blocks = sum(blocks_needed(r.tokens, block_size) for _, r in batch)
-        runner = ModelRunner(model, num_blocks=blocks, block_size=block_size)
-        logits = runner.run({k: [*r.prompt, *r.continuation[:-1]] for k, r in batch}, logits_for="all")
+        logits = prefill_logits(model, [[*r.prompt, *r.continuation[:-1]] for _, r in batch], block_size)
         at = 0
         for k, r in batch:
             n = len(r.prompt) + len(r.continuation) - 1

@@ -10,15 +10,25 @@ does not allocate blocks.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from pwrun.kv.cache import PagedKVCache
 from pwrun.model.ops import apply_rope, rms_norm, rope_cos_sin
 from pwrun.model.spec import AttentionSpec
 from pwrun.model.step import StepTensors
 from pwrun.model.weights import AttentionWeights
+
+
+class PagedKVCache(Protocol):
+    """What attention needs from a paged KV store (``pwrun.runner.kv_store.PooledKVCache``): ``write`` k, v
+    [T, Hkv, D] at slots [T]; ``gather`` positions 0..length-1 of one sequence through its block table [nb]."""
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, fused: bool = False) -> torch.Tensor:

@@ -14,8 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pwrun.kv.cache import PagedKVCache
-from pwrun.model.attention import attention_forward
+from pwrun.model.attention import PagedKVCache, attention_forward
 from pwrun.model.moe import MoEObserver, mlp_forward, moe_forward
 from pwrun.model.ops import add_rms_norm
 from pwrun.model.spec import ModelSpec
@@ -28,7 +27,7 @@ class LeanMoEModel:
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
         self.spec, self.weights = spec, weights
-        # on CUDA, run the fused Triton kernels for residual+norm, RoPE+KV write (the runtime turns this on)
+        # run the fused Triton kernels for residual+norm, RoPE+KV write (the runner turns this on where kernels run)
         self.fused = False
 
     @property
@@ -39,18 +38,6 @@ class LeanMoEModel:
     def device(self) -> torch.device:
         return self.weights.embed.device
 
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        """A KV cache of ``num_blocks`` blocks of ``block_size`` tokens, in the model's dtype/device."""
-        a = self.spec.layers[0].attention
-        return PagedKVCache(self.spec.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                            self.dtype, self.device)
-
-    def kv_block_bytes(self, block_size: int) -> int:
-        """B_KV: bytes of one KV block over all layers (SPEC Eq. 7)."""
-        a = self.spec.layers[0].attention
-        return PagedKVCache.block_bytes(self.spec.num_layers, block_size, a.num_kv_heads, a.head_dim, self.dtype)
-
-    @torch.inference_mode()
     def forward(self, step: StepTensors, cache: PagedKVCache, logits_for: str = "last",
                 observer: MoEObserver | None = None,
                 moe: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
@@ -76,7 +63,6 @@ class LeanMoEModel:
               moe: Callable[[torch.Tensor, int], torch.Tensor] | None, fused: bool) -> torch.Tensor:
         spec, w = self.spec, self.weights
         h = F.embedding(step.tokens, w.embed)
-        fused = fused and h.is_cuda
         norm = add_rms_norm
         if fused:
             from kernels import fused_norm

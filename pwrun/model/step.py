@@ -1,8 +1,8 @@
-"""What one forward step computes: typed boundary between the scheduler and the model runner.
+"""What one forward step computes, as device tensors (the model runner builds them from a decision).
 
-What it does: ``SeqChunk`` (control plane, plain ints) says which new tokens of which sequence
-run in this step and where they go in the KV cache; ``StepTensors.build`` turns a list of
-chunks into the device tensors the model reads (flattened tokens [T], positions [T], slots [T],
+What it does: ``StepTensors.build`` turns the engine core's ``ScheduledChunk``s (which new tokens
+of which request run in this step and where they go in the KV cache) into the device tensors the
+model reads (flattened tokens [T], positions [T], slots [T],
 per-sequence query offsets, context lengths and block tables). A chunk of many tokens is a
 prefill, a chunk of one token a decode; one step may mix both.
 """
@@ -13,25 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SeqChunk:
-    """New tokens ``token_ids`` of sequence ``seq_id`` at positions ``start .. start+len-1``.
-
-    ``slots``: their physical KV slots; ``block_table``: the sequence's whole block table.
-    """
-
-    seq_id: int
-    token_ids: tuple[int, ...]
-    start: int
-    slots: tuple[int, ...]
-    block_table: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if not self.token_ids:
-            raise ValueError("a chunk needs at least one token")
-        if len(self.slots) != len(self.token_ids):
-            raise ValueError("one slot per token")
+from pwrun.core.decision import ScheduledChunk
 
 
 @dataclass
@@ -65,7 +47,7 @@ class StepTensors:
         return torch.tensor([e - 1 for e in self.query_start[1:]], device=self.tokens.device)
 
     @staticmethod
-    def build(chunks: list[SeqChunk], device: torch.device | str) -> StepTensors:
+    def build(chunks: list[ScheduledChunk] | tuple[ScheduledChunk, ...], device: torch.device | str) -> StepTensors:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -5,7 +5,8 @@ stages; loads the non-expert weights onto the device (in the model's dtype; the 
 splits ``--gpu-memory`` into fixed parts and the page pool; places every expert block at its
 initial bitwidth (the planner's fit of the pool, a uniform or a static allocation); refuses a
 budget below what the floors and the longest request need, stating the minimum; and returns an
-``Engine`` ready for requests. ``serve`` runs a list of tokenized requests to completion.
+``LLMEngine`` (engine core + model runner) holding the requests. ``dense_engine`` is the same engine
+with the model's own 16-bit experts (no artifact, no planner; the pool holds only KV).
 """
 
 from __future__ import annotations
@@ -21,25 +22,27 @@ import pandas as pd
 import torch
 
 from pwrun.ap.artifact import APArtifact
+from pwrun.core.config import EngineConfig
+from pwrun.core.engine_core import EngineCore
+from pwrun.core.kv_blocks import blocks_needed
+from pwrun.core.planner.buckets import BucketPolicy
+from pwrun.core.planner.greedy import fit_budget
+from pwrun.core.planner.online import FEATURES, OnlineStats, ResidualHeads
+from pwrun.core.planner.runtime import Planner, PlannerConfig
+from pwrun.core.planner.tables import UNITS, BlockTable
+from pwrun.core.pool import WEIGHT, PagePool, PoolConfig
+from pwrun.core.request import Request, SamplingParams
+from pwrun.core.weight_table import WeightPageTable
 from pwrun.engine.budget import dtype_label, format_size, workspace_bytes
-from pwrun.engine.engine import Engine, EngineConfig
-from pwrun.engine.experts import ExpertStore, page_rounded_bytes
-from pwrun.engine.kv_store import PooledKVCache
+from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.policies import check_policy, planner_config
-from pwrun.engine.scheduler import Sequence
 from pwrun.errors import BudgetTooSmall, PagedWeightError
-from pwrun.kv.blocks import blocks_needed
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, resolve_device, resolve_dtype
 from pwrun.model.weights import fuse_qkv
-from pwrun.planner.buckets import BucketPolicy
-from pwrun.planner.greedy import fit_budget
-from pwrun.planner.online import FEATURES, OnlineStats, ResidualHeads
-from pwrun.planner.runtime import Planner, PlannerConfig
-from pwrun.planner.tables import UNITS, BlockTable
-from pwrun.pool.pages import WEIGHT, PagePool, PoolConfig
-from pwrun.sampling import SamplingParams
+from pwrun.runner.experts.layout import block_pages, page_rounded_bytes, table_shapes
+from pwrun.runner.model_runner import ModelRunner, kv_page_bytes
 
 if TYPE_CHECKING:
     from kernels.warmup import MoEShape
@@ -184,19 +187,12 @@ def _calib_features(art: APArtifact, table: BlockTable) -> np.ndarray | None:
     return out
 
 
-@dataclass
-class Built:
-    engine: Engine
-    info: dict[str, Any]
-
-
 def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: SamplingParams,
                  requests: list[list[int]], eos: set[int], device: str = "auto", dtype: str = "auto",
-                 forced: list[list[int]] | None = None) -> Built:
-    """An ``Engine`` holding ``requests`` (token ids); raises ``PagedWeightError`` on bad input or budget.
-
-    ``forced``: per request, continuation tokens to feed and score (teacher forcing: ``Sequence.logprobs``)
-    instead of sampling; each request then runs for exactly that many tokens.
+                 forced: list[list[int]] | None = None) -> LLMEngine:
+    """An ``LLMEngine`` holding ``requests`` (token ids; request ids 0..n-1); raises ``PagedWeightError`` on bad
+    input or budget. ``forced``: per request, continuation tokens to feed and score (teacher forcing:
+    ``RequestOutput.logprobs``) instead of sampling; each request then runs for exactly that many tokens.
     """
     art = APArtifact(artifact_dir)
     art.check_model(model_dir)
@@ -249,7 +245,7 @@ def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
 def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy: BucketPolicy,
                     heads: ResidualHeads | None, calib_features: np.ndarray | None, cfg: ServeConfig,
                     params: SamplingParams, requests: list[list[int]], eos: set[int],
-                    forced: list[list[int]] | None = None) -> Built:
+                    forced: list[list[int]] | None = None) -> LLMEngine:
     """The engine from in-memory parts: ``model`` (non-expert weights on the device, see ``strip_experts``),
     ``source`` (an ``APArtifact`` or any object with ``bits`` and ``layer_tensors(layer)``), the calibration
     ``table`` (M_i^b is re-derived in whole pages), bucket ``policy``, residual ``heads`` and calibration
@@ -261,8 +257,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     dev, dt = model.device, model.dtype
     spec = model.spec
     ecfg = cfg.engine
-    a = spec.layers[0].attention
-    page_bytes = PooledKVCache.page_bytes(ecfg.block_size, a.num_kv_heads, a.head_dim, dt)
+    page_bytes = kv_page_bytes(model, ecfg.block_size)
     elt = torch.empty((), dtype=dt).element_size()
     longest = max(len(r) + n for r, n in zip(requests, new_tokens, strict=True))
     fixed = model.weights.num_bytes()
@@ -305,12 +300,13 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             warnings.warn(f"decode kernels compile on first use instead: {msg}", stacklevel=2)
     pool = PagePool(PoolConfig(int(num_pages), page_bytes))
     try:
-        memory = torch.empty(int(num_pages) * page_bytes, dtype=torch.uint8, device=dev)
+        runner = ModelRunner(model, ecfg, int(num_pages), page_bytes)
     except RuntimeError as exc:  # includes torch.OutOfMemoryError
         raise PagedWeightError(f"cannot allocate a {format_size(num_pages * page_bytes)} page pool on {dev} for "
                                f"--gpu-memory {format_size(cfg.gpu_memory)}: give a budget the device has") from exc
-    store = ExpertStore(source, model, table, pool, memory, use_kernel=dev.type == "cuda")
-    assert np.array_equal(store.block_bytes(), table.bytes)
+    bit_list = [int(b) for b in table.bits]
+    wpt = WeightPageTable(bit_list, *block_pages(table_shapes(table, spec), bit_list, page_bytes))
+    assert np.array_equal(np.stack([wpt.pages_at(b) for b in bit_list], axis=1) * page_bytes, table.bytes)
     reserve = (cfg.planner.free_threshold + 1) * kv_block_bytes + min_kv_pages * page_bytes
     if cfg.policy == "uniform":
         q0 = floor_idx
@@ -327,19 +323,18 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         fit = fit_budget(table, policy if (pcfg and pcfg.use_routing) else BucketPolicy.neutral(int(bits[0])),
                          num_pages * page_bytes - reserve)
         q0 = floor_idx if fit is None else fit
-    store.place(bits[q0])
-    initial_weight_pages = pool.count(WEIGHT)
     planner = None
     if pcfg is not None:
         stats = OnlineStats(table.layer, table.expert, spec.num_layers,
                             max(ls.moe.num_experts for ls in spec.layers if ls.moe is not None), pcfg.decay,
                             calib_features)
         planner = Planner(table, policy, pcfg, heads, stats)
-    engine = Engine(model, store, pool, memory, planner, ecfg, params, eos)
-    for rid, ids in enumerate(requests):
-        engine.add(Sequence(rid, list(ids), new_tokens[rid], forced=None if forced is None else list(forced[rid])))
+    store = runner.load_experts(source, table, wpt, pool, bits[q0],
+                                observe=planner is not None and planner.stats is not None)
+    initial_weight_pages = pool.count(WEIGHT)
     placed_bytes = int(store.bytes_h2d)
-    store.bytes_h2d = 0
+    store.mirror.bytes_h2d = 0
+    core = EngineCore(ecfg, pool, spec.num_layers, wpt, planner)
     info = {"device": str(dev), "dtype": str(dt).removeprefix("torch."), "policy": cfg.policy, "bits": cfg.bits,
             "gpu_memory": cfg.gpu_memory, "fixed_bytes": fixed, "workspace_bytes": work,
             "pool_bytes": num_pages * page_bytes, "page_bytes": page_bytes, "kv_block_bytes": kv_block_bytes,
@@ -347,4 +342,35 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             "initial_expert_bytes": placed_bytes,
             "initial_weight_pages": initial_weight_pages, "initial_mean_bits": float(bits[q0].mean()),
             "floor_expert_bytes": floor_bytes, "shared_expert": bool((table.expert == SHARED_EXPERT).any())}
-    return Built(engine, info)
+    size = np.array([n * k for n, k in table_shapes(table, spec)], dtype=np.float64)
+    shared = table.expert == SHARED_EXPERT
+    engine = LLMEngine(core, runner, info, (size * shared, size * ~shared))
+    add_requests(engine, params, requests, eos, forced)
+    return engine
+
+
+def add_requests(engine: LLMEngine, params: SamplingParams, requests: list[list[int]], eos: set[int],
+                 forced: list[list[int]] | None = None) -> None:
+    """Add ``requests`` (token ids) as requests 0..n-1 with ``params`` (``forced``: see ``build_engine``)."""
+    stop = frozenset(eos)
+    for rid, ids in enumerate(requests):
+        engine.add_request(Request(rid, tuple(ids), params, eos=stop,
+                                   forced=None if forced is None else tuple(forced[rid])))
+
+
+def dense_engine(model: LeanMoEModel, params: SamplingParams, requests: list[list[int]], eos: set[int],
+                 block_size: int = 16) -> LLMEngine:
+    """The engine with ``model``'s own 16-bit experts: a pool of exactly the KV blocks every request needs at
+    once, all requests in one batch and their prompts in one prefill step (no budget, no planner)."""
+    spec = model.spec
+    cfg = EngineConfig(block_size=block_size, max_batch=max(len(requests), 1),
+                       max_step_tokens=max(sum(len(r) for r in requests), 1))
+    blocks = sum(blocks_needed(len(r) + params.max_new_tokens, block_size) for r in requests)
+    page_bytes = kv_page_bytes(model, block_size)
+    num_pages = max(blocks, 1) * 2 * spec.num_layers
+    pool = PagePool(PoolConfig(num_pages, page_bytes))
+    engine = LLMEngine(EngineCore(cfg, pool, spec.num_layers), ModelRunner(model, cfg, num_pages, page_bytes),
+                       {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+                        "policy": "16-bit", "bits": None})
+    add_requests(engine, params, requests, eos)
+    return engine

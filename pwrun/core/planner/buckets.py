@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pwrun.planner.tables import SHARED_EXPERT, BlockTable
+from pwrun.core.planner.tables import SHARED_EXPERT, BlockTable
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from pwrun.model.inventory import SHARED_EXPERT
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 UNITS = ("gate_up", "down")
 

@@ -3,7 +3,7 @@
 What it does: keeps waiting and running sequences; each step it gives every running sequence its
 next chunk (one token when decoding, the next piece of the prompt when prefilling, within a
 per-step token budget: chunked prefill), then admits waiting requests in arrival order while the
-batch has room. KV blocks come from a ``KVCapacity`` (the engine), which may demote expert
+batch has room. KV blocks come from a ``KVCapacity`` (the engine core), which may demote expert
 weights to make room (the planner). When even that cannot make room, the newest running sequence
 is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed
 later from its prompt and the tokens it already produced (as vLLM does). Nothing is dropped or
@@ -16,17 +16,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pwrun.core.request import FinishReason
 
-@dataclass
-class Sequence:
-    """One request: ``prompt`` and generated ``out`` token ids; ``computed`` tokens have K/V in the cache."""
+
+@dataclass(eq=False)
+class RequestState:
+    """The scheduler's state of one request: ``prompt`` and generated ``out`` token ids; ``computed`` tokens have
+    K/V in the cache (private to the engine core: callers get ``RequestOutput``s)."""
 
     rid: int
     prompt: list[int]
     max_new_tokens: int
     out: list[int] = field(default_factory=list)
     computed: int = 0
-    finish: str | None = None  # "eos" or "length" once done
+    finish: FinishReason | None = None  # "eos", "length" or "abort" once done
     preemptions: int = 0
     forced: list[int] | None = None  # teacher forcing: these tokens are fed instead of sampled ones
     logprobs: list[float] = field(default_factory=list)  # log p(forced token) at each step (nats)
@@ -78,19 +81,19 @@ class Scheduler:
         if max_batch < 1 or max_step_tokens < 1:
             raise ValueError("max_batch and max_step_tokens must be >= 1")
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
         self.preemptions = 0
         self.recomputed_tokens = 0  # tokens whose KV a preemption discarded: computed again after re-admission
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: RequestState) -> None:
         self.waiting.append(seq)
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def _preempt(self, kv: KVCapacity, plan: StepPlan) -> Sequence:
+    def _preempt(self, kv: KVCapacity, plan: StepPlan) -> RequestState:
         victim = self.running.pop()
         kv.free(victim.rid)
         self.recomputed_tokens += victim.computed
@@ -102,7 +105,7 @@ class Scheduler:
         plan.chunks = [c for c in plan.chunks if c.rid != victim.rid]
         return victim
 
-    def _chunk(self, s: Sequence, budget: int) -> Chunk:
+    def _chunk(self, s: RequestState, budget: int) -> Chunk:
         toks = s.tokens
         n = min(len(toks) - s.computed, max(budget, 1))
         end = s.computed + n
@@ -149,7 +152,15 @@ class Scheduler:
             raise RuntimeError("scheduler made no progress with sequences running (KV capacity below one request)")
         return plan
 
-    def finish(self, s: Sequence, kv: KVCapacity) -> None:
+    def finish(self, s: RequestState, kv: KVCapacity) -> None:
         """Retire a finished sequence and free its blocks."""
         self.running.remove(s)
+        kv.free(s.rid)
+
+    def abort(self, s: RequestState, kv: KVCapacity) -> None:
+        """Drop ``s`` wherever it is (waiting or running) and free its blocks."""
+        if s in self.running:
+            self.running.remove(s)
+        elif s in self.waiting:
+            self.waiting.remove(s)
         kv.free(s.rid)

@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step (issue 8): one graph per batch size, replayed every decode step.
+"""CUDA graphs of the decode step: one graph per batch size, replayed every decode step.
 
 What it does: a decode step runs ~60 kernels per layer; launched from Python that costs tens of
 milliseconds per step, far above the bytes the step must read. The whole model forward of a pure
@@ -25,9 +25,10 @@ from pwrun.model.step import StepTensors
 class DecodeGraphs:
     """Captured decode forwards keyed by batch size; block tables padded to ``max_blocks`` columns."""
 
-    def __init__(self, model: LeanMoEModel, cache: Any, moe: Callable[[torch.Tensor, int], torch.Tensor],
+    def __init__(self, model: LeanMoEModel, cache: Any, moe: Callable[[torch.Tensor, int], torch.Tensor] | None,
                  max_blocks: int, keep_state: list[torch.Tensor]) -> None:
-        """``keep_state``: device tensors the warm-up runs must not change (e.g. routing statistics)."""
+        """``moe``: the MoE forward of the AP experts (None: the model's own 16-bit experts); ``keep_state``: device
+        tensors the warm-up runs must not change (e.g. routing statistics)."""
         self.model, self.cache, self.moe, self.max_blocks = model, cache, moe, max_blocks
         self.keep_state = keep_state
         self._graphs: dict[int, tuple[StepTensors, torch.cuda.CUDAGraph, torch.Tensor]] = {}

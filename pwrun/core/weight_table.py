@@ -1,7 +1,7 @@
 """The weight page table (SPEC section 3) and where each block's planes and LUT sit in the page pool.
 
 What it does: for every expert linear block i it keeps the supported bitwidths B_i, the
-committed bitwidth q_i (what kernels read now), the desired d_i (what the planner chose), the
+committed bitwidth q_i (what kernels read now), the target of an in-flight raise, the
 state of each bit-plane p (GPU / CPU / IN_TRANSFER), the first pool page of each resident plane
 and of the resident LUT, and the pages M_i^b takes at each b. It turns planner actions into pool
 operations and **copy orders** for the data plane (which copies bytes and updates the kernels'
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pwrun.pool.pages import WEIGHT, OutOfPages, PagePool
+from pwrun.core.pool import WEIGHT, OutOfPages, PagePool
 
 GPU = 0
 CPU = 1
@@ -45,7 +45,7 @@ class CopyOrder:
 
 
 class WeightPageTable:
-    """Arrays over n blocks: q, d [n]; state, plane_start [n, 8]; lut_start, lut_bits, pending [n]."""
+    """Arrays over n blocks: q [n]; state, plane_start [n, 8]; lut_start, lut_bits, pending [n]."""
 
     def __init__(self, bits: list[int], plane_pages: np.ndarray, lut_pages: np.ndarray) -> None:
         """``plane_pages`` [n]: pages per plane; ``lut_pages`` [n, 9]: pages of the b-bit LUT at column b."""
@@ -54,7 +54,6 @@ class WeightPageTable:
         self.lut_pages = np.asarray(lut_pages, dtype=np.int64)
         self.n = self.plane_pages.size
         self.q = np.zeros(self.n, dtype=np.int64)
-        self.d = np.zeros(self.n, dtype=np.int64)
         self.state = np.full((self.n, PARENT_BITS), CPU, dtype=np.int8)
         self.plane_start = np.full((self.n, PARENT_BITS), -1, dtype=np.int64)
         self.lut_start = np.full(self.n, -1, dtype=np.int64)
@@ -95,7 +94,7 @@ class WeightPageTable:
             self.plane_start[i, p], self.state[i, p] = taken[p][0], GPU
             orders.append(CopyOrder(i, "plane", p, taken[p][0]))
         self.lut_start[i], self.lut_bits[i] = taken[b][0], b
-        self.q[i] = self.d[i] = b
+        self.q[i] = b
         return [*orders, CopyOrder(i, "lut", b, taken[b][0])]
 
     def lower(self, pool: PagePool, i: int, b: int) -> list[CopyOrder]:
@@ -111,7 +110,7 @@ class WeightPageTable:
         if have > keep:
             pool.release_run(int(self.lut_start[i]) + keep, have - keep, WEIGHT)
         self.lut_bits[i] = b
-        self.q[i] = self.d[i] = b
+        self.q[i] = b
         return [CopyOrder(i, "lut", b, int(self.lut_start[i]))]
 
     def lower_many(self, pool: PagePool, blocks: np.ndarray, to_bits: np.ndarray) -> list[CopyOrder]:
@@ -147,7 +146,7 @@ class WeightPageTable:
         self.plane_start[i[rows], planes] = -1
         self.state[i[rows], planes] = CPU
         self.lut_bits[i] = b
-        self.q[i] = self.d[i] = b
+        self.q[i] = b
         return [CopyOrder(blk, "lut", bits, start)
                 for blk, bits, start in zip(i.tolist(), b.tolist(), self.lut_start[i].tolist(), strict=True)]
 
@@ -171,7 +170,7 @@ class WeightPageTable:
             self.plane_start[i, p], self.state[i, p] = taken[j][0], IN_TRANSFER
             orders.append(CopyOrder(i, "plane", p, taken[j][0]))
         self._new_lut[i] = taken[-1][0]
-        self.pending[i] = self.d[i] = b
+        self.pending[i] = b
         return [*orders, CopyOrder(i, "lut", b, taken[-1][0])]
 
     def finish_raise(self, pool: PagePool, i: int) -> None:

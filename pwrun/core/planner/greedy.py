@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pwrun.planner.buckets import BucketPolicy
-from pwrun.planner.tables import BlockTable
+from pwrun.core.planner.buckets import BucketPolicy
+from pwrun.core.planner.tables import BlockTable
 
 EPS_DAMAGE = 1e-12
 

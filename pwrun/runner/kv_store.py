@@ -5,32 +5,27 @@ or V of one KV block) and keeps a device table ``unit`` [2L, max_blocks] int64: 
 page of layer l's K of every KV block, row 2l+1 its V. It offers the ``PagedKVCache`` interface
 (``write``, ``gather``), so the reference attention runs unchanged, and ``layer_tables`` for the
 Triton paged-decode kernel.
-Blocks are mapped by ``map_blocks`` when the pooled allocator hands them out; it allocates nothing.
+Blocks are mapped by ``map_blocks`` with the pages the engine core's allocator gave them; it allocates nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pwrun.kv.pooled import PooledBlockAllocator
 from pwrun.model.step import StepTensors
 
 
 class PooledKVCache:
-    """KV blocks of ``allocator`` inside ``memory`` (uint8 [num_pages * page_bytes])."""
+    """KV blocks of ``num_layers`` layers (ids below ``max_blocks``) in the pages of ``memory`` (uint8
+    [num_pages * page_bytes]); ``use_kernel``: the Triton paths (paged decode attention, RoPE + KV write)."""
 
-    def __init__(self, memory: torch.Tensor, allocator: PooledBlockAllocator, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
-        page_bytes = allocator.pool.cfg.page_bytes
-        elt = torch.empty((), dtype=dtype).element_size()
-        if page_bytes != block_size * num_kv_heads * head_dim * elt:
-            raise ValueError("a pool page must hold exactly one layer's K (or V) of one KV block")
-        self.block_size, self.allocator = block_size, allocator
-        self.use_kernel = True
+    def __init__(self, memory: torch.Tensor, num_layers: int, max_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, use_kernel: bool = True) -> None:
+        self.block_size = block_size
+        self.use_kernel = use_kernel
         self.pages = memory.view(dtype).view(-1, block_size, num_kv_heads, head_dim)
         self.rows = self.pages.view(-1, num_kv_heads, head_dim)
-        layers = allocator.num_layers
-        self.unit = torch.zeros(2 * layers, max(allocator.max_blocks, 1), dtype=torch.int64, device=memory.device)
+        self.unit = torch.zeros(2 * num_layers, max(max_blocks, 1), dtype=torch.int64, device=memory.device)
         self._inv_freq: dict[tuple[int, float], torch.Tensor] = {}
         self._step_units: torch.Tensor | None = None  # [2L, S, nb] int32 pages of this decode step's blocks
 
@@ -39,15 +34,12 @@ class PooledKVCache:
         """Bytes of one pool page: one layer's K (or V) of one KV block."""
         return block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def map_blocks(self) -> None:
-        """Point the device table at the pages of the blocks allocated since the last call."""
-        new = self.allocator.new_blocks
+    def map_blocks(self, new: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
+        """Point the device table at the pages of newly allocated blocks: (block id, its 2L pages) pairs."""
         if not new:
             return
-        cols = [self.allocator.pages(b) for b in new]
-        idx = torch.tensor(new, dtype=torch.int64, device=self.unit.device)
-        self.unit[:, idx] = torch.tensor(cols, dtype=torch.int64, device=self.unit.device).T
-        new.clear()
+        idx = torch.tensor([b for b, _ in new], dtype=torch.int64, device=self.unit.device)
+        self.unit[:, idx] = torch.tensor([p for _, p in new], dtype=torch.int64, device=self.unit.device).T
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at ``slots`` [T] int64 (slot = block * block_size + offset)."""
@@ -65,12 +57,12 @@ class PooledKVCache:
     def begin_step(self, step: StepTensors) -> None:
         """Per-step setup (the model calls it first): on CUDA decode steps, every layer's K/V page table at once."""
         self._step_units = None
-        if self.use_kernel and self.unit.is_cuda and step.decode_only and step.padded_tables is not None:
+        if self.use_kernel and step.decode_only and step.padded_tables is not None:
             self._step_units = self.unit[:, step.padded_tables.long()].to(torch.int32)
 
     def decode_attention(self, layer: int, q: torch.Tensor, step: StepTensors, scale: float) -> torch.Tensor | None:
         """Triton paged-decode attention [S, Hq, D] for a pure decode step on CUDA; None elsewhere (reference)."""
-        if not (self.use_kernel and q.is_cuda) or step.padded_tables is None or step.context_lens_t is None:
+        if not self.use_kernel or step.padded_tables is None or step.context_lens_t is None:
             return None
         from kernels.paged_attention import paged_decode_attention
 
@@ -86,7 +78,7 @@ class PooledKVCache:
                    theta: float) -> torch.Tensor | None:
         """RoPE on q/k [T, H*, D] and the K/V write in one Triton kernel (CUDA); returns rotated q, or None
         (then the caller runs the eager RoPE and ``write``)."""
-        if not (self.use_kernel and q.is_cuda):
+        if not self.use_kernel:
             return None
         from kernels.rope_kv import rope_kv_write
         from pwrun.model.ops import rope_inv_freq

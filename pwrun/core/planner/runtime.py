@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pwrun.planner.buckets import BucketPolicy
-from pwrun.planner.greedy import Plan, lower_until, predicted_damage, raise_step
-from pwrun.planner.online import OnlineStats, ResidualHeads
-from pwrun.planner.tables import BlockTable
+from pwrun.core.planner.buckets import BucketPolicy
+from pwrun.core.planner.greedy import Plan, lower_until, predicted_damage, raise_step
+from pwrun.core.planner.online import OnlineStats, ResidualHeads
+from pwrun.core.planner.tables import BlockTable
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class PlannerConfig:
     decay of the live statistics. ``use_*``/``movement``: the paper's ablations. ``overlapped``: the runtime
     refreshes d_hat (``refresh_if_stale``) and plans reloads while the device computes each step, so plans use
     d_hat as last refreshed; False: the first plan that needs d_hat after the statistics changed refreshes it (a
-    prepared plan stays in use until then). None: ``pwrun.engine.serve.assemble_engine`` decides, True on CUDA,
+    prepared plan stays in use until then). None: ``pwrun.engine.build.assemble_engine`` decides, True on CUDA,
     False on CPU (nothing runs concurrently: the work stays after sampling); a Planner given None acts as False.
     """
 

@@ -9,15 +9,20 @@ were fit on (``pwcal fit-residual``). ``ResidualHeads`` applies the heads: rho_h
 (Eq. 5) and eta = exp(alpha * c * clip(rho_hat, rho_min, rho_max)) (Eq. 6) for every block and
 transition at once. Runtime approximation (documented): the fused kernel does not expose the
 down projection's input, so a down block uses its expert's gate_up input features.
-Control plane: numpy and pandas only.
+Control plane: numpy only (the heads' table arrives as a pandas frame read elsewhere).
 """
 
 from __future__ import annotations
 
-import numpy as np
-import pandas as pd
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from pwrun.core.planner.tables import UNITS
 from pwrun.model.inventory import SHARED_EXPERT
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 FEATURES = ("mean_norm", "rms_norm", "max_norm")
 
@@ -77,8 +82,6 @@ class ResidualHeads:
 
         Transitions without a head get eta = 1.
         """
-        from pwrun.planner.tables import UNITS
-
         n, nb = unit.size, bits.size
         out = np.ones((n, nb, nb))
         index = {int(b): j for j, b in enumerate(bits)}

@@ -1,0 +1,42 @@
+"""The engine's configuration (frozen, validated on construction; control plane, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``max_batch`` running requests; ``max_step_tokens`` tokens per step (chunked prefill);
+    ``lookahead_tokens``: tokens per running request the prepared plan provisions for; ``cuda_graphs``:
+    replay decode steps from CUDA graphs (CUDA only); ``stats_every``: steps between reads of the live
+    routing statistics (each read is a small device -> host copy); ``max_raise_blocks``: blocks whose
+    reload may start in one step (spreads the host-side copy launches over steps); ``fused_kernels``:
+    the Triton kernels for residual+RMSNorm, RoPE+KV write and routing+statistics instead of the eager ops
+    where the kernels run; ``use_kernels``: run the Triton kernels (MoE, paged attention, fused ops) at all
+    (None: on CUDA only; True on the CPU runs them in Triton's interpreter, for tests at tiny shapes);
+    ``precompile_workers``: on CUDA, processes that compile the decode MoE kernels for 1..``max_batch`` tokens
+    before the page pool is allocated (``kernels/warmup.py``; -1: one per CPU core up to 8, 0: compile on first
+    use); ``debug_checks``: assert page conservation and q_i <= resident planes after every step."""
+
+    block_size: int = 16
+    max_batch: int = 16
+    max_step_tokens: int = 512
+    lookahead_tokens: int = 32
+    debug_checks: bool = False
+    cuda_graphs: bool = True
+    stats_every: int = 4
+    max_raise_blocks: int = 16
+    fused_kernels: bool = True
+    use_kernels: bool | None = None
+    precompile_workers: int = -1
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_batch < 1 or self.max_step_tokens < 1 or self.lookahead_tokens < 0:
+            raise ValueError("block_size, max_batch and max_step_tokens must be >= 1, lookahead_tokens >= 0")
+        if self.stats_every < 1 or self.max_raise_blocks < 0:
+            raise ValueError("stats_every must be >= 1 and max_raise_blocks >= 0")
+        if (not isinstance(self.precompile_workers, int) or isinstance(self.precompile_workers, bool)
+                or self.precompile_workers < -1):
+            raise ValueError(f"precompile_workers must be -1 (one per core, up to 8), 0 (off) or a process count, "
+                             f"got {self.precompile_workers}")

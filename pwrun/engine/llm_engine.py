@@ -1,0 +1,142 @@
+"""The serving loop: the engine core decides, the model runner executes, one step at a time (SPEC 5, 6).
+
+What it does: each step (a safe boundary) it (1) gives the core the reloads whose copies completed, (2)
+takes the core's ``StepDecision`` (chunks, preemptions, demotions made for room), (3) has the runner
+mirror the weight moves and launch the forward, and, with overlapped planning (CUDA), lets the core plan
+while the device computes, (4) feeds the live routing statistics to the core, samples, and hands the
+tokens back (the core retires finished requests and applies the weight policy after sampling, whose
+moves the runner mirrors at once). It records one trace row per step (``StepTrace``) and the run totals.
+With ``debug_checks`` it asserts page conservation and q_i <= resident planes after every step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pwrun.core.engine_core import EngineCore
+from pwrun.core.pool import KV, WEIGHT
+from pwrun.core.request import Request, RequestOutput
+from pwrun.engine.trace import StepTrace
+from pwrun.runner.model_runner import ModelRunner
+
+
+class LLMEngine:
+    """``core`` + ``runner``; ``info`` describes the build (budget split, policy) for the summary.
+    ``bit_weights``: weights per block of the shared-expert and of the routed blocks (for the trace's bits)."""
+
+    def __init__(self, core: EngineCore, runner: ModelRunner, info: dict[str, Any] | None = None,
+                 bit_weights: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        self.core, self.runner = core, runner
+        self.info = dict(info or {})
+        self._bit_weights = bit_weights
+        self.trace: list[StepTrace] = []
+        self.seconds = 0.0
+        self.outputs: dict[int, RequestOutput] = {}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (any time: it joins the next step it fits)."""
+        self.core.add_request(request)
+        self.runner.add_request(request)
+        self.outputs[request.rid] = self.core.output(request.rid)
+
+    def abort(self, rid: int) -> RequestOutput:
+        """Stop request ``rid``; its pages return to the pool. Returns its output so far (finish "abort")."""
+        out = self.core.abort(rid)
+        self.runner.release(rid)
+        self.outputs[rid] = out
+        return out
+
+    @property
+    def idle(self) -> bool:
+        return self.core.idle
+
+    # ------------------------------------------------------------------ steps
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs of the requests that got a token (raises ``RuntimeError`` if no
+        progress is possible)."""
+        core, runner = self.core, self.runner
+        w = core.weights
+        t_step = time.perf_counter()
+        p0 = (0.0, 0.0) if w is None else (w.planner_seconds, w.planner_overlapped_seconds)
+        done = [] if core.overlapped else runner.finished_reloads()  # CPU: copies are done, commit now
+        decision = core.step(done)
+        raised = len(decision.moves.committed)
+        t_model = time.perf_counter()
+        logits = runner.execute(decision)
+        t_launched = time.perf_counter()
+        poll_s = 0.0
+        if core.overlapped:
+            # while the device computes: commit the reloads whose copies are done (their tables change after this
+            # step's kernels in stream order, so the next step reads them) and start new ones
+            raised += len(core.while_computing(decision, runner.finished_reloads()))
+            poll_s = time.perf_counter() - t_launched
+            runner.apply(core.take_moves())
+        reload_s = time.perf_counter() - t_launched
+        runner.sync()  # sampling synchronises right after anyway; this makes the model's time measurable
+        model_s = time.perf_counter() - t_model
+        if core.wants_routing_stats and core.steps % core.cfg.stats_every == 0:
+            core.observe_routing(*runner.take_stats())
+        tokens, logprobs = runner.sample(decision, logits)
+        t_after = time.perf_counter()
+        prefill_before = core.prefill_tokens
+        outs = core.update(decision, tokens, logprobs)
+        for o in outs:
+            self.outputs[o.rid] = o
+            if o.finished:
+                runner.release(o.rid)
+        runner.apply(core.take_moves())
+        t_sync = time.perf_counter()
+        runner.sync()
+        if core.cfg.debug_checks:
+            core.check()
+        dt = time.perf_counter() - t_step
+        self.seconds += dt
+        p1 = (0.0, 0.0) if w is None else (w.planner_seconds, w.planner_overlapped_seconds)
+        self.trace.append(self._trace(decision.num_tokens, len(decision.preempted), dt, model_s, reload_s,
+                                      t_sync - t_after, time.perf_counter() - t_sync, p1[0] - p0[0], p1[1] - p0[1],
+                                      poll_s, raised, core.prefill_tokens - prefill_before))
+        return outs
+
+    def run_until_done(self, on_output: Callable[[RequestOutput], None] | None = None) -> dict[int, RequestOutput]:
+        """Step until every request has finished; ``on_output`` sees every output as it comes. Returns the final
+        output of every request by id."""
+        while not self.core.idle:
+            for o in self.step():
+                if on_output is not None:
+                    on_output(o)
+        return self.outputs
+
+    def _trace(self, step_tokens: int, preempted: int, dt: float, model_s: float, reload_s: float, after_s: float,
+               sync_s: float, planner_s: float, planner_overlapped_s: float, poll_s: float,
+               raised: int, prefill_tokens: int) -> StepTrace:
+        core, pool = self.core, self.core.pool
+        a = core.step_actions
+        wpt = core.wpt
+        q = np.zeros(0, np.int64) if wpt is None else wpt.q
+        page = pool.cfg.page_bytes
+        shared = routed = float("nan")
+        if self._bit_weights is not None:
+            s, r = self._bit_weights
+            shared = float(np.dot(q, s) / s.sum()) if s.any() else float("nan")
+            routed = float(np.dot(q, r) / r.sum()) if r.any() else float("nan")
+        return StepTrace(
+            step=core.steps - 1, seconds=dt, model_seconds=model_s, graph_captured=self.runner.captured,
+            after_seconds=after_s, sync_seconds=sync_s, reload_seconds=reload_s,
+            planner_seconds=planner_s, planner_overlapped_seconds=planner_overlapped_s,
+            poll_seconds=poll_s, refresh_seconds=a.refresh_seconds, raise_plan_seconds=a.raise_plan_seconds,
+            raise_start_seconds=a.raise_start_seconds, prepare_seconds=a.prepare_seconds,
+            free_blocks=core.alloc.num_free, kv_pages=pool.count(KV), weight_pages=pool.count(WEIGHT),
+            free_pages=pool.num_free, pressure_bytes=int(a.pressure_bytes), demoted_blocks=a.demoted_blocks,
+            reload_started_blocks=a.reload_started_blocks, promoted_blocks=raised,
+            mean_bits=float(q.mean()) if q.size else 16.0,
+            weight_bytes=0 if wpt is None else int(wpt.weight_pages() * page),
+            committed_weight_bytes=0 if wpt is None else int(wpt.pages_at(wpt.q).sum() * page),
+            bytes_in_flight=0 if core.weights is None else core.weights.in_flight_bytes(),
+            running=len(core.scheduler.running), waiting=len(core.scheduler.waiting), preempted=preempted,
+            step_tokens=step_tokens, prefill_tokens=prefill_tokens, bits_hist=np.bincount(q, minlength=9).tolist(),
+            shared_bits=shared, routed_bits=routed, device_peak_bytes=self.runner.peak_bytes())

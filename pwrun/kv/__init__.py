@@ -1,1 +1,0 @@
-"""Paged KV cache: block allocator (control plane, no torch) and block storage (torch)."""

@@ -1,0 +1,159 @@
+"""The MoE block forward over AP experts in the page pool, and the live routing statistics.
+
+What it does: ``APMoE.__call__`` is the MoE block the model calls. With the kernels: the router matmul
+(router and shared-expert gate fused in one), one routing kernel (top-k, gate, statistics) and the fused
+AP kernels for the routed and shared experts, reading the ``KernelTables``. Without (the reference): the
+model's router, then each block dequantized from its pages at its committed q (memoized until q changes,
+``invalidate``), then the same dense expert loop as the 16-bit model. It also accumulates the live
+routing statistics on the device (no host sync inside the step); ``take_stats`` reads and zeroes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from pwrun.ap.format import dequantize, words_per_row
+from pwrun.core.weight_table import WeightPageTable
+from pwrun.model.inventory import SHARED_EXPERT
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.moe import experts_forward, route
+from pwrun.model.weights import MLPWeights, MoEWeights
+from pwrun.runner.experts.layout import LUT_BYTES
+from pwrun.runner.experts.tables import TABLE_ROW_ALIGN, KernelTables
+
+
+class APMoE:
+    """MoE forward of ``model``'s layers with blocks ``keys`` (shapes ``shapes``) committed in ``wpt``."""
+
+    def __init__(self, model: LeanMoEModel, keys: list[tuple[int, int, str]], shapes: list[tuple[int, int]],
+                 wpt: WeightPageTable, tables: KernelTables, use_kernel: bool) -> None:
+        self.model, self.spec, self.wpt, self.tables = model, model.spec, wpt, tables
+        self.shape = shapes
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.use_kernel = use_kernel
+        self.page_bytes = tables.page_bytes
+        self.device = tables.device
+        self._dense: dict[int, torch.Tensor] = {}
+        num_layers = self.spec.num_layers
+        e_max = max((ls.moe.num_experts for ls in self.spec.layers if ls.moe is not None), default=1)
+        # live routing statistics (read and zeroed every few steps), shared expert in column e_max
+        # (fp32 for the routing kernel's atomics; fp64 sums on the reference path)
+        acc_dtype = torch.float32 if use_kernel else torch.float64
+        # rows padded to a multiple of TABLE_ROW_ALIGN columns, so each layer's row the routing kernel updates starts
+        # 16-byte aligned (else two compiled variants, as for the tables)
+        cols = -(-(e_max + 1) // TABLE_ROW_ALIGN) * TABLE_ROW_ALIGN
+        self.mass_acc = torch.zeros(num_layers, cols, dtype=acc_dtype, device=self.device)[:, :e_max + 1]
+        self.norm_acc = torch.zeros(num_layers, e_max + 1, 4, dtype=acc_dtype, device=self.device)
+        self.observe = True  # the runner turns it off when no planner reads the statistics
+        self.e_max = e_max
+        self._shared_ids: dict[int, torch.Tensor] = {}
+        self._router_gate = _fuse_router_and_gate(model) if use_kernel else {}
+
+    def invalidate(self, blocks: list[int]) -> None:
+        """Forget the dense copies of ``blocks`` (their committed bits changed)."""
+        for i in blocks:
+            self._dense.pop(i, None)
+
+    def dense(self, i: int) -> torch.Tensor:
+        """Dense weight [N, K] (model dtype) of block i at its committed q, read from its pool pages."""
+        w = self._dense.get(i)
+        if w is None:
+            n, k = self.shape[i]
+            q = int(self.wpt.q[i])
+            kw = words_per_row(k)
+            wpp, epp = self.page_bytes // 4, self.page_bytes // LUT_BYTES
+            words, luts = self.tables.words, self.tables.lut_view
+            planes = torch.stack([words[s * wpp: s * wpp + n * kw].view(n, kw)
+                                  for s in self.wpt.plane_start[i, :q].tolist()])
+            ls = int(self.wpt.lut_start[i]) * epp
+            lut = luts[ls: ls + n * 2**q].view(n, 2**q)
+            w = dequantize(planes, lut, k, q, self.model.dtype)
+            self._dense[i] = w
+        return w
+
+    def __call__(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """MoE output [T, H] for normalised hidden states x [T, H] with the committed AP experts."""
+        lw = self.model.weights.layers[layer].moe
+        spec = self.spec.layers[layer].moe
+        assert lw is not None and spec is not None
+        if self.use_kernel:
+            return self._kernel(x, layer, lw, spec)
+        weights, ids = route(x, lw.router, spec)
+        if self.observe:
+            self._observe(layer, x, ids, weights, spec.num_experts, lw.shared is not None)
+        view = _DenseMoE(self, layer, lw)
+        return experts_forward(x, cast(MoEWeights, view), weights, ids, spec.num_experts, layer)
+
+    def _kernel(self, x: torch.Tensor, layer: int, lw: MoEWeights, spec: Any) -> torch.Tensor:
+        """Kernel path: router matmul (router and shared gate in one), one routing kernel (top-k, gate,
+        statistics), the fused AP kernels for the routed experts and the shared expert (``ap_moe_block``)."""
+        from kernels.ap_moe import ap_moe, ap_moe_block
+        from kernels.dense_gemv import linear
+        from kernels.route_topk import route_topk
+
+        e = spec.num_experts
+        has_gate = lw.shared_gate is not None
+        weight = self._router_gate.get(layer, lw.router)
+        logits = linear(x, weight)
+        stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max else None
+        w, ids, shared_w = route_topk(logits, x, e, spec.top_k, spec.norm_topk_prob, has_gate, stats,
+                                      has_shared=lw.shared is not None)
+        if self.observe and stats is None:
+            self._observe(layer, x, ids, w, e, lw.shared is not None)
+        if lw.shared is None:
+            return ap_moe(x, ids, w, self.tables.experts(layer), check=False)
+        t = x.shape[0]
+        sid = self._shared_ids.get(t)
+        if sid is None:
+            sid = self._shared_ids[t] = torch.zeros(t, 1, dtype=torch.int64, device=x.device)
+        return ap_moe_block(x, ids, w, self.tables.experts(layer), self.tables.experts(layer, "shared"),
+                            shared_w[:, None], sid, check=False)
+
+    def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                 shared: bool) -> None:
+        from kernels.route_topk import accumulate_routing_stats
+
+        accumulate_routing_stats(self.mass_acc[layer], self.norm_acc[layer], x, ids, weights,
+                                 self.mass_acc.shape[1] - 1, shared)
+
+    def take_stats(self) -> tuple[Any, Any]:
+        """The routing-weight sums [L, E+1] and norm accumulators [L, E+1, 4] (numpy) since the last call."""
+        m, a = self.mass_acc.cpu().numpy().copy(), self.norm_acc.cpu().numpy().copy()
+        self.mass_acc.zero_()
+        self.norm_acc.zero_()
+        return m, a
+
+
+def _fuse_router_and_gate(model: LeanMoEModel) -> dict[int, torch.Tensor]:
+    """{layer: [E+1, H]} each MoE layer's router with its shared-expert gate as the last row, so that one
+    matmul gives the routing and gate logits. The layer's weights become views of it (no extra memory)."""
+    fused: dict[int, torch.Tensor] = {}
+    for layer, lw in enumerate(model.weights.layers):
+        m = lw.moe
+        if m is None or m.shared_gate is None:
+            continue
+        both = torch.cat([m.router, m.shared_gate.reshape(1, -1)])
+        m.router, m.shared_gate = both[:-1], both[-1:].view(m.shared_gate.shape)
+        fused[layer] = both
+    return fused
+
+
+class _Units:
+    def __init__(self, moe: APMoE, layer: int, unit: str) -> None:
+        self.moe, self.layer, self.unit = moe, layer, unit
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.moe.dense(self.moe.index[(self.layer, e, self.unit)])
+
+
+class _DenseMoE:
+    """Duck-typed ``MoEWeights`` whose expert tensors are the dense views of the AP blocks (reference path)."""
+
+    def __init__(self, moe: APMoE, layer: int, lw: MoEWeights) -> None:
+        self.router, self.shared_gate = lw.router, lw.shared_gate
+        self.gate_up, self.down = _Units(moe, layer, "gate_up"), _Units(moe, layer, "down")
+        self.shared = None if lw.shared is None else MLPWeights(
+            moe.dense(moe.index[(layer, SHARED_EXPERT, "gate_up")]),
+            moe.dense(moe.index[(layer, SHARED_EXPERT, "down")]))

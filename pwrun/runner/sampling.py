@@ -1,0 +1,30 @@
+"""Next-token sampling: greedy, temperature and nucleus (top-p); log-probabilities of forced tokens.
+
+What it does: turns fp32 logits [S, V] into token ids [S] with a seeded ``torch.Generator`` so
+sampled runs are reproducible (``SamplingParams`` lives in ``pwrun.core.request``). It does not run
+the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pwrun.core.request import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Token ids [S] int64 from logits [S, V] float."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the top token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def token_logprob(logits: torch.Tensor, token: int) -> float:
+    """log p(``token``) in nats under logits [V] (teacher-forced scoring)."""
+    return float(torch.log_softmax(logits.float(), dim=-1)[token])
