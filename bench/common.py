@@ -37,16 +37,16 @@ import transformers
 import triton
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pwrun.core.planner.buckets import BucketPolicy
+from pwrun.core.planner.runtime import PlannerConfig
+from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.data import default_model_dir
-from pwrun.engine.experts import page_rounded_bytes
 from pwrun.model.checkpoint import LayerWeights, ModelWeights, _attention, _moe
 from pwrun.model.families import spec_from_config
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import read_config
-from pwrun.planner.buckets import BucketPolicy
-from pwrun.planner.runtime import PlannerConfig
-from pwrun.planner.tables import UNITS, BlockTable
+from pwrun.runner.experts.layout import page_rounded_bytes
 
 RESULTS = Path("bench/results")
 QWEN = Path("tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B")

@@ -36,8 +36,8 @@ from bench.common import (
     synthetic_table,
     write_records,
 )
-from pwrun.planner.online import OnlineStats
-from pwrun.planner.runtime import Planner
+from pwrun.core.planner.online import OnlineStats
+from pwrun.core.planner.runtime import Planner
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:

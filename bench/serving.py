@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +72,13 @@ from bench.common import (
     write_records,
 )
 from bench.render import serving_table
+from pwrun.core.config import EngineConfig
+from pwrun.core.request import SamplingParams
 from pwrun.engine.budget import workspace_bytes
-from pwrun.engine.engine import HOST_PHASES, EngineConfig
+from pwrun.engine.build import ServeConfig, assemble_engine, dense_engine, strip_experts
 from pwrun.engine.report import summarize
-from pwrun.engine.serve import ServeConfig, assemble_engine, strip_experts
 from pwrun.errors import BudgetTooSmall
 from pwrun.model.lean import LeanMoEModel
-from pwrun.runner import ModelRunner
-from pwrun.sampling import SamplingParams
 
 EQUAL_MEMORY_BITS = (4, 3)  # uniform bitwidths tried in PagedWeight's budget, highest first
 EQUAL_MEMORY = ", PagedWeight's budget"  # suffix of those rows' system name
@@ -153,19 +153,18 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str, b
         return assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(max_new_tokens=n),
                                reqs, set())
 
-    build(3).engine.run()
+    build(3).run_until_done()
     reset_peak(device)
-    built = build(gen)
-    e = built.engine
+    e = build(gen)
     cached = triton_cache_entries()
-    e.run()
-    s = summarize(e, built.info)
+    outs = e.run_until_done()
+    s = summarize(e).to_dict()
     keep = {k: s[k] for k in SUMMARY_KEYS if k in s}
     keep["triton_compiles_in_run"] = triton_cache_entries() - cached  # > 0: JIT time inside the timed run
     # tokens served per second of the whole run: each prompt and generated token once
-    keep["served_tokens_per_second"] = sum(len(q.prompt) + len(q.out) for q in e.seqs.values()) / max(
-        e.totals.seconds, 1e-9)
-    tr = e.totals.trace
+    keep["served_tokens_per_second"] = sum(o.prompt_tokens + len(o.token_ids) for o in outs.values()) / max(
+        e.seconds, 1e-9)
+    tr = [asdict(r) for r in e.trace]
     dec_all = [r for r in tr if r["step_tokens"] == r["running"] and r["running"] > 0 and r["preempted"] == 0]
     dec = [r for r in dec_all if not r.get("graph_captured")]
     pre = [r for r in tr if r not in dec_all]
@@ -179,24 +178,24 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str, b
         "prefill_tps_measured": sum(r["step_tokens"] for r in pre) / max(sum(r["seconds"] for r in pre), 1e-9),
         "decode_step_ms_median": _median_ms(dec, "seconds"), "decode_model_ms_median": _median_ms(dec, "model_seconds"),
         "decode_step_ms_moving": _median_ms(moving, "seconds"), "decode_step_ms_still": _median_ms(still, "seconds"),
-        "steps_moving": len(moving), "bits_read_per_token": bits_read_per_token(e.model.spec, dec),
+        "steps_moving": len(moving), "bits_read_per_token": bits_read_per_token(e.runner.model.spec, dec),
         "device_peak_bytes": peak(device)}
     for name, rs in (("moving", moving), ("still", still)):
         if rs:  # where a decode step's host time goes (medians, ms)
             keep[f"breakdown_{name}_ms"] = {k: round(_median_ms(rs, k), 3) for k in (
                 "seconds", "model_seconds", "reload_seconds", "after_seconds", "sync_seconds",
-                *(f"{p}_seconds" for p in HOST_PHASES))}
+                *(f"{p}_seconds" for p in ("poll", "refresh", "raise_plan", "raise_start", "prepare")))}
     if dec:  # planner time of the decode steps alone
         keep["planner_ms_per_decode_step"] = 1e3 * float(np.mean([r["planner_seconds"] for r in dec]))
         keep["planner_share_of_decode_step"] = sum(r["planner_seconds"] for r in dec) / max(
             sum(r["seconds"] for r in dec), 1e-9)
-    del e, built
+    del e
     reset_peak(device)
     return keep
 
 
 SUMMARY_KEYS = ("planner_ms_per_step", "planner_overlapped_ms_per_step", "demoted_blocks", "promoted_blocks",
-                "bytes_host_to_device", "preemptions", "mean_bits_time_avg", "weight_bytes_max", "kv_bytes_max",
+                "bytes_host_to_device", "preemptions", "mean_bits", "weight_bytes_max", "kv_bytes_max",
                 "gpu_memory", "seconds")
 
 
@@ -204,14 +203,13 @@ def lean16_run(model: LeanMoEModel, reqs: list[list[int]], gen: int, device: str
     """Our 16-bit lean model over a paged KV cache (reference expert loop): prefill, then greedy decode."""
     bs = 16
     reset_peak(device)
-    runner = ModelRunner(model, num_blocks=sum(-(-(len(r) + gen) // bs) for r in reqs), block_size=bs)
+    e = dense_engine(model, SamplingParams(max_new_tokens=gen), reqs, set(), bs)
     sync(device)
     t0 = time.perf_counter()
-    nxt = runner.run(dict(enumerate(reqs))).argmax(-1).tolist()
+    e.step()  # every prompt in one prefill step
     sync(device)
     t1 = time.perf_counter()
-    for _ in range(gen - 1):
-        nxt = runner.run({i: [t] for i, t in enumerate(nxt)}).argmax(-1).tolist()
+    e.run_until_done()
     sync(device)
     t2 = time.perf_counter()
     return {"prefill_tps_measured": sum(map(len, reqs)) / (t1 - t0),

@@ -31,13 +31,12 @@ from pwcal.calib_data import calibration_windows
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import block_bytes, dequantize
 from pwrun.data import read_text
-from pwrun.kv.blocks import blocks_needed
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.model.weights import dense_weight
 from pwrun.ppl import perplexity
-from pwrun.runner import ModelRunner
+from pwrun.runner.prefill import prefill_logits
 
 Key = tuple[int, int, str]
 
@@ -55,14 +54,11 @@ def set_block(model: LeanMoEModel, b: LinearBlock, w: torch.Tensor) -> None:
 def logprobs(model: LeanMoEModel, windows: list[list[int]], batch: int = 8) -> torch.Tensor:
     """[windows * (seq_len - 1), V] float32 log-probabilities of the next token."""
     seq = len(windows[0])
-    runner = ModelRunner(model, num_blocks=batch * blocks_needed(seq, 16), block_size=16)
     out = []
     for lo in range(0, len(windows), batch):
         rows = range(lo, min(len(windows), lo + batch))
-        logits = runner.run({r: windows[r] for r in rows}, logits_for="all").view(len(rows), seq, -1)[:, :-1]
+        logits = prefill_logits(model, [windows[r] for r in rows]).view(len(rows), seq, -1)[:, :-1]
         out.append(F.log_softmax(logits.float(), -1).flatten(0, 1))
-        for r in rows:
-            runner.release(r)
     return torch.cat(out)
 
 
