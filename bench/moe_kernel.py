@@ -29,13 +29,15 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
 from bench.common import ap_block_bytes, copy_bandwidth, environment, event_ms, graph_ms, write_records
-from kernels.ap_moe import ap_moe, ap_moe_ref, build_experts, pick_config
+from kernels.moe.dispatch import ap_moe, pick_config
+from kernels.moe.experts import build_experts
+from kernels.moe.ref import ap_moe_ref
 from pwrun.ap.format import pack_planes
 
 SHAPES = {"qwen1.5-moe": dict(hidden=2048, inter=1408, experts=60, topk=4),
           "mixtral-8x7b": dict(hidden=4096, inter=14336, experts=8, topk=2)}
 SHAPES["qwen1.5-moe-shared"] = dict(hidden=2048, inter=5632, experts=1, topk=1)  # its own launch in serving
-DECODE_PATHS = ("gemv", "gemv1")  # paths whose launches a CUDA graph holds (no host sync)
+DECODE_PATHS = ("decode",)  # paths whose launches a CUDA graph holds (no host sync)
 COLD_L2_BYTES = 256 << 20  # written before each timed call with --cold-l2 (H200 L2: 50 MB)
 
 

@@ -1,5 +1,6 @@
-"""Triton kernels (fused mixed-precision MoE, paged attention), each beside its PyTorch reference.
+"""Triton kernels, each file with its launcher and pure-PyTorch ``*_ref`` twin; leaves of the import graph.
 
-Empty until the kernel issue lands; the reference math lives in ``pwrun.model.moe`` and
-``pwrun.model.attention``.
+``moe/`` (the Any-Precision MoE: decode, mid-size and prefill paths, dispatch, reference), ``paged_attention``,
+``dense_gemv``, ``norm``, ``rope_kv``, ``route_topk``, ``warmup`` (compile decode kernels before serving);
+launch configs are data in ``configs/*.json``. Nothing here imports the runtime.
 """

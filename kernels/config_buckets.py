@@ -2,7 +2,8 @@
 
 What it does: ``pick_bucket`` returns the config of the bucket whose lower bound is the largest one <= the size
 (the first bucket's below all bounds), for every kernel that keeps tuned configs as such buckets
-(``kernels.ap_moe`` by tokens, ``kernels.paged_attention`` by sequences). It does not read files or merge defaults.
+(``kernels.moe.dispatch`` by tokens, ``kernels.paged_attention`` by sequences). It does not read files or
+merge defaults.
 """
 
 from __future__ import annotations

@@ -2,12 +2,11 @@
 
 What it computes, for the step's projected queries q [T, Hq, D], keys k and values v [T, Hkv, D]
 and positions [T]: the default rotary embedding (rotate-half convention, full head dim; cos/sin
-of ``position * theta^(-2i/D)`` computed in fp32 and rounded to the model dtype, as
-``pwrun.model.ops.rope_cos_sin`` does; the reference takes its fp32 cos/sin from the same
-``pwrun.model.ops.rope_cos_sin_fp32``), applied to q (returned) and to k; the rotated k and v go
-straight into the paged KV cache rows at the step's slots. A slot s lives in KV block
+of ``position * theta^(-2i/D)`` computed in fp32 by ``rope_cos_sin_fp32`` and rounded to the model
+dtype, as the lean model's eager tables are), applied to q (returned) and to k; the rotated k and v
+go straight into the paged KV cache rows at the step's slots. A slot s lives in KV block
 ``s // block_size``; its key row is ``k_units[block] * block_size + s % block_size`` of
-``cache_rows`` (values: ``v_units``), the layout of ``pwrun.runner.kv_store.PooledKVCache``.
+``cache_rows`` (values: ``v_units``), the runtime's pooled KV cache layout.
 Eagerly this is ~30 launches per layer (cos/sin, two rotate-halfs, index math, two index_copy).
 Rounding: the kernel rotates in fp32 and rounds once; the eager model rounds each product
 (differences of one unit in the last place of the model dtype).
@@ -22,7 +21,17 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
-from pwrun.model.ops import rope_cos_sin_fp32
+
+
+def rope_cos_sin_fp32(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] fp32, not rounded, for positions [T] int64 and inv_freq [D/2] fp32 (rotate-half layout).
+
+    Shared by the lean model's eager tables (which round them to the model dtype) and ``rope_kv_write_ref``
+    (which rounds them the same way but rotates in fp32), so both start from the same angles.
+    """
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
 
 
 def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

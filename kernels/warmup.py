@@ -1,20 +1,12 @@
-"""Compile the decode-step MoE kernels before serving, in parallel worker processes (issue 8: no stall at run time).
+"""Compile the decode-step kernels before serving, in parallel worker processes, so serving never stalls on
+a first-use compile.
 
-Not a SPEC equation: it serves SPEC section 7's kernels to the runtime of sections 5-6 without a first-use stall.
-
-Why: Triton compiles a kernel specialization on its first launch, in the launching process, one at a time. A
-decode step needs a gate_up and a down kernel per expert shape, config and padded token count (``kernels_at``),
-10-20 s each for sm_90 (``bench/results/gemv_probe/compile_time_cpu.md``; before the codes of a word became a
-loop at 2..8 tokens, 1.5 min at 4 tokens and ~10 min at 8, almost all in Triton's ``TritonGPUCoalesce`` pass). An engine
-serving 4 requests from a cold cache produced nothing in 590 s on the H200 (ninth session, unrolled kernels);
-with this warm-up (6 workers) the same kernels compiled in 175.5 s before serving started. Here one worker process
-per (expert set, token count) runs the decode-step MoE call on random experts of that shape, so the kernels land
-in Triton's on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), from which the serving process then
-loads them. The routed and the shared experts compile in separate workers (their kernels differ in shape constants).
-
-What it does not do: anything on the CPU (the runtime's CPU path uses no Triton kernel). Given the engine's
-``max_step_tokens`` it also compiles what steps mixing decodes with a prompt's last chunk launch (any token count:
-``step_token_limit``; before the seventeenth session only 1..max_batch, and such steps compiled inside serving).
+Triton compiles a kernel specialization on its first launch, in the launching process, one at a time (10-20 s
+each for sm_90). A decode step needs, per expert shape, config and padded token count, a gate_up and a down MoE
+kernel (``kernels_at``), and per 16-bit linear one GEMV per padded token count (``gemv_key``). Here worker
+processes run each needed call once on random weights of that shape, so the kernels land in Triton's on-disk
+cache (``TRITON_CACHE_DIR``), from which the serving process loads them. Given the engine's ``max_step_tokens``
+it also covers steps that mix decodes with a prompt's last chunk (any token count). CUDA only.
 """
 
 from __future__ import annotations
@@ -31,14 +23,18 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import triton
 
-from kernels.ap_moe import APExperts, ap_moe, build_experts, pick_config, shape_buckets
-from kernels.ap_moe_gemv import token_pad
-from kernels.ap_moe_gemv1 import launches
+from kernels.dense_gemv import gemv, max_tokens
+from kernels.dense_gemv import pick_config as gemv_config
+from kernels.moe.decode import launches
+from kernels.moe.dispatch import ap_moe, pick_config, shape_buckets
+from kernels.moe.experts import random_experts
 
 J = TypeVar("J")
 
-_done: set[tuple[int, int, int, str, int]] = set()  # warmed in this process (the on-disk cache outlives it)
+_done: set[tuple[int, int, int, str, int]] = set()  # MoE jobs warmed in this process (the disk cache outlives it)
+_done_gemv: set[tuple[int, int, bool, str, int]] = set()  # GEMV jobs warmed in this process
 
 
 @dataclass(frozen=True)
@@ -67,18 +63,16 @@ def triton_int_class(v: int) -> int:
 def kernels_at(num_tokens: int, cfg: dict[str, Any], topk: int = 1) -> set[tuple[str, int, int]]:
     """The kernel specializations a decode MoE call of ``num_tokens`` tokens (top-``topk`` routing) with config
     ``cfg`` (one bucket of ``kernels/configs/ap_moe.json``) launches, as (config, constexpr token count, int class)
-    keys: the token rules are the kernels' own (``kernels.ap_moe_gemv1.launches``, ``kernels.ap_moe_gemv.token_pad``;
-    the other paths take no token constexpr, 0), the int class (``triton_int_class``) that of the runtime count the
-    kernels receive (T for gemv1 and gemv, T * topk pairs for the others and for gemv1's pair sort with SLOTS).
+    keys: the decode path's token rules are its own (``kernels.moe.decode.launches``; the other paths take no token
+    constexpr, 0), the int class (``triton_int_class``) that of the runtime count the kernels receive (T for the
+    decode path, T * topk pairs for the others and for the decode path's pair sort with SLOTS).
     Raises ``ValueError`` for a bad SLOTS."""
     key = json.dumps(cfg, sort_keys=True)
-    if cfg.get("path") == "gemv1":
+    if cfg.get("path") == "decode":
         keys = {(key, t_pad, triton_int_class(t)) for t_pad, t in launches(num_tokens, cfg)}
-        if cfg.get("SLOTS"):  # the pair sort (``kernels.pair_sort``) takes the T * topk pairs
+        if cfg.get("SLOTS"):  # the pair sort (``kernels.moe.pair_sort``) takes the T * topk pairs
             keys.add(("pair_sort", 0, triton_int_class(num_tokens * topk)))
         return keys
-    if cfg.get("path") == "gemv":
-        return {(key, token_pad(num_tokens), triton_int_class(num_tokens))}
     return {(key, 0, triton_int_class(num_tokens * topk))}
 
 
@@ -96,7 +90,7 @@ def step_token_limit(max_batch: int, max_step_tokens: int | None, hidden: int | 
     """The largest token count whose MoE kernels the warm-up compiles for experts ``hidden`` x ``inter``:
     ``max_batch`` if ``max_step_tokens`` is None (decode steps only), else every count a step of at most
     ``max_step_tokens`` tokens can hand the MoE (chunked prefill mixes a prompt's last piece with the running
-    decodes: any count, seventeenth session, ``bench/results/serve_mixtral_s17b_h200.md``), scanned up to the last
+    decodes: any count), scanned up to the last
     bucket's first count + 15 (that bucket's path at both Triton int classes of its pair count; more tokens launch
     nothing new) and never below ``max_batch``."""
     if max_step_tokens is None:
@@ -116,20 +110,6 @@ def covering_counts(max_t: int, keys_of: Callable[[int], set[Any]]) -> list[int]
             out.append(t)
             seen |= new
     return out
-
-
-def random_experts(hidden: int, inter: int, n: int, q: int = 4, dtype: torch.dtype = torch.bfloat16,
-                   device: str = "cuda") -> APExperts:
-    """n experts of shape H = ``hidden``, I = ``inter`` (gate_up [2I, H], down [H, I]), every block at q bits: random
-    int32 planes [8, N, ceil(K / 32)] and LUTs [N, 2^q] (x 0.01) laid out by ``build_experts``. For compiling and
-    timing kernels only (the values mean nothing; the bitwidth is a run-time value of the kernels, so one compile
-    serves every q)."""
-    codes, luts = [], []
-    for i in range(2 * n):
-        rows, k = (2 * inter, hidden) if i % 2 == 0 else (hidden, inter)
-        codes.append(torch.randint(-2**31, 2**31 - 1, (8, rows, -(-k // 32)), dtype=torch.int32, device=device))
-        luts.append({q: torch.randn(rows, 2**q, device=device) * 0.01})
-    return build_experts(codes, luts, [q] * (2 * n), hidden, inter, dtype, device)
 
 
 def _warm(job: tuple[int, int, int, str, int]) -> str:
@@ -209,3 +189,71 @@ def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | Non
             for t in decode_token_counts(step_token_limit(max_batch, max_step_tokens, e[0], e[1]), e[0], e[1],
                                          topk=e[2])]
     return compile_in_workers(_warm, jobs, _done, workers, "the decode MoE kernels")
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """A 16-bit linear of the decode step: weight [``n``, ``k``], a bias or not, ``dtype`` a torch dtype name.
+    Raises ``ValueError`` for a size that is not an integer >= 1."""
+
+    n: int
+    k: int
+    bias: bool
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (self.n, self.k)):
+            raise ValueError(f"a linear needs positive integer sizes, got {self}")
+
+
+def gemv_key(t: int) -> tuple[int, int]:
+    """The specialization of ``kernels.dense_gemv._gemv_kernel`` that ``t`` tokens launch on a given weight:
+    (T_PAD = the next power of 2 >= t, Triton int class of t)."""
+    return triton.next_power_of_2(t), triton_int_class(t)  # T_PAD as ``kernels.dense_gemv.gemv`` computes it
+
+
+def linear_token_counts(shape: LinearShape, max_batch: int) -> list[int]:
+    """The fewest token counts in 1..min(``max_batch``, ``max_tokens(N, K)``) whose GEMV calls launch every
+    specialization (``gemv_key``) any count of that range launches: the smallest count stands for its key."""
+    return covering_counts(min(max_batch, max_tokens(shape.n, shape.k)), lambda t: {gemv_key(t)})
+
+
+def stand_in_rows(n: int) -> int:
+    """Rows of a weight that compiles the same kernel as ``n`` rows (same ``triton_int_class``; the row count is a
+    runtime argument, the tile comes from ``kernels.dense_gemv.pick_config(n, K)``): 1, 16 or 17, never more than
+    needed."""
+    return {1: 1, 16: 16}.get(triton_int_class(n), 17 if n > 17 else n)
+
+
+def _warm_gemv(job: tuple[int, int, bool, str, int]) -> str:
+    """Worker: one GEMV call of ``t`` tokens on a stand-in of weight [n, k]; "" or the error."""
+    n, k, bias, dt, t = job
+    start = time.perf_counter()
+    try:
+        dtype = getattr(torch, dt)
+        rows = stand_in_rows(n)
+        w = torch.randn(rows, k, device="cuda", dtype=dtype)
+        b = torch.randn(rows, device="cuda", dtype=dtype) if bias else None
+        gemv(torch.randn(t, k, device="cuda", dtype=dtype), w, b, gemv_config(n, k))
+        torch.cuda.synchronize()
+        print(f"  decode GEMV {n}x{k}{' + bias' if bias else ''} {dt}, {t} tokens: {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)
+        return ""
+    except Exception as err:
+        return f"GEMV {n}x{k} {dt}, {t} tokens: {type(err).__name__}: {str(err)[:200]}"
+
+
+def precompile_gemv(shapes: list[LinearShape], max_batch: int, workers: int | None = None,
+                    max_step_tokens: int | None = None) -> list[str]:
+    """Compile the decode GEMV of every linear in ``shapes`` for 1..``max_batch`` tokens, or, given the engine's
+    ``max_step_tokens``, for every count a step can hand it (a prompt's last chunk beside the running decodes: up to
+    ``max(max_batch, max_step_tokens)``) (``linear_token_counts``), into Triton's on-disk cache, ``workers``
+    processes at a time (default ``default_workers()``; 0: nothing). Needs CUDA; skips linears
+    whose dtype is not bf16 / fp16 (``linear`` sends those to ``F.linear``) and jobs already done in this process.
+    Returns one message per failed job (its kernel then compiles on first use). Raises ``ValueError`` for a
+    negative or non-integer ``workers``."""
+    check_workers(workers)
+    limit = max_batch if max_step_tokens is None else max(max_batch, max_step_tokens)
+    jobs = [(s.n, s.k, s.bias, s.dtype, t) for s in dict.fromkeys(shapes) if s.dtype in ("bfloat16", "float16")
+            for t in linear_token_counts(s, limit)]
+    return compile_in_workers(_warm_gemv, jobs, _done_gemv, workers, "the decode GEMVs")

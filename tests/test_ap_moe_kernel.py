@@ -2,9 +2,9 @@
 
 Fresh random inputs each run; ragged sizes (H, I not multiples of the tiles), experts with no
 token, all tokens on one expert, a token picking one expert twice, every q in 1..8, a random mix
-of q in one launch, several top-k, bf16 and fp16, on each path (gemv decode with both code
-builders, fused tl.dot, dequantize + GEMM); workspaces are poisoned first so unwritten rows are
-caught; bits / LUT tables changed in place between calls are honoured.
+of q in one launch, several top-k, bf16 and fp16, on each path (decode in token-slot and sorted-slot
+modes, mid-size tl.dot tiles, dequantize + GEMM); scratch buffers are poisoned first so unwritten rows
+are caught; bits / LUT tables changed in place between calls are honoured.
 """
 
 from __future__ import annotations
@@ -12,16 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ap_moe import (
-    APExperts,
-    ap_moe,
-    ap_moe_block,
-    ap_moe_ref,
-    ap_moe_shared,
-    build_experts,
-    dequant_blocks,
-    pick_config,
-)
+from kernels.moe.codec import dequantize
+from kernels.moe.dispatch import ap_moe, ap_moe_block, ap_moe_shared, pick_config
+from kernels.moe.experts import APExperts, build_experts
+from kernels.moe.prefill import dequant_blocks
+from kernels.moe.ref import ap_moe_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,16 +33,15 @@ def make(num_experts: int, hidden: int, inter: int, bits: list[int], dtype: torc
 
 # one small config per path (few programs, so the interpreter stays fast)
 PATHS = {
-    "gemv": {"path": "gemv", "SPREAD": 1, "gate_up": {"BLOCK_N": 32, "BLOCK_K": 64},
-             "down": {"BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 2}},
-    "gemv_bitwise": {"path": "gemv", "SPREAD": 0, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 128},
-                     "down": {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}},
-    "fused": {"path": "fused", "SPREAD": 1, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64},
-    "dequant": {"path": "dequant", "SPREAD": 0, "BLOCK_N": 16, "BLOCK_K": 64},
+    "decode": {"path": "decode", "gate_up": {"BLOCK_N": 32, "BLOCK_K": 64},
+               "down": {"BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 2}},
+    "decode_sorted": {"path": "decode", "gate_up": {"BLOCK_N": 16, "BLOCK_K": 128},
+                      "down": {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}, "SLOTS": 2},
+    "mid": {"path": "mid", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64},
+    "prefill": {"path": "prefill", "BLOCK_N": 16, "BLOCK_K": 64},
 }
-# one token only (the T = 1 decode path)
-GEMV1 = {"path": "gemv1", "gate_up": {"BLOCK_N": 16, "BLOCK_K": 64},
-         "down": {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}}
+DECODE = {"path": "decode", "gate_up": {"BLOCK_N": 16, "BLOCK_K": 64},
+          "down": {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}}
 
 
 def check(t: int, k: int, e: int, hidden: int, inter: int, bits: list[int], dtype: torch.dtype, seed: int,
@@ -100,7 +94,7 @@ def test_all_tokens_on_one_expert_and_idle_experts(t: int) -> None:
     check(t, 1, 4, hidden=72, inter=40, bits=[3, 5, 8, 2, 4, 6, 7, 3], dtype=torch.float16, seed=7, ids=ids)
 
 
-@pytest.mark.parametrize("path", ["gemv", "fused"])
+@pytest.mark.parametrize("path", ["decode", "decode_sorted", "mid"])
 def test_token_picking_one_expert_twice(path: str) -> None:
     ids = torch.tensor([[1, 1, 0], [2, 1, 2], [0, 3, 1]])
     check(3, 3, 4, hidden=64, inter=40, bits=[4, 2, 8, 3, 5, 6, 7, 2], dtype=torch.bfloat16, seed=8, ids=ids,
@@ -121,10 +115,11 @@ def test_shared_expert_path() -> None:
     assert (got - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
 
 
-@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("t", [1, 3, 17])
 def test_routed_and_shared_block(t: int) -> None:
-    """``ap_moe_block``: routed + gated shared expert (its own I) against the two references summed; at T = 1
-    both run gemv1 and are combined in one launch (partials summed in fp32), at T = 3 the two outputs are added."""
+    """``ap_moe_block``: routed + gated shared expert (its own I) against the two references summed; at T = 1 and
+    3 both take the decode path and are combined in one launch (partials summed in fp32), at T = 17 (the mid path)
+    the two outputs are added."""
     h, i_r, i_s = 72, 40, 104
     ex = make(4, h, i_r, torch.randint(2, 9, (8,)).tolist(), torch.bfloat16, 60 + t)
     sh = make(1, h, i_s, [6, 3], torch.bfloat16, 61 + t)
@@ -133,7 +128,7 @@ def test_routed_and_shared_block(t: int) -> None:
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(t)]).to(DEV)
     w = torch.rand(t, 2, generator=g).to(DEV)
     sw = torch.rand(t, 1, generator=g).to(DEV)
-    assert (pick_config(t, h, i_r)["path"] == "gemv1") == (t == 1)
+    assert (pick_config(t, h, i_r)["path"] == "decode") == (t < 16)
     got = ap_moe_block(x, ids, w, ex, sh, sw).float()
     zero = torch.zeros(t, 1, dtype=torch.int64, device=DEV)
     ref = ap_moe_ref(x, ids, w, ex).float() + ap_moe_ref(x, zero, sw, sh).float()
@@ -149,19 +144,27 @@ def test_routed_and_shared_block(t: int) -> None:
         ap_moe_block(x, ids.float(), w, ex, sh, sw)
 
 
-@pytest.mark.parametrize(("path", "t", "out_rows"), [("gemv", 1, 2), ("gemv", 9, 18), ("gemv", 9, 40),
-                                                      ("fused", 9, 18)])
-def test_poisoned_workspace_rows_are_all_written(path: str, t: int, out_rows: int) -> None:
+@pytest.mark.parametrize(("path", "t"), [("mid", 9), ("decode_sorted", 9), ("prefill", 9)])
+def test_poisoned_scratch_rows_are_all_written(path: str, t: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # NaN-filled buffers: any (token, slot) row (or split-K partial) the kernels fail to write shows up as NaN in y
+    import kernels.moe.decode as dec
+    import kernels.moe.mid as mid
+    import kernels.moe.prefill as pre
+
+    real_empty = torch.empty
+
+    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real_empty(*args, **kwargs)  # type: ignore[call-overload]
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    for mod in (dec, mid, pre):
+        monkeypatch.setattr(mod.torch, "empty", poisoned)
     ex = make(5, 64, 32, [8, 3] * 5, torch.bfloat16, 5)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(t, 64, generator=g).to(torch.bfloat16).to(DEV)
     ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(t)]).to(DEV)
     w = torch.rand(t, 2, generator=g).to(DEV)
-    ws = (torch.full((2 * t, 32), float("nan"), dtype=torch.bfloat16, device=DEV),
-          torch.full((out_rows, 64), float("nan"), device=DEV))
-    cfg = {**PATHS[path], "down": {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}} if path == "gemv" else PATHS[path]
-    got = ap_moe(x, ids, w, ex, config=cfg, workspace=ws, check=False).float()
+    got = ap_moe(x, ids, w, ex, config=PATHS[path], check=False).float()
     ref = ap_moe_ref(x, ids, w, ex).float()
     assert torch.isfinite(got).all() and (got - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
 
@@ -181,13 +184,13 @@ def test_tables_changed_in_place_between_calls() -> None:
         if step == 1:
             ex.bits.fill_(3)
             ex.lut_offset.copy_(lo.lut_offset + hi.lut_pool.numel())
-        got = ap_moe(x, ids, w, ex, config=PATHS["gemv"], check=False).float()
+        got = ap_moe(x, ids, w, ex, config=PATHS["decode"], check=False).float()
         ref = ap_moe_ref(x, ids, w, ex).float()
         assert (got - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="host syncs only exist with a GPU")
-@pytest.mark.parametrize("path", ["gemv", "dequant"])
+@pytest.mark.parametrize("path", ["decode", "decode_sorted", "mid", "prefill"])
 def test_no_host_sync_with_check_false(path: str) -> None:
     ex = make(4, 64, 32, [4, 6, 2, 8, 3, 5, 7, 4], torch.bfloat16, 14)
     x = torch.randn(3, 64, device=DEV).to(torch.bfloat16)
@@ -220,6 +223,14 @@ def test_launcher_validates(bad: str, msg: str) -> None:
         ap_moe(x, ids, w, ex)
 
 
+@pytest.mark.parametrize("cfg", [{}, {"path": "gemv"}, {"path": "fused", "BLOCK_M": 16}])
+def test_unknown_path_is_refused(cfg: dict) -> None:
+    ex = make(2, 64, 32, [4, 4, 4, 4], torch.bfloat16, 1)
+    x = torch.randn(3, 64).to(torch.bfloat16).to(DEV)
+    with pytest.raises(ValueError, match="config path must be one of"):
+        ap_moe(x, torch.zeros(3, 1, dtype=torch.int64, device=DEV), torch.ones(3, 1, device=DEV), ex, config=cfg)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prefill_dequant_path_matches_reference(dtype: torch.dtype) -> None:
     ex = make(5, 72, 40, torch.randint(2, 9, (10,)).tolist(), dtype, 21)
@@ -227,7 +238,7 @@ def test_prefill_dequant_path_matches_reference(dtype: torch.dtype) -> None:
     x = torch.randn(20, 72, generator=g).to(dtype).to(DEV)
     ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(20)]).to(DEV)
     w = torch.rand(20, 2, generator=g).to(DEV)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "dequant_min_pairs": 1}
+    cfg = {"path": "prefill", "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
     got = ap_moe(x, ids, w, ex, config=cfg).float()
     ref = ap_moe_ref(x, ids, w, ex).float()
     tol = (2**-7 if dtype == torch.bfloat16 else 2**-10) * 4
@@ -235,8 +246,6 @@ def test_prefill_dequant_path_matches_reference(dtype: torch.dtype) -> None:
 
 
 def test_dequant_blocks_match_reference_dequantization() -> None:
-    from pwrun.ap.format import dequantize
-
     ex = make(3, 100, 36, [2, 5, 8, 3, 4, 6], torch.bfloat16, 4)
     got = dequant_blocks(ex, torch.tensor([2, 0, 4], device=DEV), "gate_up", torch.bfloat16)
     for j, b in enumerate([2, 0, 4]):
@@ -248,15 +257,15 @@ def test_dequant_blocks_match_reference_dequantization() -> None:
                          [(1, 1, 3, 104, 40, BF), (1, 4, 6, 64, 32, FP), (1, 8, 9, 72, 40, BF),
                           (2, 2, 5, 104, 40, FP), (3, 2, 3, 72, 40, BF), (4, 2, 4, 64, 48, BF), (8, 1, 3, 72, 40, FP)])
 def test_word_first_path_ragged_mixed_q(t: int, k: int, e: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
-    """gemv1 (1..8 tokens): H and I not multiples of 32 or of the tiles, a random mix of q in 2..8 in one launch,
+    """Decode path (1..8 tokens): H and I not multiples of 32 or of the tiles, a random mix of q in 2..8 in one launch,
     top-k 1..8, tokens sharing experts and experts with no token, split-K over the down rows, bf16 and fp16."""
     bits = torch.randint(2, 9, (2 * e,), generator=torch.Generator().manual_seed(k + t)).tolist()
-    check(t, k, e, hidden, inter, bits, dtype, seed=40 + k + 7 * t, config=GEMV1)
+    check(t, k, e, hidden, inter, bits, dtype, seed=40 + k + 7 * t, config=DECODE)
 
 
 def test_word_first_path_every_bitwidth() -> None:
     for q in range(2, 9):
-        check(1, 1, 2, hidden=64, inter=32, bits=[q] * 4, dtype=torch.bfloat16, seed=50 + q, config=GEMV1)
+        check(1, 1, 2, hidden=64, inter=32, bits=[q] * 4, dtype=torch.bfloat16, seed=50 + q, config=DECODE)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="inline PTX: CUDA only (the interpreter takes tl.gather)")
@@ -266,7 +275,7 @@ def test_word_first_path_raw_shuffles(t: int) -> None:
     and 16-word K steps, every q in 2..8 in one launch, ragged H and I, bf16 and fp16, against the reference."""
     bits = [2, 3, 4, 5, 6, 7, 8, 4, 5, 3, 2, 8, 6, 5]
     for bk_gu, bk_dn in ((1024, 1024), (512, 512), (1024, 512)):
-        raw = {"path": "gemv1", "gate_up": {"BLOCK_N": 8, "BLOCK_K": bk_gu, "RAW_SHFL": 1},
+        raw = {"path": "decode", "gate_up": {"BLOCK_N": 8, "BLOCK_K": bk_gu, "RAW_SHFL": 1},
                "down": {"BLOCK_N": 32, "BLOCK_K": bk_dn, "SPLIT_K": 2, "RAW_SHFL": 1}}
         for dtype in (torch.bfloat16, torch.float16):
             check(t, 4, 7, hidden=1064, inter=1400, bits=bits, dtype=dtype, seed=70 + t + bk_dn, config=raw)
@@ -277,7 +286,7 @@ def test_raw_shuffles_only_on_nvidia_cuda(monkeypatch: pytest.MonkeyPatch) -> No
     step; CPU (interpreter), ROCm (torch.version.hip set, is_cuda also true) and other K steps keep tl.gather."""
     from types import SimpleNamespace
 
-    from kernels.ap_moe_gemv1 import _raw
+    from kernels.moe.decode import _raw
 
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
     tile = {"RAW_SHFL": 1}
@@ -291,7 +300,7 @@ def test_raw_shuffles_only_on_nvidia_cuda(monkeypatch: pytest.MonkeyPatch) -> No
 def test_word_first_path_expert_picked_twice_all_on_one_expert_and_wide_tiles() -> None:
     """Tokens whose top-k names one expert twice (both slots weighted), all tokens on one expert, tiles wider
     than the block (masked)."""
-    cfg = {"path": "gemv1", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 256}, "down": {"BLOCK_N": 32, "BLOCK_K": 128}}
+    cfg = {"path": "decode", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 256}, "down": {"BLOCK_N": 32, "BLOCK_K": 128}}
     check(1, 3, 4, hidden=72, inter=40, bits=[4, 2, 8, 3, 5, 6, 7, 2], dtype=torch.float16, seed=9,
           ids=torch.tensor([[2, 0, 2]]), config=cfg)
     check(3, 2, 4, hidden=72, inter=40, bits=[4, 2, 8, 3, 5, 6, 7, 2], dtype=torch.bfloat16, seed=10,
@@ -299,9 +308,9 @@ def test_word_first_path_expert_picked_twice_all_on_one_expert_and_wide_tiles() 
 
 
 def test_word_first_path_poisoned_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gemv1's scratch buffers come back NaN-filled: the padded intermediate columns (I = 40 -> 64 read) must be
-    zeroed by gate_up and rows of tokens without work never stored, or the output turns NaN."""
-    import kernels.ap_moe_gemv1 as g
+    """The decode path's scratch buffers come back NaN-filled: the padded intermediate columns (I = 40 -> 64 read)
+    must be zeroed by gate_up and rows of tokens without work never stored, or the output turns NaN."""
+    import kernels.moe.decode as g
 
     real_empty = torch.empty
 
@@ -310,14 +319,14 @@ def test_word_first_path_poisoned_buffers(monkeypatch: pytest.MonkeyPatch) -> No
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
     monkeypatch.setattr(g.torch, "empty", poisoned)
-    cfg = {"path": "gemv1", "gate_up": {"BLOCK_N": 16, "BLOCK_K": 1024}, "down": {"BLOCK_N": 32, "BLOCK_K": 1024}}
+    cfg = {"path": "decode", "gate_up": {"BLOCK_N": 16, "BLOCK_K": 1024}, "down": {"BLOCK_N": 32, "BLOCK_K": 1024}}
     check(3, 2, 4, hidden=72, inter=40, bits=[4, 5, 8, 3, 6, 2, 7, 4], dtype=torch.bfloat16, seed=11,
           ids=torch.tensor([[1, 3], [1, 0], [3, 1]]), config=cfg)
 
 
 def test_padded_word_major_rows() -> None:
     """word_major pads to the words asked for (zeros) and refuses too few; padded_words covers every K step."""
-    from kernels.ap_moe_layout import padded_words, word_major
+    from kernels.moe.layout import padded_words, word_major
 
     x = torch.randn(2, 70)
     got = word_major(x, 5)
@@ -330,46 +339,48 @@ def test_padded_word_major_rows() -> None:
 
 @pytest.mark.parametrize(("t", "k", "e"), [(9, 2, 5), (12, 1, 3), (17, 1, 3)])
 def test_word_first_path_chunks_beyond_8_tokens(t: int, k: int, e: int) -> None:
-    """More than 8 tokens on gemv1 run as chunks of 8 and the rest (8 + 1, 8 + 4, 8 + 8 + 1): every token's row
-    must come out (a chunk dropped or misplaced along T is caught), with a random mix of q and ragged H, I."""
-    from kernels.ap_moe_gemv1 import chunks
+    """More than 8 tokens on the decode path run as chunks of 8 and the rest (8 + 1, 8 + 4, 8 + 8 + 1): every
+    token's row must come out (a chunk dropped or misplaced along T is caught), with a random mix of q and ragged
+    H, I."""
+    from kernels.moe.decode import chunks
 
     assert chunks(t) == [(a, min(a + 8, t)) for a in range(0, t, 8)] and chunks(8) == [(0, 8)]
     bits = torch.randint(2, 9, (2 * e,), generator=torch.Generator().manual_seed(t)).tolist()
-    check(t, k, e, hidden=72, inter=40, bits=bits, dtype=torch.bfloat16, seed=70 + t, config=GEMV1)
+    check(t, k, e, hidden=72, inter=40, bits=bits, dtype=torch.bfloat16, seed=70 + t, config=DECODE)
 
 
 @pytest.mark.parametrize(("t", "k", "e", "slots"), [(3, 2, 4, 2), (9, 2, 5, 2), (17, 1, 3, 4), (5, 3, 4, 1),
                                                    (12, 1, 3, 8)])
 def test_sorted_slots_word_first_path(t: int, k: int, e: int, slots: int) -> None:
-    """gemv1 in the sorted-slots mode (pairs sorted by expert, ``slots`` per program, any T in one launch, 17 tokens
-    too): experts with more pairs than slots (several groups), with fewer (idle slots), a random mix of q, ragged
-    H and I; at T = 3, k = 2 of 4 experts some may get no token."""
+    """The decode path in the sorted-slots mode (pairs sorted by expert, ``slots`` per program, any T in one launch,
+    17 tokens too): experts with more pairs than slots (several groups), with fewer (idle slots), a random mix of
+    q, ragged H and I; at T = 3, k = 2 of 4 experts some may get no token."""
     bits = torch.randint(2, 9, (2 * e,), generator=torch.Generator().manual_seed(t + slots)).tolist()
-    check(t, k, e, hidden=72, inter=40, bits=bits, dtype=torch.bfloat16, seed=170 + t, config={**GEMV1, "SLOTS": slots})
+    check(t, k, e, hidden=72, inter=40, bits=bits, dtype=torch.bfloat16, seed=170 + t,
+          config={**DECODE, "SLOTS": slots})
 
 
 def test_sorted_slots_all_tokens_on_one_expert_and_bad_slots() -> None:
     """Ten tokens on one expert with 4 slots: three groups of that expert (4 + 4 + 2 pairs); fp16. SLOTS other than
     a plain int 1, 2, 4, 8 (or 0) is refused before any launch."""
-    from kernels.ap_moe_gemv1 import gemv1_partials
+    from kernels.moe.decode import decode_partials
 
-    cfg = {**GEMV1, "SLOTS": 4}
+    cfg = {**DECODE, "SLOTS": 4}
     check(10, 1, 4, hidden=72, inter=40, bits=[3, 5, 8, 2, 4, 6, 7, 3], dtype=torch.float16, seed=7,
           ids=torch.full((10, 1), 2), config=cfg)
     ex = make(2, 64, 32, [4, 4, 4, 4], torch.bfloat16, 5)
     x = torch.randn(3, 64).to(torch.bfloat16).to(DEV)
     for bad in (3, 16, -1, "2", 2.0, True, None):  # 2.0 / True compare equal to allowed ints
         with pytest.raises(ValueError, match="SLOTS must be"):
-            gemv1_partials(x, torch.zeros(3, 1, dtype=torch.int64, device=DEV), torch.ones(3, 1, device=DEV), ex,
-                           {**GEMV1, "SLOTS": bad})
+            decode_partials(x, torch.zeros(3, 1, dtype=torch.int64, device=DEV), torch.ones(3, 1, device=DEV), ex,
+                           {**DECODE, "SLOTS": bad})
 
 
 def test_chunked_word_first_path_rebuilds_foreign_activations() -> None:
     """Word-major activations given for reuse that are not x's (more tokens than T) are rebuilt, past 8 tokens as
     below (slicing them per chunk would have passed each chunk's shape check and computed on the wrong rows)."""
-    from kernels.ap_moe_gemv1 import gemv1_partials
-    from kernels.ap_moe_layout import combine, padded_words, word_major
+    from kernels.moe.decode import decode_partials
+    from kernels.moe.layout import combine, padded_words, word_major
 
     t, h, i = 12, 72, 40
     ex = make(3, h, i, [4, 5, 3, 6, 8, 2], torch.bfloat16, 90)
@@ -378,19 +389,19 @@ def test_chunked_word_first_path_rebuilds_foreign_activations() -> None:
     ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(t)]).to(DEV)
     w = torch.rand(t, 2, generator=g).to(DEV)
     other = word_major(torch.randn(20, h, generator=g).to(torch.bfloat16).to(DEV),
-                       padded_words(h, GEMV1["gate_up"]["BLOCK_K"] // 32))
-    p, xw = gemv1_partials(x, ids, w, ex, GEMV1, other)
+                       padded_words(h, DECODE["gate_up"]["BLOCK_K"] // 32))
+    p, xw = decode_partials(x, ids, w, ex, DECODE, other)
     ref = ap_moe_ref(x, ids, w, ex).float()
     assert (combine(p, None, x.dtype).float() - ref).abs().max() <= 4 * 2**-7 * ref.abs().max()
     assert xw.shape[0] == t
 
 
 def test_routed_and_shared_block_on_chunked_word_first_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ap_moe_block`` at 10 tokens with gemv1 for routed and shared experts: both chunked (8 + 2), the shared
+    """``ap_moe_block`` at 10 tokens on the decode path for routed and shared experts: both chunked (8 + 2), the shared
     expert reusing the routed experts' word-major activations, partials combined once."""
-    import kernels.ap_moe as am
+    import kernels.moe.dispatch as am
 
-    monkeypatch.setattr(am, "pick_config", lambda *a, **kw: GEMV1)
+    monkeypatch.setattr(am, "pick_config", lambda *a, **kw: DECODE)
     h, i_r, i_s, t = 72, 40, 104, 10
     ex = make(4, h, i_r, torch.randint(2, 9, (8,)).tolist(), torch.bfloat16, 80)
     sh = make(1, h, i_s, [6, 3], torch.bfloat16, 81)
@@ -407,7 +418,7 @@ def test_routed_and_shared_block_on_chunked_word_first_path(monkeypatch: pytest.
 
 def test_word_major_layout() -> None:
     """word_major puts column 32 w + i at [t, i, w] and zero-pads the last word."""
-    from kernels.ap_moe_layout import word_major
+    from kernels.moe.layout import word_major
 
     x = torch.arange(2 * 70, dtype=torch.float32).view(2, 70)
     got = word_major(x)
@@ -415,7 +426,7 @@ def test_word_major_layout() -> None:
     for t, col in [(0, 0), (1, 33), (0, 69), (1, 64)]:
         assert got[t, col % 32, col // 32] == x[t, col]
     assert (got[:, 6:, 2] == 0).all()
-    from kernels.ap_moe_layout import padded_words
+    from kernels.moe.layout import padded_words
 
     assert padded_words(70, 2) == 4 and padded_words(70, 1, 2) == 4
     with pytest.raises(ValueError, match=">= 1"):
@@ -425,7 +436,7 @@ def test_word_major_layout() -> None:
 @pytest.mark.parametrize("with_b", [False, True])
 def test_combine_sums_partials_and_rounds_once(with_b: bool) -> None:
     """combine = a.sum((0, 2)) (+ b.sum((0, 2))) in fp32, one rounding; ragged H (not a multiple of the block)."""
-    from kernels.ap_moe_layout import combine
+    from kernels.moe.layout import combine
 
     g = torch.Generator().manual_seed(3)
     a = torch.randn(3, 2, 4, 1100, generator=g).to(DEV)
@@ -447,9 +458,9 @@ def test_combine_sums_partials_and_rounds_once(with_b: bool) -> None:
 
 
 def test_word_first_path_more_splits_than_k_steps() -> None:
-    """gemv1's down with split-K 8 over fewer K steps (I = 104: one 32-word step; I = 300: 5 two-word steps):
+    """The decode path's down with split-K 8 over fewer K steps (I = 104: one 32-word step; I = 300: 5 two-word steps):
     the splits past the last step add nothing and must still write their (zero) partials."""
-    cfg = {"path": "gemv1", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 1024},
+    cfg = {"path": "decode", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 1024},
            "down": {"BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT_K": 8}}
     check(1, 2, 4, hidden=72, inter=104, bits=[8, 3, 6, 4, 5, 8, 2, 7], dtype=torch.bfloat16, seed=5, config=cfg)
     cfg["down"]["BLOCK_K"] = 64
@@ -465,7 +476,7 @@ def test_shared_expert_prefill_path(dtype: torch.dtype) -> None:
     x = torch.randn(40, 72, generator=g).to(dtype).to(DEV)
     gate = torch.rand(40, 1, generator=g).to(DEV)
     ids = torch.zeros(40, 1, dtype=torch.int64, device=DEV)
-    cfg = {"path": "dequant", "SPREAD": 0, "BLOCK_N": 16, "BLOCK_K": 64}
+    cfg = {"path": "prefill", "BLOCK_N": 16, "BLOCK_K": 64}
     got = ap_moe(x, ids, gate, ex, config=cfg).float()
     ref = ap_moe_ref(x, ids, gate, ex).float()
     tol = (2**-7 if dtype == torch.bfloat16 else 2**-10) * 4
@@ -480,14 +491,11 @@ def test_shared_expert_prefill_path(dtype: torch.dtype) -> None:
 
 def test_pick_config_buckets_by_tokens() -> None:
     """``kernels.config_buckets.pick_bucket`` behind ``pick_config``: the largest bound <= T wins, the first bucket
-    below every bound, untuned shapes take the default buckets, and an empty config is a bucket like any other
-    (the old loop treated it as "none chosen yet" and took the next bucket)."""
-    from kernels.ap_moe import pick_config
-
-    table = {"default": [{"min_tokens": 1, "config": {"path": "gemv1"}}],
-             "by_shape": {"8x4": [{"min_tokens": 2, "config": {"path": "gemv"}}, {"min_tokens": 5, "config": {}},
-                                  {"min_tokens": 16, "config": {"path": "fused"}}]}}
-    assert pick_config(1, 8, 4, table) == {"path": "gemv"}
+    below every bound, untuned shapes take the default buckets, and an empty config is a bucket like any other."""
+    table = {"default": [{"min_tokens": 1, "config": {"path": "decode"}}],
+             "by_shape": {"8x4": [{"min_tokens": 2, "config": {"path": "prefill"}}, {"min_tokens": 5, "config": {}},
+                                  {"min_tokens": 16, "config": {"path": "mid"}}]}}
+    assert pick_config(1, 8, 4, table) == {"path": "prefill"}
     assert pick_config(7, 8, 4, table) == {}
-    assert pick_config(16, 8, 4, table) == {"path": "fused"}
-    assert pick_config(99, 16, 4, table) == {"path": "gemv1"}
+    assert pick_config(16, 8, 4, table) == {"path": "mid"}
+    assert pick_config(99, 16, 4, table) == {"path": "decode"}

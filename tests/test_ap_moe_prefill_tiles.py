@@ -1,4 +1,4 @@
-"""The ``fused`` AP MoE path at the prefill tile sizes ``bench/prefill_tune.py`` times (BLOCK_M 64, 128), against
+"""The ``mid`` AP MoE path at the prefill tile sizes ``bench/prefill_tune.py`` times (BLOCK_M 64, 128), against
 the reference (``check`` of tests/test_ap_moe_kernel.py: poisoned outputs, bf16 / fp16 tolerances), in Triton's
 interpreter on the CPU and natively on the GPU."""
 
@@ -10,10 +10,10 @@ from test_ap_moe_kernel import check  # sibling test module (pytest puts tests/ 
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_fused_path_at_prefill_tile_sizes(block_m: int) -> None:
-    """``fused`` with the BLOCK_M that ``bench/prefill_tune.py`` times (64, 128): ragged H and I, a random mix of q
+def test_mid_path_at_prefill_tile_sizes(block_m: int) -> None:
+    """``mid`` with the BLOCK_M that ``bench/prefill_tune.py`` times (64, 128): ragged H and I, a random mix of q
     2..8, experts with more and fewer tokens than one tile, one expert with none, bf16 and fp16."""
-    cfg = {"path": "fused", "SPREAD": 1, "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 64}
+    cfg = {"path": "mid", "BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 64}
     g = torch.Generator().manual_seed(block_m)
     for dtype in (torch.bfloat16, torch.float16):
         t, k, e = 150, 2, 5

@@ -2,9 +2,9 @@
 
 add_rms_norm (residual add + RMSNorm), rope_kv_write (RoPE on q/k + paged KV write) and route_topk
 (softmax top-k, shared gate, live statistics). Each reference is itself checked against the eager
-ops the lean model uses (``pwrun.model.ops``, ``pwrun.model.moe.route``), so the kernels are pinned
-to the model's math, not only to a twin written beside them. Odd sizes (H 1408+8, 96, E 60, top-k 1..8),
-bf16 and fp16, strided inputs, outputs poisoned with NaN before the call.
+math of the lean model (transformers' RMSNorm written out, ``pwrun.model.ops``, ``pwrun.model.moe.route``), so
+the kernels are pinned to the model's math, not only to a twin written beside them. Odd sizes (H 1408+8, 96,
+E 60, top-k 1..8), bf16 and fp16, strided inputs, outputs poisoned with NaN before the call.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_norm import add_rms_norm, add_rms_norm_ref
+from kernels.norm import add_rms_norm, add_rms_norm_ref
 from kernels.rope_kv import rope_kv_write, rope_kv_write_ref
 from kernels.route_topk import route_topk, route_topk_ref
 from pwrun.model.moe import route
-from pwrun.model.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from pwrun.model.ops import apply_rope, rope_cos_sin, rope_inv_freq
 from pwrun.model.spec import MoESpec
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,10 +46,11 @@ def test_add_rms_norm(dtype: torch.dtype, t: int, h: int, with_delta: bool) -> N
     delta = torch.randn(t, h, generator=g).to(dtype).to(DEV) if with_delta else None
     w = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype).to(DEV)
     h_ref, x_ref = add_rms_norm_ref(hs, delta, w, 1e-6)
-    # the reference is the model's eager math
+    # the reference is transformers' RMSNorm math (fp32 mean and rsqrt, cast back, times the weight)
     h_eager = hs + delta if delta is not None else hs
     assert torch.equal(h_ref, h_eager)
-    assert torch.equal(x_ref, rms_norm(h_eager, w, 1e-6))
+    hf = h_eager.float()
+    assert torch.equal(x_ref, w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype))
     h_k, x_k = add_rms_norm(hs, delta, w, 1e-6)
     assert torch.equal(h_k, h_ref)
     assert _ulps(x_k, x_ref) <= 2.0, "normalised rows differ by more than bf16/fp16 rounding"

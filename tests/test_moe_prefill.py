@@ -1,4 +1,4 @@
-"""The AP MoE prefill path's elementwise kernels (``kernels.moe_prefill``) against their references, and the
+"""The AP MoE prefill path's elementwise kernels (``kernels.moe.prefill``) against their references, and the
 references against the eager math they replace (interpreter on CPU, native on GPU): odd widths, empty inputs,
 bf16 / fp16, k = 1..8, pairs in a random sorted order."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe_prefill import gather_sum, gather_sum_ref, silu_mul, silu_mul_ref
+from kernels.moe.prefill import gather_sum, gather_sum_ref, silu_mul, silu_mul_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

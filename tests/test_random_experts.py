@@ -1,12 +1,12 @@
-"""kernels.warmup.random_experts: the random experts the warm-up compiles the decode kernels with (and the MoE kernel
-suite times) have the asked count, shapes and bitwidth, for counts other than a layer's top-k too."""
+"""kernels.moe.experts.random_experts: the random experts the warm-up compiles the decode kernels with (and the MoE
+kernel suite times) have the asked count, shapes and bitwidth, for counts other than a layer's top-k too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.warmup import random_experts
+from kernels.moe.experts import random_experts
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

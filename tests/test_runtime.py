@@ -21,7 +21,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kernels.ap_moe import APExperts, ap_moe_ref
+from kernels.moe.experts import APExperts
+from kernels.moe.ref import ap_moe_ref
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.format import dequantize
 from pwrun.cli import app

@@ -13,24 +13,25 @@ from pwrun.model.loader import load_model
 
 
 def test_decode_token_counts_cover_every_kernel_specialization() -> None:
-    """One token count per kernel specialization that 1..max_batch tokens launch: gemv1 pads each chunk of 8 to a
-    power of 2, gemv pads T to one, fused does not specialize; a bucket with its own config past 16 tokens adds the
-    counts whose chunks it pads differently (17 = 8 + 8 + 1, 18, 19)."""
+    """One token count per kernel specialization that 1..max_batch tokens launch: the decode path's token slots pad
+    each chunk of 8 to a power of 2 (9 = 8 + 1, 10, 11 add chunks of 1, 2, 4 tokens), mid does not specialize; a
+    bucket with its own config past 16 tokens adds the counts whose chunks it pads differently (17 = 8 + 8 + 1, 18,
+    19)."""
     from kernels.warmup import kernels_at
 
-    table = {"default": [{"min_tokens": 1, "config": {"path": "gemv1", "tile": "a"}},
-                         {"min_tokens": 2, "config": {"path": "gemv1", "tile": "b"}},
-                         {"min_tokens": 5, "config": {"path": "gemv", "tile": "c"}},
-                         {"min_tokens": 16, "config": {"path": "fused"}},
-                         {"min_tokens": 17, "config": {"path": "gemv1", "tile": "d"}}], "by_shape": {}}
+    table = {"default": [{"min_tokens": 1, "config": {"path": "decode", "tile": "a"}},
+                         {"min_tokens": 2, "config": {"path": "decode", "tile": "b"}},
+                         {"min_tokens": 5, "config": {"path": "decode", "tile": "c"}},
+                         {"min_tokens": 16, "config": {"path": "mid"}},
+                         {"min_tokens": 17, "config": {"path": "decode", "tile": "d"}}], "by_shape": {}}
     assert decode_token_counts(1, configs=table) == [1]
     assert decode_token_counts(4, configs=table) == [1, 2, 3]  # 3 tokens pad to 4, as 4 do
-    assert decode_token_counts(16, configs=table) == [1, 2, 3, 5, 9, 16]  # gemv: 5..8 pad to 8, 9..15 to 16
-    assert decode_token_counts(64, configs=table) == [1, 2, 3, 5, 9, 16, 17, 18, 19]
-    one = {"default": [{"min_tokens": 1, "config": {"path": "gemv1"}}], "by_shape": {}}
+    assert decode_token_counts(16, configs=table) == [1, 2, 3, 5, 9, 10, 11, 16]  # 5..8 pad to 8
+    assert decode_token_counts(64, configs=table) == [1, 2, 3, 5, 9, 10, 11, 16, 17, 18, 19]
+    one = {"default": [{"min_tokens": 1, "config": {"path": "decode"}}], "by_shape": {}}
     assert decode_token_counts(40, configs=one) == [1, 2, 3, 5]  # past 8 the chunks reuse those kernels
     # the counts launch exactly the specializations of the whole range
-    from kernels.ap_moe import pick_config
+    from kernels.moe.dispatch import pick_config
 
     def union(ts: list[int] | range) -> set:
         return set().union(*(kernels_at(t, pick_config(t, None, None, table)) for t in ts))
@@ -45,11 +46,10 @@ def test_decode_token_counts_cover_every_kernel_specialization() -> None:
 @pytest.mark.parametrize("max_batch", [1, 4, 16])
 def test_step_token_limit_covers_every_step_a_mixed_batch_makes(shape: tuple[int, int, int], max_batch: int) -> None:
     """Chunked prefill puts a prompt's last piece beside the running decodes, so a step hands the MoE any count up
-    to max_step_tokens (the seventeenth session's Mixtral run compiled the 5..16-token bucket inside serving at
-    batch 4): with max_step_tokens the warm-up counts launch every specialization of 1..2048 on the shipped
+    to max_step_tokens: with max_step_tokens the warm-up counts launch every specialization of 1..2048 on the shipped
     configs (Mixtral, Qwen routed and shared, an untuned shape), including 5 for Mixtral; without it, decode
-    counts only, as before; never below max_batch, never above max_step_tokens."""
-    from kernels.ap_moe import pick_config
+    counts only; never below max_batch, never above max_step_tokens."""
+    from kernels.moe.dispatch import pick_config
     from kernels.warmup import kernels_at, step_token_limit
 
     h, i, k = shape
@@ -67,20 +67,20 @@ def test_step_token_limit_covers_every_step_a_mixed_batch_makes(shape: tuple[int
 
 
 def test_sorted_slots_and_triton_int_specialization() -> None:
-    """A gemv1 config in the sorted-slots mode (SLOTS = S) launches T_PAD = S at every token count and passes the
+    """A decode config in the sorted-slots mode (SLOTS = S) launches T_PAD = S at every token count and passes the
     whole T (no chunks), on which Triton specializes (1, a multiple of 16, other): counts 2 and 16 stand for 2..32.
-    The fused path passes T * top-k pairs: at top-4, 33 tokens (132 pairs) and 36 (144, a multiple of 16) differ."""
+    The mid path passes T * top-k pairs: at top-4, 33 tokens (132 pairs) and 36 (144, a multiple of 16) differ."""
     from kernels.warmup import kernels_at
 
-    table = {"default": [{"min_tokens": 1, "config": {"path": "gemv1", "tile": "a"}},
-                         {"min_tokens": 2, "config": {"path": "gemv1", "tile": "b", "SLOTS": 2}},
-                         {"min_tokens": 33, "config": {"path": "fused"}}], "by_shape": {}}
+    table = {"default": [{"min_tokens": 1, "config": {"path": "decode", "tile": "a"}},
+                         {"min_tokens": 2, "config": {"path": "decode", "tile": "b", "SLOTS": 2}},
+                         {"min_tokens": 33, "config": {"path": "mid"}}], "by_shape": {}}
     assert decode_token_counts(32, configs=table) == [1, 2, 16]
     assert decode_token_counts(64, configs=table) == [1, 2, 16, 33, 48]
-    # top-4: the pair sort of the sorted slots takes 4 T pairs (16 at T = 4: its own compile), fused 4 T pairs
+    # top-4: the pair sort of the sorted slots takes 4 T pairs (16 at T = 4: its own compile), mid 4 T pairs
     assert decode_token_counts(64, configs=table, topk=4) == [1, 2, 4, 16, 33, 36]
     with pytest.raises(ValueError, match="SLOTS must be"):
-        kernels_at(5, {"path": "gemv1", "SLOTS": 3})
+        kernels_at(5, {"path": "decode", "SLOTS": 3})
 
 
 def test_int_classes_follow_triton() -> None:
@@ -101,7 +101,7 @@ def test_int_classes_follow_triton() -> None:
 
 
 def union_shipped(ts: list[int] | range) -> set:
-    from kernels.ap_moe import pick_config
+    from kernels.moe.dispatch import pick_config
     from kernels.warmup import kernels_at
 
     return set().union(*(kernels_at(t, pick_config(t, 2048, 1408)) for t in ts))

@@ -1,4 +1,4 @@
-"""kernels/warmup_gemv: the decode GEMV warm-up covers every kernel specialization a linear meets in 1..max_batch
+"""kernels/warmup: the decode GEMV warm-up covers every kernel specialization a linear meets in 1..max_batch
 tokens with the fewest calls, compiles it on a small stand-in weight of the same Triton int class, and lists the
 linears a CUDA decode step runs (``pwrun.engine.build.linear_shapes``)."""
 
@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from kernels.dense_gemv import CONFIGS
-from kernels.warmup import triton_int_class
-from kernels.warmup_gemv import LinearShape, gemv_key, linear_token_counts, precompile_gemv, stand_in_rows
+from kernels.warmup import (
+    LinearShape,
+    gemv_key,
+    linear_token_counts,
+    precompile_gemv,
+    stand_in_rows,
+    triton_int_class,
+)
 from pwrun.data import default_model_dir
 from pwrun.engine.build import linear_shapes
 from pwrun.model.loader import load_model
@@ -32,9 +38,8 @@ def test_token_counts_by_hand() -> None:
 
 def test_precompile_gemv_covers_mixed_steps_past_max_batch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Given max_step_tokens, the GEMV warm-up takes every count a step can hand a linear (the router up to its 16
-    tokens at max_batch 4: the seventeenth session compiled a _gemv_kernel inside a batch-4 run); without it, up to
-    max_batch as before. The job list is read through a stand-in runner (no GPU)."""
-    import kernels.warmup_gemv as wg
+    tokens at max_batch 4); without it, up to max_batch. The job list is read through a stand-in runner (no GPU)."""
+    import kernels.warmup as wg
 
     seen: list = []
     monkeypatch.setattr(wg, "compile_in_workers", lambda fn, jobs, done, workers, what: seen.append(jobs) or [])

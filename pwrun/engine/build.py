@@ -45,8 +45,7 @@ from pwrun.runner.experts.layout import block_pages, page_rounded_bytes, table_s
 from pwrun.runner.model_runner import ModelRunner, kv_page_bytes
 
 if TYPE_CHECKING:
-    from kernels.warmup import MoEShape
-    from kernels.warmup_gemv import LinearShape
+    from kernels.warmup import LinearShape, MoEShape
 
 
 @dataclass(frozen=True)
@@ -225,8 +224,8 @@ def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
     """The distinct 16-bit linears a CUDA decode step runs through ``kernels.dense_gemv.linear`` (fused q/k/v, which
     serving always builds (unfused projections take ``F.linear``); o_proj; the router, with the shared-expert gate
     as one more row where the layer has one, as ``ExpertStore`` fuses them; the LM head), for
-    ``kernels.warmup_gemv.precompile_gemv``."""
-    from kernels.warmup_gemv import LinearShape  # Triton is imported only where kernels run
+    ``kernels.warmup.precompile_gemv``."""
+    from kernels.warmup import LinearShape  # Triton is imported only where kernels run
 
     dt = str(model.dtype).removeprefix("torch.")
     h = model.spec.hidden_size
@@ -291,8 +290,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             f"({dtype_label(dt)}) and {format_size(work)} of step workspace (fewer tokens per step or fewer "
             f"concurrent requests shrink it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
     if dev.type == "cuda" and ecfg.precompile_workers != 0:  # before the pool takes the device's memory
-        from kernels.warmup import precompile_decode
-        from kernels.warmup_gemv import precompile_gemv
+        from kernels.warmup import precompile_decode, precompile_gemv
 
         workers = None if ecfg.precompile_workers < 0 else ecfg.precompile_workers
         for msg in precompile_decode(moe_shapes(model), ecfg.max_batch, workers, ecfg.max_step_tokens) + \

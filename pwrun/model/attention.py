@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from pwrun.model.ops import apply_rope, rms_norm, rope_cos_sin
+from kernels.dense_gemv import linear
+from kernels.norm import rms_norm_ref
+from pwrun.model.ops import apply_rope, rope_cos_sin
 from pwrun.model.spec import AttentionSpec
 from pwrun.model.step import StepTensors
 from pwrun.model.weights import AttentionWeights
@@ -33,8 +35,6 @@ class PagedKVCache(Protocol):
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, fused: bool = False) -> torch.Tensor:
     if fused:
-        from kernels.dense_gemv import linear
-
         return linear(x, w, b)
     return F.linear(x, w, b)
 
@@ -71,13 +71,13 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
         q, k, v = _linear(x, w.q, w.q_bias), _linear(x, w.k, w.k_bias), _linear(x, w.v, w.v_bias)
     if spec.qk_norm == "full":
         assert w.q_norm is not None and w.k_norm is not None
-        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+        q, k = rms_norm_ref(q, w.q_norm, eps), rms_norm_ref(k, w.k_norm, eps)
     if spec.clip_qkv is not None:
         q, k, v = (z.clamp(-spec.clip_qkv, spec.clip_qkv) for z in (q, k, v))
     q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
     if spec.qk_norm == "per_head":
         assert w.q_norm is not None and w.k_norm is not None
-        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+        q, k = rms_norm_ref(q, w.q_norm, eps), rms_norm_ref(k, w.k_norm, eps)
     write_rope = getattr(cache, "write_rope", None) if fused else None
     rotated = write_rope(layer, step, q, k, v, spec.rope_theta) if write_rope is not None else None
     if rotated is not None:

@@ -14,9 +14,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.dense_gemv import linear
+from kernels.norm import add_rms_norm, add_rms_norm_ref
 from pwrun.model.attention import PagedKVCache, attention_forward
 from pwrun.model.moe import MoEObserver, mlp_forward, moe_forward
-from pwrun.model.ops import add_rms_norm
 from pwrun.model.spec import ModelSpec
 from pwrun.model.step import StepTensors
 from pwrun.model.weights import ModelWeights
@@ -63,11 +64,7 @@ class LeanMoEModel:
               moe: Callable[[torch.Tensor, int], torch.Tensor] | None, fused: bool) -> torch.Tensor:
         spec, w = self.spec, self.weights
         h = F.embedding(step.tokens, w.embed)
-        norm = add_rms_norm
-        if fused:
-            from kernels import fused_norm
-
-            norm = fused_norm.add_rms_norm
+        norm = add_rms_norm if fused else add_rms_norm_ref
         begin = getattr(cache, "begin_step", None)
         if begin is not None:
             begin(step)
@@ -89,7 +86,5 @@ class LeanMoEModel:
             raise ValueError(f"logits_for must be 'last' or 'all', got {logits_for!r}")
         _, h = norm(h, delta, w.final_norm, spec.rms_norm_eps)
         if fused:
-            from kernels.dense_gemv import linear
-
             return linear(h, w.lm_head).float()
         return F.linear(h, w.lm_head).float()

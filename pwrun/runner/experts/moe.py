@@ -89,8 +89,8 @@ class APMoE:
     def _kernel(self, x: torch.Tensor, layer: int, lw: MoEWeights, spec: Any) -> torch.Tensor:
         """Kernel path: router matmul (router and shared gate in one), one routing kernel (top-k, gate,
         statistics), the fused AP kernels for the routed experts and the shared expert (``ap_moe_block``)."""
-        from kernels.ap_moe import ap_moe, ap_moe_block
         from kernels.dense_gemv import linear
+        from kernels.moe.dispatch import ap_moe, ap_moe_block
         from kernels.route_topk import route_topk
 
         e = spec.num_experts

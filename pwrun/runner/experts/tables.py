@@ -101,7 +101,7 @@ class KernelTables:
         if ex is None or not (ex.pool is self.words and ex.lut_pool is self.lut_view
                               and ex.plane_offset is t.plane_offset and ex.lut_offset is t.lut_offset
                               and ex.bits is t.bits):
-            from kernels.ap_moe import APExperts
+            from kernels.moe.experts import APExperts
 
             moe = self.spec.layers[layer].moe
             assert moe is not None

@@ -1,6 +1,6 @@
-"""Layouts and glue of the word-first decode path (``kernels/ap_moe_gemv1.py``; SPEC section 7).
+"""Layouts and glue of the word-first decode path (``kernels.moe.decode``; SPEC section 7).
 
-What it holds: the word-major activation layout the gemv1 kernels read (``word_major``, ``padded_words``) and the
+What it holds: the word-major activation layout the decode kernels read (``word_major``, ``padded_words``) and the
 one-launch sum of their fp32 partial outputs over split-K parts and top-k slots, of one or two expert sets, rounded
 once to the activations' dtype (``combine``: the weighted accumulation of SPEC section 7 for routed + shared
 experts). The reference twin of ``combine`` is ``a.sum((0, 2)) + b.sum((0, 2))`` cast once (tests compare them).

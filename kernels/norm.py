@@ -3,10 +3,8 @@
 What it computes: for the residual stream h [T, H] and a block output delta [T, H] (or none),
 ``h' = h + delta`` (rounded to h's dtype, as the eager ``h = h + delta`` is) and
 ``x = weight * (h' * rsqrt(mean(h'^2) + eps))`` with the mean and rsqrt in fp32 and the product
-with ``weight`` in h's dtype (the math of ``pwrun.model.ops.rms_norm``, which the lean model uses
-before attention, before the MoE block and before the LM head). One program per token row: the
-eager version is ~8 launches (cast, square, mean, add, rsqrt, mul, cast, mul) plus the add; in a
-decode step of a 24-layer model that is ~400 tiny kernels.
+with ``weight`` in h's dtype (the math of transformers' RMSNorm; ``rms_norm_ref`` is the lean model's
+eager norm). One program per token row: the eager version is ~8 launches plus the add.
 What it does not do: anything but the last dim, or in-place updates (h' is a new tensor).
 """
 
@@ -17,31 +15,43 @@ import triton
 import triton.language as tl
 
 from kernels.rounding import round_to
-from pwrun.model.ops import add_rms_norm as eager_add_rms_norm
 
-add_rms_norm_ref = eager_add_rms_norm  # the reference twin is the lean model's own eager math
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: x [..., H] any float dtype, weight [H] -> [..., H] in x's dtype (fp32 math)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: (h + delta, rms_norm_ref(h + delta)) [T, H]; h itself when ``delta`` is None."""
+    if delta is not None:
+        h = h + delta
+    return h, rms_norm_ref(h, weight, eps)
 
 
 @triton.jit
 def _add_rms_norm_kernel(
-    h_ptr,  # [T, H] residual stream (bf16/fp16/fp32), rows stride_h apart
-    delta_ptr,  # [T, H] block output added to h (unused when not HAS_DELTA), rows stride_d apart
+    h_ptr,  # [T, H] residual stream (bf16/fp16/fp32), rows stride_hm apart
+    delta_ptr,  # [T, H] block output added to h (unused when not HAS_DELTA), rows stride_dm apart
     w_ptr,  # [H] norm weight, h's dtype
     h_out_ptr,  # [T, H] out: h + delta (contiguous; unused when not HAS_DELTA)
     x_ptr,  # [T, H] out: the normalised row (contiguous)
-    H,
-    stride_h,
-    stride_d,
-    eps,
+    H,  # hidden size
+    stride_hm,  # elements between rows of h
+    stride_dm,  # elements between rows of delta
+    eps,  # RMSNorm epsilon
     HAS_DELTA: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next power of 2 >= H
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    h = tl.load(h_ptr + t * stride_h + cols, mask=mask, other=0.0)
+    h = tl.load(h_ptr + t * stride_hm + cols, mask=mask, other=0.0)
     if HAS_DELTA:
-        d = tl.load(delta_ptr + t * stride_d + cols, mask=mask, other=0.0)
+        d = tl.load(delta_ptr + t * stride_dm + cols, mask=mask, other=0.0)
         h = round_to(h.to(tl.float32) + d.to(tl.float32), h_out_ptr.dtype.element_ty)
         tl.store(h_out_ptr + t * H + cols, h, mask=mask)
     hf = h.to(tl.float32)

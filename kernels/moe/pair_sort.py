@@ -1,16 +1,16 @@
-"""(token, slot) pairs sorted by expert in one launch, for gemv1's sorted-slots mode (SPEC section 7: routing-aware
-batching at decode).
+"""(token, slot) pairs sorted by expert in one launch, for the decode path's sorted-slots mode (SPEC section 7:
+routing-aware batching at decode).
 
 What it does: for the expert ids of P pairs (``topk_ids`` flattened, [P] integer), returns ``sorted_ids`` [P] (the
 ids in ascending order, ties in pair order: a stable sort), ``order`` [P] int32 (sorted position -> pair) and
-``seg`` [P] int32 (sorted position -> first position of its expert's run), what ``kernels.ap_moe_gemv1`` reads.
+``seg`` [P] int32 (sorted position -> first position of its expert's run), what ``kernels.moe.decode`` reads.
 
 Why a kernel: ``torch.sort`` followed by ``torch.searchsorted`` is two or more launches per MoE call; at decode
 (P = 4..512) a call's routed layer takes ~20-100 us on an H200, so each launch of ~2 us counts. Here one launch
 ranks every pair by counting: pos_i = #{j : e_j < e_i} + #{j < i : e_j = e_i} (P^2 comparisons in tiles, negligible
 for P <= 512), and the first count is also the start of e_i's run. No host sync.
 
-``_slots_of`` (Triton, called by gemv1's kernels) reads the sorted pairs: S consecutive pairs of one expert per
+``_slots_of`` (Triton, called by the decode kernels) reads the sorted pairs: S consecutive pairs of one expert per
 program.
 
 Reference twin: ``sort_pairs_ref`` (``torch.sort(stable=True)`` + ``torch.searchsorted``), also the CPU path.
@@ -88,6 +88,6 @@ def _slots_of(sorted_ids_ptr, order_ptr, seg_ptr, p, NP, TOPK: tl.constexpr, S: 
     slot = tl.arange(0, S)
     pos = p + slot
     ids = tl.load(sorted_ids_ptr + pos, mask=pos < NP, other=-1)
-    active = (ids == e) & (slot * 0 + rank % S == 0)  # a tensor mask (see ``_expert_of`` on scalar bools)
+    active = (ids == e) & (slot * 0 + rank % S == 0)  # a tensor mask: the interpreter mistypes scalar & tensor bools
     pair = tl.where(active, tl.load(order_ptr + pos, mask=pos < NP, other=0), tl.load(order_ptr + p))
     return e, rank % S == 0, active, pair, pair // TOPK

@@ -1,0 +1,214 @@
+"""Prefill MoE path (Triton + grouped GEMM): dequantize each used expert once, then dense tensor-core GEMMs.
+
+For many tokens (SPEC section 7) the cheapest plan is to write every expert that has a token densely once
+(``_dequant_kernel``), run one ``torch._grouped_mm`` per unit over the expert-sorted pairs (no host sync), and
+do the elementwise ends in one launch each:
+  * ``silu_mul``: act [M, I] = SiLU(gate) * up * scale from the gate_up output h [M, 2I] and one fp32 scale
+    per pair (its routing weight: down is linear, so weighting the intermediate weights the output), in fp32,
+    rounded once to h's dtype;
+  * ``gather_sum``: out [T, H] = sum over j < k of y[pos[t, j]] (fp32, slots in order, rounded once).
+Eagerly each end is several launches and an fp32 copy of [M, 2I] or [M, H].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.moe.experts import APExperts
+from kernels.moe.tile import lut_rows, weight_tile
+from kernels.rounding import round_to
+
+
+def silu_mul_ref(h: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """act [M, I] in h's dtype = SiLU(h[:, :I]) * h[:, I:] (* scale[:, None]), in fp32. h [M, 2I]; scale [M] fp32."""
+    g, u = h.float().chunk(2, dim=-1)
+    a = F.silu(g) * u
+    if scale is not None:
+        a = a * scale.float()[:, None]
+    return a.to(h.dtype)
+
+
+def gather_sum_ref(y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """out [T, H] in y's dtype = sum_j y[pos[:, j]] in fp32. y [M, H]; pos [T, k] integer indices into y's rows."""
+    return y[pos].float().sum(1).to(y.dtype)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    h_ptr,  # [M, 2I] gate_up output, contiguous (gate then up)
+    scale_ptr,  # [M] fp32 per-row scale (unused when not HAS_SCALE)
+    out_ptr,  # [M, I] out, h's dtype
+    inter,  # I
+    HAS_SCALE: tl.constexpr,  # multiply by scale
+    BLOCK: tl.constexpr,  # columns per program
+):
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(h_ptr + m * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + m * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    a = g / (1.0 + tl.exp(-g)) * u
+    if HAS_SCALE:
+        a = a * tl.load(scale_ptr + m)
+    tl.store(out_ptr + m * inter + cols, round_to(a, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gather_sum_kernel(
+    y_ptr,  # [M, H] rows to sum, contiguous
+    pos_ptr,  # [T, K] row of y of each (token, slot)
+    out_ptr,  # [T, H] out, y's dtype
+    H,  # columns
+    K: tl.constexpr,  # slots per token
+    BLOCK: tl.constexpr,  # columns per program
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(pos_ptr + t * K + j).to(tl.int64)
+        acc += tl.load(y_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(z: torch.Tensor, name: str) -> None:
+    if z.dim() != 2 or not z.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 2-D tensor, got {tuple(z.shape)} strides {z.stride()}")
+
+
+def silu_mul(h: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of ``silu_mul_ref``: h [M, 2I] bf16/fp16/fp32 contiguous, scale [M] fp32 or None.
+
+    Returns a new [M, I] tensor in h's dtype. Raises ``ValueError`` on an odd width, a non-contiguous h or a
+    scale that is not [M] fp32 on h's device.
+    """
+    _rows(h, "h")
+    m, two_i = h.shape
+    if two_i % 2:
+        raise ValueError(f"h must be [M, 2I] (gate then up), got width {two_i}")
+    if scale is not None and (scale.shape != (m,) or scale.dtype != torch.float32 or scale.device != h.device):
+        raise ValueError(f"scale must be [M] = [{m}] float32 on {h.device}, got {tuple(scale.shape)} {scale.dtype}")
+    inter = two_i // 2
+    out = torch.empty(m, inter, dtype=h.dtype, device=h.device)
+    if m == 0 or inter == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(m, triton.cdiv(inter, block))](h, h if scale is None else scale, out, inter,
+                                                    HAS_SCALE=scale is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def gather_sum(y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Triton version of ``gather_sum_ref``: y [M, H] contiguous, pos [T, k] int32/int64 contiguous on y's device.
+
+    Returns a new [T, H] tensor in y's dtype. Indices are not range-checked (that would sync with the host).
+    Raises ``ValueError`` on bad shapes, dtypes or devices.
+    """
+    _rows(y, "y")
+    _rows(pos, "pos")
+    if pos.dtype not in (torch.int32, torch.int64) or pos.device != y.device:
+        raise ValueError(f"pos must be int32/int64 on {y.device}, got {pos.dtype} on {pos.device}")
+    t, k = pos.shape
+    hidden = y.shape[1]
+    out = torch.empty(t, hidden, dtype=y.dtype, device=y.device)
+    if t == 0 or hidden == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(hidden))
+    _gather_sum_kernel[(t, triton.cdiv(hidden, block))](y, pos, out, hidden, K=k, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _dequant_kernel(
+    out_ptr,  # [num_listed, N, K] dense weights (x's dtype)
+    blocks_ptr,  # int32 [num_listed] block ids to dequantize
+    live_ptr,  # int32 [num_listed]: 0 = skip this block (its output is left unwritten)
+    pool_ptr,  # int32 plane pool
+    plane_off_ptr,  # int64 [2E, 8] word offsets
+    lut_ptr,  # LUT pool
+    lut_off_ptr,  # int64 [2E] LUT offsets
+    bits_ptr,  # int32 [2E] committed bitwidths
+    N: tl.constexpr,  # rows of each block
+    K: tl.constexpr,  # columns of each block
+    BLOCK_N: tl.constexpr,  # rows per program
+    BLOCK_K: tl.constexpr,  # columns per program, a multiple of 32
+):
+    j = tl.program_id(0)
+    if tl.load(live_ptr + j) != 0:
+        blk = tl.load(blocks_ptr + j)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(2) * BLOCK_K
+        q, lut = lut_rows(lut_ptr, lut_off_ptr, bits_ptr, blk, n)
+        KW: tl.constexpr = (K + 31) // 32
+        w = weight_tile(pool_ptr, plane_off_ptr + blk * 8, lut, q, n, n < N, k0, K, KW, BLOCK_N, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + j.to(tl.int64) * N * K + n[:, None] * K + cols[None, :], w,
+                 mask=(n[:, None] < N) & (cols[None, :] < K))
+
+
+def dequant_blocks(experts: APExperts, blocks: torch.Tensor, unit: str, dtype: torch.dtype,
+                   live: torch.Tensor | None = None, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """Dense weights [len(blocks), N, K] in ``dtype`` of the listed blocks (all gate_up or all down).
+
+    ``live`` [len(blocks)] bool/int: blocks to skip (0) are left unwritten (no host sync to drop them).
+    ``config``: BLOCK_N, BLOCK_K (a multiple of 32), num_warps. Raises ``ValueError`` for another unit or a
+    BLOCK_K that is not a multiple of 32.
+    """
+    ex = experts
+    cfg = config or {}
+    bn, bk = cfg.get("BLOCK_N", 32), cfg.get("BLOCK_K", 128)
+    if unit not in ("gate_up", "down") or bk % 32:
+        raise ValueError(f"unit must be gate_up or down and BLOCK_K a multiple of 32, got {unit!r}, {bk}")
+    n, kk = (2 * ex.inter, ex.hidden) if unit == "gate_up" else (ex.hidden, ex.inter)
+    out = torch.empty(blocks.numel(), n, kk, dtype=dtype, device=ex.pool.device)
+    live_i = torch.ones(blocks.numel(), dtype=torch.int32, device=out.device) if live is None else live.to(torch.int32)
+    _dequant_kernel[(blocks.numel(), triton.cdiv(n, bn), triton.cdiv(kk, bk))](
+        out, blocks.to(torch.int32), live_i, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, N=n,
+        K=kk, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.get("num_warps", 4))
+    return out
+
+
+def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
+                cfg: dict[str, Any]) -> torch.Tensor:
+    """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``kernels.moe.dispatch``.
+
+    One grouped GEMM per unit over the expert-sorted pairs (experts without tokens get an empty group); where
+    ``torch._grouped_mm`` is unavailable, a per-expert loop. A single expert with k = 1 (a shared expert) skips
+    the sorting: two plain GEMMs around the same SiLU-and-mul (one term per token, rounded once, as grouped).
+    ``cfg`` as in ``dequant_blocks``.
+    """
+    ex = experts
+    t, k = topk_ids.shape
+    e_all = torch.arange(ex.num_experts, device=x.device)
+    if ex.num_experts == 1 and k == 1:
+        w_gu = dequant_blocks(ex, e_all, "gate_up", x.dtype, None, cfg)[0]
+        w_dn = dequant_blocks(ex, e_all + 1, "down", x.dtype, None, cfg)[0]
+        return F.linear(silu_mul(F.linear(x, w_gu), topk_w.reshape(t).float().contiguous()), w_dn)
+    sorted_ids, order = torch.sort(topk_ids.flatten())
+    offs = torch.searchsorted(sorted_ids, e_all + 1).to(torch.int32)  # end of each expert's rows
+    live = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
+    w_gu = dequant_blocks(ex, 2 * e_all, "gate_up", x.dtype, live, cfg)
+    w_dn = dequant_blocks(ex, 2 * e_all + 1, "down", x.dtype, live, cfg)
+    if hasattr(torch, "_grouped_mm"):  # CUDA; CPU too since torch 2.9
+        try:
+            h = torch._grouped_mm(x[order // k], w_gu.transpose(1, 2), offs=offs)
+            act = silu_mul(h, topk_w.flatten()[order].float())  # the routing weight applied before down
+            y = torch._grouped_mm(act, w_dn.transpose(1, 2), offs=offs)
+            pos = torch.empty_like(order)
+            pos[order] = torch.arange(t * k, device=x.device)  # where pair (token, slot) sits in y
+            return gather_sum(y, pos.view(t, k))
+        except RuntimeError:
+            pass  # layout or dtype not supported by this build: per-expert loop below
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        rows, slot = (topk_ids == e).nonzero(as_tuple=True)
+        g, u = (x[rows] @ w_gu[e].T).float().chunk(2, dim=-1)
+        h = (F.silu(g) * u).to(x.dtype)
+        out.index_add_(0, rows, (h @ w_dn[e].T).float() * topk_w[rows, slot, None].float())
+    return out.to(x.dtype)
