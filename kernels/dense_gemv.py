@@ -3,14 +3,12 @@
 What it computes: for x [T, K] and a 16-bit weight W [N, K] (optional bias b [N]), ``y [T, N]`` in x's
 dtype, accumulated in fp32 with the bias added before the one rounding (what ``torch.nn.functional.linear``
 does). It is for the non-expert linears of a decode step (fused q/k/v, o_proj, router, LM head), whose
-weights are read once per step: at 1..8 tokens cuBLAS picks split-K GEMMs whose second pass and short
-grids keep an 8 MB weight near 1.5 TB/s on the H200 (``bench/results/dense_gemv_h200.md``). Here each
-program reads BLOCK_N whole rows in K steps of BLOCK_K columns (contiguous, 16-byte loads) and reduces
-them against every token's activations; no split-K, so no second pass and no atomics: the grid is
-N / BLOCK_N programs, which BLOCK_N keeps in the hundreds. At 2..4 tokens it beats cuBLAS only on the
-small router weights (2-3x: N < 256 rows, ``max_tokens_small_n``); on the big weights it loses from T = 4
-(0.72-0.88x), and a tensor-core variant (tokens padded to 16, ``tl.dot``) lost there too (measured on the
-H200, ninth session: ``bench/results/dense_gemv_h200.md``; not kept).
+weights are read once per step: at a few tokens cuBLAS picks split-K GEMMs whose second pass and short grids
+leave bandwidth unused. Here each program reads BLOCK_N whole rows in K steps of BLOCK_K columns (contiguous,
+16-byte loads) and reduces them against every token's activations; no split-K, so no second pass and no
+atomics: the grid is N / BLOCK_N programs, which BLOCK_N keeps in the hundreds. ``max_tokens`` says up to
+how many tokens it beats cuBLAS per weight shape (measured: the small router weights up to 4-16 tokens, the
+big weights only at one).
 What it does not do: more than ``MAX_TOKENS`` tokens (use ``F.linear``), transposed weights, or fp32.
 """
 
@@ -29,10 +27,10 @@ import triton.language as tl
 
 from kernels.rounding import round_to
 
-MAX_TOKENS = 16  # 8 until the sixteenth session: the router at batch 16 fell to cuBLAS (22 us per layer)
+MAX_TOKENS = 16  # the kernel keeps one accumulator row per token, up to this many
 # tiles {BLOCK_N, BLOCK_K, num_warps}: "default", "small_n" (N < SMALL_N rows: routers) and "by_shape" ("NxK"),
-# tuned on the H200 by ``bench/dense_gemv_speed.py --write-configs``; "max_tokens" / "max_tokens_small_n": T up
-# to which ``linear`` takes the Triton kernel for N >= / < SMALL_N rows (above it cuBLAS wins; that bench's results)
+# tuned on the H200; "max_tokens" / "max_tokens_small_n" / "max_tokens_by_shape": T up to which ``linear`` takes
+# the Triton kernel (above it cuBLAS wins)
 CONFIGS: dict[str, Any] = json.loads((Path(__file__).parent / "configs" / "dense_gemv.json").read_text())
 SMALL_N = 256
 
@@ -61,16 +59,16 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [T, K] activations, rows stride_xt apart, columns contiguous
+    x_ptr,  # [T, K] activations, rows stride_xm apart, columns contiguous
     w_ptr,  # [N, K] weight, rows stride_wn apart, columns contiguous
     b_ptr,  # [N] bias (unused when not HAS_BIAS)
     y_ptr,  # [T, N] out, contiguous, x's dtype
-    T,
-    N,
-    K,
-    stride_xt,
-    stride_wn,
-    HAS_BIAS: tl.constexpr,
+    T,  # tokens
+    N,  # output features (weight rows)
+    K,  # input features
+    stride_xm,  # elements between rows of x
+    stride_wn,  # elements between rows of W
+    HAS_BIAS: tl.constexpr,  # add b
     T_PAD: tl.constexpr,  # next power of 2 >= T
     BLOCK_N: tl.constexpr,  # rows per program
     BLOCK_K: tl.constexpr,  # columns per K step
@@ -86,7 +84,7 @@ def _gemv_kernel(
         w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=kmask[None, :], other=0.0)
         wf = w.to(tl.float32)
         for t in tl.static_range(T_PAD):
-            xt = tl.load(x_ptr + tl.minimum(t, T - 1) * stride_xt + k, mask=kmask, other=0.0).to(tl.float32)
+            xt = tl.load(x_ptr + tl.minimum(t, T - 1) * stride_xm + k, mask=kmask, other=0.0).to(tl.float32)
             s = tl.sum(wf * xt[None, :], axis=1)
             acc = tl.where((tok == t)[:, None], acc + s[None, :], acc)
     if HAS_BIAS:

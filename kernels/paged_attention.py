@@ -110,15 +110,15 @@ def _decode_kernel(
     split_len,  # positions per split (a multiple of BLOCK_N)
     num_heads,  # Hq
     num_splits,  # context splits (grid dim 2)
-    stride_qs, stride_qh,
-    stride_ku, stride_kb, stride_kh,
-    stride_vu, stride_vb, stride_vh,
-    stride_bts,
-    stride_vbts,
-    stride_os, stride_oh,
+    stride_qs, stride_qh,  # q: elements between sequences, heads
+    stride_ku, stride_kb, stride_kh,  # k: between units, rows of a unit, heads
+    stride_vu, stride_vb, stride_vh,  # v: the same
+    stride_bts,  # elements between rows of the block table
+    stride_vbts,  # elements between rows of V's block table
+    stride_os, stride_oh,  # out: between sequences, heads
     GROUP: tl.constexpr,  # Hq // Hkv: query heads per kv head
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two (>= 16 with DOT: tl.dot's minimum)
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # D
     BLOCK_SIZE: tl.constexpr,  # rows per cache unit (power of two)
     BLOCK_N: tl.constexpr,  # positions per iteration (power of two >= 16)
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for _merge_kernel instead of the output
@@ -193,8 +193,8 @@ def _merge_kernel(
     max_tokens,  # as in _decode_kernel
     split_len,  # as in _decode_kernel
     num_splits,  # as in _decode_kernel
-    stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr,
+    stride_os, stride_oh,  # out: between sequences, heads
+    HEAD_DIM: tl.constexpr,  # D
     BLOCK_SPLITS: tl.constexpr,  # num_splits padded to a power of two
 ):
     s = tl.program_id(0)

@@ -55,6 +55,7 @@ def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 @triton.jit
 def _rotate(x_ptr, o_ptr, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Rotate one head (D = 2 * HALF values at x_ptr) by cos/sin [BLOCK] fp32 into o_ptr, rounded once."""
     i = tl.arange(0, BLOCK)
     m = i < HALF
     x1 = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
@@ -66,9 +67,9 @@ def _rotate(x_ptr, o_ptr, cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rope_kv_kernel(
-    q_ptr,  # [T, Hq, D] projected queries, token rows stride_qt apart, heads D apart
-    k_ptr,  # [T, Hkv, D] keys, token rows stride_kt apart
-    v_ptr,  # [T, Hkv, D] values, token rows stride_vt apart
+    q_ptr,  # [T, Hq, D] projected queries, token rows stride_qm apart, heads D apart
+    k_ptr,  # [T, Hkv, D] keys, token rows stride_km apart
+    v_ptr,  # [T, Hkv, D] values, token rows stride_vm apart
     q_out_ptr,  # [T, Hq, D] out: rotated queries (contiguous)
     pos_ptr,  # [T] int64 positions
     inv_freq_ptr,  # [D/2] fp32
@@ -76,11 +77,11 @@ def _rope_kv_kernel(
     slots_ptr,  # [T] int64 slot = block * BLOCK_SIZE + offset
     k_units_ptr,  # [num_blocks] int64 unit (page) of each KV block's K of this layer
     v_units_ptr,  # [num_blocks] int64 unit of its V
-    stride_qt,
-    stride_kt,
-    stride_vt,
-    HQ: tl.constexpr,
-    HKV: tl.constexpr,
+    stride_qm,  # elements between token rows of q
+    stride_km,  # elements between token rows of k
+    stride_vm,  # elements between token rows of v
+    HQ: tl.constexpr,  # query heads
+    HKV: tl.constexpr,  # key/value heads
     HALF: tl.constexpr,  # D / 2
     BLOCK: tl.constexpr,  # next power of 2 >= HALF
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
@@ -94,16 +95,16 @@ def _rope_kv_kernel(
     cos = round_to(tl.cos(ang), ty).to(tl.float32)  # rounded like the eager cos/sin tables
     sin = round_to(tl.sin(ang), ty).to(tl.float32)
     if head < HQ:
-        _rotate(q_ptr + t * stride_qt + head * d, q_out_ptr + (t * HQ + head) * d, cos, sin, HALF, BLOCK)
+        _rotate(q_ptr + t * stride_qm + head * d, q_out_ptr + (t * HQ + head) * d, cos, sin, HALF, BLOCK)
     else:
         kh = head - HQ
         slot = tl.load(slots_ptr + t)
         blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         k_row = tl.load(k_units_ptr + blk) * BLOCK_SIZE + off
         v_row = tl.load(v_units_ptr + blk) * BLOCK_SIZE + off
-        _rotate(k_ptr + t * stride_kt + kh * d, rows_ptr + (k_row * HKV + kh) * d, cos, sin, HALF, BLOCK)
+        _rotate(k_ptr + t * stride_km + kh * d, rows_ptr + (k_row * HKV + kh) * d, cos, sin, HALF, BLOCK)
         j = tl.arange(0, 2 * BLOCK)
-        val = tl.load(v_ptr + t * stride_vt + kh * d + j, mask=j < d, other=0.0)
+        val = tl.load(v_ptr + t * stride_vm + kh * d + j, mask=j < d, other=0.0)
         tl.store(rows_ptr + (v_row * HKV + kh) * d + j, val, mask=j < d)
 
 

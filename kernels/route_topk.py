@@ -72,21 +72,21 @@ def route_topk_ref(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_
 
 @triton.jit
 def _route_kernel(
-    logits_ptr,  # [T, >= E(+1)] router logits (x's dtype), rows stride_lt apart
-    x_ptr,  # [T, H] the MoE input (for the norm statistic), rows stride_xt apart
+    logits_ptr,  # [T, >= E(+1)] router logits (x's dtype), rows stride_lm apart
+    x_ptr,  # [T, H] the MoE input (for the norm statistic), rows stride_xm apart
     w_ptr,  # [T, TOPK] out: fp32 weights (rounded to x's dtype)
     ids_ptr,  # [T, TOPK] out: int64 expert ids
     shared_ptr,  # [T] out: fp32 shared-expert weight
     mass_ptr,  # [E+1] fp32 routing-mass accumulator of this layer (when STATS)
     acc_ptr,  # [E+1, 4] fp32 (sum w, sum w*n, sum w*n^2, max n) accumulator (when STATS)
-    E,
-    H,
-    stride_lt,
-    stride_xt,
-    TOPK: tl.constexpr,
-    RENORM: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    STATS: tl.constexpr,
+    E,  # routed experts
+    H,  # hidden size
+    stride_lm,  # elements between rows of logits
+    stride_xm,  # elements between rows of x
+    TOPK: tl.constexpr,  # experts per token
+    RENORM: tl.constexpr,  # renormalise the top-k weights to sum to 1
+    HAS_GATE: tl.constexpr,  # logits column E is the shared expert's gate
+    STATS: tl.constexpr,  # accumulate routing statistics
     HAS_SHARED: tl.constexpr,  # the family has a shared expert: add its statistics in column E
     K_PAD: tl.constexpr,  # next power of 2 >= TOPK
     BLOCK_E: tl.constexpr,  # next power of 2 >= E
@@ -94,7 +94,7 @@ def _route_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
-    lg = tl.load(logits_ptr + t * stride_lt + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    lg = tl.load(logits_ptr + t * stride_lm + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(lg - tl.max(lg, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(e < E, p, -1.0)
@@ -114,7 +114,7 @@ def _route_kernel(
     tl.store(w_ptr + t * TOPK + kk, top_w, mask=km)
     tl.store(ids_ptr + t * TOPK + kk, top_i, mask=km)
     if HAS_GATE:
-        g = tl.load(logits_ptr + t * stride_lt + E).to(tl.float32)
+        g = tl.load(logits_ptr + t * stride_lm + E).to(tl.float32)
         tl.store(shared_ptr + t, 1.0 / (1.0 + tl.exp(-g)))
     else:
         tl.store(shared_ptr + t, 1.0)
@@ -122,7 +122,7 @@ def _route_kernel(
         sq = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             c = h0 + tl.arange(0, BLOCK_H)
-            xv = tl.load(x_ptr + t * stride_xt + c, mask=c < H, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + t * stride_xm + c, mask=c < H, other=0.0).to(tl.float32)
             sq += xv * xv
         n = tl.sqrt(tl.sum(sq, axis=0))
         tl.atomic_add(mass_ptr + top_i, top_w, mask=km, sem="relaxed")
