@@ -11,7 +11,6 @@ it also covers steps that mix decodes with a prompt's last chunk (any token coun
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -28,8 +27,9 @@ import triton
 from kernels.dense_gemv import gemv, max_tokens
 from kernels.dense_gemv import pick_config as gemv_config
 from kernels.moe.decode import launches
-from kernels.moe.dispatch import ap_moe, pick_config, shape_buckets
+from kernels.moe.dispatch import ap_moe, launch_config, shape_buckets
 from kernels.moe.experts import random_experts
+from kernels.moe.launch import DecodeConfig, LaunchConfig
 
 J = TypeVar("J")
 
@@ -60,20 +60,18 @@ def triton_int_class(v: int) -> int:
     return 1 if v == 1 else 16 if v % 16 == 0 else 0
 
 
-def kernels_at(num_tokens: int, cfg: dict[str, Any], topk: int = 1) -> set[tuple[str, int, int]]:
-    """The kernel specializations a decode MoE call of ``num_tokens`` tokens (top-``topk`` routing) with config
-    ``cfg`` (one bucket of ``kernels/configs/ap_moe.json``) launches, as (config, constexpr token count, int class)
-    keys: the decode path's token rules are its own (``kernels.moe.decode.launches``; the other paths take no token
-    constexpr, 0), the int class (``triton_int_class``) that of the runtime count the kernels receive (T for the
-    decode path, T * topk pairs for the others and for the decode path's pair sort with SLOTS).
-    Raises ``ValueError`` for a bad SLOTS."""
-    key = json.dumps(cfg, sort_keys=True)
-    if cfg.get("path") == "decode":
-        keys = {(key, t_pad, triton_int_class(t)) for t_pad, t in launches(num_tokens, cfg)}
-        if cfg.get("SLOTS"):  # the pair sort (``kernels.moe.pair_sort``) takes the T * topk pairs
+def kernels_at(num_tokens: int, cfg: LaunchConfig, topk: int = 1) -> set[tuple[Any, int, int]]:
+    """The kernel specializations a MoE call of ``num_tokens`` tokens (top-``topk`` routing) with config ``cfg``
+    launches, as (config, constexpr token count, int class) keys: the decode path's token rules are its own
+    (``kernels.moe.decode.launches``; the other paths take no token constexpr, 0), the int class
+    (``triton_int_class``) that of the runtime count the kernels receive (T for the decode path, T * topk pairs
+    for the others and for the decode path's pair sort with SLOTS)."""
+    if isinstance(cfg, DecodeConfig):
+        keys: set[tuple[Any, int, int]] = {(cfg, t_pad, triton_int_class(t)) for t_pad, t in launches(num_tokens, cfg)}
+        if cfg.SLOTS:  # the pair sort (``kernels.moe.pair_sort``) takes the T * topk pairs
             keys.add(("pair_sort", 0, triton_int_class(num_tokens * topk)))
         return keys
-    return {(key, 0, triton_int_class(num_tokens * topk))}
+    return {(cfg, 0, triton_int_class(num_tokens * topk))}
 
 
 def decode_token_counts(max_batch: int, hidden: int | None = None, inter: int | None = None,
@@ -82,7 +80,7 @@ def decode_token_counts(max_batch: int, hidden: int | None = None, inter: int | 
     any count in that range launches (``kernels_at``), for experts of hidden size ``hidden`` and intermediate size
     ``inter`` routing ``topk`` experts per token under ``configs`` (default: ``kernels/configs/ap_moe.json``; its
     buckets decide the path per count): the smallest count that needs a specialization stands for it."""
-    return covering_counts(max_batch, lambda t: kernels_at(t, pick_config(t, hidden, inter, configs), topk))
+    return covering_counts(max_batch, lambda t: kernels_at(t, launch_config(t, hidden, inter, configs), topk))
 
 
 def step_token_limit(max_batch: int, max_step_tokens: int | None, hidden: int | None = None,

@@ -6,10 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.moe.launch import parse_config
 from kernels.warmup import MoEShape, decode_token_counts, precompile_decode
 from pwrun.data import default_model_dir
 from pwrun.engine.build import moe_shapes
 from pwrun.model.loader import load_model
+
+MID = {"path": "mid", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64}
+
+
+def dec(block_n: int, slots: int = 0) -> dict:
+    """A decode config (JSON form); ``block_n`` only tells configs apart."""
+    return {"path": "decode", "gate_up": {"BLOCK_N": block_n, "BLOCK_K": 64}, "down": {"BLOCK_N": 32, "BLOCK_K": 64},
+            "SLOTS": slots}
 
 
 def test_decode_token_counts_cover_every_kernel_specialization() -> None:
@@ -19,22 +28,22 @@ def test_decode_token_counts_cover_every_kernel_specialization() -> None:
     19)."""
     from kernels.warmup import kernels_at
 
-    table = {"default": [{"min_tokens": 1, "config": {"path": "decode", "tile": "a"}},
-                         {"min_tokens": 2, "config": {"path": "decode", "tile": "b"}},
-                         {"min_tokens": 5, "config": {"path": "decode", "tile": "c"}},
-                         {"min_tokens": 16, "config": {"path": "mid"}},
-                         {"min_tokens": 17, "config": {"path": "decode", "tile": "d"}}], "by_shape": {}}
+    table = {"default": [{"min_tokens": 1, "config": dec(1)},
+                         {"min_tokens": 2, "config": dec(2)},
+                         {"min_tokens": 5, "config": dec(4)},
+                         {"min_tokens": 16, "config": MID},
+                         {"min_tokens": 17, "config": dec(8)}], "by_shape": {}}
     assert decode_token_counts(1, configs=table) == [1]
     assert decode_token_counts(4, configs=table) == [1, 2, 3]  # 3 tokens pad to 4, as 4 do
     assert decode_token_counts(16, configs=table) == [1, 2, 3, 5, 9, 10, 11, 16]  # 5..8 pad to 8
     assert decode_token_counts(64, configs=table) == [1, 2, 3, 5, 9, 10, 11, 16, 17, 18, 19]
-    one = {"default": [{"min_tokens": 1, "config": {"path": "decode"}}], "by_shape": {}}
+    one = {"default": [{"min_tokens": 1, "config": dec(1)}], "by_shape": {}}
     assert decode_token_counts(40, configs=one) == [1, 2, 3, 5]  # past 8 the chunks reuse those kernels
     # the counts launch exactly the specializations of the whole range
-    from kernels.moe.dispatch import pick_config
+    from kernels.moe.dispatch import launch_config
 
     def union(ts: list[int] | range) -> set:
-        return set().union(*(kernels_at(t, pick_config(t, None, None, table)) for t in ts))
+        return set().union(*(kernels_at(t, launch_config(t, None, None, table)) for t in ts))
 
     assert union(decode_token_counts(40, configs=table)) == union(range(1, 41))
     # the shipped configs: the Qwen routed experts (2048 x 1408) at up to 16 tokens
@@ -49,13 +58,13 @@ def test_step_token_limit_covers_every_step_a_mixed_batch_makes(shape: tuple[int
     to max_step_tokens: with max_step_tokens the warm-up counts launch every specialization of 1..2048 on the shipped
     configs (Mixtral, Qwen routed and shared, an untuned shape), including 5 for Mixtral; without it, decode
     counts only; never below max_batch, never above max_step_tokens."""
-    from kernels.moe.dispatch import pick_config
+    from kernels.moe.dispatch import launch_config
     from kernels.warmup import kernels_at, step_token_limit
 
     h, i, k = shape
 
     def union(ts: list[int] | range) -> set:
-        return set().union(*(kernels_at(t, pick_config(t, h, i), k) for t in ts))
+        return set().union(*(kernels_at(t, launch_config(t, h, i), k) for t in ts))
 
     limit = step_token_limit(max_batch, 2048, h, i)
     counts = decode_token_counts(limit, h, i, topk=k)
@@ -70,17 +79,16 @@ def test_sorted_slots_and_triton_int_specialization() -> None:
     """A decode config in the sorted-slots mode (SLOTS = S) launches T_PAD = S at every token count and passes the
     whole T (no chunks), on which Triton specializes (1, a multiple of 16, other): counts 2 and 16 stand for 2..32.
     The mid path passes T * top-k pairs: at top-4, 33 tokens (132 pairs) and 36 (144, a multiple of 16) differ."""
-    from kernels.warmup import kernels_at
 
-    table = {"default": [{"min_tokens": 1, "config": {"path": "decode", "tile": "a"}},
-                         {"min_tokens": 2, "config": {"path": "decode", "tile": "b", "SLOTS": 2}},
-                         {"min_tokens": 33, "config": {"path": "mid"}}], "by_shape": {}}
+    table = {"default": [{"min_tokens": 1, "config": dec(1)},
+                         {"min_tokens": 2, "config": dec(2, 2)},
+                         {"min_tokens": 33, "config": MID}], "by_shape": {}}
     assert decode_token_counts(32, configs=table) == [1, 2, 16]
     assert decode_token_counts(64, configs=table) == [1, 2, 16, 33, 48]
     # top-4: the pair sort of the sorted slots takes 4 T pairs (16 at T = 4: its own compile), mid 4 T pairs
     assert decode_token_counts(64, configs=table, topk=4) == [1, 2, 4, 16, 33, 36]
     with pytest.raises(ValueError, match="SLOTS must be"):
-        kernels_at(5, {"path": "decode", "SLOTS": 3})
+        parse_config(dec(1, 3))
 
 
 def test_int_classes_follow_triton() -> None:
@@ -101,10 +109,10 @@ def test_int_classes_follow_triton() -> None:
 
 
 def union_shipped(ts: list[int] | range) -> set:
-    from kernels.moe.dispatch import pick_config
+    from kernels.moe.dispatch import launch_config
     from kernels.warmup import kernels_at
 
-    return set().union(*(kernels_at(t, pick_config(t, 2048, 1408)) for t in ts))
+    return set().union(*(kernels_at(t, launch_config(t, 2048, 1408)) for t in ts))
 
 
 def test_moe_shapes_of_the_bundled_model() -> None:

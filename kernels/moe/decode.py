@@ -15,14 +15,13 @@ Bitwidths are read from the tables at every call, so a runtime may change them i
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.moe.decode_dot import _dot_block
 from kernels.moe.experts import APExperts
+from kernels.moe.launch import DecodeConfig, DecodeTile
 from kernels.moe.layout import combine, padded_words, word_major
 from kernels.moe.pair_sort import _slots_of, sort_pairs
 
@@ -169,12 +168,11 @@ def _decode_down_kernel(
         _store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK)
 
 
-def _raw(tile: dict[str, Any], bkw: int, x: torch.Tensor) -> bool:
-    """Whether a kernel's shuffles are raw ``shfl.sync`` (``_shfl``): asked for by the tile (``RAW_SHFL: 1``), on a
-    32- or 16-word K step (the LUT tile's shape, words along the lanes) and on NVIDIA CUDA: the interpreter runs no
-    PTX, and ROCm builds of torch also report ``is_cuda`` but compile for AMD GPUs (there the tile falls back to
-    ``tl.gather``)."""
-    return bool(tile.get("RAW_SHFL", 0)) and bkw in (16, 32) and x.is_cuda and torch.version.hip is None
+def _raw(tile: DecodeTile, bkw: int, x: torch.Tensor) -> bool:
+    """Whether a kernel's shuffles are raw ``shfl.sync``: asked for by the tile, on a 32- or 16-word K step (the
+    LUT tile's shape, words along the lanes) and on NVIDIA CUDA (the interpreter runs no PTX; ROCm builds of torch
+    also report ``is_cuda`` but compile for AMD GPUs, where the tile falls back to ``tl.gather``)."""
+    return tile.RAW_SHFL and bkw in (16, 32) and x.is_cuda and torch.version.hip is None
 
 
 def _entries(bkw: int) -> int:
@@ -183,31 +181,29 @@ def _entries(bkw: int) -> int:
 
 
 def decode_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-                    cfg: dict[str, Any], xw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    cfg: DecodeConfig, xw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing-weighted partial outputs [SPLIT, T, k, H] fp32 of T tokens x [T, H] (ids/weights [T, k],
     checked by ``kernels.moe.dispatch``), and the word-major activations [T, 32, KWX] they were computed from
     (``xw``: reuse them, e.g. for the shared expert of the same x, when the gate_up tiles give the same KWX).
 
-    ``cfg``: ``{"gate_up": {BLOCK_N, BLOCK_K, num_warps}, "down": {BLOCK_N, BLOCK_K, num_warps, SPLIT_K}}``
-    (BLOCK_K: columns per K step, a multiple of 32; BLOCK_N of gate_up counts gate/up row pairs). The word
-    counts of the padded activation rows are compile-time constants, so each (H, I) compiles its own kernels.
+    ``cfg``: the gate_up and down tiles and SLOTS (``kernels.moe.launch.DecodeConfig``). The word counts of the
+    padded activation rows are compile-time constants, so each (H, I) compiles its own kernels.
     More than 8 tokens run as chunks of 8 (the last one holds the rest), one launch pair each, with their partials
     concatenated along T: an expert used in several chunks is read once per chunk (``chunks``).
-    ``cfg["SLOTS"]`` = S > 0 selects the sorted-slots mode instead, for any T in one launch pair: the (token, slot)
+    ``cfg.SLOTS`` = S > 0 selects the sorted-slots mode instead, for any T in one launch pair: the (token, slot)
     pairs are sorted by expert on the device (``kernels.moe.pair_sort``: one launch, no host sync) and each
     program does S consecutive pairs of one expert (``_slots_of``), so an expert with c tokens is read ceil(c / S)
     times and each weight feeds S token slots, not T_PAD (most routed experts get 1-2 of a batch's tokens).
-    S must be 1, 2, 4 or 8. Raises ``ValueError`` for another S.
     """
     ex = experts
     t, k = topk_ids.shape
-    slots = check_slots(cfg)
+    slots = cfg.SLOTS
     if t > MAX_TOKENS and not slots:
         return _chunked_partials(x, topk_ids, topk_w, experts, cfg, xw)
     num_pairs = t * k
-    gu, dn = cfg["gate_up"], cfg["down"]
-    split = dn.get("SPLIT_K", 1)
-    bkw_gu, bkw_dn = gu["BLOCK_K"] // 32, dn["BLOCK_K"] // 32
+    gu, dn = cfg.gate_up, cfg.down
+    split = dn.SPLIT_K
+    bkw_gu, bkw_dn = gu.BLOCK_K // 32, dn.BLOCK_K // 32
     kwx, kwo = padded_words(ex.hidden, bkw_gu), padded_words(ex.inter, bkw_dn, split)
     if xw is None or xw.shape != (t, 32, kwx):
         xw = word_major(x, kwx)
@@ -220,17 +216,17 @@ def decode_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
     if slots:  # pairs sorted by expert on the device (one launch, no host sync): S pairs of one expert per program
         ids, order, seg = sort_pairs(ids)
         t_pad = slots
-    _decode_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu["BLOCK_N"]))](
+    _decode_gate_up_kernel[(num_pairs, triton.cdiv(ex.inter, gu.BLOCK_N))](
         xw, inter, ids, order, seg, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
-        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=gu["BLOCK_N"], BKW=bkw_gu,
+        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=gu.BLOCK_N, BKW=bkw_gu,
         LE=_entries(bkw_gu),
         RAW=_raw(gu, bkw_gu, x), KWX=kwx, KWO=kwo, PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)),
-        num_warps=gu.get("num_warps", 4))
-    _decode_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn["BLOCK_N"]), split)](
+        num_warps=gu.num_warps)
+    _decode_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn.BLOCK_N), split)](
         inter, out, ids, order, seg, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
-        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=dn["BLOCK_N"], BKW=bkw_dn,
+        ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=dn.BLOCK_N, BKW=bkw_dn,
         LE=_entries(bkw_dn),
-        RAW=_raw(dn, bkw_dn, x), KWX=kwo, num_warps=dn.get("num_warps", 4))
+        RAW=_raw(dn, bkw_dn, x), KWX=kwo, num_warps=dn.num_warps)
     return out.view(split, t, k, ex.hidden), xw
 
 
@@ -240,30 +236,20 @@ def chunks(num_tokens: int) -> list[tuple[int, int]]:
     return [(a, min(a + MAX_TOKENS, num_tokens)) for a in range(0, num_tokens, MAX_TOKENS)]
 
 
-def check_slots(cfg: dict[str, Any]) -> int:
-    """``cfg["SLOTS"]`` (0 if absent): 0 (token slots) or 1, 2, 4, 8 (sorted slots, pairs per program), as a plain
-    int. Raises ``ValueError`` for anything else (3, 16, -1, "2", 2.0, True, None)."""
-    slots = cfg.get("SLOTS", 0)
-    if type(slots) is not int or slots not in (0, 1, 2, 4, 8):
-        raise ValueError(f"SLOTS must be 0 (token slots), 1, 2, 4 or 8 (pairs per program), got {slots!r}")
-    return slots
-
-
-def launches(num_tokens: int, cfg: dict[str, Any] | None = None) -> list[tuple[int, int]]:
+def launches(num_tokens: int, cfg: DecodeConfig) -> list[tuple[int, int]]:
     """(T_PAD, T) of each launch pair the decode kernels of config ``cfg`` make for ``num_tokens`` tokens: T_PAD is
     a constexpr, T the runtime token count passed (Triton specializes on it too: ``kernels.warmup``). In the
     sorted-slots mode one pair (SLOTS, T); else one per chunk of ``chunks``, its tokens padded to a power of 2."""
-    slots = check_slots(cfg or {})
-    if slots:
-        return [(slots, num_tokens)]
+    if cfg.SLOTS:
+        return [(cfg.SLOTS, num_tokens)]
     return [(token_pad(b - a), b - a) for a, b in chunks(num_tokens)]
 
 
 def _chunked_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-                      cfg: dict[str, Any], xw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      cfg: DecodeConfig, xw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``decode_partials`` of more than 8 tokens, chunk by chunk (``chunks``): partials [SPLIT, T, k, H] fp32 and
     the word-major activations [T, 32, KWX] of all T tokens (built once, or ``xw`` if it is x's for this tile)."""
-    kwx = padded_words(experts.hidden, cfg["gate_up"]["BLOCK_K"] // 32)
+    kwx = padded_words(experts.hidden, cfg.gate_up.BLOCK_K // 32)
     if xw is None or xw.shape != (x.shape[0], 32, kwx):  # none, or not x's (e.g. another tile's)
         xw = word_major(x, kwx)
     parts = [decode_partials(x[a:b], topk_ids[a:b], topk_w[a:b], experts, cfg, xw[a:b])[0]
@@ -272,7 +258,7 @@ def _chunked_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Ten
 
 
 def decode_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-               cfg: dict[str, Any]) -> torch.Tensor:
+               cfg: DecodeConfig) -> torch.Tensor:
     """MoE output y [T, H] in x's dtype for tokens x [T, H] and ids / weights [T, k] (checked by
     ``kernels.moe.dispatch``); ``cfg`` and errors as in ``decode_partials``."""
     return combine(decode_partials(x, topk_ids, topk_w, experts, cfg)[0], None, x.dtype)

@@ -1,8 +1,8 @@
 """The AP MoE entry points: pick a path and its launch config by token count and expert shape, then launch.
 
 ``ap_moe`` computes ``kernels.moe.ref.ap_moe_ref`` (SPEC section 7) on one of three paths, chosen per call from
-the tuned buckets of ``kernels/configs/ap_moe.json`` (by expert shape "HxI", else the default buckets; the
-largest ``min_tokens`` <= T wins):
+the tuned buckets of ``kernels/configs/ap_moe.json`` (``kernels.moe.launch``: by expert shape "HxI", else the
+default buckets; the largest ``min_tokens`` <= T wins):
   * ``decode`` (``kernels.moe.decode``): word-first GEMV kernels, a few tokens per expert;
   * ``mid`` (``kernels.moe.mid``): dequantized tiles into tensor cores, tens of tokens;
   * ``prefill`` (``kernels.moe.prefill``): dequantize used experts once, then grouped GEMMs.
@@ -12,7 +12,9 @@ partial outputs are summed and rounded once in one launch. Only this module chec
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,12 @@ import torch
 from kernels.config_buckets import pick_bucket
 from kernels.moe.decode import decode_moe, decode_partials
 from kernels.moe.experts import APExperts
+from kernels.moe.launch import DecodeConfig, LaunchConfig, MidConfig, PrefillConfig, parse_config
 from kernels.moe.layout import combine
 from kernels.moe.mid import mid_moe
 from kernels.moe.prefill import prefill_moe
 
-CONFIGS = json.loads((Path(__file__).parent.parent / "configs" / "ap_moe.json").read_text())
-PATHS = {"decode": decode_moe, "mid": mid_moe, "prefill": prefill_moe}
+CONFIGS = json.loads((Path(__file__).parent.parent / "configs" / "ap_moe.json").read_text())  # JSON form
 
 
 def shape_buckets(hidden: int | None = None, inter: int | None = None,
@@ -40,9 +42,23 @@ def shape_buckets(hidden: int | None = None, inter: int | None = None,
 
 def pick_config(num_tokens: int, hidden: int | None = None, inter: int | None = None,
                 configs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Config for ``num_tokens`` tokens among ``shape_buckets(hidden, inter, configs)``: the largest
-    ``min_tokens`` <= T wins. Read-only (shared)."""
+    """The JSON form of the config for ``num_tokens`` tokens among ``shape_buckets(hidden, inter, configs)``: the
+    largest ``min_tokens`` <= T wins ({} if there are no buckets). Read-only (shared)."""
     return pick_bucket(shape_buckets(hidden, inter, configs), num_tokens, "min_tokens") or {}
+
+
+def launch_config(num_tokens: int, hidden: int | None = None, inter: int | None = None,
+                  configs: dict[str, Any] | None = None) -> LaunchConfig:
+    """The typed config of ``pick_config`` (shipped table: parsed once per (T, H, I) and cached). Raises
+    ``ValueError`` if that config does not parse."""
+    if configs is None:
+        return _shipped_config(num_tokens, hidden, inter)
+    return parse_config(pick_config(num_tokens, hidden, inter, configs))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shipped_config(num_tokens: int, hidden: int | None, inter: int | None) -> LaunchConfig:
+    return parse_config(pick_config(num_tokens, hidden, inter))
 
 
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex: APExperts, sync: bool) -> None:
@@ -76,21 +92,26 @@ def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, 
 
 
 def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-           config: dict[str, Any] | None = None, check: bool = True) -> torch.Tensor:
+           config: LaunchConfig | Mapping[str, Any] | None = None, check: bool = True) -> torch.Tensor:
     """MoE output y [T, H] in x's dtype. x [T, H] bf16/fp16; topk_ids [T, k] integer; topk_w [T, k] float.
 
-    ``config``: one bucket's config of ``configs/ap_moe.json`` (default: picked by T and shape). ``check=False``
+    ``config``: a launch config or its JSON form (default: ``launch_config`` by T and shape). ``check=False``
     skips the value checks that sync with the host (ids in range, bits in 1..8): the decode path then never syncs.
-    Raises ``ValueError`` on bad input or a config without a known ``path``.
+    Raises ``ValueError`` on bad input or a bad config.
     """
     check_inputs(x, topk_ids, topk_w, experts, sync=check)
+    if isinstance(config, Mapping):
+        config = parse_config(config)
+    cfg = config if config is not None else launch_config(topk_ids.shape[0], experts.hidden, experts.inter)
     if topk_ids.numel() == 0:
         return torch.zeros_like(x)
-    cfg = config if config is not None else pick_config(topk_ids.shape[0], experts.hidden, experts.inter)
-    launch = PATHS.get(cfg.get("path", ""))
-    if launch is None:
-        raise ValueError(f"config path must be one of {sorted(PATHS)}, got {cfg.get('path')!r}")
-    return launch(x, topk_ids, topk_w, experts, cfg)
+    if isinstance(cfg, DecodeConfig):
+        return decode_moe(x, topk_ids, topk_w, experts, cfg)
+    if isinstance(cfg, MidConfig):
+        return mid_moe(x, topk_ids, topk_w, experts, cfg)
+    if isinstance(cfg, PrefillConfig):
+        return prefill_moe(x, topk_ids, topk_w, experts, cfg)
+    raise ValueError(f"config must be a DecodeConfig, MidConfig or PrefillConfig, got {cfg!r}")
 
 
 def ap_moe_shared(x: torch.Tensor, shared: APExperts, gate: torch.Tensor | None = None,
@@ -124,8 +145,8 @@ def ap_moe_block(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, 
         raise ValueError(f"the shared expert (hidden {shared.hidden}, LUT {shared.lut_pool.dtype}) must match the "
                          f"routed experts (hidden {experts.hidden}, LUT {experts.lut_pool.dtype})")
     sid = shared_ids if shared_ids is not None else torch.zeros(t, 1, dtype=torch.int64, device=x.device)
-    cr, cs = pick_config(t, experts.hidden, experts.inter), pick_config(t, shared.hidden, shared.inter)
-    if cr.get("path") == "decode" and cs.get("path") == "decode" and topk_ids.numel() > 0:
+    cr, cs = launch_config(t, experts.hidden, experts.inter), launch_config(t, shared.hidden, shared.inter)
+    if isinstance(cr, DecodeConfig) and isinstance(cs, DecodeConfig) and topk_ids.numel() > 0:
         check_inputs(x, topk_ids, topk_w, experts, sync=check)
         check_inputs(x, sid, shared_w, shared, sync=check)
         a, xw = decode_partials(x, topk_ids, topk_w, experts, cr)

@@ -10,13 +10,13 @@ launcher (deterministic, no atomics). The pair sort (``align_by_expert``) needs 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.moe.experts import APExperts
+from kernels.moe.launch import MidConfig
 from kernels.moe.tile import lut_rows, weight_tile
 
 
@@ -137,23 +137,22 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 def mid_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-            cfg: dict[str, Any]) -> torch.Tensor:
+            cfg: MidConfig) -> torch.Tensor:
     """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``kernels.moe.dispatch``.
 
-    ``cfg``: BLOCK_M, BLOCK_N, BLOCK_K (a multiple of 32), num_warps (default 4). Raises ``ValueError`` if x's
-    rows are not contiguous or BLOCK_K is not a multiple of 32.
+    ``cfg``: the tile. Raises ``ValueError`` if x's rows are not contiguous.
     """
     ex = experts
-    if x.stride(1) != 1 or cfg["BLOCK_K"] % 32:
-        raise ValueError(f"x must be row-contiguous and BLOCK_K a multiple of 32, got {x.stride()}, {cfg}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x must be contiguous along the hidden dim, got strides {x.stride()}")
     t, k = topk_ids.shape
     num_pairs = t * k
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     sorted_pairs, tile_expert = align_by_expert(topk_ids, ex.num_experts, bm)
     inter = torch.empty(num_pairs, ex.inter, dtype=x.dtype, device=x.device)
     out_pairs = torch.empty(num_pairs, ex.hidden, dtype=torch.float32, device=x.device)
     tiles = tile_expert.numel()
-    warps = cfg.get("num_warps", 4)
+    warps = cfg.num_warps
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     _gate_up_kernel[(tiles, triton.cdiv(ex.inter, bn))](
         x, inter, sorted_pairs, tile_expert, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits,

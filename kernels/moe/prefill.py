@@ -12,14 +12,13 @@ Eagerly each end is several launches and an fp32 copy of [M, 2I] or [M, H].
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels.moe.experts import APExperts
+from kernels.moe.launch import PrefillConfig
 from kernels.moe.tile import lut_rows, weight_tile
 from kernels.rounding import round_to
 
@@ -153,29 +152,27 @@ def _dequant_kernel(
 
 
 def dequant_blocks(experts: APExperts, blocks: torch.Tensor, unit: str, dtype: torch.dtype,
-                   live: torch.Tensor | None = None, config: dict[str, Any] | None = None) -> torch.Tensor:
+                   live: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
     """Dense weights [len(blocks), N, K] in ``dtype`` of the listed blocks (all gate_up or all down).
 
     ``live`` [len(blocks)] bool/int: blocks to skip (0) are left unwritten (no host sync to drop them).
-    ``config``: BLOCK_N, BLOCK_K (a multiple of 32), num_warps. Raises ``ValueError`` for another unit or a
-    BLOCK_K that is not a multiple of 32.
+    ``config``: the dequantize kernel's tile (default ``PrefillConfig()``). Raises ``ValueError`` for another unit.
     """
     ex = experts
-    cfg = config or {}
-    bn, bk = cfg.get("BLOCK_N", 32), cfg.get("BLOCK_K", 128)
-    if unit not in ("gate_up", "down") or bk % 32:
-        raise ValueError(f"unit must be gate_up or down and BLOCK_K a multiple of 32, got {unit!r}, {bk}")
+    cfg = config or PrefillConfig()
+    if unit not in ("gate_up", "down"):
+        raise ValueError(f"unit must be gate_up or down, got {unit!r}")
     n, kk = (2 * ex.inter, ex.hidden) if unit == "gate_up" else (ex.hidden, ex.inter)
     out = torch.empty(blocks.numel(), n, kk, dtype=dtype, device=ex.pool.device)
     live_i = torch.ones(blocks.numel(), dtype=torch.int32, device=out.device) if live is None else live.to(torch.int32)
-    _dequant_kernel[(blocks.numel(), triton.cdiv(n, bn), triton.cdiv(kk, bk))](
+    _dequant_kernel[(blocks.numel(), triton.cdiv(n, cfg.BLOCK_N), triton.cdiv(kk, cfg.BLOCK_K))](
         out, blocks.to(torch.int32), live_i, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, N=n,
-        K=kk, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.get("num_warps", 4))
+        K=kk, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps)
     return out
 
 
 def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-                cfg: dict[str, Any]) -> torch.Tensor:
+                cfg: PrefillConfig) -> torch.Tensor:
     """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``kernels.moe.dispatch``.
 
     One grouped GEMM per unit over the expert-sorted pairs (experts without tokens get an empty group); where

@@ -1,12 +1,12 @@
 """The ``mid`` AP MoE path at the prefill tile sizes ``bench/prefill_tune.py`` times (BLOCK_M 64, 128), against
-the reference (``check`` of tests/test_ap_moe_kernel.py: poisoned outputs, bf16 / fp16 tolerances), in Triton's
+the reference (``check`` of tests/_moe_cases.py, bf16 / fp16 tolerances), in Triton's
 interpreter on the CPU and natively on the GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_ap_moe_kernel import check  # sibling test module (pytest puts tests/ on sys.path)
+from _moe_cases import check
 
 
 @pytest.mark.parametrize("block_m", [64, 128])

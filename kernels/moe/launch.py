@@ -1,0 +1,126 @@
+"""Typed launch configs of the MoE paths, and their JSON form in ``kernels/configs/ap_moe.json``.
+
+The JSON holds, per expert shape "HxI" (``by_shape``, tuned on a GPU) or ``default``, buckets by token count
+``{"min_tokens": T, "config": {...}}``; the largest ``min_tokens`` <= T wins. A config names its ``path``
+(decode | mid | prefill) and that path's tiles; ``parse_config`` turns it into the dataclass below and refuses
+unknown paths, unknown keys and bad values, so a typo in a tuned file fails at import, not on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+SLOTS_ALLOWED = (0, 1, 2, 4, 8)
+
+
+def _positive(owner: object, *names: str) -> None:
+    for name in names:
+        v = getattr(owner, name)
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{type(owner).__name__}.{name} must be an integer >= 1, got {v!r}")
+
+
+def _block_k(owner: object) -> None:
+    if owner.BLOCK_K % 32:  # type: ignore[attr-defined]
+        raise ValueError(f"{type(owner).__name__}.BLOCK_K must be a multiple of 32 (one plane word), got "
+                         f"{owner.BLOCK_K}")  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """One decode kernel's tile: BLOCK_N rows (gate_up: gate/up row pairs), BLOCK_K columns per K step (a multiple
+    of 32), SPLIT_K programs over K (down), RAW_SHFL: LUT shuffles by inline ``shfl.sync`` (NVIDIA only)."""
+
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int = 4
+    SPLIT_K: int = 1
+    RAW_SHFL: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K")
+        _block_k(self)
+        object.__setattr__(self, "RAW_SHFL", bool(self.RAW_SHFL))
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Decode path: tiles of its gate_up and down kernels; SLOTS 0 (token slots, chunks of 8 tokens) or S in
+    1, 2, 4, 8 (pairs sorted by expert, S per program)."""
+
+    gate_up: DecodeTile
+    down: DecodeTile
+    SLOTS: int = 0
+    path: ClassVar[str] = "decode"
+
+    def __post_init__(self) -> None:
+        if type(self.SLOTS) is not int or self.SLOTS not in SLOTS_ALLOWED:
+            raise ValueError(f"SLOTS must be 0 (token slots), 1, 2, 4 or 8 (pairs per program), got {self.SLOTS!r}")
+
+
+@dataclass(frozen=True)
+class MidConfig:
+    """Mid-size path: BLOCK_M (token, slot) pairs x BLOCK_N rows per tile, K steps of BLOCK_K (a multiple of 32)."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int = 4
+    path: ClassVar[str] = "mid"
+
+    def __post_init__(self) -> None:
+        _positive(self, "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")
+        _block_k(self)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Prefill path: the dequantize kernel's tile, BLOCK_N rows x BLOCK_K columns (a multiple of 32)."""
+
+    BLOCK_N: int = 32
+    BLOCK_K: int = 128
+    num_warps: int = 4
+    path: ClassVar[str] = "prefill"
+
+    def __post_init__(self) -> None:
+        _positive(self, "BLOCK_N", "BLOCK_K", "num_warps")
+        _block_k(self)
+
+
+LaunchConfig = DecodeConfig | MidConfig | PrefillConfig
+_BY_PATH: dict[str, type[DecodeConfig] | type[MidConfig] | type[PrefillConfig]] = {
+    c.path: c for c in (DecodeConfig, MidConfig, PrefillConfig)}
+
+
+def _fields(cls: type, raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(raw) - names
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)} in {where} (allowed: {sorted(names)})")
+    return dict(raw)
+
+
+def parse_config(raw: Mapping[str, Any]) -> LaunchConfig:
+    """The typed config of one bucket's JSON form ``{"path": ..., ...}``. Raises ``ValueError`` for an unknown
+    path or key, a missing tile, or a bad value."""
+    body = dict(raw)
+    path = body.pop("path", None)
+    cls = _BY_PATH.get(path) if isinstance(path, str) else None
+    if cls is None:
+        raise ValueError(f"config path must be one of {sorted(_BY_PATH)}, got {path!r}")
+    fields = _fields(cls, body, f"a {path} config")
+    try:
+        if cls is DecodeConfig:
+            for unit in ("gate_up", "down"):
+                fields[unit] = DecodeTile(**_fields(DecodeTile, fields[unit], f"the decode {unit} tile"))
+        return cls(**fields)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"incomplete {path} config {dict(raw)}: {err}") from err
+
+
+def to_json(cfg: LaunchConfig) -> dict[str, Any]:
+    """The JSON form of a typed config (inverse of ``parse_config``)."""
+    return {"path": cfg.path, **dataclasses.asdict(cfg)}
