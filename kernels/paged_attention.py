@@ -42,11 +42,11 @@ import triton.language as tl
 from kernels.config_buckets import pick_bucket
 
 # Launch configs as data (``kernels/configs/paged_attention.json``): "default", and per "HqxHkvxD" shape a list of
-# buckets by batch size (the largest ``min_seqs`` <= S wins), written by ``bench/paged_attention_speed.py
-# --write-configs``. Keys: BLOCK_N (key positions per loop iteration), num_warps, DOT (1: q.K^T and p.V on tensor
-# cores with the group's query heads padded to 16 rows; 0: fp32 broadcast products, no padding: for MHA, where 15
-# of the 16 rows would be padding), min_split_tokens (no context split shorter), max_splits, programs_per_sm (the
-# split count aims at this many programs per SM).
+# buckets by batch size (the largest ``min_seqs`` <= S wins), tuned on a GPU. Keys: BLOCK_N (key positions per
+# loop iteration), num_warps, DOT (1: q.K^T and p.V on tensor cores with the group's query heads padded to 16
+# rows; 0: fp32 broadcast products, no padding: for MHA, where 15 of the 16 rows would be padding),
+# min_split_tokens (no context split shorter), max_splits, programs_per_sm (the split count aims at this many
+# programs per SM).
 CONFIGS: dict[str, Any] = json.loads((Path(__file__).parent / "configs" / "paged_attention.json").read_text())
 LOG2E = 1.4426950408889634
 
