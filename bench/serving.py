@@ -292,7 +292,7 @@ def decode_table(args: argparse.Namespace, emit: Any) -> None:
         reqs, budget = pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen, dev)
         s = engine_run(stripped, src, table, "pagedweight", None, budget, reqs, args.gen, b, dev)
         return {"policy": "pagedweight", "requests": len(reqs), **s,
-                "floor_tps": floor(s.get("mean_bits_time_avg", 4.0), b)}
+                "floor_tps": floor(s.get("mean_bits", 4.0), b)}
 
     def equal_memory(b: int) -> dict[str, Any]:
         reqs, budget = pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen, dev)
@@ -345,7 +345,7 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
         s = json.loads(summary.read_text())
         rec |= {"requests": args.user_requests, "max_batch": args.user_max_batch, "gpu_memory": args.user_gpu_memory,
                 **{k: s[k] for k in ("tokens_per_second", "decode_tokens_per_second", "prefill_tokens_per_second",
-                                     "mean_bits_time_avg", "demoted_blocks", "promoted_blocks", "preemptions",
+                                     "mean_bits", "demoted_blocks", "promoted_blocks", "preemptions",
                                      "seconds") if k in s}}
         emit(rec)
 
@@ -395,7 +395,8 @@ def compare_commit(rev: str, argv: list[str], out: Path) -> None:
 
 def from_serve_speed(row: dict[str, Any]) -> dict[str, Any]:
     """A row of the older ``bench/serve_speed.py`` as this suite records it: equal-memory rows named alike at every
-    bitwidth (the bits in ``bits``), ``policy`` and ``bits`` set, peak memory as ``device_peak_bytes``."""
+    bitwidth (the bits in ``bits``), ``policy`` and ``bits`` set, fields named as the run summary names them now
+    (``device_peak_bytes``, ``mean_bits``)."""
     r = {k: v for k, v in row.items() if k not in ("triton_first_uses_in_run", "triton_specializations_compiled_in_run",
                                                      "slowest_steps")}
     system = r["system"]
@@ -405,8 +406,9 @@ def from_serve_speed(row: dict[str, Any]) -> dict[str, Any]:
         r |= {"policy": "uniform", "bits": int(system.split()[2].split("-")[0])}
     elif system == "PagedWeight under pressure":
         r["policy"] = "pagedweight"
-    if "peak_device_bytes" in r:
-        r["device_peak_bytes"] = r.pop("peak_device_bytes")
+    for old, new in (("peak_device_bytes", "device_peak_bytes"), ("mean_bits_time_avg", "mean_bits")):
+        if old in r:
+            r[new] = r.pop(old)
     return r
 
 
