@@ -15,12 +15,13 @@ import math
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
+from kernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.config import EngineConfig
 from pwrun.core.engine_core import EngineCore
@@ -43,9 +44,6 @@ from pwrun.model.loader import load_model, resolve_device, resolve_dtype
 from pwrun.model.weights import fuse_qkv
 from pwrun.runner.experts.layout import block_pages, page_rounded_bytes, table_shapes
 from pwrun.runner.model_runner import ModelRunner, kv_page_bytes
-
-if TYPE_CHECKING:
-    from kernels.warmup import LinearShape, MoEShape
 
 
 @dataclass(frozen=True)
@@ -211,8 +209,6 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
 def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
     """The distinct expert shapes of ``model``'s MoE layers (SPEC section 3's units, by shape), for
     ``kernels.warmup.precompile_decode``; [] for a model without MoE layers."""
-    from kernels.warmup import MoEShape  # Triton is imported only where kernels run
-
     spec = model.spec
     return list(dict.fromkeys(
         MoEShape(spec.hidden_size, ls.moe.expert_intermediate, ls.moe.top_k, ls.moe.shared_intermediate,
@@ -225,8 +221,6 @@ def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
     serving always builds (unfused projections take ``F.linear``); o_proj; the router, with the shared-expert gate
     as one more row where the layer has one, as ``ExpertStore`` fuses them; the LM head), for
     ``kernels.warmup.precompile_gemv``."""
-    from kernels.warmup import LinearShape  # Triton is imported only where kernels run
-
     dt = str(model.dtype).removeprefix("torch.")
     h = model.spec.hidden_size
     out = []
@@ -290,8 +284,6 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             f"({dtype_label(dt)}) and {format_size(work)} of step workspace (fewer tokens per step or fewer "
             f"concurrent requests shrink it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
     if dev.type == "cuda" and ecfg.precompile_workers != 0:  # before the pool takes the device's memory
-        from kernels.warmup import precompile_decode, precompile_gemv
-
         workers = None if ecfg.precompile_workers < 0 else ecfg.precompile_workers
         for msg in precompile_decode(moe_shapes(model), ecfg.max_batch, workers, ecfg.max_step_tokens) + \
                 precompile_gemv(linear_shapes(model), ecfg.max_batch, workers, ecfg.max_step_tokens):

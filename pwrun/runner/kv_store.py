@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.paged_attention import paged_decode_attention
+from kernels.rope_kv import rope_kv_write
+from pwrun.model.ops import rope_inv_freq
 from pwrun.model.step import StepTensors
 
 
@@ -64,8 +67,6 @@ class PooledKVCache:
         """Triton paged-decode attention [S, Hq, D] for a pure decode step on CUDA; None elsewhere (reference)."""
         if not self.use_kernel or step.padded_tables is None or step.context_lens_t is None:
             return None
-        from kernels.paged_attention import paged_decode_attention
-
         units = self._step_units
         if units is not None and units.shape[1:] == step.padded_tables.shape:
             kt, vt = units[2 * layer], units[2 * layer + 1]
@@ -80,8 +81,6 @@ class PooledKVCache:
         (then the caller runs the eager RoPE and ``write``)."""
         if not self.use_kernel:
             return None
-        from kernels.rope_kv import rope_kv_write
-        from pwrun.model.ops import rope_inv_freq
 
         d = q.shape[-1]
         inv = self._inv_freq.get((d, theta))

@@ -14,6 +14,9 @@ from typing import Any, cast
 
 import torch
 
+from kernels.dense_gemv import linear
+from kernels.moe.dispatch import ap_moe, ap_moe_block
+from kernels.route_topk import accumulate_routing_stats, route_topk
 from pwrun.ap.format import dequantize, words_per_row
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.model.inventory import SHARED_EXPERT
@@ -89,10 +92,6 @@ class APMoE:
     def _kernel(self, x: torch.Tensor, layer: int, lw: MoEWeights, spec: Any) -> torch.Tensor:
         """Kernel path: router matmul (router and shared gate in one), one routing kernel (top-k, gate,
         statistics), the fused AP kernels for the routed experts and the shared expert (``ap_moe_block``)."""
-        from kernels.dense_gemv import linear
-        from kernels.moe.dispatch import ap_moe, ap_moe_block
-        from kernels.route_topk import route_topk
-
         e = spec.num_experts
         has_gate = lw.shared_gate is not None
         weight = self._router_gate.get(layer, lw.router)
@@ -113,8 +112,6 @@ class APMoE:
 
     def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  shared: bool) -> None:
-        from kernels.route_topk import accumulate_routing_stats
-
         accumulate_routing_stats(self.mass_acc[layer], self.norm_acc[layer], x, ids, weights,
                                  self.mass_acc.shape[1] - 1, shared)
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.moe.experts import APExperts
 from pwrun.core.planner.tables import UNITS
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.model.inventory import SHARED_EXPERT
@@ -88,7 +89,7 @@ class KernelTables:
             return t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def experts(self, layer: int, kind: str = "routed") -> Any:
+    def experts(self, layer: int, kind: str = "routed") -> APExperts:
         """The kernel's ``APExperts`` view of one layer's routed (or shared) experts.
 
         Built once per (layer, kind) and cached: it holds views of the pool and of the table rows, which
@@ -101,8 +102,6 @@ class KernelTables:
         if ex is None or not (ex.pool is self.words and ex.lut_pool is self.lut_view
                               and ex.plane_offset is t.plane_offset and ex.lut_offset is t.lut_offset
                               and ex.bits is t.bits):
-            from kernels.moe.experts import APExperts
-
             moe = self.spec.layers[layer].moe
             assert moe is not None
             inter = moe.shared_intermediate if kind == "shared" else moe.expert_intermediate
