@@ -125,22 +125,22 @@ def _decode_down_kernel(
     order_ptr,  # SORTED: [T*k] sorted position -> pair (else unused)
     seg_ptr,  # SORTED: [T*k] sorted position -> first position of its expert's run (else unused)
     w_ptr,  # [T*k] fp32 routing weights
-    pool_ptr,
-    plane_off_ptr,
-    lut_ptr,
-    lut_off_ptr,
-    bits_ptr,
-    T,
+    pool_ptr,  # int32 plane pool
+    plane_off_ptr,  # int64 [2E, 8] word offsets of each block's planes
+    lut_ptr,  # LUT pool (x's dtype)
+    lut_off_ptr,  # int64 [2E] element offset of each block's committed LUT
+    bits_ptr,  # int32 [2E] committed bitwidths
+    T,  # tokens
     H,  # rows of down
     I,  # noqa: E741 - K of down
-    TOPK: tl.constexpr,
-    T_PAD: tl.constexpr,
-    K_PAD: tl.constexpr,
-    SORTED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BKW: tl.constexpr,
-    LE: tl.constexpr,
-    RAW: tl.constexpr,
+    TOPK: tl.constexpr,  # k
+    T_PAD: tl.constexpr,  # as in _decode_gate_up_kernel
+    K_PAD: tl.constexpr,  # next power of 2 >= TOPK
+    SORTED: tl.constexpr,  # sorted-slots mode (``_slots_of``)
+    BLOCK_N: tl.constexpr,  # output rows per program
+    BKW: tl.constexpr,  # plane words (32 columns each) per K step
+    LE: tl.constexpr,  # LUT entries held in registers for shuffles: 32 if BKW >= 32 else 16
+    RAW: tl.constexpr,  # shuffles by shfl.sync (inline PTX), else tl.gather
     KWX: tl.constexpr,  # words of an inter row (ceil(I / 32) rounded up so that every split's K steps fit)
 ):
     if SORTED:  # inactive slots hold p's own pair, whose inter row gate_up wrote

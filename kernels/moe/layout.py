@@ -43,13 +43,13 @@ def _combine_kernel(
     a_ptr,  # [SA, T, KA, H] fp32 partial outputs (split-K part s, token t, slot j), contiguous
     b_ptr,  # [SB, T, KB, H] fp32 second set (unused when not HAS_B), contiguous
     y_ptr,  # [T, H] out, the activations' dtype
-    T,
-    H,
-    SA,
-    KA,
-    SB,
-    KB,
-    HAS_B: tl.constexpr,
+    T,  # tokens
+    H,  # columns
+    SA,  # split-K parts of a
+    KA,  # top-k slots of a
+    SB,  # split-K parts of b
+    KB,  # top-k slots of b
+    HAS_B: tl.constexpr,  # add the second set
     BLOCK: tl.constexpr,  # columns per program
 ):
     t = tl.program_id(0)

@@ -29,7 +29,15 @@ BLOCK_J = 64  # pairs compared per step
 
 
 @triton.jit
-def _sort_pairs_kernel(ids_ptr, sorted_ptr, order_ptr, seg_ptr, P, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+def _sort_pairs_kernel(
+    ids_ptr,  # [P] expert ids
+    sorted_ptr,  # [P] out: ids in ascending order (stable)
+    order_ptr,  # [P] int32 out: sorted position -> pair
+    seg_ptr,  # [P] int32 out: sorted position -> first position of its expert's run
+    P,  # pairs
+    BLOCK_I: tl.constexpr,  # pairs ranked per program
+    BLOCK_J: tl.constexpr,  # pairs compared per step
+):
     """Rank pairs i of this program among all P (stable, by expert id) and scatter them to their sorted positions."""
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     im = i < P
