@@ -73,6 +73,7 @@ from bench.common import (
 )
 from bench.render import serving_table
 from pwrun.core.config import EngineConfig
+from pwrun.core.policy import Policy
 from pwrun.core.request import SamplingParams
 from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.build import ServeConfig, assemble_engine, dense_engine, strip_experts
@@ -147,7 +148,8 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str, b
                reqs: list[list[int]], gen: int, max_batch: int, device: str) -> dict[str, Any]:
     """One timed serving run, after a 3-token throw-away run of the same prompts (Triton's JIT is not timed); the
     steps that capture a CUDA graph are left out of the decode figures (``decode_tps_incl_capture`` keeps them)."""
-    cfg = ServeConfig(budget, policy, bits, EngineConfig(max_batch=max_batch, max_step_tokens=2048), BENCH_PLANNER)
+    cfg = ServeConfig(budget, Policy.named(policy, bits), EngineConfig(max_batch=max_batch, max_step_tokens=2048),
+                      BENCH_PLANNER)
 
     def build(n: int) -> Any:
         return assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(max_new_tokens=n),

@@ -184,17 +184,18 @@ def generate(
         if artifacts is not None:
             from pwrun.ap.artifact import APArtifact
             from pwrun.core.config import EngineConfig
+            from pwrun.core.policy import Policy
             from pwrun.engine.budget import parse_size
             from pwrun.engine.build import ServeConfig
-            from pwrun.engine.policies import check_policy
             from pwrun.engine.report import format_summary
             from pwrun.generate import serve_prompts
 
             art = APArtifact(artifacts)
             art.check_model(model_dir)
-            check_policy(policy, bits, art.bits)
+            serve_policy = Policy.named(policy, bits)
+            serve_policy.check_bits(art.bits)
             warn_missing_tables(art, [policy], model_dir)
-            cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), policy, bits,
+            cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), serve_policy,
                               EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
                                            debug_checks=debug_checks))
             with _progress(len(texts), not stream) as on_progress:

@@ -139,13 +139,15 @@ def check_writable_file(flag: str, path: Path) -> None:
 
 def warn_missing_tables(art: APArtifact, policies: Iterable[str], model_dir: Path) -> None:
     """Print ``warning: <line>`` on stderr once per optional calibration table that one of ``policies`` would
-    read but whose pwcal stage has not run (``pwrun.engine.build.missing_tables``). ``policies``: names that
-    ``check_policy`` accepts. Raises ``PagedWeightError`` for a damaged artifact (a table its manifest records)."""
+    read but whose pwcal stage has not run (``pwrun.engine.build.missing_tables``). ``policies``: names of
+    ``pwrun.core.policy.POLICIES``. Raises ``PagedWeightError`` for a damaged artifact (a table its manifest
+    records)."""
+    from pwrun.core.policy import POLICIES
     from pwrun.engine.build import missing_tables
 
     shown: list[str] = []
     for policy in policies:
-        for warning in missing_tables(art, policy, model_dir):
+        for warning in missing_tables(art, POLICIES[policy], model_dir):
             if warning not in shown:
                 shown.append(warning)
                 typer.echo(f"warning: {warning}", err=True)

@@ -94,8 +94,8 @@ def run(
     """Score one suite under each budget with one policy; append one row per budget to --out."""
     from dataclasses import replace
 
+    from pwrun.core.policy import POLICIES, Policy
     from pwrun.engine.budget import parse_size
-    from pwrun.engine.policies import POLICIES, check_policy
     from pwrun.engine.report import write_frame
     from pwrun.eval.results import append_rows, read_table
     from pwrun.eval.runs import Evaluator, LongSpec, TextSpec, set_threads
@@ -117,7 +117,7 @@ def run(
         set_threads(threads)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
         if policy != "16-bit":
-            check_policy(policy, bits, ev.artifact.bits)
+            Policy.named(policy, bits).check_bits(ev.artifact.bits)
             warn_missing_tables(ev.artifact, [policy], ev.model_dir)
         if suite == "text":
             t = TextSpec()
@@ -174,7 +174,7 @@ def sweep(
     """Every policy x budget on both suites -> results.parquet, then every figure and table (one command)."""
     from dataclasses import replace
 
-    from pwrun.engine.policies import POLICIES
+    from pwrun.core.policy import POLICIES
     from pwrun.eval.figures import write_report
     from pwrun.eval.runs import Evaluator, set_threads
     from pwrun.eval.sweep import QUICK, SweepSpec, run_sweep

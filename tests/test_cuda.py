@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pwrun.core.policy import Policy
 from pwrun.core.request import SamplingParams
 from pwrun.data import default_model_dir, read_text
 from pwrun.generate import generate
@@ -48,7 +49,7 @@ def test_cuda_fused_step_kernels_match_the_eager_ops(calibrated_artifacts) -> No
     prompts, forced = [x[:96] for x in toks], [x[96:160] for x in toks]
     lps = {}
     for fused in (False, True):
-        cfg = ServeConfig(2**30, "uniform", 8, EngineConfig(fused_kernels=fused))
+        cfg = ServeConfig(2**30, Policy.named("uniform", 8), EngineConfig(fused_kernels=fused))
         e = build_engine(MODEL, calibrated_artifacts, cfg, SamplingParams(max_new_tokens=64), prompts, set(),
                          device="cuda", forced=forced)
         outs = e.run_until_done()
@@ -72,7 +73,7 @@ def test_cuda_engine_build_waits_for_the_initial_upload(calibrated_artifacts,  #
         idle.append(torch.cuda.current_stream().query())
 
     monkeypatch.setattr(experts.ExpertStore, "place", place)
-    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30, "uniform", 8), SamplingParams(max_new_tokens=2),
-                     [[5, 6, 7]], set(), device="cuda")
+    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30, Policy.named("uniform", 8)),
+                     SamplingParams(max_new_tokens=2), [[5, 6, 7]], set(), device="cuda")
     assert idle == [True], "the initial plane copies were still queued when place() returned"
     e.run_until_done()

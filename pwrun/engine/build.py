@@ -31,12 +31,12 @@ from pwrun.core.planner.greedy import fit_budget
 from pwrun.core.planner.online import FEATURES, OnlineStats, ResidualHeads
 from pwrun.core.planner.runtime import Planner, PlannerConfig
 from pwrun.core.planner.tables import UNITS, BlockTable
+from pwrun.core.policy import Policy
 from pwrun.core.pool import WEIGHT, PagePool, PoolConfig
 from pwrun.core.request import Request, SamplingParams
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.engine.budget import dtype_label, format_size, workspace_bytes
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.engine.policies import check_policy, planner_config
 from pwrun.errors import BudgetTooSmall, PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
 from pwrun.model.lean import LeanMoEModel
@@ -48,11 +48,10 @@ from pwrun.runner.model_runner import ModelRunner, kv_page_bytes
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """``gpu_memory``: the whole budget in bytes; ``policy``/``bits``: see ``policies.py``."""
+    """``gpu_memory``: the whole budget in bytes; ``policy``: see ``pwrun.core.policy``."""
 
     gpu_memory: int
-    policy: str = "pagedweight"
-    bits: int | None = None
+    policy: Policy = field(default_factory=Policy)
     engine: EngineConfig = field(default_factory=EngineConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
@@ -79,25 +78,17 @@ def _stale(art: APArtifact, name: str) -> str | None:
     return str(st.get("stale_because") or f"stage '{TABLE_STAGE[name]}' did not complete")
 
 
-def _uses(policy: str, name: str) -> bool:
-    """Whether ``policy`` reads the optional table ``name`` (see ``policies.py``)."""
-    pcfg = planner_config(policy, PlannerConfig())
-    if name == "buckets":
-        return policy == "static" or (pcfg is not None and pcfg.use_routing)
-    return pcfg is not None and pcfg.use_residual
-
-
-def missing_tables(art: APArtifact, policy: str, model_dir: Path | str = "MODEL") -> list[str]:
+def missing_tables(art: APArtifact, policy: Policy, model_dir: Path | str = "MODEL") -> list[str]:
     """One warning line per optional table that ``policy`` would use but whose pwcal stage has not run.
 
     Raises ``PagedWeightError`` if the manifest records that stage complete but the file is gone (a damaged
-    artifact: serving without it would silently change the method). ``policy``: one ``check_policy`` accepts.
+    artifact: serving without it would silently change the method).
     """
     stages = art.manifest.get("stages", {})
     out = []
     for name, (stage, loss) in OPTIONAL_TABLES.items():
         path = art.path / f"{name}.parquet"
-        if not _uses(policy, name):
+        if not policy.reads(name):
             continue
         fix = f"`pwcal {stage} {model_dir} --artifacts {art.path}"
         if path.is_file():
@@ -193,14 +184,14 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     """
     art = APArtifact(artifact_dir)
     art.check_model(model_dir)
-    check_policy(cfg.policy, cfg.bits, art.bits)
+    cfg.policy.check_bits(art.bits)
     missing_tables(art, cfg.policy, model_dir)  # the caller shows the warnings (e.g. once per CLI run)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     model = strip_experts(load_model(model_dir, device="cpu", dtype=str(dt).removeprefix("torch.")), dev)
-    table = block_table(art, model, need_calibration=cfg.policy != "uniform")
+    table = block_table(art, model, need_calibration=cfg.policy.placement != "uniform")
     heads_df = _read(art, "residual_heads")
     return assemble_engine(model, art, table, _bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None
                            else None, _calib_features(art, table), cfg, params, requests, eos, forced)
@@ -260,14 +251,13 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     kv_block_bytes = 2 * spec.num_layers * page_bytes
     min_kv_pages = blocks_needed(longest, ecfg.block_size) * 2 * spec.num_layers
     table = replace(table, bytes=page_rounded_bytes(table, spec, page_bytes))
-    pcfg = planner_config(cfg.policy, cfg.planner)
+    pcfg = cfg.policy.planner_config(cfg.planner)
     if pcfg is not None and pcfg.overlapped is None:
         pcfg = replace(pcfg, overlapped=dev.type == "cuda")
     bits = table.bits
     # the floor every block can reach (last floor stage), or the uniform bits
-    if cfg.policy == "uniform":
-        assert cfg.bits is not None
-        floor_idx = np.full(table.n, table.bit_index(cfg.bits))
+    if cfg.policy.bits is not None:
+        floor_idx = np.full(table.n, table.bit_index(cfg.policy.bits))
     elif pcfg is not None and not pcfg.use_routing:
         floor_idx = np.zeros(table.n, dtype=np.int64)
     else:
@@ -298,9 +288,9 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     wpt = WeightPageTable(bit_list, *block_pages(table_shapes(table, spec), bit_list, page_bytes))
     assert np.array_equal(np.stack([wpt.pages_at(b) for b in bit_list], axis=1) * page_bytes, table.bytes)
     reserve = (cfg.planner.free_threshold + 1) * kv_block_bytes + min_kv_pages * page_bytes
-    if cfg.policy == "uniform":
+    if cfg.policy.placement == "uniform":
         q0 = floor_idx
-    elif cfg.policy == "static":
+    elif cfg.policy.placement == "static":
         peak = sorted((blocks_needed(len(r) + n, ecfg.block_size) for r, n in zip(requests, new_tokens, strict=True)),
                       reverse=True)[: ecfg.max_batch]
         budget = num_pages * page_bytes - max(sum(peak) * kv_block_bytes, min_kv_pages * page_bytes)
@@ -325,7 +315,8 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     placed_bytes = int(store.bytes_h2d)
     store.mirror.bytes_h2d = 0
     core = EngineCore(ecfg, pool, spec.num_layers, wpt, planner)
-    info = {"device": str(dev), "dtype": str(dt).removeprefix("torch."), "policy": cfg.policy, "bits": cfg.bits,
+    info = {"device": str(dev), "dtype": str(dt).removeprefix("torch."), "policy": cfg.policy.name,
+            "bits": cfg.policy.bits,
             "gpu_memory": cfg.gpu_memory, "fixed_bytes": fixed, "workspace_bytes": work,
             "pool_bytes": num_pages * page_bytes, "page_bytes": page_bytes, "kv_block_bytes": kv_block_bytes,
             "expert_bytes_16bit": sum(b.n * b.k * 2 for b in expert_blocks(spec)),

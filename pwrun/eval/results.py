@@ -25,7 +25,7 @@ from pwrun.errors import PagedWeightError
 SCHEMA = pa.schema([
     ("run_id", pa.string()),  # joins the per-request scores table
     ("suite", pa.string()),  # "text" (WikiText-2 + C4 windows) or "long" (retrieval + QMSum)
-    ("policy", pa.string()),  # a runtime policy (pwrun.engine.policies) or "16-bit" (the reference model)
+    ("policy", pa.string()),  # a runtime policy (pwrun.core.policy) or "16-bit" (the reference model)
     ("bits", pa.int32()),  # uniform bitwidth (16 for the 16-bit model); null for mixed policies
     ("budget", pa.string()),  # budget label: "min", "U<b>" (uniform b's footprint), "FP16", or "custom"
     ("gpu_memory", pa.int64()),  # total memory of the run (bytes): the --gpu-memory budget, or a static footprint

@@ -24,6 +24,7 @@ import torch
 
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.config import EngineConfig
+from pwrun.core.policy import Policy
 from pwrun.core.request import SamplingParams
 from pwrun.engine.budget import format_size
 from pwrun.engine.build import ServeConfig, build_engine
@@ -131,8 +132,8 @@ class Evaluator:
         self.peak_kv.pop(suite, None)
         low = min(self.artifact.bits)
         fp = self.footprint(suite, low)
-        scored = serve_workload(self.model_dir, self.artifact_dir, ServeConfig(fp.total, "uniform", low, suite.engine),
-                                suite.workload, self.device, self.dtype)
+        cfg = ServeConfig(fp.total, Policy.named("uniform", low), suite.engine)
+        scored = serve_workload(self.model_dir, self.artifact_dir, cfg, suite.workload, self.device, self.dtype)
         s = scored.summary
         assert s is not None and s["preemptions"] == 0
         self.peak_kv[suite] = int(s["pool_peak_pages"] * s["page_bytes"] - fp.experts)
@@ -141,7 +142,7 @@ class Evaluator:
     def minimum(self, suite: Suite, policy: str = "pagedweight") -> int:
         """The smallest budget (bytes) the runtime accepts for ``suite`` under ``policy``."""
         try:  # the budget check comes before any allocation
-            build_engine(self.model_dir, self.artifact_dir, ServeConfig(1, policy, None, suite.engine),
+            build_engine(self.model_dir, self.artifact_dir, ServeConfig(1, Policy.named(policy), suite.engine),
                          SamplingParams(max_new_tokens=1), suite.workload.prompts, set(), self.device, self.dtype,
                          forced=suite.workload.forced)
         except BudgetTooSmall as exc:
@@ -153,7 +154,7 @@ class Evaluator:
             infeasible_ok: bool = False) -> dict[str, Any]:
         """Serve ``suite`` under ``budget`` bytes with ``policy``; the results row. A budget below the policy's
         minimum raises ``BudgetTooSmall``, or with ``infeasible_ok`` gives a row without quality and a note."""
-        cfg = ServeConfig(budget, policy, bits, suite.engine)
+        cfg = ServeConfig(budget, Policy.named(policy, bits), suite.engine)
         try:
             scored = serve_workload(self.model_dir, self.artifact_dir, cfg, suite.workload, self.device, self.dtype)
         except BudgetTooSmall as exc:
