@@ -68,12 +68,6 @@ class WeightMoves:
     def empty(self) -> bool:
         return not (self.committed or self.lowered or self.reloads)
 
-    def extend(self, other: WeightMoves) -> None:
-        self.committed += other.committed
-        self.lowered += other.lowered
-        self.lut_copies += other.lut_copies
-        self.reloads += other.reloads
-
 
 @dataclass(frozen=True)
 class StepDecision:

@@ -23,7 +23,7 @@ from pwrun.core.kv_blocks import BlockTables, PooledBlockAllocator, blocks_neede
 from pwrun.core.planner.runtime import Planner
 from pwrun.core.pool import KV, WEIGHT, PagePool
 from pwrun.core.request import Request, RequestOutput
-from pwrun.core.scheduler import Chunk, RequestState, Scheduler, StepPlan
+from pwrun.core.scheduler import Chunk, RequestState, Scheduler
 from pwrun.core.weight_policy import StepActions, WeightPolicy
 from pwrun.core.weight_table import WeightPageTable
 
@@ -110,7 +110,6 @@ class EngineCore:
         new = self.alloc.new_blocks
         kv = tuple((b, tuple(self.alloc.pages(b))) for b in new)
         new.clear()
-        self._plan = plan
         return StepDecision(chunks, tuple(plan.preempted), tuple(plan.admitted), kv, self.take_moves(),
                             self.max_table_blocks)
 
@@ -193,10 +192,6 @@ class EngineCore:
     @property
     def step_actions(self) -> StepActions:
         return StepActions() if self.weights is None else self.weights.step
-
-    def plan(self) -> StepPlan:
-        """The scheduler's plan of the last step (for the trace)."""
-        return self._plan
 
     def check(self) -> None:
         """Page conservation, q <= resident planes, KV pages = KV blocks in use (``AssertionError`` if not)."""
