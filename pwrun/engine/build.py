@@ -344,8 +344,9 @@ def dense_engine(model: LeanMoEModel, params: SamplingParams, requests: list[lis
     """The engine with ``model``'s own 16-bit experts: a pool of exactly the KV blocks every request needs at
     once, all requests in one batch and their prompts in one prefill step (no budget, no planner)."""
     spec = model.spec
+    # no CUDA graphs: the reference expert loop sizes its groups on the host, which a capture cannot hold
     cfg = EngineConfig(block_size=block_size, max_batch=max(len(requests), 1),
-                       max_step_tokens=max(sum(len(r) for r in requests), 1))
+                       max_step_tokens=max(sum(len(r) for r in requests), 1), cuda_graphs=False)
     blocks = sum(blocks_needed(len(r) + params.max_new_tokens, block_size) for r in requests)
     page_bytes = kv_page_bytes(model, block_size)
     num_pages = max(blocks, 1) * 2 * spec.num_layers

@@ -108,7 +108,8 @@ class ModelRunner:
             return self.model.forward_with_grad(step, self.kv, logits_for=logits_for)
         moe = None if self.experts is None else self.experts.moe
         self.captured = False
-        if logits_for == "last" and self.cfg.cuda_graphs and self.device.type == "cuda" and step.decode_only:
+        if (logits_for == "last" and self.cfg.cuda_graphs and self.device.type == "cuda" and step.decode_only
+                and moe is not None):  # the 16-bit reference experts sync with the host: not capturable
             if self.graphs is None:
                 keep = [] if self.experts is None else [self.experts.moe.mass_acc, self.experts.moe.norm_acc]
                 self.graphs = DecodeGraphs(self.model, self.kv, moe, decision.max_table_blocks, keep)
