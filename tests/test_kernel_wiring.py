@@ -1,6 +1,6 @@
-"""The engine's kernel wiring on the CPU: ``EngineConfig.use_kernels`` runs the Triton kernels (MoE, paged decode
-attention, fused norm / RoPE + KV write / routing) in Triton's interpreter, at tiny shapes, and scores what the
-reference path scores (bf16: log-probabilities equal up to rounding)."""
+"""The engine's kernel wiring: ``EngineConfig.use_kernels`` runs the Triton kernels (MoE, paged decode attention,
+fused norm / RoPE + KV write / routing) at tiny shapes, in Triton's interpreter on the CPU (CI) and natively on a
+GPU, and scores what the reference path scores (bf16: log-probabilities equal up to rounding)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pwrun.model.loader import load_model
 from pwrun.model.spec import ModelSpec
 
 BITS = (3, 4, 5, 6, 7, 8)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/conftest.py sets TRITON_INTERPRET
 
 
 class RandomAP:
@@ -65,7 +66,7 @@ def test_kernel_path_scores_what_the_reference_path_scores(tmp_path: Path) -> No
     prompts, forced = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], [[20, 21], [30, 31]]  # a prefill, then one decode step
     lps = {}
     for kernels in (False, True):
-        model = strip_experts(load_model(tmp_path, device="cpu", dtype="bfloat16"), torch.device("cpu"))
+        model = strip_experts(load_model(tmp_path, device=DEV, dtype="bfloat16"), torch.device(DEV))
         cfg = ServeConfig(2**28, Policy.named("uniform", 4),
                           EngineConfig(use_kernels=kernels, cuda_graphs=False, precompile_workers=0, debug_checks=True))
         e = assemble_engine(model, RandomAP(model.spec), _table(model.spec), BucketPolicy.neutral(3), None, None, cfg,
