@@ -25,14 +25,14 @@ import torch
 from safetensors.torch import save_file
 
 from bench.common import QWEN, environment, random_model, write_records
-from pwcal.quant.quantize import FORMAT, QuantizeConfig, layer_file, quantize_layer
+from pwcal.quant.quantize import QuantizeConfig, layer_file, quantize_layer
 from pwcal.sensitivity import block_hessians, sensitivity_table, weighted_sensitivities
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import NormFeatures
 from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.routing import RoutingMass
+from pwformat.layout import FORMAT, FORMAT_VERSION
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.format import FORMAT_VERSION
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.weights import dense_weight
 

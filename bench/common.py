@@ -6,8 +6,8 @@ What it does:
   ``bench/results/<suite>.jsonl`` carrying commit, GPU, torch/triton versions, UTC date, command and label;
   ``bench.render`` turns the latest records into ``docs/performance.md``.
 - timing: ``event_ms`` (CUDA events, median), ``graph_ms`` (CUDA-graph replay, median), ``copy_bandwidth``.
-- byte counts: ``ap_block_bytes`` (planes + LUTs of one AP block, SPEC Eq. 3 without page rounding) and
-  ``kv_bytes`` (bf16 K + V of a context); the engine-facing ones (page-rounded M_i^b) are ``table_at``.
+- byte counts, adapters from a model spec to ``pwformat.cost``: ``kv_bytes`` (bf16 K + V of a context),
+  ``decode_step_bytes`` (the bandwidth floor's numerator), ``table_at`` / ``page_rounded_table`` (page-rounded M_i^b).
 - synthetic workloads: ``random_model`` (the lean model of a config with random weights), ``SyntheticAP``
   (random planes and LUTs for every expert block), ``synthetic_table`` (a calibration table), ``prompts``, and
   ``write_random_checkpoint`` (a Hugging Face checkpoint with random weights at the config's real shape).
@@ -37,16 +37,16 @@ import transformers
 import triton
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pwformat import cost
 from pwrun.core.planner.buckets import BucketPolicy
 from pwrun.core.planner.runtime import PlannerConfig
 from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.data import default_model_dir
 from pwrun.model.checkpoint import LayerWeights, ModelWeights, _attention, _moe
 from pwrun.model.families import spec_from_config
-from pwrun.model.inventory import expert_blocks
+from pwrun.model.inventory import expert_blocks, moe_layer_shapes
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import read_config
-from pwrun.runner.experts.layout import page_rounded_bytes
 
 RESULTS = Path("bench/results")
 QWEN = Path("tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B")
@@ -185,50 +185,33 @@ def triton_cache_entries() -> int:
 # ---------------------------------------------------------------- byte counts
 
 
-def ap_block_bytes(rows: int, k: int, bits: float, planes_padded: bool = False) -> float:
-    """Bytes of one AP block [rows, k] at ``bits``: planes (rows * k * bits / 8; with ``planes_padded`` each plane
-    row padded to whole 32-bit words, as the kernels read them) + a bf16 LUT of 2^bits entries per row."""
-    planes = rows * (-(-k // 32)) * 4 * bits if planes_padded else rows * k * bits / 8
-    return planes + rows * 2**bits * 2
-
-
 def kv_bytes(spec: Any, tokens: int) -> int:
     """bf16 K + V bytes of ``tokens`` positions over every layer of ``spec``."""
     a = spec.layers[0].attention
-    return tokens * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2
+    return cost.kv_block_bytes(spec.num_layers, tokens, a.num_kv_heads, a.head_dim, 2)
 
 
 def decode_step_bytes(spec: Any, non_expert: int, bits: float | None, batch: int, ctx: int) -> float:
-    """Bytes one decode step of ``batch`` sequences at ``ctx`` positions must read: the ``non_expert`` weight bytes
-    (attention and LM head, no embedding table), every router, the experts the batch routes to (expected
-    distinct experts of a uniform router) and the shared experts at ``bits`` (planes + LUTs; None: bf16), and the
-    KV cache of every sequence."""
-    total = float(non_expert)
-    h = spec.hidden_size
-    for ls in spec.layers:
-        m = ls.moe
-        distinct = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** batch)
-        total += m.num_experts * h * 2
-        for n_experts, inter in ((distinct, m.expert_intermediate), (1, m.shared_intermediate)):
-            if inter == 0:
-                continue
-            if bits is None:
-                total += n_experts * 3 * h * inter * 2
-            else:
-                total += n_experts * (ap_block_bytes(2 * inter, h, bits) + ap_block_bytes(h, inter, bits))
-    return total + batch * kv_bytes(spec, ctx)
+    """Bytes one decode step of ``batch`` sequences at ``ctx`` positions must read (``pwformat.cost``): the
+    ``non_expert`` weight bytes (attention and LM head, no embedding table), every router (bf16), the experts the
+    batch routes to and the shared experts at ``bits`` (None: bf16), and the KV cache of every sequence."""
+    layers = moe_layer_shapes(spec)
+    routers = sum(m.num_experts * m.hidden * 2 for m in layers)
+    return cost.decode_step_bytes(non_expert + routers, layers, batch, ctx, kv_bytes(spec, 1), bits)
 
 
 def table_at(table: BlockTable, spec: Any, bits: int) -> np.ndarray:
     """[n] page-rounded bytes M_i^b of every block of ``table`` at ``bits`` (16-token bf16 KV pages of ``spec``)."""
     a = spec.layers[0].attention
-    return page_rounded_bytes(table, spec, 16 * a.num_kv_heads * a.head_dim * 2)[:, BITS.index(bits)]
+    page = cost.kv_page_bytes(16, a.num_kv_heads, a.head_dim, 2)
+    return cost.page_rounded_bytes(table.shapes(spec), table.bits, page)[:, BITS.index(bits)]
 
 
 def page_rounded_table(table: BlockTable, spec: Any) -> BlockTable:
     """``table`` with its bytes filled in as the engine rounds them (16-token bf16 KV pages)."""
     a = spec.layers[0].attention
-    return replace(table, bytes=page_rounded_bytes(table, spec, 16 * a.num_kv_heads * a.head_dim * 2))
+    page = cost.kv_page_bytes(16, a.num_kv_heads, a.head_dim, 2)
+    return replace(table, bytes=cost.page_rounded_bytes(table.shapes(spec), table.bits, page))
 
 
 # ---------------------------------------------------------------- synthetic models and workloads

@@ -28,11 +28,12 @@ from transformers import MixtralConfig, Qwen2MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
-from bench.common import ap_block_bytes, copy_bandwidth, environment, event_ms, graph_ms, write_records
+from bench.common import copy_bandwidth, environment, event_ms, graph_ms, write_records
 from kernels.moe.dispatch import ap_moe, pick_config
 from kernels.moe.experts import build_experts
 from kernels.moe.ref import ap_moe_ref
-from pwrun.ap.format import pack_planes
+from pwformat.ap import pack_planes
+from pwformat.cost import block_bytes
 
 SHAPES = {"qwen1.5-moe": dict(hidden=2048, inter=1408, experts=60, topk=4),
           "mixtral-8x7b": dict(hidden=4096, inter=14336, experts=8, topk=2)}
@@ -141,7 +142,7 @@ def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, rep
                     if e <= 8 or t <= 64 else float("inf")  # noqa: B023
                 t_hf = event_ms(lambda: hf(x, ids, w.to(torch.bfloat16)), r, flush)  # noqa: B023
                 qb = ex.bits.tolist()
-                kbytes = sum(ap_block_bytes(n, kk, qb[2 * u + j], planes_padded=True) for u in ids.unique().tolist()
+                kbytes = sum(block_bytes(n, kk, qb[2 * u + j], seed=min(qb)) for u in ids.unique().tolist()
                              for j, (n, kk) in enumerate(((2 * inter, hdim), (hdim, inter))))
                 floor_ms = (kbytes + x.numel() * 2 * 2) / bw * 1e3
                 dense = min(t_g, t_l)

@@ -72,13 +72,13 @@ from bench.common import (
     write_records,
 )
 from bench.render import serving_table
+from pwformat.errors import BudgetTooSmall
 from pwrun.core.config import EngineConfig
 from pwrun.core.policy import Policy
 from pwrun.core.request import SamplingParams
 from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.build import ServeConfig, assemble_engine, dense_engine, strip_experts
 from pwrun.engine.report import summarize
-from pwrun.errors import BudgetTooSmall
 from pwrun.model.lean import LeanMoEModel
 
 EQUAL_MEMORY_BITS = (4, 3)  # uniform bitwidths tried in PagedWeight's budget, highest first

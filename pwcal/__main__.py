@@ -1,3 +1,3 @@
-from pwcal.cli import main
+from pwcal.main import main
 
 main()

@@ -39,14 +39,15 @@ import numpy as np
 import pandas as pd
 
 from pwcal.calib_data import calibration_windows
-from pwcal.manifest import read_manifest
 from pwcal.stages import begin_stage, finish_stage, start_writing
-from pwcal.tables import read_table, write_table
+from pwformat.errors import PagedWeightError
+from pwformat.manifest import read_manifest
+from pwformat.tables import read_table, write_table
 from pwrun.ap.artifact import APArtifact
+from pwrun.ap.dense import dense_model
 from pwrun.core.planner.buckets import BucketPolicy
 from pwrun.core.planner.greedy import fit_budget
 from pwrun.core.planner.tables import UNITS, BlockTable
-from pwrun.errors import PagedWeightError
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.ppl import perplexity
 
@@ -137,7 +138,7 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     if not begin_stage(artifact_dir, model_dir, "search-buckets", asdict(cfg), force):
         return {"skipped": True}
     t0 = time.time()
-    stages = read_manifest(artifact_dir)["stages"]
+    stages = read_manifest(artifact_dir).stages
     sens_cfg, res_cfg = stages["sensitivity"]["config"], stages["fit-residual"]["config"]
     table = BlockTable.from_frames(read_table(artifact_dir / "sensitivity.parquet", "sensitivity"),
                                    read_table(artifact_dir / "routing.parquet", "routing"))
@@ -164,7 +165,7 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
             bits = {(int(la), int(e), UNITS[u]): int(table.bits[qi])
                     for la, e, u, qi in zip(table.layer, table.expert, table.unit, q, strict=True)}
             flat = [t for w in text for t in w]
-            cache[key] = np.array(perplexity(art.dense_model(base, bits), flat, seq_len=len(text[0])).window_nll)
+            cache[key] = np.array(perplexity(dense_model(art, base, bits), flat, seq_len=len(text[0])).window_nll)
             if progress:
                 done = sum(1 for c in cache if c[0] == split)
                 progress(f"{split} allocations", done, unique if split == "select" else 2 * len(budgets))

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from pwformat.errors import PagedWeightError
 from pwrun.data import read_documents
-from pwrun.errors import PagedWeightError
 
 HUB_C4 = "allenai/c4"
 

@@ -14,6 +14,8 @@ from rich.table import Table
 
 from pwcal import cli_calib, cli_quant
 from pwrun.cli_common import make_console, user_errors
+from pwrun.model.inventory import expert_blocks, parameter_counts
+from pwrun.model.loader import load_spec
 
 app = typer.Typer(help="PagedWeight offline calibration. Pipeline, in this order: quantize (AP bit-planes + "
                   "LUTs) -> sensitivity (Hessian s_i^b, bytes M_i^b, routing mass) -> fit-residual (prompt-residual "
@@ -39,9 +41,6 @@ def _root() -> None:
 @app.command()
 def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]) -> None:
     """Describe a checkpoint: family, MoE layers, expert linear blocks and parameters by kind (16-bit bytes)."""
-    from pwrun.model.inventory import expert_blocks, parameter_counts
-    from pwrun.model.loader import load_spec
-
     with user_errors():
         spec, _ = load_spec(model)
         counts = parameter_counts(spec)
@@ -62,10 +61,3 @@ def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face check
             table.add_row(kind, f"{n:,}", f"{n / total:.1%}", f"{2 * n / 2**20:,.1f} MiB")
         table.add_row("total", f"{total:,}", "100%", f"{2 * total / 2**20:,.1f} MiB")
         console.print(table)
-
-
-def main() -> None:
-    from pwrun.cli_common import exit_quietly_on_sigterm
-
-    exit_quietly_on_sigterm()
-    app()

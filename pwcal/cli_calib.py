@@ -8,6 +8,10 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from pwcal import cli_quant
+from pwcal.bucket_search import SearchConfig, run_search_buckets
+from pwcal.residual import ResidualConfig, run_fit_residual
+from pwcal.sensitivity import SensitivityConfig, run_sensitivity
 from pwrun.cli_common import DeviceOpt, make_console, user_errors
 
 console = make_console(stderr=True)
@@ -56,8 +60,6 @@ def sensitivity(
     force: ForceOpt = False,
 ) -> None:
     """Sensitivity s_i^b (Fisher or Hessian) and bytes M_i^b per block and bitwidth; routing mass (Eq. 1-3)."""
-    from pwcal.sensitivity import SensitivityConfig, run_sensitivity
-
     with user_errors():
         cfg = SensitivityConfig(dataset, samples, seq_len, seed, min_tokens, importance)  # bad values: before bars
         bars = Bars()
@@ -80,8 +82,6 @@ def fit_residual(
     force: ForceOpt = False,
 ) -> None:
     """Fit the prompt-residual heads (one linear regression per unit and transition, Eq. 5-6)."""
-    from pwcal.residual import ResidualConfig, run_fit_residual
-
     with user_errors():
         bars = Bars()
         with bars.progress:
@@ -112,8 +112,6 @@ def search_buckets(
     force: ForceOpt = False,
 ) -> None:
     """Search routing buckets, multipliers mu, floors and depth caps by held-out perplexity under budgets."""
-    from pwcal.bucket_search import SearchConfig, run_search_buckets
-
     with user_errors():
         cfg = SearchConfig(tuple(budget_bits or SearchConfig.budgets_bits), candidates, heldout_windows,
                            confirm_windows, seed, gain_z)
@@ -143,8 +141,6 @@ def run_all(
     force: ForceOpt = False,
 ) -> None:
     """quantize -> sensitivity -> fit-residual -> search-buckets with defaults (completed stages are skipped)."""
-    from pwcal import cli_quant
-
     cli_quant.quantize(model, out, device=device, force=force)
     sensitivity(model, out, device=device, force=force)
     fit_residual(model, out, device=device, force=force)

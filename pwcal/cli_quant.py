@@ -11,7 +11,11 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from pwcal.manifest import write_atomic
+from pwcal.quant.eval_uniform import eval_uniform as run_eval_uniform
+from pwcal.quant.eval_uniform import markdown_table
+from pwcal.quant.quantize import QuantizeConfig
+from pwcal.quant.quantize import quantize as run_quantize
+from pwformat.atomic import write_atomic
 from pwrun.cli_common import DeviceOpt, check_writable_file, make_console, user_errors
 
 console = make_console(stderr=True)
@@ -47,9 +51,6 @@ def quantize(
     force: Annotated[bool, typer.Option(help="Overwrite an existing artifact.")] = False,
 ) -> None:
     """Quantize every expert linear block to Any-Precision bit-planes + per-row LUTs (seed..8 bits)."""
-    from pwcal.quant.quantize import QuantizeConfig
-    from pwcal.quant.quantize import quantize as run
-
     with user_errors():
         cfg = QuantizeConfig(seed_bits=seed_bits, calib=calib, samples=samples, seq_len=seq_len,
                              calib_seed=calib_seed, min_tokens=min_tokens, method=method, damp=damp,
@@ -64,7 +65,7 @@ def quantize(
                     tasks[stage] = bar.add_task(label, total=total)
                 bar.update(tasks[stage], completed=done)
 
-            m = run(model, out, cfg, device=device, force=force, progress=progress)
+            m = run_quantize(model, out, cfg, device=device, force=force, progress=progress)
         if m.get("skipped"):
             console.print(f"quantize: {out} is already quantized from this model with these parameters, nothing to "
                           "do (--force to redo)")
@@ -88,16 +89,13 @@ def eval_uniform(
     device: DeviceOpt = "auto",
 ) -> None:
     """Perplexity with ALL expert blocks at each bitwidth (and 16-bit), with expert-weight memory."""
-    from pwcal.quant.eval_uniform import eval_uniform as run
-    from pwcal.quant.eval_uniform import markdown_table
-
     with user_errors():
         if out is not None:  # refused before the evaluation, not after it
             check_writable_file("--out", out)
             check_writable_file("--out (its .json)", out.with_suffix(".json"))
         datasets = tuple(dataset or ["wikitext2", "c4"])
         t0 = time.time()
-        rows = run(model, artifacts, datasets, seq_len, max_windows, device, bits,
+        rows = run_eval_uniform(model, artifacts, datasets, seq_len, max_windows, device, bits,
                    on_row=lambda r: console.print(f"{r['bits']:>2} bits: " + ", ".join(
                        f"{d} {r[f'ppl_{d}']:.3f}" for d in datasets)))
         table = markdown_table(rows, datasets)

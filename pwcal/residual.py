@@ -32,17 +32,19 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from sklearn.linear_model import LinearRegression
+from sklearn.metrics import r2_score
 
 from pwcal.calib_data import calibration_windows
-from pwcal.manifest import read_manifest
 from pwcal.sensitivity import block_hessians, column_errors, sensitivity_table, weighted_sensitivities
 from pwcal.stages import begin_stage, finish_stage, start_writing
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.hessian import HessianDiag
-from pwcal.tables import read_table, write_table
+from pwformat.errors import PagedWeightError
+from pwformat.manifest import read_manifest
+from pwformat.tables import read_table, write_table
 from pwrun.ap.artifact import APArtifact
-from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
@@ -118,9 +120,6 @@ def hessian_reference(model: LeanMoEModel, art: APArtifact, tok: Any, sens_cfg: 
 
 def fit_heads(rows: pd.DataFrame, prompts: int, heldout_fraction: float) -> pd.DataFrame:
     """One LinearRegression head per (unit, bits_from, bits_to), scored on held-out prompts."""
-    from sklearn.linear_model import LinearRegression
-    from sklearn.metrics import r2_score
-
     n_held = max(1, round(prompts * heldout_fraction))
     held = rows.prompt >= prompts - n_held
     heads = []
@@ -145,7 +144,7 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
     if not begin_stage(artifact_dir, model_dir, "fit-residual", asdict(cfg), force):
         return {"skipped": True}
     t0 = time.time()
-    sens_cfg = read_manifest(artifact_dir)["stages"]["sensitivity"]["config"]
+    sens_cfg = read_manifest(artifact_dir).stage("sensitivity")["config"]
     sens = read_table(artifact_dir / "sensitivity.parquet", "sensitivity")
     ref = read_table(artifact_dir / "block_features.parquet", "block_features")
     art = APArtifact(artifact_dir)

@@ -14,7 +14,7 @@ count, and per expert the routing mass. The importance weighting the AP errors i
   default.
 
 Writes ``sensitivity.parquet``, ``routing.parquet`` and ``block_features.parquet`` (each block's reference
-input-norm features, the normaliser of the prompt-residual features; schemas in ``pwcal.tables``) and a
+input-norm features, the normaliser of the prompt-residual features; schemas in ``pwformat.tables``) and a
 manifest entry.
 
 Fallback (never a silent zero): an expert that saw fewer than ``min_tokens`` tokens gets, as importance,
@@ -42,10 +42,11 @@ from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.fisher import fisher_diagonal
 from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.routing import RoutingMass
-from pwcal.tables import write_table
+from pwformat.ap import unpack_codes
+from pwformat.cost import block_bytes
+from pwformat.errors import PagedWeightError
+from pwformat.tables import write_table
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.format import block_bytes, unpack_codes
-from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pwcal.manifest import check_same_model, read_manifest, write_manifest
-from pwrun.errors import PagedWeightError
+from pwformat.errors import PagedWeightError
+from pwformat.manifest import Manifest, check_same_model, read_manifest, write_manifest
 
 ORDER = ("quantize", "sensitivity", "fit-residual", "search-buckets")
 
@@ -30,12 +30,11 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
     """
     manifest = read_manifest(artifact_dir)
     check_same_model(manifest, model_dir, artifact_dir, full=True)
-    stages = manifest.get("stages", {})
     for prev in ORDER[: ORDER.index(stage)]:
-        if not stages.get(prev, {}).get("complete"):
+        if not manifest.complete(prev):
             raise PagedWeightError(f"{artifact_dir}: stage '{prev}' has not completed; run `pwcal {prev}` before "
                                    f"`pwcal {stage}`")
-    done = stages.get(stage, {})
+    done = manifest.stage(stage)
     if done.get("complete") and not force:
         recorded, wanted = {**(defaults or {}), **done.get("config", {})}, json.loads(json.dumps(config))  # lists
         if recorded == wanted:
@@ -53,7 +52,7 @@ def start_writing(artifact_dir: Path, stage: str) -> None:
     ``stale_because`` reason the runtime's warnings quote. Raises ``PagedWeightError`` if the manifest is missing or
     corrupt."""
     manifest = read_manifest(artifact_dir)
-    stages = manifest.get("stages", {})
+    stages = manifest.stages
     for name in ORDER[ORDER.index(stage):]:
         if name in stages:
             stages[name]["complete"] = False
@@ -61,10 +60,10 @@ def start_writing(artifact_dir: Path, stage: str) -> None:
     write_manifest(artifact_dir, manifest)
 
 
-def finish_stage(artifact_dir: Path, stage: str, info: dict[str, Any]) -> dict[str, Any]:
+def finish_stage(artifact_dir: Path, stage: str, info: dict[str, Any]) -> Manifest:
     """Record ``stage`` as complete with ``info``; later stages are marked stale (incomplete)."""
     manifest = read_manifest(artifact_dir)
-    stages = manifest.setdefault("stages", {})
+    stages = manifest.stages
     for later in ORDER[ORDER.index(stage) + 1:]:
         if later in stages:
             stages[later]["complete"] = False

@@ -2,7 +2,7 @@
 options and calls a plain function of the package.
 
 Commands: ``generate`` (text from prompts), ``ppl`` (perplexity on bundled or local text), ``prompts``
-(a workload of real prompts), ``eval`` (serving-time evaluation, ``cli_eval.py``).
+(a workload of real prompts). ``pwrun eval`` is mounted by ``pweval.cli``, which depends on this module.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pwrun import cli_eval
+from pwformat.atomic import write_atomic
+from pwformat.errors import PagedWeightError
+from pwrun.ap.artifact import APArtifact
+from pwrun.ap.dense import dense_model
 from pwrun.cli_common import (
     DeviceOpt,
     DtypeOpt,
@@ -31,13 +34,22 @@ from pwrun.cli_common import (
     user_errors,
     warn_missing_tables,
 )
-from pwrun.data import read_jsonl_field
-from pwrun.errors import PagedWeightError
+from pwrun.core.config import EngineConfig
+from pwrun.core.policy import Policy
+from pwrun.core.request import SamplingParams
+from pwrun.data import document_prompts, read_jsonl_field, read_text
+from pwrun.engine.budget import parse_size
+from pwrun.engine.build import ServeConfig
+from pwrun.engine.report import format_summary
+from pwrun.generate import encode_prompts, serve_prompts
+from pwrun.generate import generate as run_generate
+from pwrun.model.loader import load_model, load_spec, load_tokenizer
+from pwrun.ppl import perplexity
+from pwrun.signals import exit_quietly_on_sigterm
 
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
                   add_completion=False)
 console = make_console(stderr=True)
-app.add_typer(cli_eval.app, name="eval")
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -88,10 +100,8 @@ def _write_results(results: list[Any], output: Path | None) -> None:
 
 
 def _write_file(flag: str, path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all (``pwcal.manifest.write_atomic``); ``PagedWeightError`` naming
+    """Write ``text`` to ``path`` whole or not at all (``pwformat.atomic.write_atomic``); ``PagedWeightError`` naming
     ``flag`` on failure."""
-    from pwcal.manifest import write_atomic
-
     try:
         write_atomic(path, text.encode())
     except OSError as exc:
@@ -132,11 +142,6 @@ def generate(
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
 ) -> None:
     """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
-    from pwrun.core.request import SamplingParams
-    from pwrun.generate import encode_prompts
-    from pwrun.generate import generate as run_generate
-    from pwrun.model.loader import load_model, load_spec, load_tokenizer
-
     with user_errors():
         if (prompt is None) == (prompts is None):
             raise PagedWeightError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
@@ -182,14 +187,6 @@ def generate(
             sys.stdout.write(("" if started[0] else texts[0]) + "\n")
 
         if artifacts is not None:
-            from pwrun.ap.artifact import APArtifact
-            from pwrun.core.config import EngineConfig
-            from pwrun.core.policy import Policy
-            from pwrun.engine.budget import parse_size
-            from pwrun.engine.build import ServeConfig
-            from pwrun.engine.report import format_summary
-            from pwrun.generate import serve_prompts
-
             art = APArtifact(artifacts)
             art.check_model(model_dir)
             serve_policy = Policy.named(policy, bits)
@@ -263,10 +260,6 @@ def ppl(
                                                      "bits (seed..8).")] = None,
 ) -> None:
     """Perplexity (teacher-forced, exp of mean NLL per token) on real text, at 16-bit or uniform AP bits."""
-    from pwrun.data import read_text
-    from pwrun.model.loader import load_model, load_tokenizer
-    from pwrun.ppl import perplexity
-
     with user_errors():
         if seq_len < 2 or (max_windows is not None and max_windows < 1):
             raise PagedWeightError("--seq-len must be >= 2 and --max-windows >= 1")
@@ -276,11 +269,9 @@ def ppl(
         if (artifacts is None) != (uniform_bits is None):
             raise PagedWeightError("--artifacts and --uniform-bits go together")
         if artifacts is not None and uniform_bits is not None:
-            from pwrun.ap.artifact import APArtifact
-
             art = APArtifact(artifacts)
             art.check_model(model_dir)
-            lm = art.dense_model(lm, uniform_bits)
+            lm = dense_model(art, lm, uniform_bits)
         ids = tok(read_text(dataset), add_special_tokens=False, verbose=False).input_ids
         total = min(len(ids) // seq_len, max_windows) if max_windows else len(ids) // seq_len
         with Progress(console=console, transient=True) as bar:
@@ -305,19 +296,14 @@ def prompts(
     max_chars: Annotated[int, typer.Option(min=16, help="Characters per prompt at most (cut at a word).")] = 1200,
 ) -> None:
     """Write a workload of real prompts: the beginnings of a dataset's documents."""
-    from pwrun.data import document_prompts
-
     with user_errors():
         check_writable_file("--out", out)
         texts = document_prompts(dataset, count, max_chars, min_chars=min(200, max_chars))
-        from pwcal.manifest import write_atomic
 
         write_atomic(out, "".join(json.dumps({"prompt": t}) + "\n" for t in texts).encode())
         typer.echo(f"{len(texts)} prompts from {dataset} -> {out}")
 
 
 def main() -> None:
-    from pwrun.cli_common import exit_quietly_on_sigterm
-
     exit_quietly_on_sigterm()
     app()

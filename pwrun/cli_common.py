@@ -18,16 +18,18 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
+from safetensors import SafetensorError
 
+from pwformat.errors import PagedWeightError
+from pwrun.ap.artifact import APArtifact
+from pwrun.core.policy import POLICIES
 from pwrun.data import default_model_dir
-from pwrun.errors import PagedWeightError
-
-if TYPE_CHECKING:
-    from pwrun.ap.artifact import APArtifact
+from pwrun.engine.build import missing_tables
+from pwrun.signals import Terminated, raise_terminated
 
 ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugging Face checkpoint directory "
                                         "(config.json, *.safetensors, tokenizer). Default: the bundled tiny MoE.")]
@@ -54,45 +56,15 @@ def default_model() -> Path:
     return default_model_dir()
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM as an exception (raised by the handler ``user_errors`` installs): the default action ends the
-    process at once, so a stage's cleanup (e.g. quantize removing its ``OUT.partial``) never ran."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup it starts
-    raise Terminated()
-
-
-def _exit_terminated(signum: int, frame: object) -> None:
-    """Before any work: one line, then exit 143 at once. ``os._exit``, not ``sys.exit``: a SystemExit raised by a
-    signal handler inside an import can be wrapped (Python 3.11 wraps one raised in a class's ``__set_name__``
-    into a RuntimeError, which printed a traceback and exit 1); nothing is open for writing yet."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    typer.echo("terminated (SIGTERM)", err=True)
-    sys.stderr.flush()
-    os._exit(143)
-
-
-def exit_quietly_on_sigterm() -> None:
-    """The command lines' entry: SIGTERM outside ``user_errors`` (while a command imports torch, before any work
-    or output) exits with one line and code 143 instead of the default silent kill; ``user_errors`` replaces
-    it while a command works."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_terminated)
-
-
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Print ``PagedWeightError`` and failures of the file system (disk full, read-only, no permission: OSError and
     safetensors' write errors) as one ``error:`` line and exit 2, Ctrl-C as one line and exit 130, SIGTERM as one
     line and exit 143, instead of a traceback. Every writer here writes ``.tmp`` then renames, so none of these
     leaves a half-written file; SIGTERM is turned into an exception first so that cleanup code runs."""
-    from safetensors import SafetensorError
-
     previous = None
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield
     except PagedWeightError as exc:
@@ -142,9 +114,6 @@ def warn_missing_tables(art: APArtifact, policies: Iterable[str], model_dir: Pat
     read but whose pwcal stage has not run (``pwrun.engine.build.missing_tables``). ``policies``: names of
     ``pwrun.core.policy.POLICIES``. Raises ``PagedWeightError`` for a damaged artifact (a table its manifest
     records)."""
-    from pwrun.core.policy import POLICIES
-    from pwrun.engine.build import missing_tables
-
     shown: list[str] = []
     for policy in policies:
         for warning in missing_tables(art, POLICIES[policy], model_dir):

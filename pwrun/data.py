@@ -14,7 +14,9 @@ import json
 import os
 from pathlib import Path
 
-from pwrun.errors import PagedWeightError
+import pyarrow.parquet as pq
+
+from pwformat.errors import PagedWeightError
 
 
 def artifacts_dir() -> Path:
@@ -120,8 +122,6 @@ def read_documents(name_or_path: str) -> list[str]:
         if name.endswith(".txt"):
             return [p.read_text(encoding="utf-8")]
         if name.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
             table = pq.read_table(p)
             if "text" not in table.column_names:
                 raise PagedWeightError(f"{p} has no 'text' column (columns: {', '.join(table.column_names)})")

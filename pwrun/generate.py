@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pwformat.errors import PagedWeightError
 from pwrun.core.request import RequestOutput, SamplingParams
 from pwrun.engine.build import ServeConfig, build_engine, dense_engine
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.report import RunSummary, summarize, write_trace
-from pwrun.errors import PagedWeightError
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_spec
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pwrun.errors import PagedWeightError
+from pwformat.errors import PagedWeightError
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import MoEObserver
 from pwrun.runner.prefill import prefill_logits

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from pwcal.quant.kmeans1d import nested_kmeans
-from pwrun.ap.format import block_bytes, dequantize, pack_planes, unpack_codes, words_per_row
+from pwformat.ap import dequantize, pack_planes, unpack_codes
+from pwformat.cost import block_bytes
+from pwformat.layout import words_per_row
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 31), (5, 32), (7, 33), (4, 96 + 8), (2, 1408)])

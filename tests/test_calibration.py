@@ -23,11 +23,11 @@ from pwcal.cli import app
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.routing import RoutingMass
-from pwcal.tables import read_table, write_table
+from pwformat.errors import PagedWeightError
+from pwformat.tables import read_table, write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.planner.tables import BlockTable
 from pwrun.data import default_model_dir
-from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.loader import load_model
 from tests._tiny_hf import save_tiny_qwen2moe

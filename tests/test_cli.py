@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -241,8 +242,8 @@ def test_user_errors_turn_file_system_failures_and_ctrl_c_into_one_line(capsys: 
 
 
 def test_budget_sizes_beyond_any_device_are_refused() -> None:
+    from pwformat.errors import PagedWeightError
     from pwrun.engine.budget import parse_size
-    from pwrun.errors import PagedWeightError
 
     assert parse_size("48MiB") == 48 * 2**20 and parse_size("1024TiB") == 2**50
     with pytest.raises(PagedWeightError, match="larger than any device"):
@@ -252,7 +253,7 @@ def test_budget_sizes_beyond_any_device_are_refused() -> None:
 def test_pwcal_out_of_range_options_are_refused_before_work(tmp_path: Path) -> None:
     """Values a stage would silently clamp or misuse: one error line, nothing written."""
     from pwcal.bucket_search import SearchConfig
-    from pwrun.errors import PagedWeightError
+    from pwformat.errors import PagedWeightError
 
     cases = [
         (["quantize", str(MODEL), "--out", str(tmp_path / "a"), "--seq-len", "100000"],
@@ -286,20 +287,36 @@ def test_messages_name_the_right_thing(tmp_path: Path) -> None:
     """A manifest that is valid JSON but not an object, a model path that is a file, tiny sizes, and the
     calibration-window shortfall naming the caller's own options."""
     from pwcal.calib_data import calibration_windows
-    from pwcal.manifest import read_manifest
+    from pwformat.errors import PagedWeightError
+    from pwformat.manifest import Manifest, ModelRecord, read_manifest
     from pwrun.engine.budget import format_size
-    from pwrun.errors import PagedWeightError
     from pwrun.model.loader import load_tokenizer
 
     (tmp_path / "manifest.json").write_text("[]")
-    with pytest.raises(PagedWeightError, match="corrupt \\(not a JSON object\\)"):
+    with pytest.raises(PagedWeightError, match="corrupt \\(not the JSON object pwcal writes\\)"):
         read_manifest(tmp_path)
     from pwrun.ap.artifact import APArtifact
 
-    for bad in ("[]", '{"format": "pagedweight-ap", "format_version": 1, "model": [], "stages": []}'):
-        (tmp_path / "manifest.json").write_text(bad)
-        with pytest.raises(PagedWeightError, match="is corrupt \\(not the JSON object pwcal writes\\)"):
+    (tmp_path / "manifest.json").write_text("[]")
+    with pytest.raises(PagedWeightError, match="is corrupt \\(not the JSON object pwcal writes\\)"):
+        APArtifact(tmp_path)
+    good = Manifest("pagedweight-ap", 1, 8, 3, [3, 4], ModelRecord("m", "qwen2_moe", "c", "q"), {"0": "l0"},
+                    {"quantize": {"complete": True}}).to_dict()
+    assert Manifest.from_dict(json.loads(json.dumps(good)), "m") == Manifest.from_dict(good, "m")
+    bad_fields = (("model", []), ("stages", []), ("bits", "3-8"), ("seed_bits", "3"), ("model.config_sha256", 1))
+    for field, value in bad_fields:
+        bad = copy.deepcopy(good)
+        if field.startswith("model."):
+            bad["model"][field.split(".")[1]] = value
+        else:
+            bad[field] = value
+        (tmp_path / "manifest.json").write_text(json.dumps(bad))
+        with pytest.raises(PagedWeightError, match=f"field '{field}' is"):
             APArtifact(tmp_path)
+    del good["files"]
+    (tmp_path / "manifest.json").write_text(json.dumps(good))
+    with pytest.raises(PagedWeightError, match="field 'files' is missing"):
+        APArtifact(tmp_path)
     f = tmp_path / "afile"
     f.write_text("x")
     r = runner.invoke(pwcal_app, ["inspect", str(f)])
@@ -320,7 +337,7 @@ def test_too_long_prompt_in_a_file_is_named_one_based_with_its_first_words(tmp_p
 
 
 def test_write_atomic_leaves_no_tmp_when_it_fails(tmp_path: Path) -> None:
-    from pwcal.manifest import write_atomic
+    from pwformat.atomic import write_atomic
 
     target = tmp_path / "out.jsonl"
     target.mkdir()  # the rename onto a directory fails after the .tmp is written
@@ -392,9 +409,9 @@ def test_sigterm_during_quantize_leaves_no_partial_artifact(tmp_path: Path) -> N
 
 
 def test_atomic_path_drops_its_tmp_on_any_exception(tmp_path: Path) -> None:
-    """``pwcal.manifest.atomic_path``, behind every writer: an interruption (KeyboardInterrupt / SIGTERM's exception,
+    """``pwformat.atomic.atomic_path``, behind every writer: an interruption (KeyboardInterrupt / SIGTERM's exception,
     not only OSError) leaves neither a .tmp nor a changed target."""
-    from pwcal.manifest import atomic_path, write_atomic
+    from pwformat.atomic import atomic_path, write_atomic
 
     target = tmp_path / "t.json"
     write_atomic(target, b"old")
@@ -411,11 +428,11 @@ def test_atomic_path_drops_its_tmp_on_any_exception(tmp_path: Path) -> None:
 def test_quantize_interrupted_between_its_final_renames_keeps_the_previous_artifact(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``quantize --force`` over an existing artifact swaps it by two renames (OUT -> OUT.old, OUT.partial -> OUT); an
-    interruption between them puts the previous artifact back (the old code deleted OUT file by file first, so a
-    SIGTERM there left a half-deleted artifact whose manifest still said complete)."""
-    from pwcal.manifest import read_manifest
+    interruption between them puts the previous artifact back, never a half-deleted artifact whose manifest says
+    complete."""
     from pwcal.quant.quantize import QuantizeConfig, quantize
-    from pwrun.cli_common import Terminated
+    from pwformat.manifest import read_manifest
+    from pwrun.signals import Terminated
 
     out = tmp_path / "ap"
     cfg = QuantizeConfig(samples=4, seq_len=64)
@@ -433,13 +450,13 @@ def test_quantize_interrupted_between_its_final_renames_keeps_the_previous_artif
         quantize(MODEL, out, cfg, device="cpu", force=True)
     monkeypatch.setattr(Path, "replace", real)
     assert sorted(p.name for p in out.iterdir()) == files
-    assert read_manifest(out)["stages"]["quantize"]["seconds"] == first["stages"]["quantize"]["seconds"]
+    assert read_manifest(out).stage("quantize")["seconds"] == first["stages"]["quantize"]["seconds"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ap"]  # no ap.partial, no ap.old
 
 
 def test_a_missing_bundle_says_how_to_point_at_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-editable install has no ``artifacts/``: the default model and bundled datasets then fail with a line
-    naming PAGEDWEIGHT_ARTIFACTS (it used to name only a path inside site-packages)."""
+    naming PAGEDWEIGHT_ARTIFACTS, not only a path inside site-packages."""
     monkeypatch.setenv("PAGEDWEIGHT_ARTIFACTS", str(tmp_path / "nowhere"))
     code, _, err = run("generate", "--prompt", "The river", "--max-new-tokens", "2")
     assert code == 2 and "PAGEDWEIGHT_ARTIFACTS" in err and len(err.strip().splitlines()) == 1, err
@@ -451,14 +468,14 @@ def test_a_missing_bundle_says_how_to_point_at_one(tmp_path: Path, monkeypatch: 
 
 
 def test_sigterm_while_a_command_starts_exits_143_with_one_line() -> None:
-    """Before a command reaches ``user_errors`` (it imports torch for ~2 s), SIGTERM used to kill the process
-    silently (-15); the entry point's handler now exits with 143 and one line."""
+    """Before a command reaches ``user_errors`` (it imports torch for ~2 s), SIGTERM exits with 143 and one line
+    (the entry point's handler), not a silent kill (-15)."""
     import signal
     import subprocess
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", "from pwrun.cli import main; main()", "generate", "--prompt",
+    proc = subprocess.Popen([sys.executable, "-c", "from pweval.main import main; main()", "generate", "--prompt",
                              "The river", "--max-new-tokens", "2", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)  # the entry module imports in ~0.1 s; torch and the model take longer

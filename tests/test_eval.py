@@ -1,9 +1,9 @@
-"""Serving-time evaluation (pwrun.eval) on the real tiny MoE: scores, footprints, retrieval, results table, CLI,
+"""Serving-time evaluation (pweval) on the real tiny MoE: scores, footprints, retrieval, results table, CLI,
 and the analysis notebooks executed on small artifacts.
 
 - A uniform-8 run at a large budget scores exactly what the dense 8-bit model scores on the same tokens.
 - Uniform b at its footprint U<b> serves the workload without preemption; a little less memory forces queueing.
-- The static policy at the runtime's minimum budget completes (it used to overflow the pool).
+- The static policy at the runtime's minimum budget completes without overflowing the pool.
 - The retrieval scorer ranks by PMI and picks the passage the context holds; windows are seeded and disjoint.
 - The results table round-trips its schema and refuses foreign files; bad CLI input gives one-line errors.
 - `pwrun eval sweep --quick` writes the table, figures and markdown; every notebook runs on them.
@@ -19,18 +19,18 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from pwrun.cli import app
+from pweval.cli import app
+from pweval.figures import paired_change
+from pweval.meetings import meeting_texts, qmsum_workload
+from pweval.memory import page_bytes
+from pweval.results import SCHEMA, append_rows, read_results, read_scores, rename, request_scores
+from pweval.retrieval import RetrievalItem, RetrievalSpec, build_items, retrieval_workload, scores
+from pweval.retrieval import accuracy as retrieval_accuracy
+from pweval.runs import Evaluator, TextSpec
+from pweval.scoring import reference_logprobs
+from pweval.workload import Request, Workload, text_workload
+from pwformat.errors import PagedWeightError
 from pwrun.data import default_model_dir
-from pwrun.errors import PagedWeightError
-from pwrun.eval.figures import paired_change
-from pwrun.eval.meetings import meeting_texts, qmsum_workload
-from pwrun.eval.memory import page_bytes
-from pwrun.eval.results import SCHEMA, append_rows, read_results, read_scores, rename, request_scores
-from pwrun.eval.retrieval import RetrievalItem, RetrievalSpec, build_items, retrieval_workload, scores
-from pwrun.eval.retrieval import accuracy as retrieval_accuracy
-from pwrun.eval.runs import Evaluator, TextSpec
-from pwrun.eval.scoring import reference_logprobs
-from pwrun.eval.workload import Request, Workload, text_workload
 
 MODEL = default_model_dir()
 runner = CliRunner()
@@ -168,7 +168,7 @@ def test_paired_change_of_two_runs() -> None:
 
 
 def _eval(*args: str) -> tuple[int, str]:
-    r = runner.invoke(app, ["eval", *args])
+    r = runner.invoke(app, list(args))
     return r.exit_code, r.stderr
 
 
@@ -239,7 +239,7 @@ def test_quick_sweep_writes_the_table_figures_and_markdown(quick_sweep: Path) ->
 
 
 def test_targets_without_uniform_runs_say_not_evaluated(quick_sweep: Path) -> None:
-    from pwrun.eval.figures import targets
+    from pweval.figures import targets
 
     df = read_results(quick_sweep / "results.parquet")
     md = targets(df[df.policy != "uniform"])
@@ -250,7 +250,7 @@ def test_targets_without_uniform_runs_say_not_evaluated(quick_sweep: Path) -> No
 
 def test_notebooks_run_on_small_artifacts(calibrated_artifacts: Path, quick_sweep: Path, tmp_path: Path) -> None:
     pytest.importorskip("nbclient")
-    from pwrun.eval.notebooks import execute_all
+    from pweval.notebooks import execute_all
 
     pngs = execute_all(calibrated_artifacts, quick_sweep / "results.parquet", quick_sweep / "trace_text.parquet",
                        tmp_path)

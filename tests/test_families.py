@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pwrun.errors import PagedWeightError
+from pwformat.errors import PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks, parameter_counts
 from pwrun.model.loader import load_model, load_spec
 

@@ -25,11 +25,11 @@ from pwcal.cli import app
 from pwcal.residual import hessian_reference
 from pwcal.sensitivity import column_errors, weighted_sensitivities, with_fallback
 from pwcal.stats.fisher import _expert_tensors, check_memory, fisher_bytes, fisher_diagonal
-from pwcal.tables import read_table
+from pwformat.ap import dequantize
+from pwformat.errors import PagedWeightError
+from pwformat.tables import read_table
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.format import dequantize
 from pwrun.data import default_model_dir
-from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.model.weights import dense_weight

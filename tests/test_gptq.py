@@ -144,7 +144,7 @@ def test_nested_gptq_refuses_mismatched_shapes() -> None:
 
 def test_layer_groups_fit_the_budget_and_refuse_a_layer_too_big() -> None:
     from pwcal.stats.hessian_full import hessian_bytes, layer_groups
-    from pwrun.errors import PagedWeightError
+    from pwformat.errors import PagedWeightError
     from pwrun.model.inventory import LinearBlock
 
     blocks = [LinearBlock(layer, e, unit, 8, k) for layer in (0, 1, 2, 5) for e in (0, 1)

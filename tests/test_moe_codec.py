@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.moe.codec import dequantize, pack_planes
-from pwrun.ap import format as ap_format
+from pwformat import ap as ap_format
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (7, 70), (3, 96), (5, 33)])

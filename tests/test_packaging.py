@@ -17,7 +17,7 @@ def test_package_data_covers_every_non_python_file() -> None:
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     globs = cfg.get("package-data", {})
     missing = []
-    for pkg in ("pwcal", "pwrun", "kernels"):
+    for pkg in ("pwformat", "pwcal", "pwrun", "pweval", "kernels"):
         for f in (ROOT / pkg).rglob("*"):
             if not f.is_file() or f.suffix in (".py", ".pyc") or "__pycache__" in f.parts:
                 continue

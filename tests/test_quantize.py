@@ -15,10 +15,12 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from pwcal.cli import app
+from pwformat.ap import unpack_codes
+from pwformat.cost import block_bytes
+from pwformat.errors import PagedWeightError
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.format import block_bytes, unpack_codes
+from pwrun.ap.dense import dense_model
 from pwrun.data import default_model_dir, read_text
-from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.ppl import perplexity
@@ -66,8 +68,8 @@ def test_8bit_is_within_half_a_percent_and_3bit_is_worse(artifact: Path) -> None
     ids = tok(read_text("wikitext2"), add_special_tokens=False, verbose=False).input_ids
     art = APArtifact(artifact)
     p16 = perplexity(base, ids, 512, max_windows=24).ppl
-    p8 = perplexity(art.dense_model(base, 8), ids, 512, max_windows=24).ppl
-    p3 = perplexity(art.dense_model(base, 3), ids, 512, max_windows=24).ppl
+    p8 = perplexity(dense_model(art, base, 8), ids, 512, max_windows=24).ppl
+    p3 = perplexity(dense_model(art, base, 3), ids, 512, max_windows=24).ppl
     assert abs(p8 / p16 - 1) < 0.005
     assert p3 > p8 * 1.005
 
@@ -90,7 +92,7 @@ def test_gptq_beats_kmeans_at_3_bits_and_8_bits_stays_lossless(artifact: Path, t
     tok = load_tokenizer(MODEL)
     base = load_model(MODEL, device="cpu")
     ids = tok(read_text("wikitext2"), add_special_tokens=False, verbose=False).input_ids
-    p = {(m, b): perplexity(APArtifact(a).dense_model(base, b), ids, 512, max_windows=16).ppl
+    p = {(m, b): perplexity(dense_model(APArtifact(a), base, b), ids, 512, max_windows=16).ppl
          for m, a in outs.items() for b in (3, 8)}
     p16 = perplexity(base, ids, 512, max_windows=16).ppl
     assert p[("gptq", 3)] < p[("kmeans", 3)] - 0.02 * p16  # default calibration, 96 windows: +9.4% against +16%
@@ -147,10 +149,11 @@ def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Pa
         APArtifact(artifact).check_model(one)
     # an artifact from before the sampled fingerprint: the runtime checks names and sizes only; the pwcal stages
     # (full=True) compare every byte's sha256
-    from pwcal.manifest import check_same_model
+    from pwformat.manifest import Manifest, check_same_model
 
-    old = json.loads((artifact / "manifest.json").read_text())
-    del old["model"]["weights_sample"]
+    raw = json.loads((artifact / "manifest.json").read_text())
+    del raw["model"]["weights_sample"]
+    old = Manifest.from_dict(raw, artifact / "manifest.json")
     check_same_model(old, tuned, artifact)
     with pytest.raises(PagedWeightError, match="made for another model"):
         check_same_model(old, tuned, artifact, full=True)
@@ -186,7 +189,7 @@ def test_a_second_writer_of_the_same_out_is_refused_and_loses_nothing(artifact: 
     """While one run writes OUT (it holds OUT.lock, here taken by the test), another `pwcal quantize` to the same OUT
     stops with a one-line error before touching anything: the first run's OUT.partial/ and the complete artifact
     at OUT stay as they were; after a normal run no lock file is left."""
-    from pwcal.writer_lock import lock_path, writer_lock
+    from pwformat.writer_lock import lock_path, writer_lock
 
     out = tmp_path / "tiny-ap"
     shutil.copytree(artifact, out)
@@ -224,7 +227,7 @@ def test_writer_lock_taken_over_from_a_run_that_just_finished(tmp_path: Path) ->
     import os
     import threading
 
-    import pwcal.writer_lock as wl
+    import pwformat.writer_lock as wl
 
     out = tmp_path / "OUT"
     opened, released = threading.Event(), threading.Event()

@@ -23,8 +23,10 @@ from typer.testing import CliRunner
 
 from kernels.moe.experts import APExperts
 from kernels.moe.ref import ap_moe_ref
+from pwformat.ap import dequantize
+from pwformat.errors import PagedWeightError
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.format import dequantize
+from pwrun.ap.dense import dense_model
 from pwrun.cli import app
 from pwrun.core.config import EngineConfig
 from pwrun.core.planner.runtime import PlannerConfig
@@ -34,7 +36,6 @@ from pwrun.data import default_model_dir, read_text
 from pwrun.engine.build import ServeConfig, build_engine
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.report import summarize
-from pwrun.errors import PagedWeightError
 from pwrun.generate import generate
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.loader import load_model, load_tokenizer
@@ -65,7 +66,7 @@ def test_big_budget_equals_static_8bit_and_moves_nothing(calibrated_artifacts: P
     texts = ["The history of the city begins", "In 1990 the band released", "The river"]
     params = SamplingParams(max_new_tokens=12)
     base = load_model(MODEL, device="cpu")
-    ref, _ = generate(APArtifact(calibrated_artifacts).dense_model(base, 8), tok, texts, params)
+    ref, _ = generate(dense_model(APArtifact(calibrated_artifacts), base, 8), tok, texts, params)
     ids = [tok(t).input_ids for t in texts]
     e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30, engine=EngineConfig(debug_checks=True)),
                      params, ids, {0}, device="cpu")
@@ -325,7 +326,7 @@ def test_teacher_forced_scoring_matches_the_static_model(calibrated_artifacts: P
     cont = _prompts(tok, 3, 5, 9, seed=6)
     outs = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=1), reqs,
                         set(), device="cpu", forced=cont).run_until_done()
-    dense = APArtifact(calibrated_artifacts).dense_model(load_model(MODEL, device="cpu"), 8)
+    dense = dense_model(APArtifact(calibrated_artifacts), load_model(MODEL, device="cpu"), 8)
     for i, (p, c) in enumerate(zip(reqs, cont, strict=True)):
         logits = prefill_logits(dense, [p + c[:-1]])
         lp = torch.log_softmax(logits[len(p) - 1:], dim=-1)

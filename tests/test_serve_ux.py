@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import pwrun.eval.sweep
+import pweval.cli
+from pweval.cli import app as eval_app
+from pwformat.errors import PagedWeightError
 from pwrun.cli import app
-from pwrun.errors import PagedWeightError
 
 runner = CliRunner()
 
@@ -100,7 +101,7 @@ def test_eval_warns_like_generate(calibrated_artifacts: Path, tmp_path: Path,
     assert len(expected) == 2, err
 
     def run(*args: str) -> tuple[int, str]:
-        r = runner.invoke(app, ["eval", "run", "--out", str(tmp_path / "r.parquet"), "--artifacts", str(never_ran),
+        r = runner.invoke(eval_app, ["run", "--out", str(tmp_path / "r.parquet"), "--artifacts", str(never_ran),
                                 "--requests", "1", "--prompt-tokens", "16", "--continuation-tokens", "2",
                                 "--gpu-memory", "64MiB", *args])
         return r.exit_code, r.stderr
@@ -115,8 +116,8 @@ def test_eval_warns_like_generate(calibrated_artifacts: Path, tmp_path: Path,
     def stop(*_args: object, **_kwargs: object) -> None:
         raise PagedWeightError("stopped before serving")
 
-    monkeypatch.setattr(pwrun.eval.sweep, "run_sweep", stop)  # only the checks before the sweep run
-    r = runner.invoke(app, ["eval", "sweep", "--quick", "--out", str(tmp_path / "sweep"), "--artifacts",
+    monkeypatch.setattr(pweval.cli, "run_sweep", stop)  # only the checks before the sweep run
+    r = runner.invoke(eval_app, ["sweep", "--quick", "--out", str(tmp_path / "sweep"), "--artifacts",
                             str(never_ran)])
     assert r.exit_code == 2 and _warnings(r.stderr) == expected and "stopped before serving" in r.stderr, r.stderr
 

@@ -4,7 +4,7 @@ Usage: ``python tools/context_probe.py [--windows 6]`` (CPU, about a minute). Pr
 tables: WikiText-2 perplexity by token position inside 2048-token windows (the model was trained on
 512-token sequences), and the mean NLL of a 32-token WikiText-2 span seen a second time after a
 gap of unrelated text, against the span without its first occurrence (induction / copying).
-These numbers set the long suite's context length (``pwrun/eval/retrieval.py``, ``docs/eval/README.md``).
+These numbers set the long suite's context length (``pweval/retrieval.py``, ``docs/eval/README.md``).
 """
 
 from __future__ import annotations

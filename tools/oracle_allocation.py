@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from pwcal.calib_data import calibration_windows
+from pwformat.ap import dequantize
+from pwformat.cost import block_bytes
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.format import block_bytes, dequantize
+from pwrun.ap.dense import dense_model
 from pwrun.data import read_text
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
@@ -173,7 +175,7 @@ def main() -> None:
             nw = {k: damage[(damage.layer == k[0]) & (damage.expert == k[1]) & (damage.unit == k[2])]["bytes16"]
                   .iloc[0] for k in choice}
             mean_bits = sum(q * nw[k] for k, q in choice.items()) / sum(nw.values())
-            qm = art.dense_model(model, choice)
+            qm = dense_model(art, model, choice)
             p = {d: perplexity(qm, x, max_windows=args.eval_windows).ppl for d, x in ids.items()}
             cells = " | ".join(f"{p[d]:.3f} ({100 * (p[d] / base[d] - 1):+.2f}%)" for d in ("wikitext2", "c4"))
             lines.append(f"| {share:.0%} | {col} | {mean_bits:.2f} | {used / bytes16:.1%} | {kl_sum:.4f} | {cells} |")

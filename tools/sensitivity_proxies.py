@@ -30,8 +30,8 @@ from pwcal.calib_data import calibration_windows
 from pwcal.sensitivity import weighted_sensitivities, with_fallback
 from pwcal.stats.collect import observe
 from pwcal.stats.fisher import fisher_diagonal
+from pwformat.ap import dequantize
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.format import dequantize
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer

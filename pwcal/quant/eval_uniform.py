@@ -2,7 +2,7 @@
 
 What it does: for 16-bit and every bitwidth of an AP artifact, dequantizes all expert blocks
 at that bitwidth (reference path), measures perplexity on each dataset (``pwrun.ppl``) and the
-bytes of the expert weights (``pwrun.ap.format.block_bytes``, SPEC Eq. 3; 16-bit = 2 bytes per
+bytes of the expert weights (``pwformat.cost.block_bytes``, SPEC Eq. 3; 16-bit = 2 bytes per
 weight). It does not pick per-block precision (the planner does).
 """
 
@@ -12,10 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pwformat.cost import block_bytes
+from pwformat.errors import PagedWeightError
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.format import block_bytes
+from pwrun.ap.dense import dense_model
 from pwrun.data import read_text
-from pwrun.errors import PagedWeightError
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.ppl import perplexity
@@ -42,7 +43,7 @@ def eval_uniform(model_dir: Path, artifact_dir: Path, datasets: tuple[str, ...] 
     if unknown:
         raise PagedWeightError(f"bits {unknown} are not in this artifact ({art.bits})")
     for bits in [16, *chosen]:
-        model = base if bits == 16 else art.dense_model(base, bits)
+        model = base if bits == 16 else dense_model(art, base, bits)
         nbytes = 2 * weights if bits == 16 else sum(block_bytes(b.n, b.k, bits, art.seed_bits) for b in blocks)
         row: dict[str, Any] = {"bits": bits, "expert_bytes": nbytes, "expert_bits_per_weight": 8 * nbytes / weights}
         for d, toks in ids.items():

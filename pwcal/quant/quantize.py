@@ -12,7 +12,7 @@ bit-planes and writes one safetensors file per layer plus ``manifest.json``, all
 with the same model and parameters is a no-op unless ``force``.
 
 Tensor names in ``layer_LLL.safetensors``: ``{e}.{unit}.planes`` int32 [8, N, Kw] and
-``{e}.{unit}.lut{b}`` float16 [N, 2^b], e = expert id or ``shared``; format in ``pwrun.ap.format``.
+``{e}.{unit}.lut{b}`` float16 [N, 2^b], e = expert id or ``shared``; format in ``pwformat.ap``.
 """
 
 from __future__ import annotations
@@ -31,19 +31,27 @@ import torch
 from safetensors.torch import save_file
 
 from pwcal.calib_data import calibration_windows
-from pwcal.manifest import MANIFEST, model_fingerprint, package_version, read_manifest, write_manifest
 from pwcal.quant.gptq import nested_gptq
 from pwcal.quant.kmeans1d import NestedCodes, nested_kmeans
 from pwcal.stats.collect import observe
 from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.hessian_full import HessianFull, layer_groups
-from pwcal.writer_lock import writer_lock
-from pwrun.ap.artifact import FORMAT
-from pwrun.ap.format import FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS, pack_planes
-from pwrun.errors import PagedWeightError
+from pwformat.ap import pack_planes
+from pwformat.errors import PagedWeightError
+from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS
+from pwformat.manifest import (
+    MANIFEST,
+    Manifest,
+    ModelRecord,
+    model_fingerprint,
+    package_version,
+    read_manifest,
+    write_manifest,
+)
+from pwformat.writer_lock import writer_lock
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
-from pwrun.model.loader import load_model, load_tokenizer
+from pwrun.model.loader import load_model, load_tokenizer, read_config
 from pwrun.model.weights import dense_weight
 
 METHODS = ("gptq", "kmeans")
@@ -218,20 +226,20 @@ def _first(lookup: Callable[[LinearBlock, int], tuple[torch.Tensor | None, int]]
 
 def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[str, str], layers: list[int],
               blocks: list[LinearBlock], fallback: list[LinearBlock], calibration_tokens: int,
-              seconds: float) -> dict[str, Any]:
+              seconds: float) -> Manifest:
     """The artifact's ``manifest.json`` as the quantize stage writes it."""
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "parent_bits": PARENT_BITS,
-        "seed_bits": cfg.seed_bits,
-        "bits": cfg.bits,
-        "lut_dtype": "float16",
-        "packing": "planes int32 [8, N, ceil(K/32)], plane p = bit 7-p, column k at word k//32 bit k%32",
-        "model": {"path": str(model_dir), "family": family, **model_fp},
-        "package_version": package_version(),
-        "files": {str(layer): layer_file(layer) for layer in layers},
-        "stages": {"quantize": {
+    return Manifest(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        parent_bits=PARENT_BITS,
+        seed_bits=cfg.seed_bits,
+        bits=cfg.bits,
+        lut_dtype="float16",
+        packing="planes int32 [8, N, ceil(K/32)], plane p = bit 7-p, column k at word k//32 bit k%32",
+        model=ModelRecord(path=str(model_dir), family=family, **model_fp),
+        package_version=package_version(),
+        files={str(layer): layer_file(layer) for layer in layers},
+        stages={"quantize": {
             "complete": True,
             "config": asdict(cfg),
             "calibration_tokens": calibration_tokens,
@@ -239,15 +247,16 @@ def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[
             "fallback_blocks": [[b.layer, b.expert, b.unit] for b in fallback],
             "seconds": round(seconds, 2),
         }},
-    }
+    )
 
 
 def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConfig) -> bool:
     if not (out / MANIFEST).is_file():
         return False
     m = read_manifest(out)
-    q = m.get("stages", {}).get("quantize", {})
-    same_model = all(m.get("model", {}).get(k) == model_fp[k] for k in ("weights_sha256", "config_sha256"))
+    q = m.stage("quantize")
+    same_model = (m.model.weights_sha256, m.model.config_sha256) == (model_fp["weights_sha256"],
+                                                                      model_fp["config_sha256"])
     recorded = {**PRE_METHOD, **q.get("config", {})}  # artifacts from before --method were k-means ones
     if q.get("complete") and same_model and _result_keys(recorded) == _result_keys(asdict(cfg)):
         return True
@@ -260,7 +269,7 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
     """Run the whole quantize stage; returns the manifest (written to ``out``).
 
     ``progress(stage, done, total)`` is called as calibration windows and layers complete.
-    Raises ``PagedWeightError`` for bad input, and when another run is writing ``out`` (``pwcal.writer_lock``);
+    Raises ``PagedWeightError`` for bad input, and when another run is writing ``out`` (``pwformat.writer_lock``);
     nothing is left at ``out`` unless complete.
     """
     t0 = time.time()
@@ -283,8 +292,6 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
 def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str, force: bool,
                      progress: Callable[[str, int, int], None] | None, t0: float) -> dict[str, Any]:
     """``quantize`` once its output checks passed and it holds ``out``'s writer lock (same returns and errors)."""
-    from pwrun.model.loader import read_config
-
     hf_cfg = read_config(model_dir)  # a clear error for a missing or bad checkpoint before hashing anything
     context = getattr(hf_cfg, "max_position_embeddings", None)
     if context is not None and cfg.seq_len > context:
@@ -296,7 +303,7 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
         old.replace(out)  # a run killed between its two final renames (SIGKILL: no cleanup ran)
     shutil.rmtree(old, ignore_errors=True)
     if out.exists() and not force and _existing_is_complete(out, model_fp, cfg):
-        return {**read_manifest(out), "skipped": True}
+        return {**read_manifest(out).to_dict(), "skipped": True}
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, device=device, dtype="float32")
     windows = calibration_windows(tok, cfg.calib, cfg.samples, min(cfg.seq_len, model.spec.max_position_embeddings),
@@ -307,7 +314,7 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
     hess = collect_hessian(model, windows, progress=progress) if cfg.method == "kmeans" else None
     partial = out.with_name(out.name + ".partial")
     fallback: list[LinearBlock] = []
-    try:  # from the mkdir on: a SIGTERM right after it (seventeenth session's CI) must remove OUT.partial too
+    try:  # from the mkdir on: a SIGTERM right after it must remove OUT.partial too
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         layers = sorted({b.layer for b in blocks})
@@ -343,4 +350,4 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
         shutil.rmtree(partial, ignore_errors=True)  # never leave a half-written artifact behind
         raise
     shutil.rmtree(old, ignore_errors=True)
-    return manifest
+    return manifest.to_dict()

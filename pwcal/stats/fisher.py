@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pwrun.errors import PagedWeightError
+from pwformat.errors import PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock
 from pwrun.model.lean import LeanMoEModel
 from pwrun.runner.prefill import prefill_logits

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pwcal.stats.hessian import kmeans_weights
-from pwrun.errors import PagedWeightError
+from pwformat.errors import PagedWeightError
 from pwrun.model.inventory import LinearBlock
 
 

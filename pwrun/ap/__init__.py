@@ -1,1 +1,1 @@
-"""Any-Precision (AP) expert weights: bit-plane packing, memory accounting, artifact reading."""
+"""Any-Precision (AP) artifacts on the runtime side: reading planes, LUTs and the manifest."""

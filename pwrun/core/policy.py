@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from pwformat.errors import PagedWeightError
 from pwrun.core.planner.runtime import PlannerConfig
-from pwrun.errors import PagedWeightError
 
 Placement = Literal["planner", "uniform", "static"]
 

@@ -126,7 +126,7 @@ class PagePool:
         first. Raises ``OutOfPages`` (taking none) if fewer than ``n`` are free.
         Scans down from ``_top`` (no free page lies at or above it) in growing windows, so a call costs
         about the pages it passes, not the pool: one scan of the whole pool per KV block cost 0.6 ms at 655k pages
-        (78 ms of host time in a 2048-token prefill step on the H200, the eleventh session's profile)."""
+        (78 ms of host time in a 2048-token prefill step on the H200)."""
         if n > self.num_free:
             raise OutOfPages(f"need {n} pages, {self.num_free} free")
         found: list[np.ndarray] = []

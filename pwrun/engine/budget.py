@@ -10,9 +10,10 @@ arithmetic only.
 
 from __future__ import annotations
 
+import os
 import re
 
-from pwrun.errors import PagedWeightError
+from pwformat.errors import PagedWeightError
 from pwrun.model.spec import ModelSpec
 
 _DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -53,8 +54,6 @@ def format_size(n: float) -> str:
 
 def cublas_workspace_bytes() -> int:
     """Bytes of one cuBLAS workspace as ``CUBLAS_WORKSPACE_CONFIG`` (``:KiB:count[:KiB:count]``) sets it."""
-    import os
-
     cfg = os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     nums = [int(x) for x in re.findall(r"\d+", cfg)]
     return sum(nums[i] * nums[i + 1] for i in range(0, len(nums) - 1, 2)) * 1024

@@ -22,6 +22,9 @@ import pandas as pd
 import torch
 
 from kernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
+from pwformat.cost import block_pages, page_rounded_bytes
+from pwformat.errors import BudgetTooSmall, PagedWeightError
+from pwformat.tables import read_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.config import EngineConfig
 from pwrun.core.engine_core import EngineCore
@@ -37,12 +40,10 @@ from pwrun.core.request import Request, SamplingParams
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.engine.budget import dtype_label, format_size, workspace_bytes
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.errors import BudgetTooSmall, PagedWeightError
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, resolve_device, resolve_dtype
 from pwrun.model.weights import fuse_qkv
-from pwrun.runner.experts.layout import block_pages, page_rounded_bytes, table_shapes
 from pwrun.runner.model_runner import ModelRunner, kv_page_bytes
 
 
@@ -72,7 +73,7 @@ def _stale(art: APArtifact, name: str) -> str | None:
     """Why the table ``name`` of ``art`` must not be used although its file exists, or None: its pwcal stage is
     recorded in the manifest as not complete (an upstream stage re-ran with --force, or the stage itself was
     interrupted), so the file is from an earlier, inconsistent run."""
-    st = art.manifest.get("stages", {}).get(TABLE_STAGE[name])
+    st = art.manifest.stages.get(TABLE_STAGE[name])
     if st is None or st.get("complete", True):
         return None
     return str(st.get("stale_because") or f"stage '{TABLE_STAGE[name]}' did not complete")
@@ -84,7 +85,7 @@ def missing_tables(art: APArtifact, policy: Policy, model_dir: Path | str = "MOD
     Raises ``PagedWeightError`` if the manifest records that stage complete but the file is gone (a damaged
     artifact: serving without it would silently change the method).
     """
-    stages = art.manifest.get("stages", {})
+    stages = art.manifest.stages
     out = []
     for name, (stage, loss) in OPTIONAL_TABLES.items():
         path = art.path / f"{name}.parquet"
@@ -106,8 +107,6 @@ def missing_tables(art: APArtifact, policy: Policy, model_dir: Path | str = "MOD
 
 
 def _read(art: APArtifact, name: str) -> pd.DataFrame | None:
-    from pwcal.tables import read_table
-
     path = art.path / f"{name}.parquet"
     return read_table(path, name) if path.is_file() and _stale(art, name) is None else None
 
@@ -250,7 +249,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     pool_bytes = cfg.gpu_memory - fixed - work
     kv_block_bytes = 2 * spec.num_layers * page_bytes
     min_kv_pages = blocks_needed(longest, ecfg.block_size) * 2 * spec.num_layers
-    table = replace(table, bytes=page_rounded_bytes(table, spec, page_bytes))
+    table = replace(table, bytes=page_rounded_bytes(table.shapes(spec), table.bits, page_bytes))
     pcfg = cfg.policy.planner_config(cfg.planner)
     if pcfg is not None and pcfg.overlapped is None:
         pcfg = replace(pcfg, overlapped=dev.type == "cuda")
@@ -285,7 +284,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         raise PagedWeightError(f"cannot allocate a {format_size(num_pages * page_bytes)} page pool on {dev} for "
                                f"--gpu-memory {format_size(cfg.gpu_memory)}: give a budget the device has") from exc
     bit_list = [int(b) for b in table.bits]
-    wpt = WeightPageTable(bit_list, *block_pages(table_shapes(table, spec), bit_list, page_bytes))
+    wpt = WeightPageTable(bit_list, *block_pages(table.shapes(spec), bit_list, page_bytes))
     assert np.array_equal(np.stack([wpt.pages_at(b) for b in bit_list], axis=1) * page_bytes, table.bytes)
     reserve = (cfg.planner.free_threshold + 1) * kv_block_bytes + min_kv_pages * page_bytes
     if cfg.policy.placement == "uniform":
@@ -323,7 +322,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             "initial_expert_bytes": placed_bytes,
             "initial_weight_pages": initial_weight_pages, "initial_mean_bits": float(bits[q0].mean()),
             "floor_expert_bytes": floor_bytes, "shared_expert": bool((table.expert == SHARED_EXPERT).any())}
-    size = np.array([n * k for n, k in table_shapes(table, spec)], dtype=np.float64)
+    size = np.array([n * k for n, k in table.shapes(spec)], dtype=np.float64)
     shared = table.expert == SHARED_EXPERT
     engine = LLMEngine(core, runner, info, (size * shared, size * ~shared))
     add_requests(engine, params, requests, eos, forced)

@@ -20,10 +20,11 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from pwformat.atomic import atomic_path
+from pwformat.errors import PagedWeightError
 from pwrun.engine.budget import dtype_label, format_size
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.trace import trace_table
-from pwrun.errors import PagedWeightError
 
 
 @dataclass
@@ -166,8 +167,6 @@ def format_summary(s: RunSummary) -> str:
 def write_frame(df: pd.DataFrame, path: Path, what: str = "") -> None:
     """Any DataFrame as Parquet (zstd; ``.tmp`` then rename). Raises ``PagedWeightError`` naming ``what``
     (e.g. ``--trace``) and the reason if the path is unwritable; nothing half-written is left."""
-    from pwcal.manifest import atomic_path
-
     try:
         with atomic_path(path) as tmp:
             df.to_parquet(tmp, compression="zstd", index=False)
@@ -182,8 +181,6 @@ def trace_frame(engine: LLMEngine) -> pd.DataFrame:
 
 def write_trace(engine: LLMEngine, path: Path) -> None:
     """The engine's per-step trace as Parquet with ``trace.trace_schema`` (zstd; atomic, see ``write_frame``)."""
-    from pwcal.manifest import atomic_path
-
     try:
         with atomic_path(path) as tmp:
             pq.write_table(trace_table(engine.trace), tmp, compression="zstd")

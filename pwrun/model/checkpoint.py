@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pwrun.errors import PagedWeightError
+from pwformat.errors import PagedWeightError
 from pwrun.model.families import CheckpointNames
 from pwrun.model.spec import LayerSpec, ModelSpec
 from pwrun.model.weights import AttentionWeights, LayerWeights, MLPWeights, ModelWeights, MoEWeights

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pwformat.cost import MoELayerShape
 from pwrun.model.spec import ModelSpec
 
 SHARED_EXPERT = -1
@@ -41,6 +42,12 @@ def expert_blocks(spec: ModelSpec) -> list[LinearBlock]:
             out.append(LinearBlock(layer.index, e, "gate_up", 2 * m.expert_intermediate, h))
             out.append(LinearBlock(layer.index, e, "down", h, m.expert_intermediate))
     return out
+
+
+def moe_layer_shapes(spec: ModelSpec) -> list[MoELayerShape]:
+    """The expert shapes of every MoE layer, as the cost model (``pwformat.cost``) takes them."""
+    return [MoELayerShape(spec.hidden_size, ls.moe.expert_intermediate, ls.moe.num_experts, ls.moe.top_k,
+                          ls.moe.shared_intermediate) for ls in spec.layers if ls.moe is not None]
 
 
 def parameter_counts(spec: ModelSpec) -> dict[str, int]:

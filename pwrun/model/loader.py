@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
-from pwrun.errors import PagedWeightError
+from pwformat.errors import PagedWeightError
+from pwrun.data import missing_bundle_hint
 from pwrun.model.checkpoint import load_weights
-from pwrun.model.families import CheckpointNames, spec_from_config
+from pwrun.model.families import FAMILIES, UNSUPPORTED, CheckpointNames, spec_from_config
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.spec import ModelSpec
 
@@ -52,8 +54,6 @@ def read_config(model_dir: Path) -> Any:
         raise PagedWeightError(f"{model_dir} is a file, not a model directory: pass a local Hugging Face checkpoint "
                                "directory (config.json + *.safetensors + tokenizer files)")
     if not model_dir.is_dir():
-        from pwrun.data import missing_bundle_hint
-
         raise PagedWeightError(f"model directory {model_dir} does not exist: pass a local Hugging Face checkpoint "
                                "directory (config.json + *.safetensors + tokenizer files)"
                                + missing_bundle_hint(model_dir))
@@ -67,7 +67,6 @@ def read_config(model_dir: Path) -> Any:
     if not isinstance(raw, dict):
         raise PagedWeightError(f"{cfg_path} must hold a JSON object, not {type(raw).__name__}")
     model_type = raw.get("model_type")
-    from pwrun.model.families import FAMILIES, UNSUPPORTED
 
     if model_type is None:
         raise PagedWeightError(f"{cfg_path} has no model_type: add it (one of {', '.join(sorted(FAMILIES))}), or "
@@ -76,7 +75,6 @@ def read_config(model_dir: Path) -> Any:
     if model_type in UNSUPPORTED or model_type not in FAMILIES:
         # fail before transformers, which may not know the type at all
         spec_from_config(type("Cfg", (), {"model_type": model_type})())
-    from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
@@ -123,7 +121,6 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise PagedWeightError(f"no tokenizer in {path} (tokenizer.json, tokenizer.model or vocab.json): copy the "
                                "model's tokenizer files into the checkpoint directory")
-    from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

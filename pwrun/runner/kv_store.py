@@ -14,6 +14,7 @@ import torch
 
 from kernels.paged_attention import paged_decode_attention
 from kernels.rope_kv import rope_kv_write
+from pwformat.cost import kv_page_bytes
 from pwrun.model.ops import rope_inv_freq
 from pwrun.model.step import StepTensors
 
@@ -35,7 +36,7 @@ class PooledKVCache:
     @staticmethod
     def page_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of one pool page: one layer's K (or V) of one KV block."""
-        return block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return kv_page_bytes(block_size, num_kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
 
     def map_blocks(self, new: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
         """Point the device table at the pages of newly allocated blocks: (block id, its 2L pages) pairs."""

@@ -82,7 +82,7 @@ class BucketPolicy:
 
     @staticmethod
     def from_frame(df: Any) -> BucketPolicy:
-        """The policy stored in a ``buckets`` table (pandas DataFrame; schema in ``pwcal.tables``)."""
+        """The policy stored in a ``buckets`` table (pandas DataFrame; schema in ``pwformat.tables``)."""
         df = df.sort_values("bucket")
         band = float(df.neutral_from_bits.iloc[0]) if "neutral_from_bits" in df else math.nan
         return BucketPolicy(tuple(float(x) for x in df.mass_quantile_hi.iloc[:-1]), tuple(float(x) for x in df.mu),

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pwrun.model.inventory import SHARED_EXPERT
+from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
+from pwrun.model.spec import ModelSpec
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -68,13 +69,19 @@ class BlockTable:
         g.setflags(write=False)
         return g
 
+    def shapes(self, spec: ModelSpec) -> list[tuple[int, int]]:
+        """(N, K) of every block in table order, from ``spec``'s inventory (the input of ``pwformat.cost``)."""
+        by_key = {(b.layer, b.expert, b.unit): (b.n, b.k) for b in expert_blocks(spec)}
+        return [by_key[(int(la), int(e), UNITS[u])] for la, e, u in zip(self.layer, self.expert, self.unit,
+                                                                          strict=True)]
+
     def freed(self) -> np.ndarray:
         """Delta [n, nb, nb]: Delta[i, a, c] = M_i^{bits[a]} - M_i^{bits[c]} (Eq. 3)."""
         return self.bytes[:, :, None] - self.bytes[:, None, :]
 
     @staticmethod
     def from_frames(sensitivity: pd.DataFrame, routing: pd.DataFrame) -> BlockTable:
-        """Build from the ``sensitivity`` and ``routing`` tables (schemas in ``pwcal.tables``)."""
+        """Build from the ``sensitivity`` and ``routing`` tables (schemas in ``pwformat.tables``)."""
         bits = np.sort(sensitivity.bits.unique())
         wide = sensitivity.pivot_table(index=["layer", "expert", "unit"], columns="bits",
                                        values=["sensitivity", "bytes"], aggfunc="first").sort_index()

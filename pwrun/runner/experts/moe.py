@@ -17,13 +17,13 @@ import torch
 from kernels.dense_gemv import linear
 from kernels.moe.dispatch import ap_moe, ap_moe_block
 from kernels.route_topk import accumulate_routing_stats, route_topk
-from pwrun.ap.format import dequantize, words_per_row
+from pwformat.ap import dequantize
+from pwformat.layout import LUT_BYTES, words_per_row
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import experts_forward, route
 from pwrun.model.weights import MLPWeights, MoEWeights
-from pwrun.runner.experts.layout import LUT_BYTES
 from pwrun.runner.experts.tables import TABLE_ROW_ALIGN, KernelTables
 
 

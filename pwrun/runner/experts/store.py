@@ -21,7 +21,6 @@ from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.core.pool import PagePool
 from pwrun.core.weight_table import CopyOrder, WeightPageTable
 from pwrun.model.lean import LeanMoEModel
-from pwrun.runner.experts.layout import table_shapes
 from pwrun.runner.experts.mirror import HostMirror
 from pwrun.runner.experts.moe import APMoE
 from pwrun.runner.experts.tables import KernelTables
@@ -34,7 +33,7 @@ class ExpertStore:
                  memory: torch.Tensor, use_kernel: bool) -> None:
         self.wpt, self.pool, self.memory = wpt, pool, memory
         keys = [(int(la), int(e), UNITS[u]) for la, e, u in zip(table.layer, table.expert, table.unit, strict=True)]
-        shapes = table_shapes(table, model.spec)
+        shapes = table.shapes(model.spec)
         lut_dtype = torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float16
         page_bytes = pool.cfg.page_bytes
         self.mirror = HostMirror(artifact, keys, shapes, [int(b) for b in table.bits], lut_dtype, memory, page_bytes)

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from kernels.moe.experts import APExperts
+from pwformat.layout import LUT_BYTES
 from pwrun.core.planner.tables import UNITS
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.spec import ModelSpec
-from pwrun.runner.experts.layout import LUT_BYTES
 
 TABLE_ROW_ALIGN = 4  # rows: 4 int32 bits = 16 bytes (int64 offsets: 32 and 256 bytes)
 

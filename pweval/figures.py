@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from pwrun.eval.results import read_results, read_scores
+from pweval.results import read_results, read_scores
 
 MIB = 2**20
 DATASETS = {"wikitext2": "WikiText-2", "c4": "C4"}

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from pweval.workload import Request, Workload
+from pwformat.errors import PagedWeightError
 from pwrun.data import read_documents
-from pwrun.errors import PagedWeightError
-from pwrun.eval.workload import Request, Workload
 
 TASK, PRIOR = "retrieval", "retrieval-prior"
 SEPARATOR = "\n\n"

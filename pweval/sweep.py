@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pweval.results import append_rows, rename, scores_path
+from pweval.retrieval import RetrievalSpec
+from pweval.runs import Evaluator, LongSpec, Suite, TextSpec
+from pwformat.errors import PagedWeightError
 from pwrun.core.policy import ABLATIONS
 from pwrun.engine.report import write_frame
-from pwrun.errors import PagedWeightError
-from pwrun.eval.results import append_rows, rename, scores_path
-from pwrun.eval.retrieval import RetrievalSpec
-from pwrun.eval.runs import Evaluator, LongSpec, Suite, TextSpec
 
 
 @dataclass(frozen=True)

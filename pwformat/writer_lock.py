@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pwrun.errors import PagedWeightError
+from pwformat.errors import PagedWeightError
 
 
 def lock_path(out: Path) -> Path:

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from pwformat.errors import PagedWeightError
 from pwrun.data import read_text
-from pwrun.errors import PagedWeightError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Serving-time evaluation of the PagedWeight runtime (issue 7; SPEC section 8).
+"""Serving-time evaluation of the PagedWeight runtime (SPEC section 8).
 
 What it does, one module per concept:
 - ``workload``: requests from real text (prompt + teacher-forced continuation), labelled by task;

@@ -16,38 +16,17 @@ Lowering b stops reading planes b..7 and switches LUT; nothing is re-packed. Thi
 layout (not the original AP kernel's in-word bit shuffle); the kernels read int32 words and
 unpack 32 codes per word.
 
-Memory of the block at b bits (SPEC Eq. 3 ``M^b``): ``b * N * Kw * 4`` plane bytes (padding
-included, i.e. the bytes the tensors really take) plus ``N * 2^b * 2`` LUT bytes, plus the LUTs of
-lower bitwidths when the policy keeps them resident.
+Constants (``PARENT_BITS``, ``FORMAT_VERSION``, ...) are in ``pwformat.layout``; the bytes a block
+takes (SPEC Eq. 3 ``M^b``) in ``pwformat.cost``.
 """
 
 from __future__ import annotations
 
 import torch
 
-PARENT_BITS = 8
-FORMAT_VERSION = 1
+from pwformat.layout import PARENT_BITS, words_per_row
+
 LUT_DTYPE = torch.float16
-SUPPORTED_SEEDS = (2, 3)
-
-
-def words_per_row(k: int) -> int:
-    """int32 words per row of one bit-plane: ceil(K / 32)."""
-    return -(-k // 32)
-
-
-def block_bytes(n: int, k: int, bits: int, seed: int = 3, lower_luts_resident: bool = False) -> int:
-    """M^b of SPEC Eq. 3 for an [N, K] block at ``bits``: plane bytes + LUT bytes (+ lower LUTs).
-
-    Raises ``ValueError`` if ``bits`` is outside [seed, 8].
-    """
-    if not seed <= bits <= PARENT_BITS:
-        raise ValueError(f"bits {bits} outside [{seed}, {PARENT_BITS}]")
-    planes = bits * n * words_per_row(k) * 4
-    luts = n * 2**bits * 2
-    if lower_luts_resident:
-        luts += sum(n * 2**b * 2 for b in range(seed, bits))
-    return planes + luts
 
 
 def pack_planes(codes: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pwrun.errors import PagedWeightError
+from pwformat.atomic import atomic_path
+from pwformat.errors import PagedWeightError
 
 SCHEMA = pa.schema([
     ("run_id", pa.string()),  # joins the per-request scores table
@@ -90,8 +91,6 @@ def _null(v: Any) -> Any:
 
 
 def _write(table: pa.Table, path: Path) -> None:
-    from pwcal.manifest import atomic_path
-
     try:
         with atomic_path(path) as tmp:
             pq.write_table(table, tmp, compression="zstd")

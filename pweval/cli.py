@@ -1,5 +1,9 @@
 """``pwrun eval``: serving-time evaluation commands (Typer). Wiring only: each command parses its options
-and calls ``pwrun.eval``.
+and calls ``pweval``.
+
+pweval depends on pwrun, never the reverse: this module mounts ``app`` as ``eval`` on the runtime's CLI
+(``pwrun.cli.app``), and the ``pwrun`` console script starts in this package (``pweval.main``), so
+``pwrun eval ...`` works while ``pwrun.cli`` knows nothing of evaluation.
 
 Commands: ``run`` (one suite under one or more budgets with one policy -> rows appended to a results
 table), ``sweep`` (every policy x budget on both suites, then the figures and tables), ``report``
@@ -9,11 +13,17 @@ table), ``sweep`` (every policy x budget on both suites, then the figures and ta
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from pweval.results import append_rows, read_table
+from pweval.runs import Evaluator, LongSpec, TextSpec, set_threads
+from pweval.sweep import QUICK, SweepSpec, budgets, is_label, run_sweep
+from pwformat.errors import PagedWeightError
+from pwrun import cli as runtime_cli
 from pwrun.cli_common import (
     DeviceOpt,
     DtypeOpt,
@@ -24,7 +34,9 @@ from pwrun.cli_common import (
     user_errors,
     warn_missing_tables,
 )
-from pwrun.errors import PagedWeightError
+from pwrun.core.policy import POLICIES, Policy
+from pwrun.engine.budget import parse_size
+from pwrun.engine.report import write_frame
 
 app = typer.Typer(help="Serving-time evaluation: quality of teacher-forced continuations while the runtime serves "
                   "a real-text workload under a memory budget (pwrun eval run / sweep / report).",
@@ -92,15 +104,6 @@ def run(
     threads: ThreadsOpt = None,
 ) -> None:
     """Score one suite under each budget with one policy; append one row per budget to --out."""
-    from dataclasses import replace
-
-    from pwrun.core.policy import POLICIES, Policy
-    from pwrun.engine.budget import parse_size
-    from pwrun.engine.report import write_frame
-    from pwrun.eval.results import append_rows, read_table
-    from pwrun.eval.runs import Evaluator, LongSpec, TextSpec, set_threads
-    from pwrun.eval.sweep import budgets, is_label
-
     with user_errors():
         _check_out(out, ".parquet")
         if trace is not None:
@@ -172,12 +175,7 @@ def sweep(
     threads: ThreadsOpt = None,
 ) -> None:
     """Every policy x budget on both suites -> results.parquet, then every figure and table (one command)."""
-    from dataclasses import replace
-
-    from pwrun.core.policy import POLICIES
-    from pwrun.eval.figures import write_report
-    from pwrun.eval.runs import Evaluator, set_threads
-    from pwrun.eval.sweep import QUICK, SweepSpec, run_sweep
+    from pweval.figures import write_report  # matplotlib: only the commands that draw load it
 
     with user_errors():
         _check_out(out, None)
@@ -202,7 +200,7 @@ def report(
                    ] = None,
 ) -> None:
     """Figures (PNG) and markdown tables from a results table."""
-    from pwrun.eval.figures import write_report
+    from pweval.figures import write_report  # matplotlib: only the commands that draw load it
 
     with user_errors():
         folder = out or results.parent
@@ -232,8 +230,11 @@ def notebooks(
             raise PagedWeightError(f"{artifacts} is not an artifact directory: run `pwcal run-all` first")
         _check_out(figures, None)
         try:
-            from pwrun.eval.notebooks import execute_all
+            from pweval.notebooks import execute_all
         except ImportError as exc:
             raise PagedWeightError(f"executing notebooks needs the dev extra (pip install -e '.[dev]'): {exc}") from exc
         pngs = execute_all(artifacts, results, trace, figures)
         console.print(f"notebooks ran; {len(pngs)} PNGs in {figures}", highlight=False, soft_wrap=True)
+
+
+runtime_cli.app.add_typer(app, name="eval")

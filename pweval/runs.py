@@ -22,20 +22,21 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from pweval.meetings import qmsum_workload
+from pweval.memory import Footprint, non_expert_bytes, static_footprint
+from pweval.results import QUALITY, request_scores
+from pweval.retrieval import RetrievalItem, RetrievalSpec, build_items, retrieval_workload
+from pweval.retrieval import accuracy as retrieval_accuracy
+from pweval.scoring import Scored, nll, reference_logprobs, serve_workload
+from pweval.workload import Workload, interleave, text_workload
+from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwrun.ap.artifact import APArtifact
+from pwrun.ap.dense import dense_model
 from pwrun.core.config import EngineConfig
 from pwrun.core.policy import Policy
 from pwrun.core.request import SamplingParams
 from pwrun.engine.budget import format_size
 from pwrun.engine.build import ServeConfig, build_engine
-from pwrun.errors import BudgetTooSmall, PagedWeightError
-from pwrun.eval.meetings import qmsum_workload
-from pwrun.eval.memory import Footprint, non_expert_bytes, static_footprint
-from pwrun.eval.results import QUALITY, request_scores
-from pwrun.eval.retrieval import RetrievalItem, RetrievalSpec, build_items, retrieval_workload
-from pwrun.eval.retrieval import accuracy as retrieval_accuracy
-from pwrun.eval.scoring import Scored, nll, reference_logprobs, serve_workload
-from pwrun.eval.workload import Workload, interleave, text_workload
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
 
@@ -180,7 +181,7 @@ class Evaluator:
 
     def reference(self, suite: Suite, bits: int = 16) -> dict[str, Any]:
         """Score ``suite`` with the 16-bit model (or every expert dense at ``bits``), charged its static footprint."""
-        model = self.model if bits == 16 else self.artifact.dense_model(self.model, bits)
+        model = self.model if bits == 16 else dense_model(self.artifact, self.model, bits)
         scored = reference_logprobs(model, suite.workload, block_size=suite.engine.block_size)
         fp = self.footprint(suite, bits)
         row = self._row(suite, scored, "16-bit" if bits == 16 else "dense", bits, "FP16" if bits == 16 else f"U{bits}")

@@ -16,8 +16,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pwcal.manifest import atomic_path
-from pwrun.errors import PagedWeightError
+from pwformat.atomic import atomic_path
+from pwformat.errors import PagedWeightError
 
 SCHEMAS: dict[str, pa.Schema] = {
     # one row per linear block i = (layer, expert, unit) and bitwidth b (SPEC Eq. 2, 3)

@@ -5,7 +5,7 @@ workload at full concurrency (``max_batch`` of its longest requests at their ful
 it without queueing; its footprint is ``fixed`` (the non-expert weights in the model dtype, as the runtime holds
 them) + ``workspace`` (the runtime's step activation bound, ``budget.workspace_bytes``)
 + ``experts`` + ``kv``, in bytes. The same byte functions as the runtime's are used (page-rounded
-AP planes and LUTs, ``experts.block_pages``; KV pages, ``PooledKVCache.page_bytes``), so a
+AP planes and LUTs, ``pwformat.cost.block_pages``; KV pages, ``PooledKVCache.page_bytes``), so a
 uniform-b run at its footprint budget fits exactly. These footprints are the "equal total memory"
 points of the quality-memory comparison (SPEC section 8) and the budget grid of the sweep. No
 device memory is allocated here.
@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pweval.workload import Workload
+from pwformat.cost import block_pages
 from pwrun.core.config import EngineConfig
 from pwrun.core.kv_blocks import blocks_needed
 from pwrun.engine.budget import workspace_bytes
-from pwrun.eval.workload import Workload
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.spec import ModelSpec
-from pwrun.runner.experts.layout import block_pages
 from pwrun.runner.kv_store import PooledKVCache
 
 

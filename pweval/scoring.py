@@ -20,10 +20,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pweval.workload import Request, Workload
 from pwrun.core.request import SamplingParams
 from pwrun.engine.build import ServeConfig, build_engine
 from pwrun.engine.report import summarize, trace_frame
-from pwrun.eval.workload import Request, Workload
 from pwrun.model.lean import LeanMoEModel
 from pwrun.runner.prefill import prefill_logits
 

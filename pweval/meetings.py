@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from pweval.workload import Request, Workload, windows
+from pwformat.errors import PagedWeightError
 from pwrun.data import artifacts_dir
-from pwrun.errors import PagedWeightError
-from pwrun.eval.workload import Request, Workload, windows
 
 TASK = "qmsum"
 

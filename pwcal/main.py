@@ -1,0 +1,15 @@
+"""The ``pwcal`` console script. It installs the SIGTERM handler before importing the CLI: the stages import
+torch and the model code (~2 s), and a SIGTERM in that time must still exit with 143 and one line. That is why
+the CLI import sits inside ``main``.
+"""
+
+from __future__ import annotations
+
+from pwrun.signals import exit_quietly_on_sigterm
+
+
+def main() -> None:
+    exit_quietly_on_sigterm()
+    from pwcal.cli import app  # after the handler (module docstring)
+
+    app()

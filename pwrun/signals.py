@@ -1,0 +1,42 @@
+"""SIGTERM for the command lines: one line and exit code 143 instead of a silent kill, and cleanup that runs.
+
+``exit_quietly_on_sigterm`` is the first thing the console scripts do (``pweval.main``, ``pwcal.main``), before
+they import torch; ``raise_terminated`` is the handler ``pwrun.cli_common.user_errors`` installs while a command
+works, turning SIGTERM into ``Terminated`` so that ``finally`` blocks (e.g. quantize removing ``OUT.partial``) run.
+It imports only the standard library, so the entry points stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception (raised by ``raise_terminated``): the default action ends the process at once, so
+    a stage's cleanup (e.g. quantize removing its ``OUT.partial``) never ran."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup it starts
+    raise Terminated()
+
+
+def _exit_terminated(signum: int, frame: object) -> None:
+    """Before any work: one line, then exit 143 at once. ``os._exit``, not ``sys.exit``: a SystemExit raised by a
+    signal handler inside an import can be wrapped (Python 3.11 wraps one raised in a class's ``__set_name__``
+    into a RuntimeError, which printed a traceback and exit 1); nothing is open for writing yet."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.stderr.write("terminated (SIGTERM)\n")
+    sys.stderr.flush()
+    os._exit(143)
+
+
+def exit_quietly_on_sigterm() -> None:
+    """The command lines' entry: SIGTERM outside ``user_errors`` (while a command imports torch, before any work
+    or output) exits with one line and code 143 instead of the default silent kill; ``user_errors`` replaces
+    it while a command works."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_terminated)
