@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
+NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = ("calibration.ipynb", "quality_memory.ipynb", "runtime_timeline.ipynb")
 
 
