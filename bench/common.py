@@ -38,6 +38,7 @@ import triton
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pwformat import cost
+from pwformat.layout import words_per_row
 from pwrun.core.planner.buckets import BucketPolicy
 from pwrun.core.planner.runtime import PlannerConfig
 from pwrun.core.planner.tables import UNITS, BlockTable
@@ -270,23 +271,23 @@ class SyntheticAP:
     def __init__(self, spec: Any, dtype: torch.dtype, device: str = "cuda") -> None:
         self.bits, self.seed_bits = BITS, 3
         self.blocks = expert_blocks(spec)
-        sizes = [8 * b.n * (-(-b.k // 32)) * 4 + sum(b.n * 2**q * 2 for q in BITS) for b in self.blocks]
+        sizes = [8 * cost.plane_bytes(b.n, b.k) + sum(cost.lut_bytes(b.n, q) for q in BITS) for b in self.blocks]
         self.buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=device == "cuda")
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         pos = 0
         g = torch.Generator(device=device).manual_seed(0)
         for b, size in zip(self.blocks, sizes, strict=True):
-            kw = -(-b.k // 32)
+            kw = words_per_row(b.k)
             name = f"{'shared' if b.expert < 0 else b.expert}.{b.unit}"
             d = self.tensors.setdefault(b.layer, {})
-            n_pl = 8 * b.n * kw * 4
+            n_pl = 8 * cost.plane_bytes(b.n, b.k)
             planes = self.buf[pos:pos + n_pl].view(torch.int32).view(8, b.n, kw)
             planes.copy_(torch.randint(-2**31, 2**31 - 1, (8, b.n, kw), dtype=torch.int32, device=device,
                                        generator=g))
             d[f"{name}.planes"] = planes
             off = pos + n_pl
             for q in BITS:
-                nb = b.n * 2**q * 2
+                nb = cost.lut_bytes(b.n, q)
                 lut = self.buf[off:off + nb].view(dtype).view(b.n, 2**q)
                 lut.copy_(torch.sort(torch.randn(b.n, 2**q, device=device, generator=g) * 0.02, dim=1)[0].to(dtype))
                 d[f"{name}.lut{q}"] = lut
