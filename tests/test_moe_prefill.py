@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from _moe_cases import DEV, make
 
-from kernels.moe.codec import dequantize
 from kernels.moe.dispatch import ap_moe
 from kernels.moe.prefill import dequant_blocks, gather_sum, gather_sum_ref, silu_mul, silu_mul_ref
 from kernels.moe.ref import ap_moe_ref
+from pwformat.ap import dequantize
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> None:

@@ -2,6 +2,6 @@
 (typed by ``launch``).
 
 Paths: ``decode`` (+ ``decode_dot``, ``bit_transpose``, ``lut_shuffle``, ``pair_sort``, ``layout``), ``mid``,
-``prefill`` (both on ``tile``). ``experts`` is the table-addressed weight layout they read; ``ref`` and ``codec``
-are the pure-PyTorch reference.
+``prefill`` (both on ``tile``). ``experts`` is the table-addressed weight layout they read; ``ref`` is the
+pure-PyTorch reference (dequantizing with ``pwformat.ap``).
 """

@@ -2,7 +2,7 @@
 
 Layout (never assumed contiguous, so a runtime can place and move every plane independently):
   * ``pool`` int32 [P]: all bit-planes. Plane p of block i is an [N_i, ceil(K_i / 32)] int32 array
-    (the layout of ``kernels.moe.codec``) starting at word ``plane_offset[i, p]``.
+    (the layout of ``pwformat.ap``) starting at word ``plane_offset[i, p]``.
   * ``lut_pool`` fp16/bf16 [L]: the LUT of block i at its committed bitwidth, an [N_i, 2^q_i] array
     starting at element ``lut_offset[i]``.
   * ``bits`` int32 [2E]: committed q_i in 1..8. Block ids: gate_up [2I, H] of expert e = 2e, down [H, I] = 2e + 1.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.moe.codec import pack_planes
+from pwformat.ap import pack_planes
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.moe.codec import dequantize
 from kernels.moe.experts import APExperts
+from pwformat.ap import dequantize
 
 
 def ap_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts) -> torch.Tensor:
