@@ -7,7 +7,7 @@ PROMPT ?= The history of the city begins
 # Whole-process memory budget of the serving demo: tight enough that the planner trades expert bits for KV.
 DEMO_BUDGET ?= 48MiB
 
-.PHONY: setup demo eval test lint typecheck unit clean
+.PHONY: setup demo eval test gpu-test lint typecheck unit clean
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,12 @@ unit: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 test: lint typecheck unit
+
+# On a GPU machine whose python3 already has torch, triton and the project's dependencies (no venv, no network):
+# every test with a CUDA path, natively. Refuses to run without a GPU rather than skip everything.
+gpu-test:
+	$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-test needs a CUDA GPU')"
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m gpu -rs $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -42,3 +42,19 @@ try:
         return _calibrate(tmp_path_factory.mktemp("cal") / "ap")
 except ImportError:  # pragma: no cover
     pass
+
+
+# Test files with a CUDA path (native kernels, CUDA graphs, side-stream copies): `make gpu-test` runs them on a GPU.
+GPU_MODULES = {
+    "test_cuda", "test_kernel_wiring", "test_moe_decode", "test_moe_mid", "test_moe_prefill", "test_moe_dispatch",
+    "test_paged_attention", "test_pooled_attention", "test_warmup", "test_warmup_gemv", "test_dense_gemv",
+    "test_fused_ops", "test_pair_sort",
+}
+
+
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    import pytest
+
+    for item in items:
+        if item.path.stem in GPU_MODULES:
+            item.add_marker(pytest.mark.gpu)
