@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from pwcal import cli_quant
 from pwcal.bucket_search import SearchConfig, run_search_buckets
 from pwcal.residual import ResidualConfig, run_fit_residual
 from pwcal.sensitivity import SensitivityConfig, run_sensitivity
 from pwrun.cli_common import DeviceOpt, make_console, user_errors
+from pwrun.progress import progress
 
 console = make_console(stderr=True)
 ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
@@ -25,7 +26,7 @@ class Bars:
 
     def __init__(self) -> None:
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        self.progress = Progress(*cols, console=console)
+        self.progress = progress(console, *cols)
         self.tasks: dict[str, TaskID] = {}
 
     def __call__(self, stage: str, done: int, total: int) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from pwcal.quant.eval_uniform import eval_uniform as run_eval_uniform
 from pwcal.quant.eval_uniform import markdown_table
@@ -17,6 +17,7 @@ from pwcal.quant.quantize import QuantizeConfig
 from pwcal.quant.quantize import quantize as run_quantize
 from pwformat.atomic import write_atomic
 from pwrun.cli_common import DeviceOpt, check_writable_file, make_console, user_errors
+from pwrun.progress import progress as progress_bars
 
 console = make_console(stderr=True)
 ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
@@ -56,7 +57,7 @@ def quantize(
                              calib_seed=calib_seed, min_tokens=min_tokens, method=method, damp=damp,
                              feedback_bits=feedback_bits, hessian_memory_gib=hessian_memory)
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*cols, console=console) as bar:
+        with progress_bars(console, *cols) as bar:
             tasks: dict[str, TaskID] = {}
 
             def progress(stage: str, done: int, total: int) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from pwformat.atomic import write_atomic
 from pwformat.errors import PagedWeightError
@@ -45,6 +45,7 @@ from pwrun.generate import encode_prompts, serve_prompts
 from pwrun.generate import generate as run_generate
 from pwrun.model.loader import load_model, load_spec, load_tokenizer
 from pwrun.ppl import perplexity
+from pwrun.progress import progress
 from pwrun.signals import exit_quietly_on_sigterm
 
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
@@ -64,15 +65,15 @@ def _read_prompts(path: Path) -> list[str]:
 
 @contextmanager
 def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | None]:
-    """While serving: a transient bar on stderr (requests finished / ``total``, generated tokens/s) if ``show``
-    and stderr is a terminal; else nothing (``None``), so logs and pipes stay clean."""
-    if not (show and console.is_terminal):
+    """While serving: a transient bar on stderr (requests finished / ``total``, generated tokens/s) if ``show``;
+    when stderr is not a terminal, a line every few seconds instead (``pwrun.progress``)."""
+    if not show:
         yield None
         return
     columns = (TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("serve", total=total, rate="")
+    with progress(console, *columns, transient=True) as bar:
+        task = bar.add_task("serving requests", total=total, rate="")
         first: list[tuple[float, int]] = []  # the rate counts from the first token (after loading and placement)
 
         def update(done: int, tokens: int) -> None:
@@ -274,7 +275,7 @@ def ppl(
             lm = dense_model(art, lm, uniform_bits)
         ids = tok(read_text(dataset), add_special_tokens=False, verbose=False).input_ids
         total = min(len(ids) // seq_len, max_windows) if max_windows else len(ids) // seq_len
-        with Progress(console=console, transient=True) as bar:
+        with progress(console, transient=True) as bar:
             task = bar.add_task(f"ppl {dataset}", total=total)
             res = perplexity(lm, ids, seq_len=seq_len, max_windows=max_windows, batch=batch,
                              on_window=lambda k: bar.advance(task, k))
