@@ -32,7 +32,7 @@ demo: setup
 		--gpu-memory $(DEMO_BUDGET) --max-new-tokens 64 --output artifacts/runs/demo_outputs.jsonl \
 		--trace artifacts/runs/demo_trace.parquet --summary-json artifacts/runs/demo_summary.json
 
-# The whole evaluation (issue 7): every policy x budget on both suites -> docs/eval/results.parquet, the figures
+# The whole evaluation: every policy x budget on both suites -> docs/eval/results.parquet, the figures
 # and markdown tables, then the analysis notebooks' figures. One thread per process: the cores are often shared.
 eval: setup
 	mkdir -p artifacts/runs

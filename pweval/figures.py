@@ -5,7 +5,7 @@ What it does: ``write_report`` reads ``results.parquet`` and writes into a folde
 ``expert_memory.png`` (perplexity vs expert bytes in force, as a share of their 16-bit bytes),
 ``long_context.png`` (retrieval accuracy and QMSum perplexity at the long suite's fixed budgets),
 and the markdown tables ``quality_memory.md``, ``long_context.md``, ``ablations.md`` and
-``targets.md`` (issue 7's targets (a), (b), (c), checked on the numbers). Pure reading and plotting
+``targets.md`` (the quality targets (a), (b), (c) (SPEC section 8's claims at this model's scale), checked on the numbers). Pure reading and plotting
 (matplotlib, Agg backend); the sweep that makes the table is ``sweep.py``.
 """
 
@@ -235,7 +235,7 @@ def _ci(c: tuple[float, float, float] | None) -> str:
 
 
 def targets(df: pd.DataFrame, scores: pd.DataFrame | None = None) -> str:
-    """Markdown: issue 7's targets (a), (b), (c) checked on the text suite's numbers.
+    """Markdown: the quality targets (a), (b), (c) (SPEC section 8's claims at this model's scale) checked on the text suite's numbers.
 
     ``scores``: the per-request scores (``results.read_scores``); with them each comparison of (b) gets a
     paired 95% interval, and a miss whose interval straddles zero is reported as within noise.
@@ -314,7 +314,7 @@ def write_report(results: Path, out_dir: Path) -> list[Path]:
         (out_dir / "quality_memory.md").write_text("# Quality vs memory (text suite)\n\n" + source
                                                    + quality_memory_table(df) + "\n")
         (out_dir / "ablations.md").write_text("# Ablations (text suite)\n\n" + source + ablation_table(df) + "\n")
-        (out_dir / "targets.md").write_text("# Issue 7 targets, checked\n\n" + source
+        (out_dir / "targets.md").write_text("# Quality targets, checked\n\n" + source
                                             + targets(df, read_scores(results)) + "\n")
         written += [out_dir / n for n in ("quality_memory.png", "expert_memory.png", "quality_memory.md",
                                           "ablations.md", "targets.md")]

@@ -35,7 +35,7 @@ def test_causal_attention_matches_explicit_mask(n: int, ctx: int, dtype: torch.d
 @pytest.mark.parametrize(("n", "ctx"), [(1, 9), (7, 7), (3, 10)])
 def test_causal_attention_calls_sdpa_with_4d_inputs(n: int, ctx: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """SDPA's flash and memory-efficient backends take only 4-D inputs; 3-D ones silently take the math backend,
-    which on CUDA upcasts to fp32 and materialises the scores (the eleventh session's prefill profile)."""
+    which on CUDA upcasts to fp32 and materialises the scores."""
     import torch.nn.functional as F
 
     seen: list[tuple[int, ...]] = []

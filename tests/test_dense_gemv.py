@@ -118,7 +118,7 @@ class _FakeCuda(torch.Tensor):
 
 def test_linear_leaves_malformed_weights_to_f_linear() -> None:
     """A 1-D weight and a K mismatch go to ``F.linear`` (its result, or its own error), not to the GEMV's checks
-    (a breaker helper of the sixteenth session: a 1-D weight crashed in ``max_tokens``)."""
+    (a 1-D weight once crashed in ``max_tokens``)."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 8, generator=g).to(torch.bfloat16).as_subclass(_FakeCuda)
     w1 = torch.randn(8, generator=g).to(torch.bfloat16)

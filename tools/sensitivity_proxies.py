@@ -1,4 +1,4 @@
-"""Which offline damage estimate ranks (block, bitwidth) like the measured oracle KL? (issue 7, target (a))
+"""Which offline damage estimate ranks (block, bitwidth) like the measured oracle KL? (quality target (a))
 
 What it does: one calibration pass (the sensitivity stage's default: 64 x 512 c4-calib tokens, order seed 1)
 collects, per expert linear block i and bitwidth b of an AP artifact, several estimates of the damage of block i
