@@ -5,8 +5,8 @@ What it does: ``write_report`` reads ``results.parquet`` and writes into a folde
 ``expert_memory.png`` (perplexity vs expert bytes in force, as a share of their 16-bit bytes),
 ``long_context.png`` (retrieval accuracy and QMSum perplexity at the long suite's fixed budgets),
 and the markdown tables ``quality_memory.md``, ``long_context.md``, ``ablations.md`` and
-``targets.md`` (the quality targets (a), (b), (c) (SPEC section 8's claims at this model's scale), checked on the numbers). Pure reading and plotting
-(matplotlib, Agg backend); the sweep that makes the table is ``sweep.py``.
+``targets.md`` (the quality targets (a), (b), (c): SPEC section 8's claims at this model's scale, checked on the
+numbers). Pure reading and plotting (matplotlib, Agg backend); the sweep that makes the table is ``sweep.py``.
 """
 
 from __future__ import annotations
@@ -235,7 +235,8 @@ def _ci(c: tuple[float, float, float] | None) -> str:
 
 
 def targets(df: pd.DataFrame, scores: pd.DataFrame | None = None) -> str:
-    """Markdown: the quality targets (a), (b), (c) (SPEC section 8's claims at this model's scale) checked on the text suite's numbers.
+    """Markdown: the quality targets (a), (b), (c) (SPEC section 8's claims at this model's scale) checked on the
+    text suite's numbers.
 
     ``scores``: the per-request scores (``results.read_scores``); with them each comparison of (b) gets a
     paired 95% interval, and a miss whose interval straddles zero is reported as within noise.

@@ -1,4 +1,5 @@
-"""How good can ANY per-block bit allocation be? An oracle bound for quality target (a) (within 1% of 16-bit at <= 30% of the expert bytes).
+"""How good can ANY per-block bit allocation be? An oracle bound for quality target (a) (within 1% of 16-bit
+perplexity at <= 30% of the 16-bit expert bytes).
 
 What it does: for every expert linear block i and bitwidth b of an AP artifact, measures the true damage of
 putting block i alone at b bits (all other blocks 16-bit): the mean per-token KL(p_16 || p_b) of the next-token
