@@ -35,7 +35,7 @@ from pwrun.core.weight_policy import WeightPolicy
 from pwrun.data import default_model_dir, read_text
 from pwrun.engine.build import ServeConfig, build_engine
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.engine.report import summarize
+from pwrun.engine.report import summarize, summary_schema, summary_table
 from pwrun.generate import generate
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.loader import load_model, load_tokenizer
@@ -76,6 +76,10 @@ def test_big_budget_equals_static_8bit_and_moves_nothing(calibrated_artifacts: P
     assert got == [r.text for r in ref]
     s = summarize(e)
     assert s.demoted_blocks == s.promoted_blocks == 0 and s.bytes_host_to_device == 0
+    row, d = summary_table([s]).to_pylist()[0], s.to_dict()  # the Arrow row holds what the JSON summary holds
+    assert list(row) == summary_schema().names and row["policy"] == s.policy == "pagedweight"
+    assert all(row[k] == (list(v.items()) if isinstance(v, dict) else v) for k, v in d.items() if k in row)
+    assert all(row[k] is None for k in row if k not in d)  # fields that do not apply (e.g. no CUDA peak on the CPU)
     assert e.trace[-1].shared_bits == e.trace[-1].routed_bits == 8.0
 
 

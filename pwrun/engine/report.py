@@ -12,12 +12,13 @@ Parquet (``trace.trace_schema``; zstd, atomic) for the notebooks.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pwformat.atomic import atomic_path
@@ -86,6 +87,25 @@ class RunSummary:
         d = asdict(self)
         extra = d.pop("extra")
         return {**{k: v for k, v in d.items() if v is not None or k == "bits"}, **extra}
+
+
+_ARROW = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
+          "dict[int, int]": pa.map_(pa.int64(), pa.int64())}
+
+
+def summary_schema() -> pa.Schema:
+    """The Arrow schema of a table of run summaries: one column per ``RunSummary`` field (nullable where the field
+    may not apply), except the free-form ``extra``."""
+    return pa.schema([(f.name, _ARROW[str(f.type).removesuffix(" | None")]) for f in fields(RunSummary)
+                      if f.name != "extra"])
+
+
+def summary_table(summaries: list[RunSummary]) -> pa.Table:
+    """``summaries`` as an Arrow table of ``summary_schema`` (one row each)."""
+    schema = summary_schema()
+    cols = {n: [list(getattr(s, n).items()) if isinstance(getattr(s, n), dict) else getattr(s, n) for s in summaries]
+            for n in schema.names}
+    return pa.table(cols, schema=schema)
 
 
 def summarize(engine: LLMEngine) -> RunSummary:
