@@ -77,9 +77,11 @@ def _commit() -> str:
 
 def environment(label: str | None = None) -> dict[str, Any]:
     """Commit, GPU name (or ``cpu``), torch / triton / transformers versions, UTC date and time, the command line,
-    and ``label`` (which build a comparison row belongs to; default: the commit)."""
+    and ``label`` (which build a comparison row belongs to; default: the commit). A run that ``bench.compare`` starts
+    as the baseline of another build ($BENCH_BASELINE=1) is marked ``baseline``: the rendered tables leave it out."""
     commit = _commit()
-    return {"commit": commit, "label": label or commit,
+    baseline = {"baseline": True} if os.environ.get("BENCH_BASELINE") else {}
+    return {"commit": commit, "label": label or commit, **baseline,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -42,7 +42,7 @@ def compare_commit(rev: str, argv: list[str], out: Path) -> None:
             subprocess.run(["tar", "x", "-C", str(tree)], input=archive, check=True)
             commit = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True,
                                     text=True).stdout.strip()
-        env = {**os.environ, "PYTHONPATH": str(tree), "COMMIT": commit}
+        env = {**os.environ, "PYTHONPATH": str(tree), "COMMIT": commit, "BENCH_BASELINE": "1"}
         argv = [a for a in _drop_options(argv, OURS_ONLY_VALUES) if a not in OURS_ONLY]
         if (tree / "bench" / "serving.py").is_file():
             subprocess.run([sys.executable, "-m", "bench.serving", *argv, "--label", label, "--out",
@@ -53,8 +53,8 @@ def compare_commit(rev: str, argv: list[str], out: Path) -> None:
                        check=True)
         old = json.loads(md.with_suffix(".json").read_text())
         meta = old["meta"]
-        envrec = {"commit": commit, "label": label, "gpu": meta.get("gpu"), "torch": meta.get("torch"),
-                  "triton": meta.get("triton"), "transformers": meta.get("transformers"),
+        envrec = {"commit": commit, "label": label, "baseline": True, "gpu": meta.get("gpu"),
+                  "torch": meta.get("torch"), "triton": meta.get("triton"), "transformers": meta.get("transformers"),
                   "date": environment()["date"], "command": meta.get("command")}
         base = {"model": Path(meta.get("config", "")).name, "prompt_len": meta.get("prompt_len"),
                 "gen": meta.get("gen"), "copy_bandwidth_TBps": meta.get("copy_bandwidth_TBps")}

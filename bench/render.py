@@ -122,10 +122,10 @@ def _cell(rows: list[Record], f: str | Callable[[list[Record]], Any]) -> Any:
 
 def latest(records: list[Record], key: tuple[str, ...]) -> list[tuple[tuple[Any, ...], list[Record]]]:
     """Per key value (in first-seen order): the records of the latest run (date, label) that measured it,
-    failed ones (an ``error`` field) left out."""
+    failed ones (an ``error`` field) and comparison baselines (``baseline``) left out."""
     groups: dict[tuple[Any, ...], dict[tuple[str, str], list[Record]]] = {}
     for r in records:
-        if "error" in r:
+        if "error" in r or r.get("baseline"):  # failed rows; the other build of a --compare-commit run
             continue
         groups.setdefault(tuple(r.get(k) for k in key), {}).setdefault((r.get("date", ""), r.get("label", "")),
                                                                        []).append(r)

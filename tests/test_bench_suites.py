@@ -27,11 +27,12 @@ def _record(date: str, label: str, batch: int, tps: float, **extra: object) -> d
 
 def test_render_shows_the_latest_run_of_each_measurement(tmp_path: Path) -> None:
     """Batch 1 was measured twice (the later run, two repeats, wins: their median); batch 4 only by the earlier run;
-    a failed row is left out; --compare puts two labels side by side."""
+    a failed row and a comparison baseline (though later) are left out; --compare puts two labels side by side."""
     rows = [_record("2026-01-01T00:00:00Z", "old", 1, 100.0), _record("2026-01-01T00:00:00Z", "old", 4, 300.0),
             _record("2026-02-01T00:00:00Z", "new", 1, 110.0, rep=0), _record("2026-02-01T00:00:00Z", "new", 1, 130.0,
                                                                               rep=1),
-            _record("2026-02-01T00:00:00Z", "new", 4, 0.0, error="OutOfMemoryError: x")]
+            _record("2026-02-01T00:00:00Z", "new", 4, 0.0, error="OutOfMemoryError: x"),
+            _record("2026-03-01T00:00:00Z", "base", 1, 90.0, baseline=True)]  # a --compare-commit baseline
     (tmp_path / "serving.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "performance.md"
     _run("bench.render", "--results", str(tmp_path), "--out", str(out))
@@ -40,6 +41,8 @@ def test_render_shows_the_latest_run_of_each_measurement(tmp_path: Path) -> None
     assert "commit new" in text and "commit old" in text and "OutOfMemoryError" not in text
     cmp = _run("bench.render", "--results", str(tmp_path), "--compare", "old", "new")
     assert "| m | ours uniform 4-bit | 1 | 100 (100..100, n=1) | 120 (110..130, n=2) | 1.200 |" in cmp
+    assert "| m | ours uniform 4-bit | 1 | 90 (90..90, n=1) | 120 (110..130, n=2) | 1.333 |" in _run(
+        "bench.render", "--results", str(tmp_path), "--compare", "base", "new")
 
 
 def test_serving_suite_on_a_shrunken_config(tmp_path: Path) -> None:
