@@ -169,7 +169,7 @@ def test_bad_importance_is_one_line(calibrated_artifacts: Path) -> None:
 
 def test_no_silent_zero_from_last_tokens(tmp_path: Path, calibrated_artifacts: Path) -> None:
     """Windows of 2 tokens: the second has no target, so experts routed only there get no gradient; they must take
-    the fallback (a breaker's finding: they had sensitivity 0 with fallback False)."""
+    the fallback (not sensitivity 0 with fallback False)."""
     a = tmp_path / "ap"
     shutil.copytree(calibrated_artifacts, a)
     r = runner.invoke(app, ["sensitivity", str(MODEL), "--artifacts", str(a), "--importance", "fisher", "--samples",
