@@ -9,7 +9,7 @@ two builds measured in one GPU session. Only the standard library: runs anywhere
 Usage::
 
     python -m bench.render [--results bench/results] [--out docs/performance.md]
-    python -m bench.render --compare base-29 main
+    python -m bench.render --compare base main
 """
 
 from __future__ import annotations

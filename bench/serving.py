@@ -17,14 +17,15 @@ Two parts, one JSON line per measurement in ``bench/results/serving.jsonl``:
 
 ``--label`` names the build in the records; ``--compare-commit REV`` then runs the serving benchmark of REV (a git
 revision, or a directory holding its tree) with the same decode-table options in a fresh process, ``--compare-rounds
-N`` times in turn with ours, its rows labelled REV; ``python -m bench.render --compare REV LABEL`` prints both
-side by side. On a machine without the git history, extract REV's code beside the tree first::
+N`` times in turn with ours, its rows labelled REV (a directory: its name without a leading dot);
+``python -m bench.render --compare REV LABEL`` prints both side by side. On a machine without the git history,
+extract REV's code beside the tree first::
 
-    git archive base-29 pwrun pwcal kernels bench tests/fixtures/configs | (mkdir -p .base-29 && tar -x -C .base-29)
-    export COMMIT=<HEAD> COMPARE_COMMIT=<base-29>   # the commits the records name
+    git archive <REV> pwrun pwcal kernels bench tests/fixtures/configs | (mkdir -p .base && tar -x -C .base)
+    export COMMIT=<HEAD> COMPARE_COMMIT=<REV>   # the commits the records name
     python -m bench.serving --batches 1,4,16 --bits 4 --skip-hf --skip-lean16 --label main
-        --compare-commit .base-29 --compare-rounds 2    # (one command line)
-    python -m bench.render --compare base-29 main
+        --compare-commit .base --compare-rounds 2    # (one command line)
+    python -m bench.render --compare base main
 
 Usage (GPU machine, repository root)::
 

@@ -1,4 +1,4 @@
-"""Atomic file writes: readers see the old file or the new one, never half of one (STYLE.md rule 4).
+"""Atomic file writes: readers see the old file or the new one, never half of one.
 
 ``atomic_path`` hands out ``path.tmp`` and renames it over ``path`` when the ``with`` block ends normally;
 ``write_atomic`` writes bytes through it, fsynced. It imports no torch.

@@ -1,4 +1,4 @@
-"""The artifact manifest: a typed, versioned record of what an artifact directory holds (STYLE.md rule 4).
+"""The artifact manifest: a typed, versioned record of what an artifact directory holds.
 
 What it does: ``Manifest`` is ``manifest.json`` as a dataclass (format, bitwidths, the model's fingerprint,
 per-layer files, one record per pwcal stage), validated on read (``Manifest.from_dict`` raises a one-line

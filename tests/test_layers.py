@@ -1,4 +1,4 @@
-"""Layers point one way (STYLE.md rule 11), read from the sources with ``ast``: pwformat at the bottom, kernels as
+"""Layers point one way (docs/architecture.md), read from the sources with ``ast``: pwformat at the bottom, kernels as
 leaves, pwcal and pweval above pwrun, matplotlib only in pweval."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ family-independent vocabulary: attention (GQA, optional qkv bias, optional qk-no
 layer either a routed MoE block (router, experts as ``gate_up`` [2I, H] / ``down`` [H, I],
 optional always-active shared expert with an optional sigmoid gate) or a dense MLP.
 Family-specific parsing lives in ``families.py``; nothing else needs to know the family.
-It does not hold tensors and imports no torch (control plane, STYLE.md rule 1).
+It does not hold tensors and imports no torch (control plane).
 """
 
 from __future__ import annotations
