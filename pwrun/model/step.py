@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pwrun.core.decision import ScheduledChunk
@@ -48,25 +49,31 @@ class StepTensors:
 
     @staticmethod
     def build(chunks: list[ScheduledChunk] | tuple[ScheduledChunk, ...], device: torch.device | str) -> StepTensors:
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        for c in chunks:
-            tokens.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + len(c.token_ids)))
-            slots.extend(c.slots)
-            starts.append(len(tokens))
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
+        """The step's tensors from one host buffer and one host-to-device copy (each separate small copy costs
+        the step ~10 us of host time, which a batch-1 decode step of ~2.5 ms notices)."""
+        n_tok = sum(len(c.token_ids) for c in chunks)
+        s = len(chunks)
         width = max((len(c.block_table) for c in chunks), default=1)
-        padded = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
-        lens = [c.start + len(c.token_ids) for c in chunks]
+        starts = [0]
+        lens: list[int] = []
+        # layout of the int64 buffer: tokens [T] | positions [T] | slots [T] | context lens [S] | tables [S, width]
+        host = np.zeros(3 * n_tok + s + s * width, dtype=np.int64)
+        pos = 0
+        for i, c in enumerate(chunks):
+            k = len(c.token_ids)
+            host[pos: pos + k] = c.token_ids
+            host[n_tok + pos: n_tok + pos + k] = np.arange(c.start, c.start + k)
+            host[2 * n_tok + pos: 2 * n_tok + pos + k] = c.slots
+            pos += k
+            starts.append(pos)
+            lens.append(c.start + k)
+            row = 3 * n_tok + s + i * width
+            host[row: row + len(c.block_table)] = c.block_table
+        host[3 * n_tok: 3 * n_tok + s] = lens
+        dev = torch.from_numpy(host).to(device)
+        tables = dev[3 * n_tok + s:].view(s, width)
         return StepTensors(
-            tokens=t(tokens), positions=t(positions), slots=t(slots), query_start=starts,
-            context_lens=lens, block_tables=[t(list(c.block_table)) for c in chunks],
-            padded_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            context_lens_t=torch.tensor(lens, dtype=torch.int32, device=device),
+            tokens=dev[:n_tok], positions=dev[n_tok: 2 * n_tok], slots=dev[2 * n_tok: 3 * n_tok], query_start=starts,
+            context_lens=lens, block_tables=[tables[i, : len(c.block_table)] for i, c in enumerate(chunks)],
+            padded_tables=tables.to(torch.int32), context_lens_t=dev[3 * n_tok: 3 * n_tok + s].to(torch.int32),
         )
