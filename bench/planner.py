@@ -27,7 +27,6 @@ import numpy as np
 from bench.common import (
     BENCH_PLANNER,
     BENCH_POLICY,
-    BITS,
     QWEN,
     environment,
     kv_bytes,
@@ -65,12 +64,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     stats.update(rng.random((spec.num_layers, e + 1)), rng.random((spec.num_layers, e + 1, 4)))
     planner = Planner(table, BENCH_POLICY, BENCH_PLANNER, None, stats)
-    q = np.full(table.n, BITS.index(4))
+    q = np.full(table.n, 4)
     planner.refresh()
     lower = {"refresh": planner.refresh,
              "plan_lower, 1 KV block": lambda: planner.plan_lower(q, kv_block),
              "plan_lower, 8 KV blocks": lambda: planner.plan_lower(q, 8 * kv_block),
-             "plan_raise, 64 KV blocks": lambda: planner.plan_raise(np.full(table.n, BITS.index(3)), 64 * kv_block),
+             "plan_raise, 64 KV blocks": lambda: planner.plan_raise(np.full(table.n, 3), 64 * kv_block),
              "is_prepared": lambda: planner.is_prepared(q, kv_block)}
     ms = {name: median_ms(fn, args.reps) for name, fn in lower.items()}
     # under pressure: half of what the floors let go already demoted (from 4 bits), so the timed plan still has
@@ -78,7 +77,7 @@ def main() -> None:
     most = planner.plan_lower(q, float(table.total_bytes(q)))  # everything down to the last floors
     low = q.copy()
     p = planner.plan_lower(q, 0.5 * most.freed)
-    low[p.blocks] = p.to_idx
+    low[p.blocks] = p.to_bits
     ms["plan_lower, 1 KV block, under pressure"] = median_ms(lambda: planner.plan_lower(low, kv_block), args.reps)
     base = {"model": args.config_dir.name, "blocks": int(table.n), "cpu": platform.processor() or platform.machine()}
     recs = [{**base, "call": k, "ms": round(v, 4)} for k, v in ms.items()]

@@ -162,8 +162,8 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     def nll(q: np.ndarray, k: int, split: str, text: list[list[int]]) -> np.ndarray:
         key = (split, k, q.tobytes())
         if key not in cache:
-            bits = {(int(la), int(e), UNITS[u]): int(table.bits[qi])
-                    for la, e, u, qi in zip(table.layer, table.expert, table.unit, q, strict=True)}
+            bits = {(int(la), int(e), UNITS[u]): int(b)
+                    for la, e, u, b in zip(table.layer, table.expert, table.unit, q, strict=True)}
             flat = [t for w in text for t in w]
             cache[key] = np.array(perplexity(dense_model(art, base, bits), flat, seq_len=len(text[0])).window_nll)
             if progress:

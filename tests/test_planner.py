@@ -27,9 +27,9 @@ def test_lower_step_matches_brute_force_greedy() -> None:
     pol = BucketPolicy.neutral(3)
     bucket = pol.assign(t)
     d_hat = predicted_damage(t, bucket, pol)
-    q = np.random.default_rng(1).integers(1, 6, t.n)
+    q = np.random.default_rng(1).integers(1, 6, t.n)  # columns of t.bits
     need = 20000
-    plan = lower_step(t, q, need, d_hat, bucket, pol, 0)
+    plan = lower_step(t, t.bits[q], need, d_hat, bucket, pol, 0)
     # brute force: per block the best single-bit drop (depth cap 1), blocks by ratio until need is met
     cands = sorted((d_hat[i, q[i], q[i] - 1] / (t.bytes[i, q[i]] - t.bytes[i, q[i] - 1]), i) for i in range(t.n))
     freed, chosen = 0, []
@@ -39,13 +39,13 @@ def test_lower_step_matches_brute_force_greedy() -> None:
         chosen.append(i)
         freed += t.bytes[i, q[i]] - t.bytes[i, q[i] - 1]
     assert sorted(plan.blocks.tolist()) == sorted(chosen) and plan.freed == freed >= need
-    assert (plan.to_idx == q[plan.blocks] - 1).all()
+    assert (plan.to_bits == t.bits[q[plan.blocks] - 1]).all()
 
 
 def _lower_step_reference(t: BlockTable, q: np.ndarray, need: float, d_hat: np.ndarray, bucket: np.ndarray,
                           pol: BucketPolicy, stage: int, movable: np.ndarray | None) -> tuple[list, list, int]:
-    """lower_step by plain loops: per block the lowest-ratio target within floor and cap (first on ties), blocks
-    by ratio (block order on ties) until ``need`` is freed."""
+    """lower_step by plain loops on columns ``q`` of ``t.bits``: per block the lowest-ratio target column within
+    floor and cap (first on ties), blocks by ratio (block order on ties) until ``need`` is freed."""
     cands = []
     for i in range(t.n):
         if movable is not None and not movable[i]:
@@ -73,7 +73,7 @@ def _lower_step_reference(t: BlockTable, q: np.ndarray, need: float, d_hat: np.n
 
 def test_lower_step_matches_loop_reference_on_random_states() -> None:
     """The vectorized lower_step (only blocks that can go lower enter its arrays) against plain loops: random
-    bit indices, floors of three stages, depth caps 1..5, blocks held by reloads, needs from 0 to more than all."""
+    bitwidths, floors of three stages, depth caps 1..5, blocks held by reloads, needs from 0 to more than all."""
     for seed in range(40):
         rng = np.random.default_rng(seed)
         t = random_table(n=int(rng.integers(3, 120)), seed=seed)
@@ -86,9 +86,10 @@ def test_lower_step_matches_loop_reference_on_random_states() -> None:
             movable = rng.random(t.n) < 0.7 if k % 2 else None
             need = float(rng.choice([0, rng.integers(1, 5000), rng.integers(5000, 10**6), 10**9]))
             for stage in range(3):
-                plan = lower_step(t, q, need, d_hat, bucket, pol, stage, movable)
+                plan = lower_step(t, t.bits[q], need, d_hat, bucket, pol, stage, movable)
                 blocks, to, freed = _lower_step_reference(t, q, need, d_hat, bucket, pol, stage, movable)
-                assert plan.blocks.tolist() == blocks and plan.to_idx.tolist() == to and plan.freed == freed
+                assert plan.blocks.tolist() == blocks and plan.to_bits.tolist() == t.bits[to].tolist()
+                assert plan.freed == freed
 
 
 def test_floors_and_depth_caps_are_respected() -> None:
@@ -96,12 +97,12 @@ def test_floors_and_depth_caps_are_respected() -> None:
     pol = BucketPolicy((0.5,), (1.0, 3.0), ((3, 6), (3, 5)), (2, 1))
     bucket = pol.assign(t)
     d_hat = predicted_damage(t, bucket, pol)
-    q = np.full(t.n, 5)
+    q = np.full(t.n, 8)
     plan = lower_step(t, q, 10**12, d_hat, bucket, pol, 0)  # more than can be freed: take everything allowed
     floors = np.array([3, 6])[bucket[plan.blocks]]
-    caps = np.array([2, 1])[bucket[plan.blocks]]
-    assert (t.bits[plan.to_idx] >= floors).all() and (q[plan.blocks] - plan.to_idx <= caps).all()
-    assert (t.bits[plan.to_idx][bucket[plan.blocks] == 1] >= 6).all()
+    caps = np.array([2, 1])[bucket[plan.blocks]]  # t.bits are consecutive: a cap in columns is one in bits
+    assert (plan.to_bits >= floors).all() and (q[plan.blocks] - plan.to_bits <= caps).all()
+    assert (plan.to_bits[bucket[plan.blocks] == 1] >= 6).all()
 
 
 def test_fit_budget_meets_budget_or_reports_infeasible() -> None:
@@ -113,7 +114,7 @@ def test_fit_budget_meets_budget_or_reports_infeasible() -> None:
         assert q is not None and t.total_bytes(q) <= budget
     assert fit_budget(t, pol, int(t.bytes[:, 0].sum()) - 1) is None
     q = fit_budget(t, pol, int(t.bytes[:, 0].sum()))
-    assert q is not None and (q == 0).all()
+    assert q is not None and (q == 3).all()
 
 
 def test_hot_multiplier_protects_hot_experts() -> None:
@@ -124,7 +125,7 @@ def test_hot_multiplier_protects_hot_experts() -> None:
     hot = fit_budget(t, hot_pol, budget)
     assert neutral is not None and hot is not None
     is_hot = hot_pol.assign(t) == 1
-    assert t.bits[hot][is_hot].mean() > t.bits[neutral][is_hot].mean()
+    assert hot[is_hot].mean() > neutral[is_hot].mean()
 
 
 def test_raise_step_uses_at_most_the_allowance() -> None:
@@ -132,10 +133,10 @@ def test_raise_step_uses_at_most_the_allowance() -> None:
     pol = BucketPolicy.neutral(3)
     bucket = pol.assign(t)
     d_hat = predicted_damage(t, bucket, pol)
-    q = np.zeros(t.n, dtype=np.int64)
+    q = np.full(t.n, 3)
     plan = raise_step(t, q, 15000, d_hat, bucket, pol)
     used = -plan.freed
-    assert 0 < used <= 15000 and (plan.to_idx == 1).all()
+    assert 0 < used <= 15000 and (plan.to_bits == 4).all()
 
 
 @pytest.mark.parametrize("bad", [dict(quantiles=(0.7, 0.3)), dict(mu=(0.0, 1.0)), dict(depth_cap=(0, 1))])
@@ -154,7 +155,7 @@ def test_overlapped_planner_refreshes_only_when_asked(overlapped: bool | None) -
     refreshes d_hat. Overlapped (the CUDA runtime): plans keep the last d_hat until ``refresh_if_stale``."""
     t = random_table(seed=5)
     planner = Planner(t, BucketPolicy.neutral(3), PlannerConfig(overlapped=overlapped))
-    q = np.full(t.n, t.bits.size - 1)
+    q = np.full(t.n, t.bits[-1])
     planner.plan_lower(q, 5000)
     first = planner._d_hat
     assert first is not None and not planner.stale
@@ -186,7 +187,7 @@ def test_band_hands_budgets_at_and_above_it_to_the_neutral_policy() -> None:
     q, q_neutral = fit_budget(t, banded, budget), fit_budget(t, BucketPolicy.neutral(3), budget)
     assert q is not None and q_neutral is not None and t.total_bytes(q) <= budget
     is_hot = hot.assign(t) == 1
-    assert t.bits[q][is_hot].mean() > t.bits[q_neutral][is_hot].mean()
+    assert q[is_hot].mean() > q_neutral[is_hot].mean()
 
 
 def test_runtime_planner_follows_the_band() -> None:
@@ -198,25 +199,25 @@ def test_runtime_planner_follows_the_band() -> None:
     neutral, plain = Planner(t, BucketPolicy.neutral(3), PlannerConfig()), Planner(t, hot, PlannerConfig())
     band = banded.band_bytes
     assert band is not None
-    top = np.full(t.n, t.bits.size - 1)
+    top = np.full(t.n, t.bits[-1])
     need = (t.total_bytes(top) - band) // 2  # lowering that stays above the band: the neutral plan
     a, b = banded.plan_lower(top, need), neutral.plan_lower(top, need)
-    assert a.freed >= need and (a.blocks == b.blocks).all() and (a.to_idx == b.to_idx).all()
+    assert a.freed >= need and (a.blocks == b.blocks).all() and (a.to_bits == b.to_bits).all()
     q = fit_budget(t, BucketPolicy.neutral(3), band)
     assert q is not None
     a, c = banded.plan_lower(q, t.total_bytes(q) // 4), plain.plan_lower(q, t.total_bytes(q) // 4)
-    assert (a.blocks == c.blocks).all() and (a.to_idx == c.to_idx).all()  # below the band: the policy's plan
-    low = np.zeros(t.n, np.int64)
+    assert (a.blocks == c.blocks).all() and (a.to_bits == c.to_bits).all()  # below the band: the policy's plan
+    low = np.full(t.n, 3)
     allowance = (band - t.total_bytes(low)) // 2  # reloads that stay below the band: the policy's plan
     a, c = banded.plan_raise(low, allowance), plain.plan_raise(low, allowance)
     # the same moves in the same order (by benefit per byte: the runtime starts the head of the plan)
-    assert a.blocks.size > 1 and (a.blocks == c.blocks).all() and (a.to_idx == c.to_idx).all()
+    assert a.blocks.size > 1 and (a.blocks == c.blocks).all() and (a.to_bits == c.to_bits).all()
     q = fit_budget(t, BucketPolicy.neutral(3), t.uniform_bytes(4.8))
     assert q is not None
     allowance = t.uniform_bytes(5.3) - t.total_bytes(q)  # past the band: within the allowance, one move each
     a = banded.plan_raise(q, allowance)
     assert band < t.total_bytes(q) - a.freed <= t.total_bytes(q) + allowance
-    assert len(set(a.blocks.tolist())) == a.blocks.size and (a.to_idx == q[a.blocks] + 1).all()
+    assert len(set(a.blocks.tolist())) == a.blocks.size and (a.to_bits == q[a.blocks] + 1).all()
 
 
 def test_next_raises_walks_one_plan_until_it_no_longer_holds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,8 +226,8 @@ def test_next_raises_walks_one_plan_until_it_no_longer_holds(monkeypatch: pytest
     bitwidths change otherwise (a lowering), and never exceeds the allowance or the block count."""
     t = random_table(n=300, seed=9)
     planner = Planner(t, BucketPolicy.neutral(3), PlannerConfig())
-    q = np.zeros(t.n, np.int64)
-    allowance = (t.total_bytes(np.full(t.n, 2)) - t.total_bytes(q)) // 2
+    q = np.full(t.n, 3)
+    allowance = (t.total_bytes(np.full(t.n, 5)) - t.total_bytes(q)) // 2
     full = planner.plan_raise(q, allowance)
     assert full.blocks.size > 12
     calls = []
@@ -234,22 +235,22 @@ def test_next_raises_walks_one_plan_until_it_no_longer_holds(monkeypatch: pytest
     monkeypatch.setattr(planner, "plan_raise", lambda *a: calls.append(1) or real(*a))
     movable = np.ones(t.n, bool)
     first = planner.next_raises(q, allowance, movable, 4)
-    assert (first.blocks == full.blocks[:4]).all() and (first.to_idx == full.to_idx[:4]).all() and len(calls) == 1
+    assert (first.blocks == full.blocks[:4]).all() and (first.to_bits == full.to_bits[:4]).all() and len(calls) == 1
     movable[first.blocks] = False  # started, copies in flight
     second = planner.next_raises(q, allowance, movable, 4)
     assert (second.blocks == full.blocks[4:8]).all() and len(calls) == 1  # the same plan, its next head
     q = q.copy()
-    q[first.blocks] = first.to_idx  # the first ones committed
+    q[first.blocks] = first.to_bits  # the first ones committed
     movable[first.blocks] = True
     movable[second.blocks] = False
     third = planner.next_raises(q, allowance, movable, 4)
     assert (third.blocks == full.blocks[8:12]).all() and len(calls) == 1
     # the plan fits the allowance it is given now: a smaller one takes a shorter head
-    cost = t.bytes[full.blocks[8], full.to_idx[8]] - t.bytes[full.blocks[8], 0]
+    cost = t.bytes[full.blocks[8], t.columns(full.to_bits[8])] - t.bytes[full.blocks[8], 0]
     assert planner.next_raises(q, cost, movable, 4).blocks.tolist() == [full.blocks[8]] and len(calls) == 1
     # a bitwidth the plan did not set (here one past the plan's target) or a refresh of d_hat: a fresh plan
     q_other = q.copy()
-    q_other[full.blocks[-1]] = full.to_idx[-1] + 1
+    q_other[full.blocks[-1]] = full.to_bits[-1] + 1
     planner.next_raises(q_other, allowance, movable, 4)
     assert len(calls) == 2
     planner.refresh()
@@ -264,12 +265,30 @@ def test_next_raises_on_the_cpu_path_replans_once_the_statistics_changed() -> No
     held reload plan must not outlive that either."""
     t = random_table(n=100, seed=10)
     planner = Planner(t, BucketPolicy.neutral(3), PlannerConfig(overlapped=False))
-    q = np.zeros(t.n, np.int64)
+    q = np.full(t.n, 3)
     movable = np.ones(t.n, bool)
-    allowance = (t.total_bytes(np.full(t.n, 2)) - t.total_bytes(q)) // 2
+    allowance = (t.total_bytes(np.full(t.n, 5)) - t.total_bytes(q)) // 2
     planner.next_raises(q, allowance, movable, 4)
     d_hat = planner._d_hat
     planner.stale = True
     planner.next_raises(q, allowance, movable, 4)
     assert planner._d_hat is not d_hat and not planner.stale and planner._raise is not None
     assert planner._raise[3] is planner._d_hat  # the held plan was made again, with the refreshed d_hat
+
+
+def test_bitwidths_outside_the_table_are_refused() -> None:
+    """The planner speaks bits: a bitwidth the table does not have (here 2 and 9 against 3..8) is a clear error,
+    not a silent wrong column."""
+    t = random_table(seed=11)
+    assert t.columns(np.array([3, 8, 5])).tolist() == [0, 5, 2] and int(t.columns(4)) == 1
+    planner = Planner(t, BucketPolicy.neutral(3), PlannerConfig())
+    for bad in (2, 9):
+        q = np.full(t.n, 6)
+        q[7] = bad
+        msg = rf"bitwidths \[{bad}\] are not among the calibrated"
+        with pytest.raises(ValueError, match=msg):
+            planner.plan_lower(q, 5000)
+        with pytest.raises(ValueError, match=msg):
+            planner.plan_raise(q, 5000)
+        with pytest.raises(ValueError, match=msg):
+            t.total_bytes(q)

@@ -130,20 +130,20 @@ def test_planner_meets_pressure_within_floors_and_prefers_cheap_damage() -> None
     table = _table()
     pol = BucketPolicy((0.5,), (1.0, 1.0), ((5, 6), (3, 4)), (2, 2))
     planner = Planner(table, pol, PlannerConfig())
-    q = np.full(table.n, table.bits.size - 1)
+    q = np.full(table.n, table.bits[-1])
     need = 0.1 * table.total_bytes(q)
     plan = planner.plan_lower(q, need)
     assert plan.freed >= need and plan.stage == 0
     q2 = q.copy()
-    q2[plan.blocks] = plan.to_idx
+    q2[plan.blocks] = plan.to_bits
     assert table.total_bytes(q) - table.total_bytes(q2) == plan.freed
     bucket = pol.assign(table)
-    assert (table.bits[q2] >= np.asarray(pol.floors[0])[bucket]).all()
+    assert (q2 >= np.asarray(pol.floors[0])[bucket]).all()
     # a larger need escalates to the aggressive floors, never below them
     big = planner.plan_lower(q, 10 * table.total_bytes(q))
     q3 = q.copy()
-    q3[big.blocks] = big.to_idx
-    assert big.stage == 1 and (table.bits[q3] == np.asarray(pol.floors[1])[bucket]).all()
+    q3[big.blocks] = big.to_bits
+    assert big.stage == 1 and (q3 == np.asarray(pol.floors[1])[bucket]).all()
     # frozen blocks do not move; prepared plans are reused only while valid
     movable = np.ones(table.n, bool)
     movable[plan.blocks[:3]] = False
@@ -159,10 +159,10 @@ def test_prepared_plan_survives_changes_outside_it() -> None:
     blocks changed or may not move, or when it frees too little."""
     table = _table()
     planner = Planner(table, BucketPolicy.neutral(3), PlannerConfig())
-    q = np.full(table.n, table.bits.size - 1)
+    q = np.full(table.n, table.bits[-1])
     need = 0.05 * table.total_bytes(q)
     outside = np.setdiff1d(np.arange(table.n), planner.plan_lower(q, need).blocks)[0]
-    cases = []  # (bit indices at take time, movable, need, expected kind)
+    cases = []  # (bitwidths at take time, movable, need, expected kind)
     q_out = q.copy()
     q_out[outside] -= 1  # a block outside the plan changed
     cases.append((q_out, None, need, "prepared"))
@@ -193,8 +193,8 @@ def test_prepared_plan_survives_changes_outside_it() -> None:
 def test_raise_spends_allowance_by_benefit_and_not_without_movement() -> None:
     table = _table()
     planner = Planner(table, BucketPolicy.neutral(3), PlannerConfig())
-    q = np.zeros(table.n, np.int64)
-    allowance = 0.2 * (table.total_bytes(np.full(table.n, 5)) - table.total_bytes(q))
+    q = np.full(table.n, 3)
+    allowance = 0.2 * (table.total_bytes(np.full(table.n, 8)) - table.total_bytes(q))
     plan = planner.plan_raise(q, allowance)
     assert 0 < -plan.freed <= allowance
     off = Planner(table, BucketPolicy.neutral(3), PlannerConfig(movement=False))

@@ -71,11 +71,6 @@ class WeightPolicy:
         return moves
 
     # ------------------------------------------------------------------ state the planner reads
-    def q_idx(self) -> np.ndarray:
-        """[n] committed bit index of every block (into the planner table's ``bits``)."""
-        assert self.planner is not None
-        return np.searchsorted(self.planner.table.bits, self.wpt.q)
-
     def movable(self) -> np.ndarray:
         """[n] blocks with no reload in flight (the planner may change them now)."""
         return self.wpt.pending == 0
@@ -119,21 +114,21 @@ class WeightPolicy:
         return False
 
     def _room_key(self, blocks: int) -> tuple[Any, ...]:
-        """(KV blocks missing, bit indices [n], movable [n], routing buckets [n]): what decides whether ``make_room``
+        """(KV blocks missing, bitwidths [n], movable [n], routing buckets [n]): what decides whether ``make_room``
         can succeed (a plan that fell short took every movable block to its bucket's last floor)."""
         assert self.planner is not None
         b = self.planner.buckets
-        return (blocks - self.alloc.num_free, self.q_idx(), self.movable(), None if b is None else b.copy())
+        return (blocks - self.alloc.num_free, self.wpt.q.copy(), self.movable(), None if b is None else b.copy())
 
     def _lower(self, need_bytes: int, whole: bool = False) -> bool:
         """Execute the demotion plan for ``need_bytes`` (``whole``: only if it frees all of them); whether it ran."""
         assert self.planner is not None
         t0 = time.perf_counter()
-        plan = self.planner.take(self.q_idx(), need_bytes, self.movable())
+        plan = self.planner.take(self.wpt.q, need_bytes, self.movable())
         self._planner_time(t0)
         if plan.empty or (whole and plan.freed < need_bytes):
             return False
-        self.lower(plan.blocks, self.planner.table.bits[plan.to_idx])
+        self.lower(plan.blocks, plan.to_bits)
         return True
 
     def lower(self, blocks: np.ndarray, to_bits: np.ndarray) -> None:
@@ -206,11 +201,11 @@ class WeightPolicy:
                     for s in self.scheduler.running)
         allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
         # the head of the plan (benefit-per-byte order), kept across steps while it holds
-        plan = self.planner.next_raises(self.q_idx(), allowance, self.movable(), self.cfg.max_raise_blocks)
+        plan = self.planner.next_raises(self.wpt.q, allowance, self.movable(), self.cfg.max_raise_blocks)
         self._planner_time(t0, overlapped)
         t1 = time.perf_counter()
         if not plan.empty:
-            self.step.reload_started_blocks += len(self.begin_raise(plan.blocks, self.planner.table.bits[plan.to_idx]))
+            self.step.reload_started_blocks += len(self.begin_raise(plan.blocks, plan.to_bits))
         self.step.raise_plan_seconds, self.step.raise_start_seconds = t1 - t0, time.perf_counter() - t1
 
     def begin_raise(self, blocks: np.ndarray, to_bits: np.ndarray) -> list[int]:
@@ -257,6 +252,6 @@ class WeightPolicy:
         assert self.planner is not None
         t0 = time.perf_counter()
         need = self._next_need(running, gone)
-        if need > 0 and not self.planner.is_prepared(self.q_idx(), need, self.movable()):
-            self.planner.prepare(self.q_idx(), need, self.movable())
+        if need > 0 and not self.planner.is_prepared(self.wpt.q, need, self.movable()):
+            self.planner.prepare(self.wpt.q, need, self.movable())
         self._planner_time(t0, overlapped)

@@ -30,7 +30,7 @@ from pwrun.core.config import EngineConfig
 from pwrun.core.engine_core import EngineCore
 from pwrun.core.kv_blocks import blocks_needed
 from pwrun.core.planner.buckets import BucketPolicy
-from pwrun.core.planner.greedy import fit_budget
+from pwrun.core.planner.greedy import fit_budget, floor_bits
 from pwrun.core.planner.online import FEATURES, OnlineStats, ResidualHeads
 from pwrun.core.planner.runtime import Planner, PlannerConfig
 from pwrun.core.planner.tables import UNITS, BlockTable
@@ -254,15 +254,14 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     if pcfg is not None and pcfg.overlapped is None:
         pcfg = replace(pcfg, overlapped=dev.type == "cuda")
     bits = table.bits
-    # the floor every block can reach (last floor stage), or the uniform bits
+    # the floor (bits) every block can reach (last floor stage), or the uniform bits
     if cfg.policy.bits is not None:
-        floor_idx = np.full(table.n, table.bit_index(cfg.policy.bits))
+        floor = np.full(table.n, cfg.policy.bits, dtype=np.int64)
     elif pcfg is not None and not pcfg.use_routing:
-        floor_idx = np.zeros(table.n, dtype=np.int64)
+        floor = np.full(table.n, bits[0], dtype=np.int64)
     else:
-        bucket = policy.assign(table)
-        floor_idx = np.searchsorted(bits, np.maximum(np.asarray(policy.floors[-1])[bucket], bits[0]))
-    floor_bytes = table.total_bytes(floor_idx)
+        floor = floor_bits(table, policy.assign(table), policy, len(policy.floors) - 1)
+    floor_bytes = table.total_bytes(floor)
     num_pages = max(pool_bytes // page_bytes, 0)
     if floor_bytes + min_kv_pages * page_bytes > num_pages * page_bytes:
         minimum = fixed + work + floor_bytes + min_kv_pages * page_bytes
@@ -288,7 +287,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     assert np.array_equal(np.stack([wpt.pages_at(b) for b in bit_list], axis=1) * page_bytes, table.bytes)
     reserve = (cfg.planner.free_threshold + 1) * kv_block_bytes + min_kv_pages * page_bytes
     if cfg.policy.placement == "uniform":
-        q0 = floor_idx
+        q0 = floor
     elif cfg.policy.placement == "static":
         peak = sorted((blocks_needed(len(r) + n, ecfg.block_size) for r, n in zip(requests, new_tokens, strict=True)),
                       reverse=True)[: ecfg.max_batch]
@@ -297,18 +296,18 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         # afterwards could overflow the pool and leave no room for even one request
         fit = fit_budget(table, BucketPolicy(policy.quantiles, (1.0,) * policy.num_buckets, (policy.floors[-1],),
                                              policy.depth_cap), budget)
-        q0 = floor_idx if fit is None else fit
+        q0 = floor if fit is None else fit
     else:
         fit = fit_budget(table, policy if (pcfg and pcfg.use_routing) else BucketPolicy.neutral(int(bits[0])),
                          num_pages * page_bytes - reserve)
-        q0 = floor_idx if fit is None else fit
+        q0 = floor if fit is None else fit
     planner = None
     if pcfg is not None:
         stats = OnlineStats(table.layer, table.expert, spec.num_layers,
                             max(ls.moe.num_experts for ls in spec.layers if ls.moe is not None), pcfg.decay,
                             calib_features)
         planner = Planner(table, policy, pcfg, heads, stats)
-    store = runner.load_experts(source, table, wpt, pool, bits[q0],
+    store = runner.load_experts(source, table, wpt, pool, q0,
                                 observe=planner is not None and planner.stats is not None)
     initial_weight_pages = pool.count(WEIGHT)
     placed_bytes = int(store.bytes_h2d)
@@ -320,7 +319,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             "pool_bytes": num_pages * page_bytes, "page_bytes": page_bytes, "kv_block_bytes": kv_block_bytes,
             "expert_bytes_16bit": sum(b.n * b.k * 2 for b in expert_blocks(spec)),
             "initial_expert_bytes": placed_bytes,
-            "initial_weight_pages": initial_weight_pages, "initial_mean_bits": float(bits[q0].mean()),
+            "initial_weight_pages": initial_weight_pages, "initial_mean_bits": float(q0.mean()),
             "floor_expert_bytes": floor_bytes, "shared_expert": bool((table.expert == SHARED_EXPERT).any())}
     size = np.array([n * k for n, k in table.shapes(spec)], dtype=np.float64)
     shared = table.expert == SHARED_EXPERT

@@ -9,7 +9,8 @@ free nothing more (the runtime planner's ``plan_lower`` and the offline ``fit_bu
 ``fit_budget`` lowers from the top bitwidth until the blocks fit a byte budget (the offline use of the
 same planner, by ``pwcal search-buckets``; a banded policy lowers with the neutral policy down to its
 band first).
-No Python loop runs over blocks. Bitwidths are handled as indices into ``BlockTable.bits``.
+No Python loop runs over blocks. Every function takes and returns bitwidths (as ``WeightPageTable.q`` holds
+them); the vectorized internals index the [n, nb] arrays by column (``BlockTable.columns``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ EPS_DAMAGE = 1e-12
 
 @dataclass(frozen=True)
 class Plan:
-    """Blocks to move: ``blocks`` [k] and their new bit indices ``to_idx`` [k]; bytes freed (< 0: used)."""
+    """Blocks to move: ``blocks`` [k] and their new bitwidths ``to_bits`` [k]; bytes freed (< 0: used)."""
 
     blocks: np.ndarray
-    to_idx: np.ndarray
+    to_bits: np.ndarray
     freed: int
     damage: float
     stage: int
@@ -37,6 +38,11 @@ class Plan:
     @property
     def empty(self) -> bool:
         return self.blocks.size == 0
+
+    @staticmethod
+    def none(stage: int = 0) -> Plan:
+        """The plan that moves nothing."""
+        return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, stage)
 
 
 def predicted_damage(table: BlockTable, bucket: np.ndarray, policy: BucketPolicy,
@@ -47,8 +53,13 @@ def predicted_damage(table: BlockTable, bucket: np.ndarray, policy: BucketPolicy
     return np.maximum(EPS_DAMAGE, mu * g * (1.0 if eta is None else eta))
 
 
-def floor_index(table: BlockTable, bucket: np.ndarray, policy: BucketPolicy, stage: int) -> np.ndarray:
-    """Per-block floor as a bit index for floor stage ``stage``."""
+def floor_bits(table: BlockTable, bucket: np.ndarray, policy: BucketPolicy, stage: int) -> np.ndarray:
+    """Per-block floor [n] (bits) at floor stage ``stage``: the lowest table bitwidth at or above the bucket's
+    floor."""
+    return table.bits[_floor_columns(table, bucket, policy, stage)]
+
+
+def _floor_columns(table: BlockTable, bucket: np.ndarray, policy: BucketPolicy, stage: int) -> np.ndarray:
     floors = np.asarray(policy.floors[stage])[bucket]
     return np.searchsorted(table.bits, np.maximum(floors, table.bits[0]))
 
@@ -60,25 +71,36 @@ def _take(order: np.ndarray, amount: np.ndarray, need: float) -> np.ndarray:
     return order[: min(k, order.size)]
 
 
-def lower_step(table: BlockTable, q_idx: np.ndarray, need_bytes: float, d_hat: np.ndarray, bucket: np.ndarray,
+def lower_step(table: BlockTable, q_bits: np.ndarray, need_bytes: float, d_hat: np.ndarray, bucket: np.ndarray,
                policy: BucketPolicy, stage: int, movable: np.ndarray | None = None) -> Plan:
-    """Demotions that free >= ``need_bytes`` at least damage per byte (or as many as the stage allows).
+    """Demotions from the bitwidths ``q_bits`` [n] that free >= ``need_bytes`` at least damage per byte (or as many
+    as the stage allows).
 
     ``movable`` [n] bool: blocks that may change now (e.g. not while a reload is in flight). Only the blocks that
     can go lower at all (above their floor and movable) enter the [m, nb] ratio arrays: under pressure most blocks
     sit at their floor, and a stage with none left is found without them (the runtime plans on the step's
     critical path).
     """
+    blocks, to, freed, damage = _lower_columns(table, table.columns(q_bits), need_bytes, d_hat, bucket, policy, stage,
+                                               movable)
+    return Plan(blocks, table.bits[to], freed, damage, stage)
+
+
+def _lower_columns(table: BlockTable, q: np.ndarray, need_bytes: float, d_hat: np.ndarray, bucket: np.ndarray,
+                   policy: BucketPolicy, stage: int, movable: np.ndarray | None
+                   ) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """``lower_step`` on columns ``q`` [n]: (blocks [k], their new columns [k], bytes freed, damage)."""
     nb = table.bits.size
     cap = np.asarray(policy.depth_cap)[bucket]
-    lo = np.maximum(floor_index(table, bucket, policy, stage), q_idx - cap)  # lowest bit index each may reach
-    can = lo < q_idx
+    lo = np.maximum(_floor_columns(table, bucket, policy, stage), q - cap)  # lowest column each may reach
+    can = lo < q
     if movable is not None:
         can &= movable
     rows = np.flatnonzero(can)
+    none = np.empty(0, np.int64)
     if rows.size == 0 or need_bytes <= 0:
-        return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, stage)
-    a = q_idx[rows]
+        return none, none, 0, 0.0
+    a = q[rows]
     m = np.arange(rows.size)
     c = np.arange(nb)[None, :]
     byts = table.bytes[rows]
@@ -90,68 +112,73 @@ def lower_step(table: BlockTable, q_idx: np.ndarray, need_bytes: float, d_hat: n
     best_ratio = ratio[m, best]
     cand = np.flatnonzero(np.isfinite(best_ratio))  # ascending, as ``rows``: ties keep the block order
     if cand.size == 0:
-        return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, stage)
+        return none, none, 0, 0.0
     order = cand[np.argsort(best_ratio[cand], kind="stable")]
     take = _take(order, delta[m, best], need_bytes)
     to = best[take]
-    return Plan(rows[take], to, int(delta[take, to].sum()), float(dmg[take, to].sum()), stage)
+    return rows[take], to, int(delta[take, to].sum()), float(dmg[take, to].sum())
 
 
-def raise_step(table: BlockTable, q_idx: np.ndarray, allowance: float, d_hat: np.ndarray, bucket: np.ndarray,
+def raise_step(table: BlockTable, q_bits: np.ndarray, allowance: float, d_hat: np.ndarray, bucket: np.ndarray,
                policy: BucketPolicy, movable: np.ndarray | None = None) -> Plan:
-    """Promotions by damage avoided per byte, using at most ``allowance`` bytes (Algorithm 1, reload)."""
+    """Promotions from the bitwidths ``q_bits`` [n] by damage avoided per byte, using at most ``allowance`` bytes
+    (Algorithm 1, reload)."""
     n, nb = table.n, table.bits.size
+    q = table.columns(q_bits)
     rows = np.arange(n)
     c = np.arange(nb)[None, :]
     cap = np.asarray(policy.depth_cap)[bucket][:, None]
-    a = q_idx[:, None]
+    a = q[:, None]
     valid = (c > a) & (c <= a + cap)
     if movable is not None:
         valid &= movable[:, None]
-    cost = table.bytes - table.bytes[rows, q_idx][:, None]  # bytes needed to raise to c
-    avoided = d_hat[rows, :, q_idx]  # [n, nb]: damage avoided by raising from bits[c] back to the current bits
+    cost = table.bytes - table.bytes[rows, q][:, None]  # bytes needed to raise to c
+    avoided = d_hat[rows, :, q]  # [n, nb]: damage avoided by raising from bits[c] back to the current bits
     benefit = np.where(valid & (cost > 0), avoided / np.maximum(cost, 1), -np.inf)
     best = benefit.argmax(axis=1)
     best_b = benefit[rows, best]
     cand = np.flatnonzero(np.isfinite(best_b))
     if cand.size == 0 or allowance <= 0:
-        return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, 0)
+        return Plan.none()
     order = cand[np.argsort(-best_b[cand], kind="stable")]
     fits = order[np.cumsum(cost[order, best[order]]) <= allowance]
-    return Plan(fits, best[fits], -int(cost[fits, best[fits]].sum()), -float(avoided[fits, best[fits]].sum()), 0)
+    return Plan(fits, table.bits[best[fits]], -int(cost[fits, best[fits]].sum()),
+                -float(avoided[fits, best[fits]].sum()), 0)
 
 
-def lower_until(table: BlockTable, q_idx: np.ndarray, need_bytes: float, d_hat: np.ndarray, bucket: np.ndarray,
+def lower_until(table: BlockTable, q_bits: np.ndarray, need_bytes: float, d_hat: np.ndarray, bucket: np.ndarray,
                 policy: BucketPolicy, movable: np.ndarray | None = None, step_fraction: float | None = None,
                 max_rounds: int = 100_000) -> tuple[np.ndarray, int, float, int]:
-    """Greedy ``lower_step`` rounds from floor stage 0 on until >= ``need_bytes`` are freed (Algorithm 1).
+    """Greedy ``lower_step`` rounds from the bitwidths ``q_bits`` [n], floor stage 0 on, until >= ``need_bytes``
+    are freed (Algorithm 1).
 
     A stage is left only when it can free nothing more. With ``step_fraction``, each round asks for at most
     that fraction of the current bytes (small rounds: close to a global greedy by damage per byte; offline),
-    else for all that is still needed (runtime). Returns (new bit indices [n], bytes freed, predicted
+    else for all that is still needed (runtime). Returns (new bitwidths [n], bytes freed, predicted
     damage, last stage); fewer bytes than asked if the last stage runs out.
     """
-    q = q_idx.copy()
+    q = table.columns(q_bits)  # a new array: rounds update it in place
+    rows = np.arange(table.n)
     freed, damage, stage, rounds = 0, 0.0, 0, 0
     for stage in range(len(policy.floors)):
         while freed < need_bytes and rounds < max_rounds:
             ask = need_bytes - freed
             if step_fraction is not None:
-                ask = min(ask, max(1.0, step_fraction * table.total_bytes(q)))
-            p = lower_step(table, q, ask, d_hat, bucket, policy, stage, movable)
+                ask = min(ask, max(1.0, step_fraction * int(table.bytes[rows, q].sum())))
+            blocks, to, more, dmg = _lower_columns(table, q, ask, d_hat, bucket, policy, stage, movable)
             rounds += 1
-            if p.empty:
+            if blocks.size == 0:
                 break
-            q[p.blocks] = p.to_idx
-            freed, damage = freed + p.freed, damage + p.damage
+            q[blocks] = to
+            freed, damage = freed + more, damage + dmg
         if freed >= need_bytes:
             break
-    return q, freed, damage, stage
+    return table.bits[q], freed, damage, stage
 
 
 def fit_budget(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: np.ndarray | None = None,
                step_fraction: float = 0.01, max_steps: int = 100_000) -> np.ndarray | None:
-    """Bit indices [n] that fit ``budget_bytes`` starting from the top bitwidth, or None if infeasible.
+    """Bitwidths [n] that fit ``budget_bytes`` starting from the top bitwidth, or None if infeasible.
 
     Each step asks ``lower_step`` for at most ``step_fraction`` of the current bytes, so blocks are
     lowered in small rounds (close to a global greedy by damage per byte) rather than all at once.
@@ -159,7 +186,7 @@ def fit_budget(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: 
     neutral policy lowers down to the band's bytes, the policy itself below them.
     """
     band = policy.neutral_from_bytes(table)
-    top = np.full(table.n, table.bits.size - 1, dtype=np.int64)
+    top = np.full(table.n, table.bits[-1], dtype=np.int64)
     q = top if band is None else _fit(table, BucketPolicy.neutral(int(table.bits[0])), max(budget_bytes, band), eta,
                                       top, step_fraction, max_steps)
     return None if q is None else _fit(table, policy.without_band(), budget_bytes, eta, q, step_fraction, max_steps)
@@ -167,7 +194,7 @@ def fit_budget(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: 
 
 def _fit(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: np.ndarray | None, q: np.ndarray,
          step_fraction: float, max_steps: int) -> np.ndarray | None:
-    """``fit_budget`` from bit indices ``q`` [n] with one (unbanded) policy."""
+    """``fit_budget`` from the bitwidths ``q`` [n] with one (unbanded) policy."""
     bucket = policy.assign(table)
     need = table.total_bytes(q) - budget_bytes
     q, freed, _, _ = lower_until(table, q, need, predicted_damage(table, bucket, policy, eta), bucket, policy,

@@ -57,12 +57,9 @@ class PlannerConfig:
             raise ValueError("online_weight must be in [0, 1], decay in (0, 1), alpha >= 0")
 
 
-def _empty(stage: int = 0) -> Plan:
-    return Plan(np.empty(0, np.int64), np.empty(0, np.int64), 0, 0.0, stage)
-
-
 class Planner:
-    """Plans demotions and reloads over ``table`` (bit indices into ``table.bits``)."""
+    """Plans demotions and reloads over ``table``; block states and plans are bitwidths (one of ``table.bits``
+    per block, as ``WeightPageTable.q`` holds them)."""
 
     def __init__(self, table: BlockTable, policy: BucketPolicy, cfg: PlannerConfig,
                  heads: ResidualHeads | None = None, stats: OnlineStats | None = None) -> None:
@@ -81,7 +78,7 @@ class Planner:
         self._prepared_q: np.ndarray | None = None
         self.takes = {"prepared": 0, "fresh": 0}  # plans ``take`` returned, by kind
         self.stale = True  # the live statistics changed since d_hat was computed
-        # the last reload plan (``next_raises``): the plan, the bit indices it was made from, those it aims at, and
+        # the last reload plan (``next_raises``): the plan, the bitwidths it was made from, those it aims at, and
         # the d_hat it was made with (each refresh makes a new array)
         self._raise: tuple[Plan, np.ndarray, np.ndarray, np.ndarray] | None = None
 
@@ -130,15 +127,16 @@ class Planner:
         assert self._d_hat is not None and self._bucket is not None
         return self._d_hat, self._bucket
 
-    def plan_lower(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
-        """Demotions (final bit index per block) freeing >= ``need_bytes``, or as much as the last stage allows.
+    def plan_lower(self, q_bits: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
+        """Demotions from the bitwidths ``q_bits`` [n] (to a final bitwidth per block) freeing >= ``need_bytes``, or
+        as much as the last stage allows.
 
         With a banded policy, demotions above ``band_bytes`` of expert bytes follow the neutral policy.
         """
         if need_bytes <= 0:
-            return _empty()
+            return Plan.none()
         d_hat, bucket = self._state()
-        table, q = self.table, q_idx
+        table, q = self.table, q_bits
         freed, damage = 0, 0.0
         if self.band_bytes is not None and (above := table.total_bytes(q) - self.band_bytes) > 0:
             assert self._neutral_d_hat is not None
@@ -146,90 +144,94 @@ class Planner:
                                               np.zeros(table.n, np.int64), self._neutral, movable)
         q, more, dmg, stage = lower_until(table, q, need_bytes - freed, d_hat, bucket, self.policy.without_band(),
                                           movable)
-        blocks = np.flatnonzero(q != q_idx)
+        blocks = np.flatnonzero(q != q_bits)
         return Plan(blocks, q[blocks], freed + more, damage + dmg, stage)
 
-    def plan_raise(self, q_idx: np.ndarray, allowance: float, movable: np.ndarray | None = None) -> Plan:
-        """Promotions by damage avoided per byte within ``allowance`` bytes (empty without page movement).
+    def plan_raise(self, q_bits: np.ndarray, allowance: float, movable: np.ndarray | None = None) -> Plan:
+        """Promotions from the bitwidths ``q_bits`` [n] by damage avoided per byte within ``allowance`` bytes (empty
+        without page movement).
 
         With a banded policy, bytes spent below ``band_bytes`` follow the policy, the rest the neutral policy
         (each block moves at most once per plan, as in one ``raise_step``). Blocks come in the order they are worth
         starting: by damage avoided per byte, the policy's part first (the runtime starts the head of the plan).
         """
         if allowance <= 0 or not self.cfg.movement:
-            return _empty()
+            return Plan.none()
         d_hat, bucket = self._state()
         policy = self.policy.without_band()
         if self.band_bytes is None:
-            return raise_step(self.table, q_idx, allowance, d_hat, bucket, policy, movable)
+            return raise_step(self.table, q_bits, allowance, d_hat, bucket, policy, movable)
         assert self._neutral_d_hat is not None
-        table, q = self.table, q_idx.copy()
+        table, q = self.table, q_bits.copy()
         free_to_move = np.ones(table.n, bool) if movable is None else movable.copy()
         spent, damage = 0, 0.0
         parts: list[np.ndarray] = []  # each part in its benefit-per-byte order: the runtime starts the head
         below = self.band_bytes - table.total_bytes(q)
         if below > 0:
             p = raise_step(table, q, min(allowance, below), d_hat, bucket, policy, free_to_move)
-            q[p.blocks] = p.to_idx
+            q[p.blocks] = p.to_bits
             free_to_move[p.blocks] = False
             spent, damage = -p.freed, p.damage
             parts.append(p.blocks)
         if allowance > below and allowance - spent > 0:  # the allowance reaches past the band
             p = raise_step(table, q, allowance - spent, self._neutral_d_hat, np.zeros(table.n, np.int64),
                            self._neutral, free_to_move)
-            q[p.blocks] = p.to_idx
+            q[p.blocks] = p.to_bits
             spent, damage = spent - p.freed, damage + p.damage
             parts.append(p.blocks)
         blocks = np.concatenate(parts) if parts else np.empty(0, np.int64)
         return Plan(blocks, q[blocks], -spent, damage, 0)
 
-    def next_raises(self, q_idx: np.ndarray, allowance: float, movable: np.ndarray, max_blocks: int) -> Plan:
+    def next_raises(self, q_bits: np.ndarray, allowance: float, movable: np.ndarray, max_blocks: int) -> Plan:
         """The next <= ``max_blocks`` promotions to start (SPEC section 5, Algorithm 1's reload) within
         ``allowance`` bytes, in benefit-per-byte order: the head of the last ``plan_raise`` while it holds (made
-        with the current d_hat, and the bit indices ``q_idx`` [n] changed only by its own raises; entries already
+        with the current d_hat, and the bitwidths ``q_bits`` [n] changed only by its own raises; entries already
         started, i.e. not ``movable`` [n], or done are skipped), else of a fresh plan. The runtime starts a few
         blocks per step, so this saves re-planning every block at every step while reloads are under way.
         ``freed`` is minus the bytes the head needs; ``damage`` is not computed (0)."""
         if allowance <= 0 or not self.cfg.movement or max_blocks <= 0:
-            return _empty()
+            return Plan.none()
         d_hat, _ = self._state()  # refreshes d_hat where a fresh plan would (the non-overlapped path)
-        held = self._raise is not None and self._raise[3] is d_hat and self._raise_holds(q_idx)
-        head = self._raise_head(q_idx, allowance, movable, max_blocks) if held else None
+        held = self._raise is not None and self._raise[3] is d_hat and self._raise_holds(q_bits)
+        head = self._raise_head(q_bits, allowance, movable, max_blocks) if held else None
         if head is None or head.empty:  # nothing held, or the held plan is used up: plan again
-            p = self.plan_raise(q_idx, allowance, movable)
-            target = q_idx.copy()
-            target[p.blocks] = p.to_idx
-            self._raise = (p, q_idx.copy(), target, d_hat)
-            head = self._raise_head(q_idx, allowance, movable, max_blocks)
+            p = self.plan_raise(q_bits, allowance, movable)
+            target = q_bits.copy()
+            target[p.blocks] = p.to_bits
+            self._raise = (p, q_bits.copy(), target, d_hat)
+            head = self._raise_head(q_bits, allowance, movable, max_blocks)
         return head
 
-    def _raise_holds(self, q_idx: np.ndarray) -> bool:
-        """Every bit index that differs from the held plan's start is one of its targets."""
+    def _raise_holds(self, q_bits: np.ndarray) -> bool:
+        """Every bitwidth that differs from the held plan's start is one of its targets."""
         assert self._raise is not None
         _, q0, target, _ = self._raise
-        changed = np.flatnonzero(q_idx != q0)
-        return bool((q_idx[changed] == target[changed]).all())
+        changed = np.flatnonzero(q_bits != q0)
+        return bool((q_bits[changed] == target[changed]).all())
 
-    def _raise_head(self, q_idx: np.ndarray, allowance: float, movable: np.ndarray, max_blocks: int) -> Plan:
+    def _raise_head(self, q_bits: np.ndarray, allowance: float, movable: np.ndarray, max_blocks: int) -> Plan:
         assert self._raise is not None
         p = self._raise[0]
-        todo = movable[p.blocks] & (q_idx[p.blocks] != p.to_idx)
-        blocks, to = p.blocks[todo], p.to_idx[todo]
-        cost = self.table.bytes[blocks, to] - self.table.bytes[blocks, q_idx[blocks]]
+        todo = movable[p.blocks] & (q_bits[p.blocks] != p.to_bits)
+        blocks, to = p.blocks[todo], p.to_bits[todo]
+        col = self.table.columns
+        cost = self.table.bytes[blocks, col(to)] - self.table.bytes[blocks, col(q_bits[blocks])]
         head = np.flatnonzero(np.cumsum(cost) <= allowance)[:max_blocks]
         return Plan(blocks[head], to[head], -int(cost[head].sum()), 0.0, 0)
 
-    def prepare(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> None:
-        """Plan ahead for ``need_bytes`` (the pressure a few steps from now) and queue the plan."""
-        self.prepared = self.plan_lower(q_idx, need_bytes, movable)
-        self._prepared_q = q_idx.copy()
+    def prepare(self, q_bits: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> None:
+        """Plan ahead from the bitwidths ``q_bits`` [n] for ``need_bytes`` (the pressure a few steps from now) and
+        queue the plan."""
+        self.prepared = self.plan_lower(q_bits, need_bytes, movable)
+        self._prepared_q = q_bits.copy()
 
-    def is_prepared(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> bool:
-        """The queued plan applies at bit indices ``q_idx`` [n]: ``why_not_prepared`` finds no reason against it."""
-        return self.why_not_prepared(q_idx, need_bytes, movable) is None
+    def is_prepared(self, q_bits: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> bool:
+        """The queued plan applies at the bitwidths ``q_bits`` [n]: ``why_not_prepared`` finds no reason against
+        it."""
+        return self.why_not_prepared(q_bits, need_bytes, movable) is None
 
-    def why_not_prepared(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> str | None:
-        """Why the queued plan does not apply at bit indices ``q_idx`` [n] for ``need_bytes`` (None: it applies):
+    def why_not_prepared(self, q_bits: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> str | None:
+        """Why the queued plan does not apply at the bitwidths ``q_bits`` [n] for ``need_bytes`` (None: it applies):
         none is queued, it frees fewer bytes, one of its blocks changed bitwidth since it was made (blocks outside it
         may have: a reload that completed in between leaves the plan's bytes and targets as they were, so it need not
         be made again on the step's critical path), or one of them may not move now (``movable`` [n] bool, None:
@@ -239,19 +241,19 @@ class Planner:
             return "none prepared"
         if p.freed < need_bytes:
             return "prepared frees too little"
-        if not (q_idx[p.blocks] == q0[p.blocks]).all():
+        if not (q_bits[p.blocks] == q0[p.blocks]).all():
             return "its blocks changed bitwidth"
         if movable is not None and not movable[p.blocks].all():
             return "its blocks are moving"
         return None
 
-    def take(self, q_idx: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
+    def take(self, q_bits: np.ndarray, need_bytes: float, movable: np.ndarray | None = None) -> Plan:
         """The plan to execute now: the prepared one if it still applies (``is_prepared``), else a fresh one.
         ``takes`` counts both kinds ("prepared", "fresh"): fresh plans run on the step's critical path."""
-        holds = self.is_prepared(q_idx, need_bytes, movable)
+        holds = self.is_prepared(q_bits, need_bytes, movable)
         p, self.prepared = self.prepared, None
         self.takes["prepared" if holds else "fresh"] += 1
         if holds:
             assert p is not None
             return p
-        return self.plan_lower(q_idx, need_bytes, movable)
+        return self.plan_lower(q_bits, need_bytes, movable)

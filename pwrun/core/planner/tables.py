@@ -41,21 +41,35 @@ class BlockTable:
     def n(self) -> int:
         return int(self.layer.size)
 
-    def bit_index(self, bits: int) -> int:
-        return int(np.flatnonzero(self.bits == bits)[0])
+    def columns(self, bits: np.ndarray | int) -> np.ndarray:
+        """Column of ``bits`` (a bitwidth, or [n] of them) in ``self.bits``, the planner's internal indexing of the
+        [n, nb] arrays; raises ``ValueError`` for a bitwidth the table does not have. One table lookup: cheap on
+        the runtime planner's path."""
+        col = self._column_of.take(bits, mode="clip")  # out of range lands on an end entry, which is -1
+        if (col < 0).any():
+            bad = sorted(set(np.atleast_1d(bits).tolist()) - set(self.bits.tolist()))
+            raise ValueError(f"bitwidths {bad} are not among the calibrated ones {self.bits.tolist()}")
+        return col
 
-    def total_bytes(self, q_idx: np.ndarray) -> int:
-        """Sum of M_i^{q_i} for bit indices q_idx [n]."""
-        return int(self.bytes[np.arange(self.n), q_idx].sum())
+    @cached_property
+    def _column_of(self) -> np.ndarray:
+        """[bits[-1] + 2] int64: the column of bitwidth b at b, -1 where the table has no such bitwidth."""
+        lut = np.full(int(self.bits[-1]) + 2, -1, dtype=np.int64)
+        lut[self.bits] = np.arange(self.bits.size)
+        return lut
+
+    def total_bytes(self, q_bits: np.ndarray) -> int:
+        """Sum of M_i^{q_i} (bytes) for the bitwidths ``q_bits`` [n]."""
+        return int(self.bytes[np.arange(self.n), self.columns(q_bits)].sum())
 
     def uniform_bytes(self, bits: float) -> int:
         """Expert bytes (int) at uniform-equivalent ``bits``: an integer b is sum_i M_i^b, every block at b bits
         (SPEC section 2's memory accounting); a fraction interpolates linearly between the neighbouring
-        bitwidths (3.5 = midway between uniform 3 and 4). Raises ``IndexError`` if a neighbouring bitwidth is
+        bitwidths (3.5 = midway between uniform 3 and 4). Raises ``ValueError`` if a neighbouring bitwidth is
         not in ``self.bits`` (callers clamp to [bits[0], bits[-1]], e.g. ``BucketPolicy.neutral_from_bytes``)."""
         lo, hi = int(np.floor(bits)), int(np.ceil(bits))
-        b_lo = int(self.bytes[:, self.bit_index(lo)].sum())
-        b_hi = int(self.bytes[:, self.bit_index(hi)].sum())
+        b_lo = int(self.bytes[:, self.columns(lo)].sum())
+        b_hi = int(self.bytes[:, self.columns(hi)].sum())
         return int(b_lo + (bits - lo) * (b_hi - b_lo))
 
     def global_damage(self) -> np.ndarray:
