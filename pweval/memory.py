@@ -4,8 +4,8 @@ What it does: a static deployment keeps its experts at one size and must hold th
 workload at full concurrency (``max_batch`` of its longest requests at their full length) to serve
 it without queueing; its footprint is ``fixed`` (the non-expert weights in the model dtype, as the runtime holds
 them) + ``workspace`` (the runtime's step activation bound, ``budget.workspace_bytes``)
-+ ``experts`` + ``kv``, in bytes. The same byte functions as the runtime's are used (page-rounded
-AP planes and LUTs, ``pwformat.cost.block_pages``; KV pages, ``PooledKVCache.page_bytes``), so a
++ ``experts`` + ``kv``, in bytes. The same byte functions as the runtime's are used (``pwformat.cost``:
+page-rounded AP planes and LUTs, KV pages and blocks), so a
 uniform-b run at its footprint budget fits exactly. These footprints are the "equal total memory"
 points of the quality-memory comparison (SPEC section 8) and the budget grid of the sweep. No
 device memory is allocated here.
@@ -15,17 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pweval.workload import Workload
-from pwformat.cost import block_pages
+from pwformat.cost import kv_block_bytes, kv_page_bytes, page_rounded_bytes
 from pwrun.core.config import EngineConfig
 from pwrun.core.kv_blocks import blocks_needed
 from pwrun.engine.budget import workspace_bytes
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.spec import ModelSpec
-from pwrun.runner.kv_store import PooledKVCache
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,6 @@ class Footprint:
         return self.fixed + self.workspace + self.experts + self.kv
 
 
-def page_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one pool page (one layer's K or V of one KV block)."""
-    a = spec.layers[0].attention
-    return PooledKVCache.page_bytes(block_size, a.num_kv_heads, a.head_dim, dtype)
-
-
 def non_expert_bytes(model: LeanMoEModel) -> int:
     """Bytes of ``model``'s weights other than the routed and shared experts (what the runtime keeps fixed)."""
     elt = model.weights.embed.element_size()
@@ -58,7 +52,8 @@ def full_concurrency_kv_bytes(workload: Workload, spec: ModelSpec, ecfg: EngineC
     """KV bytes of the ``max_batch`` longest requests at full length (prompt + continuation - 1 tokens each)."""
     blocks = sorted((blocks_needed(r.tokens - 1, ecfg.block_size) for r in workload.requests),
                     reverse=True)[:ecfg.max_batch]
-    return sum(blocks) * 2 * spec.num_layers * page_bytes(spec, ecfg.block_size, dtype)
+    a = spec.layers[0].attention
+    return sum(blocks) * kv_block_bytes(spec.num_layers, ecfg.block_size, a.num_kv_heads, a.head_dim, dtype.itemsize)
 
 
 def expert_bytes(spec: ModelSpec, bits: int, ecfg: EngineConfig, dtype: torch.dtype) -> int:
@@ -66,14 +61,15 @@ def expert_bytes(spec: ModelSpec, bits: int, ecfg: EngineConfig, dtype: torch.dt
     blocks = expert_blocks(spec)
     if bits == 16:
         return sum(b.n * b.k * 2 for b in blocks)
-    planes, luts = block_pages([(b.n, b.k) for b in blocks], [bits], page_bytes(spec, ecfg.block_size, dtype))
-    return int((bits * planes + luts[:, bits]).sum()) * page_bytes(spec, ecfg.block_size, dtype)
+    a = spec.layers[0].attention
+    page = kv_page_bytes(ecfg.block_size, a.num_kv_heads, a.head_dim, dtype.itemsize)
+    return int(page_rounded_bytes([(b.n, b.k) for b in blocks], np.array([bits]), page).sum())
 
 
 def static_footprint(spec: ModelSpec, fixed_bytes: int, workload: Workload, ecfg: EngineConfig, bits: int,
                      dtype: torch.dtype, cuda: bool = False) -> Footprint:
     """Footprint of serving ``workload`` at full concurrency with every expert at ``bits`` (16 = 16-bit model)."""
-    elt = torch.empty((), dtype=dtype).element_size()
+    elt = dtype.itemsize
     work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch,
                            min(workload.longest, spec.max_position_embeddings), elt, cuda=cuda)
     return Footprint(fixed_bytes, work, expert_bytes(spec, bits, ecfg, dtype),

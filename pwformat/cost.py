@@ -3,7 +3,8 @@
 Every byte count the planner, the engine, the benchmarks and the notebooks use comes from here:
 ``block_bytes`` is M_i^b of an [N, K] block at b bits (planes with their word padding plus the
 b-bit LUT); ``block_pages``/``page_rounded_bytes`` round each plane and each LUT up to whole pool
-pages (what the page pool really holds); ``kv_block_bytes`` is B_KV; ``decode_step_bytes`` is what
+pages (what the page pool really holds); ``kv_page_bytes`` is one pool page (one layer's K or V of a KV block),
+``kv_block_pages``/``kv_block_bytes`` one KV block (B_KV); ``decode_step_bytes`` is what
 one decode step reads from memory (the roofline floor of the serving benchmark).
 """
 
@@ -67,9 +68,14 @@ def kv_page_bytes(block_size: int, num_kv_heads: int, head_dim: int, elem_bytes:
     return block_size * num_kv_heads * head_dim * elem_bytes
 
 
+def kv_block_pages(num_layers: int) -> int:
+    """Pool pages of one KV block: each layer's K page and V page."""
+    return 2 * num_layers
+
+
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
     """B_KV of SPEC Eq. 7: bytes of one KV block over all layers, K and V."""
-    return 2 * num_layers * kv_page_bytes(block_size, num_kv_heads, head_dim, elem_bytes)
+    return kv_block_pages(num_layers) * kv_page_bytes(block_size, num_kv_heads, head_dim, elem_bytes)
 
 
 @dataclass(frozen=True)

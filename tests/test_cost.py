@@ -16,6 +16,7 @@ from pwformat.cost import (
     decode_step_bytes,
     expected_distinct_experts,
     kv_block_bytes,
+    kv_block_pages,
     kv_page_bytes,
     page_rounded_bytes,
 )
@@ -46,8 +47,7 @@ def test_kv_block_bytes_match_the_cache_pages() -> None:
     page = kv_page_bytes(block, heads, dim, 2)
     cache = PooledKVCache(torch.zeros(5 * page, dtype=torch.uint8), layers, 4, block, heads, dim, torch.bfloat16)
     assert cache.pages.shape[0] == 5 and cache.pages[0].numel() * cache.pages[0].element_size() == page
-    assert PooledKVCache.page_bytes(block, heads, dim, torch.bfloat16) == page
-    assert kv_block_bytes(layers, block, heads, dim, 2) == 2 * layers * page
+    assert kv_block_bytes(layers, block, heads, dim, 2) == 2 * layers * page == kv_block_pages(layers) * page
 
 
 def test_expected_distinct_experts_by_simulation() -> None:

@@ -22,13 +22,13 @@ from typer.testing import CliRunner
 from pweval.cli import app
 from pweval.figures import paired_change
 from pweval.meetings import meeting_texts, qmsum_workload
-from pweval.memory import page_bytes
 from pweval.results import SCHEMA, append_rows, read_results, read_scores, rename, request_scores
 from pweval.retrieval import RetrievalItem, RetrievalSpec, build_items, retrieval_workload, scores
 from pweval.retrieval import accuracy as retrieval_accuracy
 from pweval.runs import Evaluator, TextSpec
 from pweval.scoring import reference_logprobs
 from pweval.workload import Request, Workload, text_workload
+from pwformat.cost import kv_block_bytes
 from pwformat.errors import PagedWeightError
 from pwrun.data import default_model_dir
 
@@ -67,7 +67,9 @@ def test_uniform_footprint_is_tight_and_static_runs_at_the_minimum(ev: Evaluator
     at = ev.run(suite, "uniform", fp.total, "U4", bits=4)
     assert at["preemptions"] == 0 and at["expert_bytes_mean"] == fp.experts
     full = ev.last.trace
-    kv_block = 2 * ev.model.spec.num_layers * page_bytes(ev.model.spec, suite.engine.block_size, ev.model.dtype)
+    spec, a = ev.model.spec, ev.model.spec.layers[0].attention
+    kv_block = kv_block_bytes(spec.num_layers, suite.engine.block_size, a.num_kv_heads, a.head_dim,
+                              ev.model.dtype.itemsize)
     less = ev.run(suite, "uniform", fp.total - 2 * kv_block, "custom", bits=4)
     trace = ev.last.trace
     assert full is not None and trace is not None

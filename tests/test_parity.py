@@ -13,12 +13,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
+from pwformat.cost import kv_page_bytes
 from pwrun.core.config import EngineConfig
 from pwrun.core.engine_core import EngineCore
 from pwrun.core.pool import PagePool, PoolConfig
 from pwrun.core.request import Request
 from pwrun.model.loader import load_model
-from pwrun.runner.model_runner import ModelRunner, kv_page_bytes
+from pwrun.runner.model_runner import ModelRunner
 
 ATOL = 2e-4
 COMMON = dict(vocab_size=97, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -64,7 +65,8 @@ def _engine(model, max_step_tokens: int):  # type: ignore[no-untyped-def]
     cfg = EngineConfig(block_size=4, max_batch=2, max_step_tokens=max_step_tokens, use_kernels=False,
                        cuda_graphs=False)
     layers = model.spec.num_layers
-    page = kv_page_bytes(model, 4)
+    a = model.spec.layers[0].attention
+    page = kv_page_bytes(4, a.num_kv_heads, a.head_dim, model.dtype.itemsize)
     core = EngineCore(cfg, PagePool(PoolConfig(32 * 2 * layers, page)), layers)
     return core, ModelRunner(model, cfg, 32 * 2 * layers, page)
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.paged_attention import paged_decode_attention
+from pwformat.cost import kv_page_bytes
 from pwrun.core.kv_blocks import BlockTables, PooledBlockAllocator
 from pwrun.core.pool import WEIGHT, PagePool, PoolConfig
 from pwrun.runner.kv_store import PooledKVCache
@@ -21,7 +22,7 @@ from pwrun.runner.kv_store import PooledKVCache
 def test_kernel_on_pooled_cache_matches_gather_reference(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     layers, bs, hkv, hq, d = 3, 8, 2, 4, 64
-    page = PooledKVCache.page_bytes(bs, hkv, d, dtype)
+    page = kv_page_bytes(bs, hkv, d, dtype.itemsize)
     pool = PagePool(PoolConfig(200, page))
     runs = [pool.allocate_run(n, WEIGHT) for n in (3, 5, 2, 7)]
     pool.release_run(runs[1], 5, WEIGHT)  # a hole between weight runs: KV pages land anywhere

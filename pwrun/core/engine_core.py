@@ -37,7 +37,7 @@ class EngineCore:
         self.cfg, self.pool, self.num_layers = cfg, pool, num_layers
         self.alloc = PooledBlockAllocator(pool, num_layers)
         self.tables = BlockTables(self.alloc, cfg.block_size)
-        self.kv_block_bytes = 2 * num_layers * pool.cfg.page_bytes
+        self.kv_block_bytes = self.alloc.block_pages * pool.cfg.page_bytes  # B_KV of Eq. 7
         self.scheduler = Scheduler(cfg.max_batch, cfg.max_step_tokens)
         self.wpt = weights
         self.planner = planner
@@ -196,7 +196,7 @@ class EngineCore:
     def check(self) -> None:
         """Page conservation, q <= resident planes, KV pages = KV blocks in use (``AssertionError`` if not)."""
         self.pool.check()
-        assert self.pool.count(KV) == 2 * self.num_layers * self.alloc.num_used
+        assert self.pool.count(KV) == self.alloc.block_pages * self.alloc.num_used
         if self.wpt is not None:
             self.wpt.check()
             assert self.pool.count(WEIGHT) == self.wpt.weight_pages()

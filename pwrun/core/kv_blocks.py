@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from pwformat.cost import kv_block_pages
 from pwrun.core.pool import KV, PagePool
 
 
@@ -27,13 +28,15 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class PooledBlockAllocator:
-    """KV blocks of ``2 * num_layers`` pages each, over ``pool``; at most ``max_blocks`` ids."""
+    """KV blocks of ``block_pages`` pages each (``pwformat.cost.kv_block_pages``), over ``pool``; at most
+    ``max_blocks`` ids."""
 
     def __init__(self, pool: PagePool, num_layers: int) -> None:
         if num_layers <= 0:
             raise ValueError("num_layers must be positive")
         self.pool, self.num_layers = pool, num_layers
-        self.max_blocks = pool.cfg.num_pages // (2 * num_layers)
+        self.block_pages = kv_block_pages(num_layers)
+        self.max_blocks = pool.cfg.num_pages // self.block_pages
         self.num_blocks = self.max_blocks
         self._ids = list(range(self.max_blocks - 1, -1, -1))
         self._refs: dict[int, int] = {}
@@ -43,7 +46,7 @@ class PooledBlockAllocator:
     @property
     def num_free(self) -> int:
         """F_blk of SPEC Eq. 7: KV blocks the pool's free pages could hold now."""
-        return min(self.pool.num_free // (2 * self.num_layers), len(self._ids))
+        return min(self.pool.num_free // self.block_pages, len(self._ids))
 
     @property
     def num_used(self) -> int:
@@ -56,7 +59,7 @@ class PooledBlockAllocator:
         out = []
         for _ in range(n):
             b = self._ids.pop()
-            self._pages[b] = self.pool.allocate_top(2 * self.num_layers, KV)
+            self._pages[b] = self.pool.allocate_top(self.block_pages, KV)
             self._refs[b] = 1
             out.append(b)
         self.new_blocks.extend(out)

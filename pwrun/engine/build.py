@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from kernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
-from pwformat.cost import block_pages, page_rounded_bytes
+from pwformat.cost import block_pages, kv_block_pages, kv_page_bytes, page_rounded_bytes
 from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwformat.tables import read_table
 from pwrun.ap.artifact import APArtifact
@@ -44,7 +44,7 @@ from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, resolve_device, resolve_dtype
 from pwrun.model.weights import fuse_qkv
-from pwrun.runner.model_runner import ModelRunner, kv_page_bytes
+from pwrun.runner.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -240,15 +240,16 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     dev, dt = model.device, model.dtype
     spec = model.spec
     ecfg = cfg.engine
-    page_bytes = kv_page_bytes(model, ecfg.block_size)
-    elt = torch.empty((), dtype=dt).element_size()
+    elt = dt.itemsize
+    a = spec.layers[0].attention
+    page_bytes = kv_page_bytes(ecfg.block_size, a.num_kv_heads, a.head_dim, elt)
     longest = max(len(r) + n for r, n in zip(requests, new_tokens, strict=True))
     fixed = model.weights.num_bytes()
     work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt,
                            cuda=dev.type == "cuda")
     pool_bytes = cfg.gpu_memory - fixed - work
-    kv_block_bytes = 2 * spec.num_layers * page_bytes
-    min_kv_pages = blocks_needed(longest, ecfg.block_size) * 2 * spec.num_layers
+    kv_block_bytes = kv_block_pages(spec.num_layers) * page_bytes  # B_KV of Eq. 7
+    min_kv_pages = blocks_needed(longest, ecfg.block_size) * kv_block_pages(spec.num_layers)
     table = replace(table, bytes=page_rounded_bytes(table.shapes(spec), table.bits, page_bytes))
     pcfg = cfg.policy.planner_config(cfg.planner)
     if pcfg is not None and pcfg.overlapped is None:
@@ -346,8 +347,9 @@ def dense_engine(model: LeanMoEModel, params: SamplingParams, requests: list[lis
     cfg = EngineConfig(block_size=block_size, max_batch=max(len(requests), 1),
                        max_step_tokens=max(sum(len(r) for r in requests), 1), cuda_graphs=False)
     blocks = sum(blocks_needed(len(r) + params.max_new_tokens, block_size) for r in requests)
-    page_bytes = kv_page_bytes(model, block_size)
-    num_pages = max(blocks, 1) * 2 * spec.num_layers
+    a = spec.layers[0].attention
+    page_bytes = kv_page_bytes(block_size, a.num_kv_heads, a.head_dim, model.dtype.itemsize)
+    num_pages = max(blocks, 1) * kv_block_pages(spec.num_layers)
     pool = PagePool(PoolConfig(num_pages, page_bytes))
     engine = LLMEngine(EngineCore(cfg, pool, spec.num_layers), ModelRunner(model, cfg, num_pages, page_bytes),
                        {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pwformat.cost import kv_block_pages, kv_page_bytes
 from pwrun.core.config import EngineConfig
 from pwrun.core.decision import StepDecision, WeightMoves
 from pwrun.core.planner.tables import BlockTable
@@ -32,12 +33,6 @@ from pwrun.runner.kv_store import PooledKVCache
 from pwrun.runner.sampling import sample, token_logprob
 
 
-def kv_page_bytes(model: LeanMoEModel, block_size: int) -> int:
-    """Bytes of one pool page: one layer's K (or V) of one KV block of ``block_size`` tokens."""
-    a = model.spec.layers[0].attention
-    return PooledKVCache.page_bytes(block_size, a.num_kv_heads, a.head_dim, model.dtype)
-
-
 class ModelRunner:
     """Runs ``model`` over a page pool of ``num_pages`` pages of ``page_bytes`` (KV pages of ``cfg.block_size``
     tokens). Raises ``RuntimeError`` (from torch) if the device cannot hold the pool."""
@@ -47,13 +42,13 @@ class ModelRunner:
         self.device = model.device
         self.use_kernels = cfg.use_kernels if cfg.use_kernels is not None else self.device.type == "cuda"
         model.fused = cfg.fused_kernels and self.use_kernels
-        if page_bytes != kv_page_bytes(model, cfg.block_size):
-            raise ValueError("a pool page must hold exactly one layer's K (or V) of one KV block")
-        self.memory = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=self.device)
         spec = model.spec
         a = spec.layers[0].attention
-        self.kv = PooledKVCache(self.memory, spec.num_layers, num_pages // (2 * spec.num_layers), cfg.block_size,
-                                a.num_kv_heads, a.head_dim, model.dtype, self.use_kernels)
+        if page_bytes != kv_page_bytes(cfg.block_size, a.num_kv_heads, a.head_dim, model.dtype.itemsize):
+            raise ValueError("a pool page must hold exactly one layer's K (or V) of one KV block")
+        self.memory = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=self.device)
+        self.kv = PooledKVCache(self.memory, spec.num_layers, num_pages // kv_block_pages(spec.num_layers),
+                                cfg.block_size, a.num_kv_heads, a.head_dim, model.dtype, self.use_kernels)
         self.experts: ExpertStore | None = None
         self.graphs: DecodeGraphs | None = None
         self.captured = False  # the last step captured a CUDA graph (one-off cost: warm-up + capture)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pwformat.cost import kv_block_pages, kv_page_bytes
 from pwrun.core.config import EngineConfig
 from pwrun.core.engine_core import EngineCore
 from pwrun.core.kv_blocks import blocks_needed
@@ -17,7 +18,7 @@ from pwrun.core.pool import PagePool, PoolConfig
 from pwrun.core.request import Request, SamplingParams
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import MoEObserver
-from pwrun.runner.model_runner import ModelRunner, kv_page_bytes
+from pwrun.runner.model_runner import ModelRunner
 
 
 def prefill_logits(model: LeanMoEModel, tokens: list[list[int]], block_size: int = 16,
@@ -28,8 +29,9 @@ def prefill_logits(model: LeanMoEModel, tokens: list[list[int]], block_size: int
     spec = model.spec
     cfg = EngineConfig(block_size=block_size, max_batch=len(tokens), max_step_tokens=sum(len(t) for t in tokens),
                        cuda_graphs=False, use_kernels=False)
-    num_pages = sum(blocks_needed(len(t), block_size) for t in tokens) * 2 * spec.num_layers
-    page_bytes = kv_page_bytes(model, block_size)
+    a = spec.layers[0].attention
+    num_pages = sum(blocks_needed(len(t), block_size) for t in tokens) * kv_block_pages(spec.num_layers)
+    page_bytes = kv_page_bytes(block_size, a.num_kv_heads, a.head_dim, model.dtype.itemsize)
     core = EngineCore(cfg, PagePool(PoolConfig(num_pages, page_bytes)), spec.num_layers)
     runner = ModelRunner(model, cfg, num_pages, page_bytes)
     for rid, t in enumerate(tokens):
