@@ -205,9 +205,7 @@ def decode_step_bytes(spec: Any, non_expert: int, bits: float | None, batch: int
 
 def table_at(table: BlockTable, spec: Any, bits: int) -> np.ndarray:
     """[n] page-rounded bytes M_i^b of every block of ``table`` at ``bits`` (16-token bf16 KV pages of ``spec``)."""
-    a = spec.layers[0].attention
-    page = cost.kv_page_bytes(16, a.num_kv_heads, a.head_dim, 2)
-    return cost.page_rounded_bytes(table.shapes(spec), table.bits, page)[:, BITS.index(bits)]
+    return page_rounded_table(table, spec).bytes[:, table.columns(bits)]
 
 
 def page_rounded_table(table: BlockTable, spec: Any) -> BlockTable:
