@@ -1,8 +1,9 @@
 """``pwrun``: the lean runtime's command line (Typer). Wiring only: each command parses its
 options and calls a plain function of the package.
 
-Commands: ``generate`` (text from prompts), ``ppl`` (perplexity on bundled or local text), ``prompts``
-(a workload of real prompts). ``pwrun eval`` is mounted by ``pweval.cli``, which depends on this module.
+Commands: ``generate`` (text from prompts), ``serve`` (the OpenAI-compatible HTTP server, ``pwrun.cli_serve``),
+``ppl`` (perplexity on bundled or local text), ``prompts`` (a workload of real prompts). ``pwrun eval`` is mounted
+by ``pweval.cli``, which depends on this module.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pwrun.cli_common import (
     user_errors,
     warn_missing_tables,
 )
+from pwrun.cli_serve import serve
 from pwrun.core.config import EngineConfig
 from pwrun.core.policy import Policy
 from pwrun.core.request import SamplingParams
@@ -242,6 +244,9 @@ def generate(
         console.print(f"[dim]{len(texts)} request(s) on {lm.device} ({lm.dtype}); prefill "
                       f"{stats.prefill_seconds:.2f} s; decode {stats.decode_tokens} tokens in "
                       f"{stats.decode_seconds:.2f} s = {stats.decode_tokens_per_second:.1f} tokens/s[/dim]")
+
+
+app.command()(serve)
 
 
 @app.command()

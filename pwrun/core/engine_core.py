@@ -70,6 +70,12 @@ class EngineCore:
             s.finish = "abort"
         return self.output(rid)
 
+    def forget(self, rid: int) -> None:
+        """Drop the record of finished request ``rid`` (a long-running server would otherwise keep every one)."""
+        if self.requests[rid].finish is None:
+            raise ValueError(f"request {rid} has not finished: abort it first")
+        del self.requests[rid], self._eos[rid]
+
     def output(self, rid: int) -> RequestOutput:
         s = self.requests[rid]
         return RequestOutput(rid, tuple(s.out), len(s.prompt), s.finish, tuple(s.logprobs),

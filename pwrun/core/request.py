@@ -38,7 +38,8 @@ class SamplingParams:
 class Request:
     """Request ``rid``: ``prompt`` token ids, at most ``max_new_tokens`` new ones (``params.max_new_tokens`` if
     None), stopping at any of ``eos`` (never with ``forced``); ``forced``: continuation tokens fed instead of
-    sampled ones, each scored (``RequestOutput.logprobs``), the request then runs for exactly that many."""
+    sampled ones, each scored (``RequestOutput.logprobs``), the request then runs for exactly that many;
+    ``seed``: its sampling generator's seed (None: ``params.seed + rid``)."""
 
     rid: int
     prompt: tuple[int, ...]
@@ -46,6 +47,7 @@ class Request:
     max_new_tokens: int | None = None
     eos: frozenset[int] = frozenset()
     forced: tuple[int, ...] | None = None
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:

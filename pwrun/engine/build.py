@@ -176,10 +176,12 @@ def _calib_features(art: APArtifact, table: BlockTable) -> np.ndarray | None:
 
 def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: SamplingParams,
                  requests: list[list[int]], eos: set[int], device: str = "auto", dtype: str = "auto",
-                 forced: list[list[int]] | None = None) -> LLMEngine:
+                 forced: list[list[int]] | None = None, max_request_tokens: int = 0) -> LLMEngine:
     """An ``LLMEngine`` holding ``requests`` (token ids; request ids 0..n-1); raises ``PagedWeightError`` on bad
     input or budget. ``forced``: per request, continuation tokens to feed and score (teacher forcing:
     ``RequestOutput.logprobs``) instead of sampling; each request then runs for exactly that many tokens.
+    ``max_request_tokens``: prompt + new tokens of the longest request that may be added later (a server: the
+    budget, the workspace and a static placement provision ``max_batch`` requests of that length).
     """
     art = APArtifact(artifact_dir)
     art.check_model(model_dir)
@@ -193,7 +195,8 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     table = block_table(art, model, need_calibration=cfg.policy.placement != "uniform")
     heads_df = _read(art, "residual_heads")
     return assemble_engine(model, art, table, _bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None
-                           else None, _calib_features(art, table), cfg, params, requests, eos, forced)
+                           else None, _calib_features(art, table), cfg, params, requests, eos, forced,
+                           max_request_tokens)
 
 
 def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
@@ -228,11 +231,12 @@ def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
 def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy: BucketPolicy,
                     heads: ResidualHeads | None, calib_features: np.ndarray | None, cfg: ServeConfig,
                     params: SamplingParams, requests: list[list[int]], eos: set[int],
-                    forced: list[list[int]] | None = None) -> LLMEngine:
+                    forced: list[list[int]] | None = None, max_request_tokens: int = 0) -> LLMEngine:
     """The engine from in-memory parts: ``model`` (non-expert weights on the device, see ``strip_experts``),
     ``source`` (an ``APArtifact`` or any object with ``bits`` and ``layer_tensors(layer)``), the calibration
     ``table`` (M_i^b is re-derived in whole pages), bucket ``policy``, residual ``heads`` and calibration
-    features. Benchmarks use it with synthetic parts. Raises ``PagedWeightError`` if the budget is too small.
+    features (``forced``, ``max_request_tokens``: see ``build_engine``). Benchmarks use it with synthetic parts.
+    Raises ``PagedWeightError`` if the budget is too small.
     """
     if forced is not None and (len(forced) != len(requests) or any(not f for f in forced)):
         raise PagedWeightError("forced continuations must be one non-empty token list per request")
@@ -243,7 +247,10 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     elt = dt.itemsize
     a = spec.layers[0].attention
     page_bytes = kv_page_bytes(ecfg.block_size, a.num_kv_heads, a.head_dim, elt)
-    longest = max(len(r) + n for r, n in zip(requests, new_tokens, strict=True))
+    sizes = [len(r) + n for r, n in zip(requests, new_tokens, strict=True)] + [max_request_tokens] * ecfg.max_batch
+    longest = max(sizes)
+    if longest < 1:
+        raise PagedWeightError("an engine needs requests or max_request_tokens >= 1")
     fixed = model.weights.num_bytes()
     work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt,
                            cuda=dev.type == "cuda")
@@ -290,8 +297,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     if cfg.policy.placement == "uniform":
         q0 = floor
     elif cfg.policy.placement == "static":
-        peak = sorted((blocks_needed(len(r) + n, ecfg.block_size) for r, n in zip(requests, new_tokens, strict=True)),
-                      reverse=True)[: ecfg.max_batch]
+        peak = sorted((blocks_needed(n, ecfg.block_size) for n in sizes), reverse=True)[: ecfg.max_batch]
         budget = num_pages * page_bytes - max(sum(peak) * kv_block_bytes, min_kv_pages * page_bytes)
         # global sensitivity only (mu = 1), within the same floors: raising a neutral fit to the floors
         # afterwards could overflow the pool and leave no room for even one request
@@ -336,6 +342,20 @@ def add_requests(engine: LLMEngine, params: SamplingParams, requests: list[list[
     for rid, ids in enumerate(requests):
         engine.add_request(Request(rid, tuple(ids), params, eos=stop,
                                    forced=None if forced is None else tuple(forced[rid])))
+
+
+def dense_server_engine(model: LeanMoEModel, cfg: EngineConfig, max_request_tokens: int) -> LLMEngine:
+    """The 16-bit engine for requests that arrive later (a server): a pool of the KV blocks of ``cfg.max_batch``
+    requests of ``max_request_tokens`` tokens each; no CUDA graphs (see ``dense_engine``)."""
+    spec = model.spec
+    cfg = replace(cfg, cuda_graphs=False)
+    a = spec.layers[0].attention
+    page_bytes = kv_page_bytes(cfg.block_size, a.num_kv_heads, a.head_dim, model.dtype.itemsize)
+    num_pages = cfg.max_batch * blocks_needed(max_request_tokens, cfg.block_size) * kv_block_pages(spec.num_layers)
+    return LLMEngine(EngineCore(cfg, PagePool(PoolConfig(num_pages, page_bytes)), spec.num_layers),
+                     ModelRunner(model, cfg, num_pages, page_bytes),
+                     {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+                      "policy": "16-bit", "bits": None, "pool_bytes": num_pages * page_bytes, "page_bytes": page_bytes})
 
 
 def dense_engine(model: LeanMoEModel, params: SamplingParams, requests: list[list[int]], eos: set[int],

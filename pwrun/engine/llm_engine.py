@@ -51,6 +51,12 @@ class LLMEngine:
         self.outputs[rid] = out
         return out
 
+    def forget(self, rid: int) -> None:
+        """Drop finished request ``rid``'s output and records (``EngineCore.forget``); its id may then be reused."""
+        self.core.forget(rid)
+        self.runner.release(rid)
+        self.outputs.pop(rid, None)
+
     @property
     def idle(self) -> bool:
         return self.core.idle

@@ -81,9 +81,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
-        """Request ``rid`` samples with its parameters from a generator seeded ``seed + rid``."""
+        """Request ``rid`` samples with its parameters from a generator seeded ``request.seed`` (default
+        ``params.seed + rid``)."""
         self._params[request.rid] = request.params
-        self._gens[request.rid] = torch.Generator().manual_seed(request.params.seed + request.rid)
+        seed = request.params.seed + request.rid if request.seed is None else request.seed
+        self._gens[request.rid] = torch.Generator().manual_seed(seed)
 
     def release(self, rid: int) -> None:
         self._params.pop(rid, None)

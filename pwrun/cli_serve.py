@@ -1,0 +1,117 @@
+"""``pwrun serve``: the OpenAI-compatible HTTP server (Typer command; ``pwrun.cli`` registers it). Wiring only:
+it checks the options, builds the engine as ``pwrun generate`` does and runs ``pwrun.serve.server.Server``.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pwformat.errors import BudgetTooSmall, PagedWeightError
+from pwrun.ap.artifact import APArtifact
+from pwrun.cli_common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    default_model,
+    make_console,
+    user_errors,
+    warn_missing_tables,
+)
+from pwrun.core.config import EngineConfig
+from pwrun.core.policy import Policy
+from pwrun.engine.budget import parse_size
+from pwrun.engine.build import ServeConfig
+from pwrun.generate import eos_ids
+from pwrun.model.loader import load_spec, load_tokenizer
+from pwrun.serve.generation import ServeLimits
+from pwrun.serve.server import Server, build_serving_engine
+
+console = make_console(stderr=True)
+
+
+def serve(
+    model: ModelOpt = None,
+    artifacts: Annotated[Path | None, typer.Option(help="Artifact directory from `pwcal run-all`: serve with the page "
+                                                   "pool under --gpu-memory. Without it: the 16-bit model.")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="With --artifacts: the device memory budget of the whole "
+                                                   "process, e.g. 10GiB, 48MiB (binary units), 1.5GB (decimal), "
+                                                   "or a bare number of bytes (default 4GiB).")] = None,
+    policy: Annotated[str, typer.Option(help="pagedweight (default), uniform (needs --bits), static, or an ablation: "
+                                        "no-routing, no-residual, no-movement, no-sensitivity.")] = "pagedweight",
+    bits: Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")
+                    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
+    max_model_len: Annotated[int | None, typer.Option(min=2, help="Prompt + generated tokens of one request at most "
+                                                      "(default: the model's context). The budget provisions "
+                                                      "--max-batch requests of this length; longer ones get a "
+                                                      "400.")] = None,
+    max_batch: Annotated[int, typer.Option(min=1, help="Most requests running at once.")] = 16,
+    max_step_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per engine step (longer prompts are "
+                                                 "prefilled in chunks).")] = 512,
+    max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait beyond the --max-batch running ones; "
+                                           "past that the server answers 503.")] = 256,
+    served_model_name: Annotated[str | None, typer.Option(help="The model name clients give (default: the model "
+                                                          "directory's name).")] = None,
+    chat_template: Annotated[Path | None, typer.Option(help="A Jinja chat template file for /v1/chat/completions "
+                                                       "(default: the tokenizer's own, if it has one).")] = None,
+    drain_seconds: Annotated[float, typer.Option(min=0, help="On SIGTERM or Ctrl-C: seconds the running requests "
+                                                 "may take to finish before they are aborted.")] = 30.0,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
+                                               "every step.")] = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), "
+                                           "debug.")] = "info",
+) -> None:
+    """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics (Prometheus)."""
+    with user_errors():
+        model_dir = model or default_model()
+        spec, _ = load_spec(model_dir)
+        context = max_model_len or spec.max_position_embeddings
+        if context > spec.max_position_embeddings:
+            raise PagedWeightError(f"--max-model-len {context} is above the model's context of "
+                                   f"{spec.max_position_embeddings} tokens")
+        if artifacts is None and (gpu_memory or bits is not None or policy != "pagedweight"):
+            raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`)")
+        tok = load_tokenizer(model_dir)
+        if chat_template is not None:
+            if not chat_template.is_file():
+                raise PagedWeightError(f"--chat-template {chat_template} is not a file: give a Jinja template file")
+            tok.chat_template = chat_template.read_text()
+        serve_policy = Policy.named(policy, bits)
+        if artifacts is not None:
+            art = APArtifact(artifacts)
+            art.check_model(model_dir)
+            serve_policy.check_bits(art.bits)
+            warn_missing_tables(art, [policy], model_dir)
+        cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), serve_policy,
+                          EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens, debug_checks=debug_checks))
+        try:
+            engine = build_serving_engine(model_dir, artifacts, cfg, context, device, dtype)
+        except BudgetTooSmall as exc:
+            raise PagedWeightError(f"{exc} (or lower --max-model-len {context} or --max-batch {max_batch})") from exc
+        name = served_model_name or Path(model_dir).resolve().name
+        server = Server(engine, tok, name, ServeLimits(context, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),
+                        host, port, max_batch + max_queue, drain_seconds, log_level)
+        info = engine.info
+        console.print(f"serving {name} on {server.url}/v1 ({info.get('policy')}, {info.get('device')}, "
+                      f"context {context} tokens, {max_batch} running + {max_queue} queued at most)",
+                      style="dim", highlight=False, soft_wrap=True)
+        caught: list[int] = []
+        previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                    for s in (signal.SIGTERM, signal.SIGINT)}  # uvicorn re-raises the signal it stopped on
+        try:
+            server.run()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        done = server.loop.finished
+        console.print(f"stopped{' (' + signal.Signals(caught[0]).name + ')' if caught else ''}: "
+                      f"{done['eos'] + done['length']} requests finished, {done['abort']} aborted",
+                      style="dim", highlight=False, soft_wrap=True)

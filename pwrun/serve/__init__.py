@@ -1,0 +1,1 @@
+"""``pwrun serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn) around one engine thread."""

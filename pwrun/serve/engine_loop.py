@@ -1,0 +1,199 @@
+"""The engine thread: one ``LLMEngine``, stepped beside the HTTP event loop.
+
+What it does: a dedicated thread owns the engine and is the only one that touches it. The HTTP side hands it
+commands through a thread-safe queue (``submit`` requests, ``abort`` one, ``call`` a function on the engine);
+the thread applies them at step boundaries (``LLMEngine.add_request`` / ``abort``, SPEC 5: requests join and
+leave the running batch between steps), runs one step, and hands each output to its request's sink (a callable
+that must only post it, e.g. ``loop.call_soon_threadsafe``). Finished requests are forgotten (their records do
+not pile up) and the step's trace row goes to the metrics. ``max_pending`` bounds the requests held (waiting and
+running): ``submit`` past it raises ``QueueFull`` (the server answers 503). ``stop`` finishes the requests held
+for up to ``drain_seconds``, aborts the rest and joins the thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from pwrun.core.request import Request, RequestOutput
+from pwrun.engine.llm_engine import LLMEngine
+from pwrun.serve.metrics import ServerMetrics
+
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+class QueueFull(Exception):
+    """More requests than ``max_pending`` would be held."""
+
+
+class EngineStopped(Exception):
+    """The engine thread has stopped (shut down, or failed: the message says why)."""
+
+
+@dataclass
+class _Held:
+    sink: Sink
+    arrival: float
+    first: float | None = None
+
+
+class EngineLoop:
+    """Steps ``engine`` on its own thread; ``max_pending``: most requests held at once."""
+
+    def __init__(self, engine: LLMEngine, max_pending: int, metrics: ServerMetrics | None = None) -> None:
+        self.engine, self.max_pending, self.metrics = engine, max_pending, metrics
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._ids = itertools.count()
+        self._held: dict[int, _Held] = {}  # engine thread only
+        self._accepting = True
+        self._deadline: float | None = None  # set by ``stop``: abort what is left after it
+        self.error: str | None = None
+        self.finished = {"eos": 0, "length": 0, "abort": 0}
+        self._thread = threading.Thread(target=self._run, name="pwrun-engine", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def next_rid(self) -> int:
+        return next(self._ids)
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, requests: list[Request], sink: Sink) -> None:
+        """Queue ``requests`` (added together, before the next step); ``sink`` gets every output of each.
+        Raises ``QueueFull`` past ``max_pending`` and ``EngineStopped`` once stopping or failed."""
+        with self._lock:
+            if not self._accepting or self.error is not None:
+                raise EngineStopped(self.error or "the server is shutting down")
+            if self._pending + len(requests) > self.max_pending:
+                raise QueueFull(f"{self._pending} requests are queued or running (at most {self.max_pending})")
+            self._pending += len(requests)
+            self._inbox.put(("add", (requests, sink, time.perf_counter())))
+
+    def abort(self, rid: int) -> None:
+        """Abort request ``rid`` at the next step boundary (nothing if it has finished)."""
+        self._inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future[Any]:
+        """Run ``fn(engine)`` on the engine thread at a step boundary; its result as a future."""
+        fut: Future[Any] = Future()
+        self._inbox.put(("call", (fn, fut)))
+        if not self._thread.is_alive() and self._thread.ident is not None:  # stopped: nobody will answer
+            self._fail_inbox()
+        return fut
+
+    def stop(self, drain_seconds: float = 0.0) -> None:
+        """Take no more requests; finish the held ones for up to ``drain_seconds``, abort the rest, join."""
+        with self._lock:
+            self._accepting = False
+        self._inbox.put(("stop", time.perf_counter() + drain_seconds))
+        self._thread.join()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                self._commands(block=self.engine.idle)
+                if self._deadline is not None and (self.engine.idle or time.perf_counter() >= self._deadline):
+                    for rid in list(self._held):
+                        self._abort(rid)
+                    self._commands(block=False)  # answer calls queued meanwhile
+                    self.error = "the server has shut down"
+                    self._fail_inbox()
+                    return
+                if not self.engine.idle:
+                    self._step()
+        except BaseException as exc:  # the engine is in an unknown state: fail every request and stop
+            self.error = f"the engine failed: {type(exc).__name__}: {exc}"
+            for held in self._held.values():
+                held.sink(EngineStopped(self.error))
+            self._held.clear()
+            self._fail_inbox()
+
+    def _commands(self, block: bool) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get() if block and self._deadline is None else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                requests, sink, arrival = arg
+                for r in requests:
+                    self.engine.add_request(r)
+                    self._held[r.rid] = _Held(sink, arrival)
+            elif kind == "abort":
+                if arg in self._held:
+                    self._abort(arg)
+            elif kind == "call":
+                fn, fut = arg
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as exc:
+                    fut.set_exception(exc)
+            elif kind == "stop":
+                self._deadline = arg
+
+    def _abort(self, rid: int) -> None:
+        self._deliver(self.engine.abort(rid))
+        if self.metrics is not None:
+            self.metrics.pool_state(self.engine)
+
+    def _step(self) -> None:
+        outs = self.engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            held = self._held.get(o.rid)
+            if held is not None and held.first is None:
+                held.first = now
+                if self.metrics is not None:
+                    self.metrics.first_token(now - held.arrival)
+            self._deliver(o, now)
+        if self.metrics is not None:
+            self.metrics.step(self.engine)
+        self.engine.trace.clear()  # rows go to the metrics; a server runs too long to keep them
+
+    def _deliver(self, out: RequestOutput, now: float | None = None) -> None:
+        held = self._held.get(out.rid)
+        if held is None:
+            return
+        held.sink(out)
+        if out.finish is None:
+            return
+        del self._held[out.rid]
+        self.engine.forget(out.rid)
+        self.finished[out.finish] += 1
+        with self._lock:
+            self._pending -= 1
+        if self.metrics is not None:
+            now = time.perf_counter() if now is None else now
+            tpot = (now - held.first) / (len(out.token_ids) - 1) if held.first and len(out.token_ids) > 1 else None
+            self.metrics.finished(out, now - held.arrival, tpot)
+
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                arg[1](EngineStopped(self.error or "stopped"))
+                with self._lock:
+                    self._pending -= len(arg[0])
+            elif kind == "call":
+                arg[1].set_exception(EngineStopped(self.error or "stopped"))

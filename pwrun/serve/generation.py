@@ -1,0 +1,140 @@
+"""One HTTP request's choices in the engine: tokenized prompts in, text deltas and finish reasons out.
+
+What it does: ``encode`` tokenizes prompts and checks them against the server's context (400 with the limit);
+``Generation`` turns them into engine requests (one per choice, sampled from a generator seeded ``seed + index``
+as ``pwrun generate --seed`` seeds prompt ``index``), submits them to the engine thread (503 past the bounded
+queue) and yields ``(index, delta, finish_reason)`` as outputs arrive through an ``asyncio.Queue`` (the engine
+thread posts with ``call_soon_threadsafe``). A stop string ends its choice ("stop") and aborts its request; a
+client that went away, a cancelled stream or a shutdown aborts every unfinished request (``close``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pwrun.core.request import Request, RequestOutput, SamplingParams
+from pwrun.serve.engine_loop import EngineLoop, EngineStopped, QueueFull
+from pwrun.serve.protocol import ApiError
+from pwrun.serve.text import ChoiceText
+
+_FINISH = {"eos": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """``max_model_len``: prompt + generated tokens of one request at most; ``vocab_size``: valid token ids."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+def encode(tokenizer: Any, prompts: list[str] | list[list[int]], limits: ServeLimits, max_tokens: int | None,
+           default_max_tokens: int | None, special_tokens: bool = True) -> tuple[list[list[int]], int]:
+    """Token ids of each prompt (texts, or lists of ids checked against the vocabulary) and the tokens to
+    generate: ``max_tokens``, else ``default_max_tokens`` capped by the context, else what the context leaves.
+    Raises ``ApiError`` 400 for an empty prompt or one that does not fit the context with its generation."""
+    out = []
+    for p in prompts:
+        ids = list(p) if isinstance(p, list) else tokenizer(p, add_special_tokens=special_tokens, verbose=False)\
+            .input_ids
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is not in the vocabulary (0..{limits.vocab_size - 1})",
+                           param="prompt")
+        if not ids:
+            raise ApiError(400, "the prompt is empty after tokenization: give some text", param="prompt")
+        out.append(ids)
+    n, longest = limits.max_model_len, max(len(ids) for ids in out)
+    if longest >= n:
+        raise ApiError(400, f"this model's maximum context length is {n} tokens, but the prompt has {longest} "
+                       "tokens: shorten it", param="prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = n - longest if default_max_tokens is None else min(default_max_tokens, n - longest)
+    elif longest + max_tokens > n:
+        raise ApiError(400, f"this model's maximum context length is {n} tokens, but {longest + max_tokens} were "
+                       f"requested ({longest} in the prompt, {max_tokens} in max_tokens): shorten the prompt or "
+                       "lower max_tokens", param="max_tokens", code="context_length_exceeded")
+    return out, max_tokens
+
+
+class Generation:
+    """The choices of one HTTP request (``prompts``: token ids, one choice each), run by ``loop``."""
+
+    def __init__(self, loop: EngineLoop, tokenizer: Any, prompts: list[list[int]], params: SamplingParams,
+                 eos: frozenset[int], stop: list[str], seed: int | None) -> None:
+        self.loop = loop
+        base = secrets.randbelow(2**62) if seed is None else seed
+        self.requests = [Request(loop.next_rid(), tuple(ids), params, eos=eos, seed=base + i)
+                         for i, ids in enumerate(prompts)]
+        self.index = {r.rid: i for i, r in enumerate(self.requests)}
+        self.texts = [ChoiceText(tokenizer, stop) for _ in prompts]
+        self.finish: list[str | None] = [None] * len(prompts)
+        self.tokens = [0] * len(prompts)
+        self.prompt_tokens = sum(len(ids) for ids in prompts)
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def start(self) -> None:
+        """Submit the requests; ``ApiError`` 503 if the queue is full or the engine has stopped."""
+        aio = asyncio.get_running_loop()
+
+        def sink(item: RequestOutput | BaseException) -> None:  # on the engine thread
+            aio.call_soon_threadsafe(self._queue.put_nowait, item)
+
+        try:
+            self.loop.submit(self.requests, sink)
+        except QueueFull as exc:
+            raise ApiError(503, f"the server is busy: {exc}; retry later", kind="server_busy") from None
+        except EngineStopped as exc:
+            raise ApiError(503, f"the server cannot take requests: {exc}", kind="server_unavailable") from None
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    async def events(self, disconnected: Callable[[], Awaitable[bool]] | None = None,
+                     poll_seconds: float = 0.5) -> AsyncIterator[tuple[int, str, str | None]]:
+        """``(choice index, new text, finish reason or None)`` until every choice has finished. ``disconnected``:
+        polled while waiting; once it says so, the requests are aborted and ``ConnectionError`` is raised."""
+        while not self.done:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), poll_seconds) if disconnected else \
+                    await self._queue.get()
+            except asyncio.TimeoutError:
+                assert disconnected is not None
+                if await disconnected():
+                    self.close()
+                    raise ConnectionError("the client went away") from None
+                continue
+            if isinstance(item, BaseException):
+                self.close()
+                raise ApiError(503, str(item), kind="server_unavailable")
+            i = self.index[item.rid]
+            if self.finish[i] is not None:
+                continue  # ended by a stop string: the abort's output is not news
+            text = self.texts[i]
+            delta = text.feed(item.token_ids, final=item.finished)
+            self.tokens[i] = len(item.token_ids)
+            if text.stopped:
+                self.finish[i] = "stop"
+                if not item.finished:
+                    self.loop.abort(item.rid)
+            elif item.finish is not None:
+                self.finish[i] = _FINISH[item.finish]
+            if delta or self.finish[i] is not None:
+                yield i, delta, self.finish[i]
+
+    def close(self) -> None:
+        """Abort every request that has not finished (its pages return to the pool at the next step boundary)."""
+        for r in self.requests:
+            if self.finish[self.index[r.rid]] is None:
+                self.loop.abort(r.rid)
+                self.finish[self.index[r.rid]] = "abort"
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(self.tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}

@@ -1,0 +1,97 @@
+"""``pwrun serve``'s process: the engine built as ``pwrun generate`` builds it, its thread, and uvicorn.
+
+What it does: ``build_serving_engine`` makes the engine for requests that arrive later: with an artifact,
+``build_engine`` under the budget, policy and planner of ``pwrun generate`` (the budget provisions ``max_batch``
+requests of ``max_model_len`` tokens), without one the 16-bit model with a KV pool of that size. ``Server``
+joins it to the HTTP application and runs uvicorn: in the foreground (``run``: SIGTERM or Ctrl-C stop taking
+requests, let the running ones finish for up to ``drain_seconds``, abort the rest, stop the engine thread) or on a
+background thread (``start``/``stop``, for tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from pwrun.core.request import SamplingParams
+from pwrun.engine.build import ServeConfig, build_engine, dense_server_engine
+from pwrun.engine.llm_engine import LLMEngine
+from pwrun.model.loader import load_model
+from pwrun.serve.app import ServerState, create_app
+from pwrun.serve.engine_loop import EngineLoop
+from pwrun.serve.generation import ServeLimits
+from pwrun.serve.metrics import ServerMetrics
+
+
+def build_serving_engine(model_dir: Path, artifacts: Path | None, cfg: ServeConfig, max_model_len: int,
+                         device: str = "auto", dtype: str = "auto") -> LLMEngine:
+    """The engine, holding no request yet; raises ``PagedWeightError`` on bad input or a budget too small for one
+    request of ``max_model_len`` tokens (with an artifact: ``cfg.gpu_memory``; without: the 16-bit model and
+    ``cfg.engine`` only)."""
+    if artifacts is not None:
+        return build_engine(model_dir, artifacts, cfg, SamplingParams(), [], set(), device, dtype,
+                            max_request_tokens=max_model_len)
+    return dense_server_engine(load_model(model_dir, device=device, dtype=dtype), cfg.engine, max_model_len)
+
+
+class Server:
+    """``engine`` served over HTTP on ``host``:``port`` as ``model_name`` (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine, tokenizer: Any, model_name: str, limits: ServeLimits, eos: set[int],
+                 host: str = "127.0.0.1", port: int = 8000, max_pending: int = 256, drain_seconds: float = 30.0,
+                 log_level: str = "warning") -> None:
+        self.metrics = ServerMetrics(engine)
+        self.loop = EngineLoop(engine, max_pending, self.metrics)
+        self.state = ServerState(self.loop, tokenizer, model_name, limits, frozenset(eos), self.metrics,
+                                 shutting_down=lambda: self._uvicorn.should_exit)
+        self.app = create_app(self.state)
+        self.drain_seconds = drain_seconds
+        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, lifespan="off",
+                                timeout_graceful_shutdown=max(int(drain_seconds), 1) if drain_seconds > 0 else None)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self.host, self.port = host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def run(self) -> None:
+        """Serve in the foreground until SIGTERM or Ctrl-C; the engine thread is stopped on return."""
+        self.loop.start()
+        try:
+            self._uvicorn.run()
+        finally:
+            self.loop.stop(0.0)  # uvicorn let the requests finish (or cancelled them, which aborts them)
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Serve on a background thread; returns once the socket accepts connections."""
+        self.loop.start()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._uvicorn.serve()), name="pwrun-http",
+                                        daemon=True)
+        self._thread.start()
+        end = time.monotonic() + timeout
+        while not self._uvicorn.started:
+            if time.monotonic() > end or not self._thread.is_alive():
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stop a ``start``-ed server: no more requests; running ones finish for up to ``drain_seconds``."""
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+        self.loop.stop(0.0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
