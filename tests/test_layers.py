@@ -52,6 +52,14 @@ def test_matplotlib_only_in_pweval() -> None:
     assert offenders(("pwformat", "pwrun", "pwcal", "kernels", "tools", "bench"), {"matplotlib"}) == []
 
 
+def test_http_stack_only_in_the_server() -> None:
+    """FastAPI, uvicorn and prometheus_client stay in ``pwrun/serve`` (and its command, ``pwrun/cli_serve.py``)."""
+    http = {"fastapi", "uvicorn", "starlette", "prometheus_client"}
+    found = [f for p in ("pwformat", "pwrun", "pwcal", "pweval", "kernels")
+             for f, names in imported_packages(p).items() if names & http]
+    assert found and all(f.startswith("pwrun/serve/") for f in found), found
+
+
 def test_pwformat_loads_without_torch() -> None:
     """Everything in pwformat but the codec (``pwformat.ap``) imports without torch or pwrun."""
     mods = [p.stem for p in (ROOT / "pwformat").glob("*.py") if p.stem not in ("__init__", "ap")]

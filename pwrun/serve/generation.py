@@ -82,7 +82,10 @@ class Generation:
         aio = asyncio.get_running_loop()
 
         def sink(item: RequestOutput | BaseException) -> None:  # on the engine thread
-            aio.call_soon_threadsafe(self._queue.put_nowait, item)
+            try:
+                aio.call_soon_threadsafe(self._queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: the server stopped and nobody reads the output
+                pass
 
         try:
             self.loop.submit(self.requests, sink)

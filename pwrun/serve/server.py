@@ -11,9 +11,11 @@ background thread (``start``/``stop``, for tests and benchmarks).
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +54,8 @@ class Server:
                                  shutting_down=lambda: self._uvicorn.should_exit)
         self.app = create_app(self.state)
         self.drain_seconds = drain_seconds
-        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, lifespan="off",
-                                timeout_graceful_shutdown=max(int(drain_seconds), 1) if drain_seconds > 0 else None)
+        config = uvicorn.Config(_QuietShutdown(self.app, self.state.shutting_down), host=host, port=port,
+                                log_level=log_level, lifespan="off", timeout_graceful_shutdown=math.ceil(drain_seconds))
         self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         self.host, self.port = host, port
@@ -88,6 +90,21 @@ class Server:
         if self._thread is not None:
             self._thread.join()
         self.loop.stop(0.0)
+
+
+class _QuietShutdown:
+    """ASGI wrapper: a response cancelled because the drain time ran out ends quietly (its requests are aborted by
+    their own cleanup) instead of one "Exception in ASGI application" traceback per stream in the log."""
+
+    def __init__(self, app: Any, shutting_down: Callable[[], bool]) -> None:
+        self.app, self.shutting_down = app, shutting_down
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.shutting_down():
+                raise
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,0 +1,418 @@
+"""``pwrun serve`` through the official ``openai`` client (the real tiny MoE, CPU, servers on 127.0.0.1).
+
+- Completions (a list of prompts, streamed or not) give the same greedy and seeded-sampled text as ``pwrun generate
+  --prompts`` with the same budget; the 16-bit server the same as ``pwrun.generate.generate``.
+- Chat through a chat template equals a completion of the rendered template; without a template: a 400 saying so.
+- A stop string ends the text just before it (``finish_reason`` "stop"), streamed or not.
+- Every error case: unsupported parameters named, another model (404), a prompt past the context (400 with the
+  limit), bad values, bad JSON, a token id outside the vocabulary, a full queue (503).
+- Concurrent clients under a budget that forces demotions and preemptions: every response complete, nothing lost,
+  pages conserved and no request record left afterwards.
+- A client that disconnects mid-stream: its request is aborted and its KV pages return to the pool.
+- SIGTERM to ``pwrun serve``: the running request finishes (drain), or is aborted (``--drain-seconds 0``), and the
+  process exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from pwrun.cli import app
+from pwrun.core.config import EngineConfig
+from pwrun.core.pool import KV, WEIGHT
+from pwrun.core.request import SamplingParams
+from pwrun.data import default_model_dir, document_prompts, read_text
+from pwrun.engine.build import ServeConfig, dense_server_engine
+from pwrun.generate import eos_ids, generate
+from pwrun.model.loader import load_model, load_spec, load_tokenizer
+from pwrun.serve.generation import ServeLimits
+from pwrun.serve.server import Server, build_serving_engine, free_port
+from pwrun.serve.text import ChoiceText
+
+MODEL = default_model_dir()
+NAME = "tiny"
+CONTEXT = 256
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return load_tokenizer(MODEL)
+
+
+def _server(engine: Any, tok: Any, context: int, max_pending: int = 64) -> Server:
+    spec, _ = load_spec(MODEL)
+    server = Server(engine, tok, NAME, ServeLimits(context, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),
+                    port=free_port(), max_pending=max_pending, drain_seconds=5)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def big(calibrated_artifacts: Path, tok: Any) -> Iterator[Server]:
+    """A budget larger than everything: every expert block at 8 bits, no page moves."""
+    engine = build_serving_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), CONTEXT, "cpu")
+    server = _server(engine, tok, CONTEXT)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tight(calibrated_artifacts: Path, tok: Any) -> Iterator[Server]:
+    """A budget with the experts a little above their floors and KV room for ~10 short requests: running 16 makes
+    the planner demote and the scheduler preempt. Page conservation is asserted after every step."""
+    ecfg = EngineConfig(max_batch=16, max_step_tokens=256, debug_checks=True)
+    probe = build_serving_engine(MODEL, calibrated_artifacts, ServeConfig(2**30, engine=ecfg), 96, "cpu").info
+    budget = (probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 2 * 10**6
+              + 10 * probe["kv_block_bytes"])
+    engine = build_serving_engine(MODEL, calibrated_artifacts, ServeConfig(budget, engine=ecfg), 96, "cpu")
+    server = _server(engine, tok, 96, max_pending=512)
+    yield server
+    server.stop()
+
+
+def _client(server: Server, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=timeout)
+
+
+def _prompts(n: int) -> list[str]:
+    return [" ".join(p.split()[:12]) for p in document_prompts("c4", n, 400, min_chars=100)]
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+
+
+def _engine_state(server: Server) -> dict[str, int]:
+    """Checked at a step boundary on the engine thread: page conservation (``EngineCore.check``) and what is held."""
+    def state(e: Any) -> dict[str, int]:
+        e.core.check()
+        pool = e.core.pool
+        return {"kv": pool.count(KV), "weight": pool.count(WEIGHT), "free": pool.num_free, "pages": pool.cfg.num_pages,
+                "requests": len(e.core.requests), "outputs": len(e.outputs), "running": len(e.core.scheduler.running)}
+
+    return server.loop.call(state).result(timeout=30)
+
+
+def _generate_cli(tmp_path: Path, artifacts: Path, prompts: list[str], *extra: str) -> list[dict[str, Any]]:
+    f, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    r = CliRunner().invoke(app, ["generate", "--prompts", str(f), "--artifacts", str(artifacts), "--gpu-memory",
+                                 "1GiB", "--device", "cpu", "--output", str(out), *extra])
+    assert r.exit_code == 0, r.stderr
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _stream_texts(stream: Any, n: int) -> tuple[list[str], list[str | None]]:
+    texts, finish = [""] * n, [None] * n
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    return texts, finish
+
+
+def test_completions_equal_pwrun_generate(big: Server, calibrated_artifacts: Path, tmp_path: Path, tok: Any) -> None:
+    prompts = _prompts(4)
+    client = _client(big)
+    for extra, sampling in (([], {"temperature": 0}), (["--temperature", "0.9", "--top-p", "0.9", "--seed", "5"],
+                                                      {"temperature": 0.9, "top_p": 0.9, "seed": 5})):
+        want = _generate_cli(tmp_path, calibrated_artifacts, prompts, "--max-new-tokens", "12", *extra)
+        got = client.completions.create(model=NAME, prompt=prompts, max_tokens=12, **sampling)  # type: ignore[call-overload]
+        assert [c.text for c in got.choices] == [w["text"] for w in want]
+        assert [c.finish_reason for c in got.choices] == [{"eos": "stop"}.get(w["finish_reason"], w["finish_reason"])
+                                                           for w in want]
+        assert got.usage.prompt_tokens == sum(w["prompt_tokens"] for w in want)
+        assert got.usage.completion_tokens == sum(w["new_tokens"] for w in want)
+        stream = client.completions.create(model=NAME, prompt=prompts, max_tokens=12, stream=True, **sampling)  # type: ignore[call-overload]
+        texts, finish = _stream_texts(stream, len(prompts))
+        assert texts == [w["text"] for w in want] and finish == [c.finish_reason for c in got.choices]
+    ids = client.completions.create(model=NAME, prompt=tok(prompts[0]).input_ids, max_tokens=12, temperature=0)
+    assert ids.choices[0].text == _greedy(big, prompts[0])  # token ids as the prompt: as its text
+
+
+def _greedy(server: Server, prompt: str, max_tokens: int = 12) -> str:
+    return str(_client(server).completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens,
+                                                  temperature=0).choices[0].text)
+
+
+def test_the_16_bit_server_equals_generate(tok: Any) -> None:
+    prompts = _prompts(3)
+    model = load_model(MODEL, device="cpu")
+    want, _ = generate(model, tok, prompts, SamplingParams(max_new_tokens=10))
+    server = _server(dense_server_engine(load_model(MODEL, device="cpu"), EngineConfig(), CONTEXT), tok, CONTEXT)
+    try:
+        got = _client(server).completions.create(model=NAME, prompt=prompts, max_tokens=10, temperature=0)
+    finally:
+        server.stop()
+    assert [c.text for c in got.choices] == [g.text for g in want]
+
+
+def test_chat_uses_the_template_or_says_there_is_none(big: Server, tok: Any) -> None:
+    client = _client(big)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The river"}]
+    with pytest.raises(openai.BadRequestError, match=r"has no chat template.*--chat-template"):
+        client.chat.completions.create(model=NAME, messages=messages)  # type: ignore[arg-type]
+    tok.chat_template = TEMPLATE
+    try:
+        got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10,  # type: ignore[arg-type]
+                                             temperature=0)
+        stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10,  # type: ignore[arg-type]
+                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+    finally:
+        tok.chat_template = None
+    rendered = "<|system|> Be brief.\n<|user|> The river\n<|assistant|>"
+    ids = tok(rendered, add_special_tokens=False).input_ids
+    want = client.completions.create(model=NAME, prompt=ids, max_tokens=10, temperature=0).choices[0]
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    assert got.choices[0].finish_reason == want.finish_reason and got.usage.prompt_tokens == len(ids)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+
+
+def test_stop_strings_end_the_text_before_them(big: Server) -> None:
+    prompt = _prompts(1)[0]
+    full = _greedy(big, prompt, 16)
+    stop = full[len(full) // 3:len(full) // 3 + 3]
+    want = full[:full.index(stop)]
+    client = _client(big)
+    got = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stop=[stop, "\x00"])
+    assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stop=stop, stream=True)
+    assert _stream_texts(stream, 1) == ([want], ["stop"])
+
+
+def test_choice_text_equals_a_full_decode_cut_at_the_stop(tok: Any) -> None:
+    """Deltas fed one token at a time, against decoding everything at once and cutting at the first stop string."""
+    ids = tok(read_text("wikitext2")[:20_000], add_special_tokens=False, verbose=False).input_ids
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        start = int(rng.integers(0, len(ids) - 64))
+        seq = ids[start:start + int(rng.integers(1, 64))]
+        if trial % 3 == 0:  # ragged bytes: tokens that split characters
+            seq = [int(t) for t in rng.integers(0, tok.vocab_size, len(seq))]
+        full = tok.decode(seq, skip_special_tokens=True)
+        stops = [] if trial % 2 else [full[k:k + int(rng.integers(1, 5))] for k in rng.integers(0, len(full) + 1, 2)]
+        stops = [s for s in stops if s]
+        cuts = [full.find(s) for s in stops if full.find(s) != -1]
+        want = full[:min(cuts)] if cuts else full
+        text, got = ChoiceText(tok, stops), ""
+        for n in range(1, len(seq) + 1):
+            got += text.feed(seq[:n], final=n == len(seq))
+            if text.stopped:
+                break
+        assert got == want and text.stopped == bool(cuts), (seq, stops)
+
+
+def _status(err: openai.APIStatusError) -> tuple[int, str]:
+    return err.status_code, str(err.body)
+
+
+@pytest.mark.parametrize(("kwargs", "status", "words"), [
+    ({"n": 2}, 400, ["unsupported", "n"]),
+    ({"logprobs": 2}, 400, ["unsupported", "logprobs"]),
+    ({"extra_body": {"frequency_penalty": 0.5, "mirostat": 1}}, 400, ["frequency_penalty", "mirostat"]),
+    ({"model": "gpt-4"}, 404, ["'gpt-4' does not exist", NAME]),
+    ({"prompt": "word " * 300}, 400, [f"maximum context length is {CONTEXT} tokens", "prompt has"]),
+    ({"max_tokens": CONTEXT}, 400, [f"maximum context length is {CONTEXT}", "max_tokens"]),
+    ({"temperature": -1}, 400, ["temperature"]),
+    ({"top_p": 0}, 400, ["top_p"]),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, ["stop", "at most 4"]),
+    ({"prompt": [1, 2, 10**6]}, 400, ["token id 1000000", "vocabulary"]),
+    ({"prompt": []}, 400, ["prompt"]),
+])
+def test_bad_requests_say_what_is_wrong(big: Server, kwargs: dict[str, Any], status: int, words: list[str]) -> None:
+    args: dict[str, Any] = {"model": NAME, "prompt": "The river", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as info:
+        _client(big).completions.create(**args)
+    code, body = _status(info.value)
+    assert code == status and all(w in body for w in words), body
+
+
+def test_bad_json_and_a_full_queue(big: Server) -> None:
+    req = urllib.request.Request(f"{big.url}/v1/completions", data=b"{not json", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == 400 and "not valid JSON" in info.value.read().decode()
+    before, big.loop.max_pending = big.loop.max_pending, 0
+    try:
+        with pytest.raises(openai.InternalServerError) as full:
+            _client(big).completions.create(model=NAME, prompt="The river", max_tokens=4)
+    finally:
+        big.loop.max_pending = before
+    assert full.value.status_code == 503 and "busy" in str(full.value.body)
+    assert _metrics(big)['pwrun_requests_refused_total{status="503"}'] >= 1
+
+
+def test_models_health_and_metrics(big: Server) -> None:
+    assert [m.id for m in _client(big).models.list().data] == [NAME]
+    assert json.loads(urllib.request.urlopen(f"{big.url}/health", timeout=10).read()) == {"status": "ok"}
+    m = _metrics(big)
+    pages = _engine_state(big)
+    assert m["pwrun_pool_pages"] == pages["pages"] and m["pwrun_weight_pages"] == pages["weight"]
+    assert m["pwrun_mean_committed_bits"] == 8.0  # the budget holds every block at 8 bits
+    for name in ("pwrun_time_to_first_token_seconds_count", "pwrun_time_per_output_token_seconds_count",
+                 "pwrun_demoted_blocks_total", "pwrun_promoted_blocks_total", "pwrun_preemptions_total",
+                 "pwrun_requests_running", "pwrun_requests_waiting", "pwrun_kv_pages"):
+        assert name in m
+
+
+# Concurrent load: CLIENTS threads, each with its own openai client, send REQUESTS requests between them
+CLIENTS, REQUESTS, NEW = 32, 96, 6
+
+
+def test_concurrent_clients_under_pressure_lose_nothing(tight: Server, tok: Any) -> None:
+    text = read_text("wikitext2")[:60_000].split()
+    rng = np.random.default_rng(1)
+    jobs = []
+    for i in range(REQUESTS):
+        start = int(rng.integers(0, len(text) - 50))
+        jobs.append((i, " ".join(text[start:start + int(rng.integers(5, 40))])))
+    before = _metrics(tight)
+
+    def run(job: tuple[int, str]) -> tuple[str, str | None, int]:
+        i, prompt = job
+        client = _client(tight, timeout=120)
+        sampling: dict[str, Any] = {"temperature": 0} if i % 2 else {"temperature": 0.8, "seed": i}
+        if i % 4 == 3:
+            texts, finish = _stream_texts(client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW,
+                                                                   stream=True, **sampling), 1)
+            return texts[0], finish[0], -1
+        c = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, **sampling)
+        return c.choices[0].text, c.choices[0].finish_reason, c.usage.completion_tokens  # type: ignore[union-attr]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        results = list(pool.map(run, jobs))
+    seconds = time.perf_counter() - t0
+    assert len(results) == REQUESTS
+    assert all(finish in ("length", "stop") for _, finish, _ in results)
+    assert all(n == NEW for _, finish, n in results if finish == "length" and n >= 0)
+    after = _metrics(tight)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    finished = delta('pwrun_requests_finished_total{finish="length"}') + delta(
+        'pwrun_requests_finished_total{finish="eos"}')
+    assert finished == REQUESTS and delta('pwrun_requests_finished_total{finish="abort"}') == 0
+    assert delta("pwrun_demoted_blocks_total") > 0 and delta("pwrun_preemptions_total") > 0, after
+    state = _engine_state(tight)
+    assert state["kv"] == 0 and state["requests"] == state["outputs"] == state["running"] == 0
+    assert state["weight"] + state["free"] == state["pages"]
+    print(f"{REQUESTS} requests from {CLIENTS} clients in {seconds:.1f} s")
+
+
+def test_a_client_gone_mid_stream_is_aborted_and_its_pages_freed(tight: Server) -> None:
+    before = _metrics(tight)
+    stream = _client(tight).completions.create(model=NAME, prompt=_prompts(1)[0], max_tokens=60, temperature=0,
+                                               stream=True)
+    next(iter(stream))  # the request runs: its KV blocks are mapped
+    assert _engine_state(tight)["kv"] > 0
+    stream.close()
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        m = _metrics(tight)
+        if m.get('pwrun_requests_finished_total{finish="abort"}', 0) > before.get(
+                'pwrun_requests_finished_total{finish="abort"}', 0):
+            break
+        time.sleep(0.05)
+    assert m['pwrun_requests_finished_total{finish="abort"}'] == before.get(
+        'pwrun_requests_finished_total{finish="abort"}', 0) + 1
+    assert m["pwrun_kv_pages"] == 0
+    state = _engine_state(tight)
+    assert state["kv"] == 0 and state["requests"] == 0 and state["weight"] + state["free"] == state["pages"]
+
+
+def _serve_process(artifacts: Path, port: int, drain: float) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pwrun", "serve", "--artifacts", str(artifacts), "--gpu-memory",
+                             "1GiB", "--max-model-len", "128", "--port", str(port), "--device", "cpu",
+                             "--drain-seconds", str(drain), "--served-model-name", NAME, "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("pwrun serve did not start")
+
+
+def _stream_in_thread(url: str, got: list[Any], first: threading.Event, max_tokens: int = 60) -> threading.Thread:
+    """Stream a greedy completion on a thread: its choices (or the exception that ended it) go to ``got``."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def read() -> None:
+        try:
+            for chunk in client.completions.create(model=NAME, prompt="The river", max_tokens=max_tokens,
+                                                   temperature=0, stream=True):
+                got.append(chunk.choices[0])
+                first.set()
+        except Exception as exc:  # an aborted stream ends without its last chunk
+            got.append(exc)
+        first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    return reader
+
+
+def test_sigterm_lets_the_running_request_finish_then_exits(calibrated_artifacts: Path) -> None:
+    port = free_port()
+    proc = _serve_process(calibrated_artifacts, port, 20)
+    got: list[Any] = []
+    first = threading.Event()
+    reader = _stream_in_thread(f"http://127.0.0.1:{port}", got, first)
+    assert first.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    reader.join(30)
+    assert proc.returncode == 0, err
+    assert got[-1].finish_reason == "length" and "stopped (SIGTERM): 1 requests finished, 0 aborted" in err
+
+
+def test_stopping_without_drain_aborts_the_running_request(calibrated_artifacts: Path, tok: Any) -> None:
+    """What SIGTERM does with ``--drain-seconds 0`` (uvicorn's ``should_exit``, in-process): the stream is cut,
+    the request aborted, the engine thread stopped."""
+    engine = build_serving_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), 128, "cpu")
+    spec, _ = load_spec(MODEL)
+    server = Server(engine, tok, NAME, ServeLimits(128, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),
+                    port=free_port(), drain_seconds=0)
+    server.start()
+    got: list[Any] = []
+    first = threading.Event()
+    reader = _stream_in_thread(server.url, got, first, 120)
+    assert first.wait(60)
+    server.stop()
+    reader.join(30)
+    assert isinstance(got[-1], Exception) and not any(getattr(c, "finish_reason", None) for c in got)
+    assert server.loop.finished == {"eos": 0, "length": 0, "abort": 1} and not server.loop.alive
+    assert engine.core.idle and engine.core.pool.count(KV) == 0
+
