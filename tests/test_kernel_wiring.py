@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
@@ -61,18 +62,32 @@ def _save_tiny(path: Path) -> None:
     AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(path)
 
 
-def test_kernel_path_scores_what_the_reference_path_scores(tmp_path: Path) -> None:
+# (prompts, forced continuations, max_step_tokens): a prefill, then one decode step; and chunked prompts whose
+# chunks run beside the other requests' decodes (mixed steps through the variable-length attention kernel)
+CASES = {
+    "prefill_decode": ([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], [[20, 21], [30, 31]], 512),
+    "mixed_chunks": ([list(range(3, 12)), [12, 13, 14], list(range(30, 37))], [[20, 21], [30, 31], [40, 41]], 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_path_scores_what_the_reference_path_scores(tmp_path: Path, case: str) -> None:
     _save_tiny(tmp_path)
-    prompts, forced = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], [[20, 21], [30, 31]]  # a prefill, then one decode step
+    prompts, forced, step_tokens = CASES[case]
     lps = {}
+    mixed = 0
     for kernels in (False, True):
         model = strip_experts(load_model(tmp_path, device=DEV, dtype="bfloat16"), torch.device(DEV))
         cfg = ServeConfig(2**28, Policy.named("uniform", 4),
-                          EngineConfig(use_kernels=kernels, cuda_graphs=False, precompile_workers=0, debug_checks=True))
+                          EngineConfig(use_kernels=kernels, cuda_graphs=False, precompile_workers=0, debug_checks=True,
+                                       max_step_tokens=step_tokens))
         e = assemble_engine(model, RandomAP(model.spec), _table(model.spec), BucketPolicy.neutral(3), None, None, cfg,
                             SamplingParams(max_new_tokens=1), prompts, set(), forced)
         assert e.runner.use_kernels is kernels and model.fused is kernels
         outs = e.run_until_done()
         lps[kernels] = np.concatenate([o.logprobs for o in outs.values()])
-        assert lps[kernels].size == 4 and np.isfinite(lps[kernels]).all()
+        assert lps[kernels].size == sum(map(len, forced)) and np.isfinite(lps[kernels]).all()
+        mixed = sum(r.prefill_tokens > 0 and r.step_tokens > r.prefill_tokens for r in e.trace)
     np.testing.assert_allclose(lps[True], lps[False], atol=0.05)
+    if case == "mixed_chunks":
+        assert mixed > 0  # some step ran a prompt chunk beside decodes

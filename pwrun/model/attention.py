@@ -3,9 +3,9 @@
 What it does: projects q/k/v, applies qk-norm and RoPE, writes the step's keys/values into the
 paged KV cache, then for each sequence gathers its keys/values through its block table and
 attends causally (query at position p sees keys 0..p) with GQA. This is the reference twin of
-the Triton paged-decode kernel (``kernels/paged_attention.py``), which a cache may offer through a
-``decode_attention`` method for pure decode steps (the runtime's pooled cache does on CUDA). It
-does not allocate blocks.
+the Triton kernels a cache may offer: ``decode_attention`` (``kernels/paged_attention.py``) for pure
+decode steps and ``varlen_attention`` (``kernels/varlen_attention.py``) for any step, prompt chunks
+beside decodes (the runtime's pooled cache does where the kernels run). It does not allocate blocks.
 """
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
     fast = getattr(cache, "decode_attention", None)
     if fast is not None and step.decode_only:
         o = fast(layer, q, step, d**-0.5)
+        if o is not None:
+            return _linear(o.reshape(t, hq * d), w.o, None, fused)
+
+    varlen = getattr(cache, "varlen_attention", None)
+    if varlen is not None:
+        o = varlen(layer, q, step, d**-0.5)
         if o is not None:
             return _linear(o.reshape(t, hq * d), w.o, None, fused)
 

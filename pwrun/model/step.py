@@ -30,6 +30,12 @@ class StepTensors:
     padded_tables: torch.Tensor | None = None  # [S, max_blocks] int32 (zero-padded) for paged kernels
     context_lens_t: torch.Tensor | None = None  # [S] int32
     last_index: torch.Tensor | None = None  # [S] int64, see ``last_token_index``
+    query_start_t: torch.Tensor | None = None  # [S + 1] int32 ``query_start`` on the device (varlen kernels)
+
+    @property
+    def max_query_len(self) -> int:
+        """The most new tokens of one sequence in this step (sizes a varlen kernel's grid)."""
+        return max((b - a for a, b in zip(self.query_start, self.query_start[1:], strict=False)), default=0)
 
     @property
     def decode_only(self) -> bool:
@@ -57,7 +63,9 @@ class StepTensors:
         starts = [0]
         lens: list[int] = []
         # layout of the int64 buffer: tokens [T] | positions [T] | slots [T] | context lens [S] | tables [S, width]
-        host = np.zeros(3 * n_tok + s + s * width, dtype=np.int64)
+        # | query offsets [S + 1]
+        tail = 3 * n_tok + s + s * width
+        host = np.zeros(tail + s + 1, dtype=np.int64)
         pos = 0
         for i, c in enumerate(chunks):
             k = len(c.token_ids)
@@ -70,10 +78,12 @@ class StepTensors:
             row = 3 * n_tok + s + i * width
             host[row: row + len(c.block_table)] = c.block_table
         host[3 * n_tok: 3 * n_tok + s] = lens
+        host[tail:] = starts
         dev = torch.from_numpy(host).to(device)
-        tables = dev[3 * n_tok + s:].view(s, width)
+        tables = dev[3 * n_tok + s: tail].view(s, width)
         return StepTensors(
             tokens=dev[:n_tok], positions=dev[n_tok: 2 * n_tok], slots=dev[2 * n_tok: 3 * n_tok], query_start=starts,
             context_lens=lens, block_tables=[tables[i, : len(c.block_table)] for i, c in enumerate(chunks)],
             padded_tables=tables.to(torch.int32), context_lens_t=dev[3 * n_tok: 3 * n_tok + s].to(torch.int32),
+            query_start_t=dev[tail:].to(torch.int32),
         )

@@ -14,6 +14,7 @@ import torch
 
 from kernels.paged_attention import paged_decode_attention
 from kernels.rope_kv import rope_kv_write
+from kernels.varlen_attention import varlen_paged_attention
 from pwformat.cost import kv_page_bytes
 from pwrun.model.ops import rope_inv_freq
 from pwrun.model.step import StepTensors
@@ -59,21 +60,36 @@ class PooledKVCache:
         return k, v
 
     def begin_step(self, step: StepTensors) -> None:
-        """Per-step setup (the model calls it first): on CUDA decode steps, every layer's K/V page table at once."""
+        """Per-step setup (the model calls it first): with the kernels, every layer's K/V page table at once."""
         self._step_units = None
-        if self.use_kernel and step.decode_only and step.padded_tables is not None:
+        if self.use_kernel and step.padded_tables is not None:
             self._step_units = self.unit[:, step.padded_tables.long()].to(torch.int32)
+
+    def _tables(self, layer: int, step: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 [S, nb] pages of layer ``layer``'s K and V for the step's padded block tables."""
+        assert step.padded_tables is not None
+        units = self._step_units
+        if units is not None and units.shape[1:] == step.padded_tables.shape:
+            return units[2 * layer], units[2 * layer + 1]
+        bt = step.padded_tables.long()
+        return self.unit[2 * layer][bt].to(torch.int32), self.unit[2 * layer + 1][bt].to(torch.int32)
+
+    def varlen_attention(self, layer: int, q: torch.Tensor, step: StepTensors, scale: float,
+                         window: int = 0) -> torch.Tensor | None:
+        """Triton variable-length paged attention [T, Hq, D] for any step (prompt chunks beside decodes) when
+        the kernels run; None elsewhere (the caller runs the reference)."""
+        if (not self.use_kernel or step.padded_tables is None or step.context_lens_t is None
+                or step.query_start_t is None):
+            return None
+        kt, vt = self._tables(layer, step)
+        return varlen_paged_attention(q, self.pages, self.pages, kt, vt, step.query_start_t, step.context_lens_t,
+                                      step.max_query_len, scale, window)
 
     def decode_attention(self, layer: int, q: torch.Tensor, step: StepTensors, scale: float) -> torch.Tensor | None:
         """Triton paged-decode attention [S, Hq, D] for a pure decode step on CUDA; None elsewhere (reference)."""
         if not self.use_kernel or step.padded_tables is None or step.context_lens_t is None:
             return None
-        units = self._step_units
-        if units is not None and units.shape[1:] == step.padded_tables.shape:
-            kt, vt = units[2 * layer], units[2 * layer + 1]
-        else:
-            bt = step.padded_tables.long()
-            kt, vt = self.unit[2 * layer][bt].to(torch.int32), self.unit[2 * layer + 1][bt].to(torch.int32)
+        kt, vt = self._tables(layer, step)
         return paged_decode_attention(q, self.pages, self.pages, kt, step.context_lens_t, scale, v_block_tables=vt)
 
     def write_rope(self, layer: int, step: StepTensors, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
