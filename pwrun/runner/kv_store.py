@@ -15,7 +15,6 @@ import torch
 from kernels.paged_attention import paged_decode_attention
 from kernels.rope_kv import rope_kv_write
 from kernels.varlen_attention import varlen_paged_attention
-from pwformat.cost import kv_page_bytes
 from pwrun.model.ops import rope_inv_freq
 from pwrun.model.step import StepTensors
 
@@ -33,11 +32,6 @@ class PooledKVCache:
         self.unit = torch.zeros(2 * num_layers, max(max_blocks, 1), dtype=torch.int64, device=memory.device)
         self._inv_freq: dict[tuple[int, float], torch.Tensor] = {}
         self._step_units: torch.Tensor | None = None  # [2L, S, nb] int32 pages of this decode step's blocks
-
-    @staticmethod
-    def page_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of one pool page: one layer's K (or V) of one KV block."""
-        return kv_page_bytes(block_size, num_kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
 
     def map_blocks(self, new: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
         """Point the device table at the pages of newly allocated blocks: (block id, its 2L pages) pairs."""
