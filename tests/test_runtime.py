@@ -30,6 +30,7 @@ from pwrun.ap.dense import dense_model
 from pwrun.cli import app
 from pwrun.core.config import EngineConfig
 from pwrun.core.planner.runtime import PlannerConfig
+from pwrun.core.pool import WEIGHT
 from pwrun.core.request import SamplingParams
 from pwrun.core.weight_policy import WeightPolicy
 from pwrun.data import default_model_dir, read_text
@@ -40,6 +41,7 @@ from pwrun.generate import generate
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.loader import load_model, load_tokenizer
 from pwrun.runner.experts.store import ExpertStore
+from pwrun.runner.model_runner import ModelRunner
 from pwrun.runner.prefill import prefill_logits
 
 MODEL = default_model_dir()
@@ -415,3 +417,21 @@ def test_plan_prepared_while_the_device_computes_counts_the_blocks_of_finishing_
     assert summarize(e).demoted_blocks > 0
     # counted as still held, the finishing requests' blocks would have made the window plan more
     assert any(naive > w for w, naive, f in window if f)
+
+
+def test_warm_up_changes_nothing_a_run_computes(calibrated_artifacts: Path, tok, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The start-up warm-up (compiles and graph captures on CUDA; forced on here, where it runs the prefill and mixed
+    forwards in a scratch KV block) leaves the pool, the routing statistics and every sampled token as they were."""
+    reqs = _prompts(tok, 4, 20, 60, seed=11)
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.95, seed=2)
+    cfg = ServeConfig(2**30, engine=EngineConfig(debug_checks=True, max_batch=4, max_step_tokens=64))
+    runs = {}
+    for warm in (False, True):
+        monkeypatch.setattr(ModelRunner, "wants_warm_up", property(lambda self, w=warm: w))
+        e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu")
+        assert ("warm_up_seconds" in e.info) is warm
+        assert e.core.pool.num_free + e.core.pool.count(WEIGHT) == e.core.pool.cfg.num_pages  # scratch block freed
+        assert e.runner.experts is not None
+        assert not e.runner.experts.moe.mass_acc.any() and not e.runner.experts.moe.norm_acc.any()
+        runs[warm] = [o.token_ids for o in e.run_until_done().values()]
+    assert runs[True] == runs[False]

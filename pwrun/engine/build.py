@@ -331,6 +331,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     size = np.array([n * k for n, k in table.shapes(spec)], dtype=np.float64)
     shared = table.expert == SHARED_EXPERT
     engine = LLMEngine(core, runner, info, (size * shared, size * ~shared))
+    engine.warm_up(blocks_needed(longest + 1, ecfg.block_size))
     add_requests(engine, params, requests, eos, forced)
     return engine
 

@@ -57,6 +57,23 @@ class LLMEngine:
         self.runner.release(rid)
         self.outputs.pop(rid, None)
 
+    def warm_up(self, table_blocks: int) -> None:
+        """Compile the step kernels and capture every decode graph before the first request (CUDA with the
+        kernels; nothing elsewhere), in a scratch KV block taken from the pool and given back; decode graphs get
+        block tables of ``table_blocks`` columns. Records ``warm_up_seconds`` and ``graphs_captured_at_start``."""
+        if not self.runner.wants_warm_up:
+            return
+        t = time.perf_counter()
+        alloc, cfg = self.core.alloc, self.core.cfg
+        block = alloc.allocate(1)[0]
+        alloc.new_blocks.remove(block)  # mapped here, not by the next step's decision
+        try:
+            n = self.runner.warm_up(block, tuple(alloc.pages(block)), cfg.max_batch, cfg.max_step_tokens,
+                                    table_blocks)
+        finally:
+            alloc.release(block)
+        self.info |= {"warm_up_seconds": time.perf_counter() - t, "graphs_captured_at_start": n}
+
     @property
     def idle(self) -> bool:
         return self.core.idle

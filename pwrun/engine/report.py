@@ -32,7 +32,9 @@ from pwrun.engine.trace import trace_table
 class RunSummary:
     """A finished run (bytes, seconds, tokens/s). Build fields come from ``build_engine``'s info; ``*_min/mean/max``
     are over steps, means weighted by step time; ``expert_share_16bit``: mean expert bytes / their 16-bit bytes;
-    ``mean_bits``: time-averaged mean committed bits; ``final_bits_hist``: blocks by committed bits at the end."""
+    ``mean_bits``: time-averaged mean committed bits; ``final_bits_hist``: blocks by committed bits at the end;
+    ``warm_up_seconds`` / ``graphs_captured_at_start``: the start-up warm-up (CUDA), ``graph_captures_in_run``:
+    steps that captured a CUDA graph (0 after a complete warm-up)."""
 
     device: str
     dtype: str
@@ -79,6 +81,9 @@ class RunSummary:
     planner_plans_prepared: int | None = None
     planner_plans_fresh: int | None = None
     device_peak_bytes: int | None = None
+    warm_up_seconds: float | None = None
+    graphs_captured_at_start: int | None = None
+    graph_captures_in_run: int | None = None
     trace_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -132,6 +137,7 @@ def summarize(engine: LLMEngine) -> RunSummary:
         over = {"weight_bytes_min": int(weights.min()), "weight_bytes_mean": float(np.average(weights, weights=wt)),
                 "weight_bytes_max": int(weights.max()), "kv_bytes_min": int(kv.min()),
                 "kv_bytes_mean": float(np.average(kv, weights=wt)), "kv_bytes_max": int(kv.max())}
+        over["graph_captures_in_run"] = sum(r.graph_captured for r in tr)
         if known.get("expert_bytes_16bit"):
             over["expert_share_16bit"] = over["weight_bytes_mean"] / known["expert_bytes_16bit"]
     planner_s = 0.0 if w is None else w.planner_seconds

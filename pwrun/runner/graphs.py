@@ -82,6 +82,11 @@ class DecodeGraphs:
         self._graphs[s] = entry
         return entry
 
+    def capture(self, step: StepTensors) -> None:
+        """Capture the graph of ``step``'s batch size now (warm-up before the first request), if not yet captured."""
+        if step.num_seqs not in self._graphs:
+            self._capture(step)
+
     def run(self, step: StepTensors) -> torch.Tensor:
         """fp32 logits [S, V] of a pure decode step (captures the graph of this S on first use)."""
         entry = self._graphs.get(step.num_seqs)

@@ -19,7 +19,7 @@ import torch
 
 from pwformat.cost import kv_block_pages, kv_page_bytes
 from pwrun.core.config import EngineConfig
-from pwrun.core.decision import StepDecision, WeightMoves
+from pwrun.core.decision import ScheduledChunk, StepDecision, WeightMoves
 from pwrun.core.planner.tables import BlockTable
 from pwrun.core.pool import PagePool
 from pwrun.core.request import Request, SamplingParams
@@ -116,6 +116,47 @@ class ModelRunner:
                 self.captured = len(self.graphs.sizes) > before
                 return out
         return self.model.forward(step, self.kv, logits_for=logits_for, observer=observer, moe=moe)
+
+    @property
+    def wants_warm_up(self) -> bool:
+        """CUDA with the kernels: steps compile kernels and capture graphs on first use unless warmed up."""
+        return self.device.type == "cuda" and self.use_kernels
+
+    def warm_up(self, block: int, pages: tuple[int, ...], max_batch: int, max_step_tokens: int,
+                table_blocks: int) -> int:
+        """Before the first request: run a prefill step of ``max_step_tokens`` tokens and a mixed one of odd
+        length (compiling the kernels of prefill and mixed steps at both of Triton's integer specializations),
+        and capture the decode graph of every batch size 1..``max_batch`` with block tables of
+        ``table_blocks`` columns, so that no step of a run compiles or captures. Every write goes to KV block
+        ``block`` (pool pages ``pages``: a scratch block the caller frees afterwards); the routing statistics
+        are left as they were. Returns the graphs captured."""
+        self.kv.map_blocks(((block, pages),))
+        bs = self.cfg.block_size
+
+        def chunk(n: int, start: int = 0) -> ScheduledChunk:
+            return ScheduledChunk(rid=-1, token_ids=(0,) * n, start=start,
+                                  slots=tuple(block * bs + (start + i) % bs for i in range(n)),
+                                  block_table=(block,) * -(-(start + n) // bs))
+
+        keep = [] if self.experts is None else [self.experts.moe.mass_acc, self.experts.moe.norm_acc]
+        saved = [t.clone() for t in keep]
+        moe = None if self.experts is None else self.experts.moe
+        for chunks in ([chunk(max_step_tokens)], [chunk(max(1, min(17, max_step_tokens - 1)), 3), chunk(1, 5)]):
+            self.model.forward(StepTensors.build(chunks, self.device), self.kv, logits_for="last", moe=moe)
+        captured = 0
+        if self.cfg.cuda_graphs and self.device.type == "cuda" and moe is not None:
+            width = max(table_blocks, 1)
+            if self.graphs is None:
+                self.graphs = DecodeGraphs(self.model, self.kv, moe, width, keep)
+            for s in range(1, max_batch + 1):
+                step = StepTensors.build([chunk(1, 1)] * s, self.device)
+                if self.graphs.fits(step):
+                    self.graphs.capture(step)
+                    captured += 1
+        for t, v in zip(keep, saved, strict=True):
+            t.copy_(v)
+        self._sync()
+        return captured
 
     def sync(self) -> None:
         """Wait for the compute stream only: reload copies on the side stream go on across step boundaries."""
