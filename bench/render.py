@@ -139,7 +139,9 @@ def table(suite: str, records: list[Record]) -> str:
     lines = [f"## {title}", "", what, ""]
     if suite == "serving":
         lines += [decode_pivot(records), ""] + ([user_path_table(records), ""] if user_path_table(records) else [])
-        records = [r for r in records if r.get("system") != USER_PATH]
+        lines += [workload_table(records), ""] if workload_table(records) else []
+        records = [r for r in records if r.get("system") != USER_PATH and not r.get("workload")]
+        rows = latest(records, key)
     lines += ["| " + " | ".join([*key, *(c for c, _ in cols)]) + " |",
              "|" + "---|" * (len(key) + len(cols))]
     sources: dict[str, None] = {}
@@ -154,7 +156,7 @@ def table(suite: str, records: list[Record]) -> str:
 
 def decode_pivot(records: list[Record]) -> str:
     """Decode tok/s per (model, system) with one column per batch, from the latest runs (as ``table``)."""
-    rows = [(k, rs) for k, rs in latest(records, SUITES["serving"][2]) if k[1] != USER_PATH]
+    rows = [(k, rs) for k, rs in latest(records, SUITES["serving"][2]) if k[1] != USER_PATH and k[2] is not None]
     batches = sorted({k[2] for k, _ in rows if isinstance(k[2], int)})
     cells: dict[tuple[Any, Any], dict[int, Any]] = {}
     for (model, system, batch), rs in rows:
@@ -175,6 +177,31 @@ def user_path_table(records: list[Record]) -> str:
         return ""
     lines = ["User path (random checkpoint -> `pwcal quantize` -> `pwcal sensitivity` -> `pwrun generate`):", "",
              "| model | policy | budget | " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * (3 + len(cols))]
+    lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
+    return "\n".join(lines)
+
+
+def workload_table(records: list[Record]) -> str:
+    """Real workloads (``bench.serving --workload``): whole-run and per-kind throughput, latency, start-up, latest run
+    per (model, workload, policy)."""
+    cols = [("requests", "requests"), ("prompt tok", "prompt_tokens"), ("tok/s", "tokens_per_second"),
+            ("% of floor", "percent_of_floor"), ("prefill-step prompt tok/s", "prefill_prompt_tps"),
+            ("mixed-step prompt tok/s", "mixed_prompt_tps"), ("decode tok/s", "decode_tps"),
+            ("prefill / mixed / decode s", lambda rs: "/".join(_fmt(rs[-1].get(f"{k}_s")) for k in
+                                                             ("prefill", "mixed", "decode"))),
+            ("TTFT p50 / p99 s", lambda rs: f"{_fmt(rs[-1].get('ttft_p50_s'))} / {_fmt(rs[-1].get('ttft_p99_s'))}"),
+            ("TPOT p50 / p99 ms", lambda rs: f"{_fmt(rs[-1].get('tpot_p50_ms'))} / {_fmt(rs[-1].get('tpot_p99_ms'))}"),
+            ("start-up s", "startup_s"), ("captures / compiles in run",
+                                          lambda rs: f"{rs[-1].get('graph_captures_in_run')} / "
+                                                     f"{rs[-1].get('triton_compiles_in_run')}"),
+            ("mean bits", "mean_bits"), ("peak GiB", _gib("device_peak_bytes"))]
+    rows = latest([r for r in records if r.get("workload")], ("model", "workload", "policy"))
+    if not rows:
+        return ""
+    lines = ["Real workloads (`--workload`: all requests at once; W1 C4 prompts <= 1,024 tokens, W2 QMSum windows of "
+             "2,048-4,096; the floor: prompt FLOPs at the measured matmul rate + decode bytes at the copy bandwidth):",
+             "", "| model | workload | policy | " + " | ".join(c for c, _ in cols) + " |",
+             "|" + "---|" * (3 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)
 

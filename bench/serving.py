@@ -65,7 +65,8 @@ from bench.common import (
 )
 from bench.compare import EQUAL_MEMORY, compare_commit
 from bench.render import serving_table
-from bench.serving_runs import engine_run, hf_run, lean16_run, reset_peak
+from bench.serving_runs import engine_run, hf_run, lean16_run, non_expert_bytes, reset_peak
+from bench.workloads import workload_rows
 from pwformat.errors import BudgetTooSmall
 from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.build import strip_experts
@@ -73,14 +74,6 @@ from pwrun.model.lean import LeanMoEModel
 
 EQUAL_MEMORY_BITS = (4, 3)  # uniform bitwidths tried in PagedWeight's budget, highest first
 MODELS = {"qwen1.5-moe": QWEN, "mixtral-8x7b": MIXTRAL}
-
-
-def non_expert_bytes(model: LeanMoEModel) -> int:
-    """Non-expert weight bytes one decode step reads: attention and LM head (not the embedding table, unlike the
-    bytes held, ``pweval.memory.non_expert_bytes``; routers are counted by ``common.decode_step_bytes``)."""
-    w = model.weights
-    return sum(t.numel() * t.element_size() for lw in w.layers for t in lw.attn.tensors()) \
-        + w.lm_head.numel() * w.lm_head.element_size()
 
 
 def pressure_setup(spec: Any, stripped: LeanMoEModel, table: Any, b: int, prompt_len: int, gen: int,
@@ -251,6 +244,12 @@ def main() -> None:
     ap.add_argument("--user-gpu-memory", default="24GiB")
     ap.add_argument("--user-policy", choices=("pagedweight", "uniform"), default="pagedweight")
     ap.add_argument("--workdir", type=Path, default=None, help="where the user path writes its checkpoint")
+    ap.add_argument("--workload", default="", help="real workloads to serve (w1, w2 or w1,w2; bench/workloads.py)")
+    ap.add_argument("--workload-requests", type=int, default=0, help="requests per workload (0: W1 256, W2 64)")
+    ap.add_argument("--workload-gen", type=int, default=256, help="new tokens per request of a workload")
+    ap.add_argument("--workload-max-batch", type=int, default=64, help="running requests at most")
+    ap.add_argument("--workload-step-tokens", type=int, default=2048, help="tokens per step at most (prefill chunks)")
+    ap.add_argument("--workload-gpu-memory", default="24GiB", help="the budget of both policies (e.g. 24GiB)")
     args = ap.parse_args()
     env = environment(args.label)
     out = args.out or Path("bench/results/serving.jsonl")
@@ -269,6 +268,8 @@ def main() -> None:
             compare_commit(args.compare_commit, sys.argv[1:], out)
     if args.user_path:
         user_path(args, emit)
+    if args.workload:
+        workload_rows(args, emit)
     if args.out_md:
         args.out_md.write_text(serving_table(read_records(out), env["date"]) + "\n")
 

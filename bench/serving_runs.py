@@ -36,6 +36,14 @@ def peak(device: str) -> int:
     return int(torch.cuda.max_memory_allocated()) if device == "cuda" else 0
 
 
+def non_expert_bytes(model: LeanMoEModel) -> int:
+    """Non-expert weight bytes one decode step reads: attention and LM head (not the embedding table, unlike the
+    bytes held, ``pweval.memory.non_expert_bytes``; routers are counted by ``common.decode_step_bytes``)."""
+    w = model.weights
+    return sum(t.numel() * t.element_size() for lw in w.layers for t in lw.attn.tensors()) \
+        + w.lm_head.numel() * w.lm_head.element_size()
+
+
 def bits_read_per_token(spec: Any, steps: list[dict[str, Any]]) -> float:
     """Committed bits per expert weight one decode token reads (median over ``steps``): every shared expert at its
     blocks' bits plus top-k routed experts at the routed blocks' mean bits (the random router picks each expert

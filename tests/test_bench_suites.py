@@ -45,15 +45,19 @@ def test_render_shows_the_latest_run_of_each_measurement(tmp_path: Path) -> None
         "bench.render", "--results", str(tmp_path), "--compare", "base", "new")
 
 
-def test_serving_suite_on_a_shrunken_config(tmp_path: Path) -> None:
-    """The serving suite on a shrunken Qwen1.5-MoE config on the CPU: uniform serves PagedWeight's requests (equal
-    work on both sides of the ratio), uniform in PagedWeight's budget fits at 4 bits, each record carries the run's
-    environment, and served tokens/s counts each prompt and generated token once."""
+def _shrunken_qwen(tmp_path: Path) -> None:
     cfg = json.loads((ROOT / "tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B/config.json").read_text())
     cfg.update(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=256,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
                num_experts_per_tok=2, vocab_size=1000)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_serving_suite_on_a_shrunken_config(tmp_path: Path) -> None:
+    """The serving suite on a shrunken Qwen1.5-MoE config on the CPU: uniform serves PagedWeight's requests (equal
+    work on both sides of the ratio), uniform in PagedWeight's budget fits at 4 bits, each record carries the run's
+    environment, and served tokens/s counts each prompt and generated token once."""
+    _shrunken_qwen(tmp_path)
     out = tmp_path / "serving.jsonl"
     _run("bench.serving", "--device", "cpu", "--config-dir", str(tmp_path), "--skip-hf", "--skip-lean16",
          "--batches", "2", "--bits", "4", "--prompt-len", "64", "--gen", "4", "--big-budget-gib", "1",
@@ -68,3 +72,24 @@ def test_serving_suite_on_a_shrunken_config(tmp_path: Path) -> None:
         # 2 x 64 + 2 x 256 prompt tokens + 4 x 4 generated
         assert abs(r["served_tokens_per_second"] * r["seconds"] - (2 * 64 + 2 * 256 + 4 * 4)) < 1e-6
         assert r["decode_tps_measured"] > 0
+
+
+def test_real_workload_rows_account_for_every_token(tmp_path: Path) -> None:
+    """``--workload w2`` on the shrunken config: both policies serve every request; the prefill, mixed and decode
+    steps' seconds add up to the run, their prompt tokens to the workload's, and a long prompt under a small step
+    budget runs chunks beside decodes (mixed steps)."""
+    _shrunken_qwen(tmp_path)
+    out = tmp_path / "serving.jsonl"
+    _run("bench.serving", "--device", "cpu", "--config-dir", str(tmp_path), "--skip-table", "--workload", "w2",
+         "--workload-requests", "3", "--workload-gen", "3", "--workload-max-batch", "2", "--workload-step-tokens",
+         "512", "--workload-gpu-memory", "1GiB", "--label", "t", "--out", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["workload"], r["policy"]) for r in rows] == [("w2", "pagedweight"), ("w2", "uniform")]
+    for r in rows:
+        assert "error" not in r and r["requests"] == 3 and r["generated_tokens"] == 9
+        assert 3 * 2048 <= r["prompt_tokens"] <= 3 * 4096
+        kinds = ("prefill", "mixed", "decode")
+        assert abs(sum(r[f"{k}_s"] for k in kinds) - r["seconds"]) < 0.05 * r["seconds"] + 0.05
+        prompt = sum(r[f"{k}_prompt_tps"] * r[f"{k}_s"] for k in kinds)
+        assert abs(prompt - r["prompt_tokens"]) < 1e-3 * r["prompt_tokens"]
+        assert r["mixed_steps"] > 0 and r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"]

@@ -1,0 +1,182 @@
+"""Real-workload serving runs (``python -m bench.serving --workload w1,w2``): many requests of real text, all
+arriving at once, through the engine ``pwrun generate`` builds (synthetic AP planes at the seed shape).
+
+* W1: ``count`` C4 documents at their natural length (the bundled tokenizer's tokens, capped at 1,024), 256 new
+  tokens each (``--workload-gen``);
+* W2: ``count`` windows of 2,048-4,096 tokens of QMSum meeting transcripts, 256 new tokens each.
+
+Each run reports whole-run tokens/s, prefill / mixed / decode tokens/s and seconds (a mixed step runs prompt chunks
+beside decodes), time to first token and time per output token (p50 / p99), graph captures and Triton compilations
+inside the timed run, the start-up warm-up, peak device memory and the floor: the run's prompt FLOPs at the measured
+bf16 matmul rate plus its decode steps' bytes (``pwformat.cost``) at the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import (
+    BENCH_PLANNER,
+    BENCH_POLICY,
+    SyntheticAP,
+    copy_bandwidth,
+    decode_step_bytes,
+    random_model,
+    sync,
+    synthetic_table,
+    triton_cache_entries,
+)
+from bench.serving_runs import non_expert_bytes, reset_peak
+from pwrun.core.config import EngineConfig
+from pwrun.core.policy import Policy
+from pwrun.core.request import RequestOutput, SamplingParams
+from pwrun.data import artifacts_dir, default_model_dir, read_documents
+from pwrun.engine.budget import parse_size
+from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
+from pwrun.engine.report import summarize
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.loader import load_tokenizer
+
+
+def _tokenize(texts: list[str]) -> list[list[int]]:
+    tok = load_tokenizer(default_model_dir())
+    return [tok(t, add_special_tokens=False, verbose=False).input_ids for t in texts]
+
+
+def w1(count: int, cap: int = 1024) -> list[list[int]]:
+    """``count`` C4 documents as token ids, each at its natural length capped at ``cap``."""
+    docs = [d for d in read_documents("c4") if len(d) >= 200][:count]
+    return [ids[:cap] for ids in _tokenize(docs)]
+
+
+def w2(count: int, lo: int = 2048, hi: int = 4096, seed: int = 0) -> list[list[int]]:
+    """``count`` windows of lo..hi tokens (uniform) from the concatenated QMSum meeting transcripts."""
+    path = artifacts_dir() / "data" / "qmsum" / "test.jsonl"
+    meetings = [" ".join(f"{t['speaker']}: {t['content']}" for t in json.loads(line)["meeting_transcripts"])
+                for line in path.read_text().splitlines() if line.strip()]
+    ids = [i for m in _tokenize(meetings) for i in m]
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        n = int(rng.integers(lo, hi + 1))
+        start = int(rng.integers(0, len(ids) - n))
+        out.append(ids[start: start + n])
+    return out
+
+
+def matmul_flops(device: str) -> float:
+    """Measured bf16 matmul rate (FLOP/s) of an n^3 product (n = 8192 on CUDA, 512 elsewhere)."""
+    n = 8192 if device == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    sync(device)
+    return 10 * 2 * n**3 / (time.perf_counter() - t)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str, bits: int | None, budget: int,
+                 reqs: list[list[int]], gen: int, max_batch: int, max_step_tokens: int, flops: float,
+                 bandwidth: float, non_expert: int) -> dict[str, Any]:
+    """One timed run of ``reqs`` (all arriving at once, ``gen`` new tokens each, greedy, no stop token); the
+    engine's start-up (build + warm-up) is timed apart."""
+    cfg = ServeConfig(budget, Policy.named(policy, bits),
+                      EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens), BENCH_PLANNER)
+    t = time.perf_counter()
+    e = assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(max_new_tokens=gen), reqs,
+                        set())
+    startup = time.perf_counter() - t
+    cached = triton_cache_entries()
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    t0 = time.perf_counter()
+
+    def seen(o: RequestOutput) -> None:
+        now = time.perf_counter() - t0
+        first.setdefault(o.rid, now)
+        if o.finished:
+            done[o.rid] = now
+
+    outs = e.run_until_done(seen)
+    wall = time.perf_counter() - t0
+    s = summarize(e).to_dict()
+    tr = [asdict(r) for r in e.trace]
+    kinds = {"prefill": [r for r in tr if r["prefill_tokens"] == r["step_tokens"]],
+             "mixed": [r for r in tr if 0 < r["prefill_tokens"] < r["step_tokens"]],
+             "decode": [r for r in tr if r["prefill_tokens"] == 0]}
+    spec = model.spec
+    prompt_tokens = sum(len(r) for r in reqs)
+    gen_tokens = sum(len(o.token_ids) for o in outs.values())
+    active = 2 * non_expert + 2 * sum(  # FLOPs per token: every non-expert weight + the routed and shared experts
+        3 * spec.hidden_size * (ls.moe.expert_intermediate * ls.moe.top_k + ls.moe.shared_intermediate)
+        for ls in spec.layers if ls.moe is not None)
+    dec_floor = sum(decode_step_bytes(spec, non_expert, s.get("mean_bits", 4.0), max(r["running"], 1),
+                                      int(np.mean([len(q) for q in reqs])) + gen // 2) for r in kinds["decode"])
+    ttft = [first[r] for r in first]
+    tpot = [(done[r] - first[r]) / max(len(outs[r].token_ids) - 1, 1) for r in done]
+    rec: dict[str, Any] = {
+        "policy": policy, "bits": bits, "requests": len(reqs), "prompt_tokens": prompt_tokens,
+        "generated_tokens": gen_tokens, "max_batch": max_batch, "max_step_tokens": max_step_tokens,
+        "gpu_memory": budget, "seconds": wall, "startup_s": startup,
+        "warm_up_s": s.get("warm_up_seconds"), "graphs_captured_at_start": s.get("graphs_captured_at_start"),
+        "graph_captures_in_run": s.get("graph_captures_in_run"),
+        "triton_compiles_in_run": triton_cache_entries() - cached,
+        "tokens_per_second": (prompt_tokens + gen_tokens) / wall,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_ms": 1e3 * _pct(tpot, 50), "tpot_p99_ms": 1e3 * _pct(tpot, 99),
+        "floor_s": prompt_tokens * active / flops + dec_floor / bandwidth,
+        "device_peak_bytes": s.get("device_peak_bytes"), "mean_bits": s.get("mean_bits"),
+        "demoted_blocks": s.get("demoted_blocks"), "promoted_blocks": s.get("promoted_blocks"),
+        "preemptions": s.get("preemptions")}
+    for k, rows in kinds.items():
+        secs = sum(r["seconds"] for r in rows)
+        rec[f"{k}_steps"] = len(rows)
+        rec[f"{k}_s"] = secs
+        rec[f"{k}_prompt_tps"] = sum(r["prefill_tokens"] for r in rows) / max(secs, 1e-9)
+        rec[f"{k}_tps"] = sum(r["step_tokens"] for r in rows) / max(secs, 1e-9)
+    rec["planner_s"] = sum(r["planner_seconds"] for r in tr)
+    rec["slowest_steps"] = sorted(({"step": r["step"], "s": round(r["seconds"], 4), "tokens": r["step_tokens"],
+                                    "prefill": r["prefill_tokens"], "running": r["running"],
+                                    "captured": r["graph_captured"]} for r in tr), key=lambda x: -x["s"])[:5]
+    rec["percent_of_floor"] = 100 * rec["floor_s"] / wall
+    del e
+    return rec
+
+
+def workload_rows(args: Any, emit: Any) -> None:
+    """The rows of ``--workload``: for each workload, PagedWeight and uniform 4-bit in one budget
+    (``--workload-gpu-memory``); a failure becomes the row's error and the next row runs."""
+    dev = args.device
+    bw = copy_bandwidth(dev)
+    flops = matmul_flops(dev)
+    model = strip_experts(random_model(args.config_dir, torch.bfloat16, dev), torch.device(dev))
+    src, table = SyntheticAP(model.spec, torch.bfloat16, dev), synthetic_table(model.spec)
+    ne = non_expert_bytes(model)
+    budget = parse_size(args.workload_gpu_memory)
+    for name in args.workload.split(","):
+        count = args.workload_requests or (256 if name == "w1" else 64)
+        vocab = model.spec.vocab_size  # the bundled tokenizer's ids, folded into a smaller test vocabulary
+        reqs = [[i % vocab for i in r] for r in (w1(count) if name == "w1" else w2(count))]
+        for policy, bits in (("pagedweight", None), ("uniform", 4)):
+            base = {"model": args.config_dir.name, "system": f"workload {name}", "workload": name,
+                    "copy_bandwidth_TBps": round(bw / 1e12, 3), "matmul_TFLOPs": round(flops / 1e12, 1)}
+            try:
+                emit({**base, **workload_run(model, src, table, policy, bits, budget, reqs, args.workload_gen,
+                                             args.workload_max_batch,
+                                             args.workload_step_tokens, flops, bw, ne)})
+            except Exception as exc:  # recorded; the other rows still run
+                emit({**base, "policy": policy, "bits": bits, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            reset_peak(dev)
