@@ -184,7 +184,7 @@ def user_path_table(records: list[Record]) -> str:
 def workload_table(records: list[Record]) -> str:
     """Real workloads (``bench.serving --workload``): whole-run and per-kind throughput, latency, start-up, latest run
     per (model, workload, policy)."""
-    cols = [("requests", "requests"), ("prompt tok", "prompt_tokens"), ("tok/s", "tokens_per_second"),
+    cols: list[Column] = [("requests", "requests"), ("prompt tok", "prompt_tokens"), ("tok/s", "tokens_per_second"),
             ("% of floor", "percent_of_floor"), ("prefill-step prompt tok/s", "prefill_prompt_tps"),
             ("mixed-step prompt tok/s", "mixed_prompt_tps"), ("decode tok/s", "decode_tps"),
             ("prefill / mixed / decode s", lambda rs: "/".join(_fmt(rs[-1].get(f"{k}_s")) for k in
