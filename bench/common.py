@@ -177,12 +177,37 @@ def copy_bandwidth(device: str = "cuda") -> float:
     return 2 * 10 * x.numel() / (time.perf_counter() - t)
 
 
+def _triton_cache() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton"
+                / "cache")
+
+
 def triton_cache_entries() -> int:
     """Kernel directories in Triton's on-disk cache ($TRITON_CACHE_DIR, else ~/.triton/cache): a count that grows
     during a timed run means a kernel was compiled inside it (JIT time in the timing)."""
-    d = Path(os.environ.get("TRITON_CACHE_DIR") or Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton"
-             / "cache")
+    d = _triton_cache()
     return sum(1 for e in d.iterdir() if e.is_dir()) if d.is_dir() else 0
+
+
+def triton_cache_dirs() -> set[str]:
+    """The kernel directories of Triton's on-disk cache now (see ``triton_cache_entries``)."""
+    d = _triton_cache()
+    return {e.name for e in d.iterdir() if e.is_dir()} if d.is_dir() else set()
+
+
+def compiled_kernels(dirs: set[str]) -> list[str]:
+    """The kernel name and its integer specialization of each cache directory in ``dirs`` (from the metadata JSON
+    Triton writes beside the binary), to name what a run compiled."""
+    out = []
+    for name in sorted(dirs):
+        for f in (_triton_cache() / name).glob("*.json"):
+            try:
+                meta = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(meta, dict) and "name" in meta:
+                out.append(f"{meta['name']} {json.dumps(meta.get('constants', ''))[:120]}")
+    return out
 
 
 # ---------------------------------------------------------------- byte counts

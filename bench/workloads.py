@@ -25,11 +25,13 @@ from bench.common import (
     BENCH_PLANNER,
     BENCH_POLICY,
     SyntheticAP,
+    compiled_kernels,
     copy_bandwidth,
     decode_step_bytes,
     random_model,
     sync,
     synthetic_table,
+    triton_cache_dirs,
     triton_cache_entries,
 )
 from bench.serving_runs import non_expert_bytes, reset_peak
@@ -100,6 +102,7 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
                         set())
     startup = time.perf_counter() - t
     cached = triton_cache_entries()
+    before = triton_cache_dirs()
     first: dict[int, float] = {}
     done: dict[int, float] = {}
     t0 = time.perf_counter()
@@ -134,6 +137,7 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
         "warm_up_s": s.get("warm_up_seconds"), "graphs_captured_at_start": s.get("graphs_captured_at_start"),
         "graph_captures_in_run": s.get("graph_captures_in_run"),
         "triton_compiles_in_run": triton_cache_entries() - cached,
+        "compiled_in_run": compiled_kernels(triton_cache_dirs() - before),
         "tokens_per_second": (prompt_tokens + gen_tokens) / wall,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_ms": 1e3 * _pct(tpot, 50), "tpot_p99_ms": 1e3 * _pct(tpot, 99),

@@ -12,9 +12,15 @@ import torch.nn.functional as F
 
 from kernels.varlen_attention import varlen_paged_attention, varlen_paged_attention_ref
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/conftest.py sets TRITON_INTERPRET
+
+
+def _i32(x: list[int]) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32, device=DEV)
+
 
 def _step(chunks: list[tuple[int, int]], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, seed: int,
-          device: str = "cpu"):
+          device: str = DEV):
     """Random step: chunks are (context length, new tokens) per sequence; returns the kernel's inputs plus the
     contiguous K/V of every sequence."""
     g = torch.Generator().manual_seed(seed)
@@ -56,8 +62,7 @@ def test_kernel_matches_reference_on_ragged_steps(case: int, window: int) -> Non
     q, kp, vp, kt, vt, qs, ctx = _step(chunks, hq, hkv, d, bs, dtype, seed=case)
     scale = d ** -0.5
     ref = varlen_paged_attention_ref(q, kp, vp, kt, vt, qs, ctx, scale, window)
-    out = varlen_paged_attention(q, kp, vp, kt, vt, torch.tensor(qs, dtype=torch.int32),
-                                 torch.tensor(ctx, dtype=torch.int32), max(n for _, n in chunks), scale, window)
+    out = varlen_paged_attention(q, kp, vp, kt, vt, _i32(qs), _i32(ctx), max(n for _, n in chunks), scale, window)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
@@ -66,7 +71,7 @@ def test_reference_equals_dense_causal_attention() -> None:
     """The twin itself: a whole prompt (n == ctx) through scattered pages equals SDPA's causal attention on the
     contiguous K/V, and a chunk's rows equal the same rows of the whole-prompt attention."""
     hq, hkv, d, bs = 4, 2, 32, 8
-    q, kp, vp, kt, vt, qs, ctx = _step([(45, 45)], hq, hkv, d, bs, torch.float32, seed=3)
+    q, kp, vp, kt, vt, qs, ctx = _step([(45, 45)], hq, hkv, d, bs, torch.float32, seed=3, device="cpu")
     nb = -(-45 // bs)
     k = kp[kt[0, :nb].long()].flatten(0, 1)[:45].repeat_interleave(2, dim=1)
     v = vp[vt[0, :nb].long()].flatten(0, 1)[:45].repeat_interleave(2, dim=1)
@@ -80,8 +85,8 @@ def test_reference_equals_dense_causal_attention() -> None:
 
 def test_window_sees_only_the_last_positions() -> None:
     """With a window, changing a key older than the window leaves the output unchanged; one inside changes it."""
-    q, kp, vp, kt, vt, qs, ctx = _step([(40, 1)], 2, 2, 16, 8, torch.float32, seed=5)
-    args = (torch.tensor(qs, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32), 1, 0.25, 8)
+    q, kp, vp, kt, vt, qs, ctx = _step([(40, 1)], 2, 2, 16, 8, torch.bfloat16, seed=5)
+    args = (_i32(qs), _i32(ctx), 1, 0.25, 8)
     base = varlen_paged_attention(q, kp, vp, kt, vt, *args)
     old = kp.clone()
     old[kt[0, 0].long(), 3] += 5.0  # position 3: outside the last 8 of 40
@@ -93,10 +98,10 @@ def test_window_sees_only_the_last_positions() -> None:
 
 def test_bad_inputs_are_refused() -> None:
     q, kp, vp, kt, vt, qs, ctx = _step([(9, 9)], 2, 2, 16, 8, torch.bfloat16, seed=1)
-    good = (torch.tensor(qs, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32), 9, 0.25)
+    good = (_i32(qs), _i32(ctx), 9, 0.25)
     with pytest.raises(ValueError, match="int32"):
         varlen_paged_attention(q, kp, vp, kt.long(), vt, *good)
     with pytest.raises(ValueError, match="query_start"):
-        varlen_paged_attention(q, kp, vp, kt, vt, torch.tensor([0], dtype=torch.int32), *good[1:])
+        varlen_paged_attention(q, kp, vp, kt, vt, _i32([0]), *good[1:])
     with pytest.raises(ValueError, match="multiple"):
         varlen_paged_attention(q[:, :1].expand(-1, 3, -1).contiguous(), kp, vp, kt, vt, *good)
