@@ -249,6 +249,8 @@ def main() -> None:
     ap.add_argument("--workload-gen", type=int, default=256, help="new tokens per request of a workload")
     ap.add_argument("--workload-max-batch", type=int, default=64, help="running requests at most")
     ap.add_argument("--workload-step-tokens", type=int, default=2048, help="tokens per step at most (prefill chunks)")
+    ap.add_argument("--workload-policies", default="pagedweight,uniform",
+                    help="policies served per workload (uniform: 4 bits), in the same budget")
     ap.add_argument("--workload-gpu-memory", default="24GiB", help="the budget of both policies (e.g. 24GiB)")
     args = ap.parse_args()
     env = environment(args.label)

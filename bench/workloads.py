@@ -174,7 +174,8 @@ def workload_rows(args: Any, emit: Any) -> None:
         count = args.workload_requests or (256 if name == "w1" else 64)
         vocab = model.spec.vocab_size  # the bundled tokenizer's ids, folded into a smaller test vocabulary
         reqs = [[i % vocab for i in r] for r in (w1(count) if name == "w1" else w2(count))]
-        for policy, bits in (("pagedweight", None), ("uniform", 4)):
+        for policy in args.workload_policies.split(","):
+            bits = 4 if policy == "uniform" else None
             base = {"model": args.config_dir.name, "system": f"workload {name}", "workload": name,
                     "copy_bandwidth_TBps": round(bw / 1e12, 3), "matmul_TFLOPs": round(flops / 1e12, 1)}
             try:
