@@ -39,10 +39,10 @@ import numpy as np
 import pandas as pd
 
 from pwcal.calib_data import calibration_windows
-from pwcal.stages import begin_stage, finish_stage, start_writing
+from pwcal.stages import begin_stage, finish_stage, locked_stage, start_writing
 from pwformat.errors import PagedWeightError
 from pwformat.manifest import read_manifest
-from pwformat.tables import read_table, write_table
+from pwformat.tables import write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.dense import dense_model
 from pwrun.core.planner.buckets import BucketPolicy
@@ -131,6 +131,7 @@ def policy_from_frame(df: pd.DataFrame) -> BucketPolicy:
     return BucketPolicy.from_frame(df)
 
 
+@locked_stage
 def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, device: str = "auto",
                        force: bool = False, progress: Callable[[str, int, int], None] | None = None
                        ) -> dict[str, Any]:
@@ -140,9 +141,8 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     t0 = time.time()
     stages = read_manifest(artifact_dir).stages
     sens_cfg, res_cfg = stages["sensitivity"]["config"], stages["fit-residual"]["config"]
-    table = BlockTable.from_frames(read_table(artifact_dir / "sensitivity.parquet", "sensitivity"),
-                                   read_table(artifact_dir / "routing.parquet", "routing"))
     art = APArtifact(artifact_dir)
+    table = BlockTable.from_frames(art.table("sensitivity"), art.table("routing"))
     bad = [b for b in cfg.budgets_bits if not art.seed_bits <= b <= 8]
     if bad:
         raise PagedWeightError(f"--budget-bits {bad} outside [{art.seed_bits}, 8] (the artifact's bitwidths)")
@@ -201,8 +201,9 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     if best != 0:
         chosen = replace(chosen, neutral_from_bits=neutral_from(list(cfg.budgets_bits), gains))
     start_writing(artifact_dir, "search-buckets")
-    write_table(pd.DataFrame(rows), artifact_dir / "bucket_search.parquet", "bucket_search")
-    write_table(policy_frame(chosen), artifact_dir / "buckets.parquet", "buckets")
+    prov = art.manifest.provenance()
+    write_table(pd.DataFrame(rows), artifact_dir / "bucket_search.parquet", "bucket_search", prov)
+    write_table(policy_frame(chosen), artifact_dir / "buckets.parquet", "buckets", prov)
     info = {"config": asdict(cfg), "files": ["buckets.parquet", "bucket_search.parquet"],
             "search_space_size": len(space), "candidates_scored": len(candidates),
             "allocations_scored": len(cache), "budgets_bytes": budgets,

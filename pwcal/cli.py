@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from pwcal import cli_calib, cli_quant
+from pwcal import cli_calib, cli_quant, cli_verify
 from pwrun.cli_common import make_console, user_errors
 from pwrun.model.inventory import expert_blocks, parameter_counts
 from pwrun.model.loader import load_spec
@@ -31,6 +31,7 @@ app.command("sensitivity")(cli_calib.sensitivity)
 app.command("fit-residual")(cli_calib.fit_residual)
 app.command("search-buckets")(cli_calib.search_buckets)
 app.command("run-all")(cli_calib.run_all)
+app.command("verify")(cli_verify.verify)
 
 
 @app.callback()

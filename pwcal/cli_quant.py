@@ -16,7 +16,7 @@ from pwcal.quant.eval_uniform import markdown_table
 from pwcal.quant.quantize import QuantizeConfig
 from pwcal.quant.quantize import quantize as run_quantize
 from pwformat.atomic import write_atomic
-from pwrun.cli_common import DeviceOpt, check_writable_file, make_console, user_errors
+from pwrun.cli_common import DeviceOpt, NoVerifyOpt, check_writable_file, make_console, open_artifact, user_errors
 from pwrun.progress import progress as progress_bars
 
 console = make_console(stderr=True)
@@ -66,7 +66,8 @@ def quantize(
                     tasks[stage] = bar.add_task(label, total=total)
                 bar.update(tasks[stage], completed=done)
 
-            m = run_quantize(model, out, cfg, device=device, force=force, progress=progress)
+            m = run_quantize(model, out, cfg, device=device, force=force, progress=progress,
+                             notice=lambda line: console.print(line, highlight=False, markup=False))
         if m.get("skipped"):
             console.print(f"quantize: {out} is already quantized from this model with these parameters, nothing to "
                           "do (--force to redo)")
@@ -88,12 +89,14 @@ def eval_uniform(
     out: Annotated[Path | None, typer.Option(help="Write the table as markdown (+ .json beside it).")] = None,
     bits: Annotated[list[int] | None, typer.Option(help="Only these bitwidths (repeatable; default: all).")] = None,
     device: DeviceOpt = "auto",
+    no_verify: NoVerifyOpt = False,
 ) -> None:
     """Perplexity with ALL expert blocks at each bitwidth (and 16-bit), with expert-weight memory."""
     with user_errors():
         if out is not None:  # refused before the evaluation, not after it
             check_writable_file("--out", out)
             check_writable_file("--out (its .json)", out.with_suffix(".json"))
+        open_artifact(artifacts, model, not no_verify)
         datasets = tuple(dataset or ["wikitext2", "c4"])
         t0 = time.time()
         rows = run_eval_uniform(model, artifacts, datasets, seq_len, max_windows, device, bits,

@@ -37,13 +37,13 @@ from sklearn.metrics import r2_score
 
 from pwcal.calib_data import calibration_windows
 from pwcal.sensitivity import block_hessians, column_errors, sensitivity_table, weighted_sensitivities
-from pwcal.stages import begin_stage, finish_stage, start_writing
+from pwcal.stages import begin_stage, finish_stage, locked_stage, start_writing
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.hessian import HessianDiag
 from pwformat.errors import PagedWeightError
 from pwformat.manifest import read_manifest
-from pwformat.tables import read_table, write_table
+from pwformat.tables import write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.lean import LeanMoEModel
@@ -138,6 +138,7 @@ def fit_heads(rows: pd.DataFrame, prompts: int, heldout_fraction: float) -> pd.D
     return pd.DataFrame(heads)
 
 
+@locked_stage
 def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, device: str = "auto",
                      force: bool = False, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """The whole stage; returns its manifest entry (``{"skipped": True}`` if already complete)."""
@@ -145,9 +146,8 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
         return {"skipped": True}
     t0 = time.time()
     sens_cfg = read_manifest(artifact_dir).stage("sensitivity")["config"]
-    sens = read_table(artifact_dir / "sensitivity.parquet", "sensitivity")
-    ref = read_table(artifact_dir / "block_features.parquet", "block_features")
     art = APArtifact(artifact_dir)
+    sens, ref = art.table("sensitivity"), art.table("block_features")
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, device=device, dtype="float32")
     windows = calibration_windows(tok, sens_cfg["dataset"], cfg.prompts, sens_cfg["seq_len"], sens_cfg["seed"],
@@ -167,7 +167,7 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
         raise PagedWeightError("no residual head could be fit: use more --prompts (and a --heldout-fraction in "
                                "(0, 1))")
     start_writing(artifact_dir, "fit-residual")
-    write_table(heads, artifact_dir / "residual_heads.parquet", "residual_heads")
+    write_table(heads, artifact_dir / "residual_heads.parquet", "residual_heads", art.manifest.provenance())
     info = {"config": asdict(cfg), "files": ["residual_heads.parquet"], "rows": len(rows), "heads": len(heads),
             "mean_r2_heldout": float(heads.r2_heldout.mean()), "heads_r2_positive": int((heads.r2_heldout > 0).sum()),
             "seconds": round(time.time() - t0, 2)}

@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 
 from pwcal.calib_data import calibration_windows
-from pwcal.stages import begin_stage, finish_stage, start_writing
+from pwcal.stages import begin_stage, finish_stage, locked_stage, start_writing
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.fisher import fisher_diagonal
@@ -168,6 +168,7 @@ def sensitivity_table(blocks: list[LinearBlock], imp: Importance, sens: dict[Key
     return pd.DataFrame(rows)
 
 
+@locked_stage
 def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig, device: str = "auto",
                     force: bool = False, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """The whole stage; returns its manifest entry (``{"skipped": True}`` if already complete)."""
@@ -189,16 +190,17 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
                             cfg.min_tokens)
     table = sensitivity_table(blocks, imp, weighted_sensitivities(model, art, blocks, imp), art.bits, art.seed_bits)
     start_writing(artifact_dir, "sensitivity")
-    write_table(table, artifact_dir / "sensitivity.parquet", "sensitivity")
+    prov = art.manifest.provenance()
+    write_table(table, artifact_dir / "sensitivity.parquet", "sensitivity", prov)
     m = mass.mass()
     routing = pd.DataFrame([{"layer": layer, "expert": e, "mass": float(m[layer, e]),
                              "tokens": int(mass.tokens[layer, e])}
                             for layer in model.spec.moe_layers for e in range(moe.num_experts)])
-    write_table(routing, artifact_dir / "routing.parquet", "routing")
+    write_table(routing, artifact_dir / "routing.parquet", "routing", prov)
     phi = feats.features()
     write_table(pd.DataFrame([{"layer": k[0], "expert": k[1], "unit": k[2], **dict(zip(FEATURES, v, strict=True))}
                               for k, v in sorted(phi.items())]), artifact_dir / "block_features.parquet",
-                "block_features")
+                "block_features", prov)
     fallback = sorted({(b[0], b[1]) for b, v in imp.items() if v[2]})
     info = {"config": asdict(cfg), "files": ["sensitivity.parquet", "routing.parquet", "block_features.parquet"],
             "calibration_tokens": len(windows) * cfg.seq_len, "fallback_experts": [list(x) for x in fallback],

@@ -1,23 +1,42 @@
 """Pipeline stages recorded in an artifact's manifest: skip a completed stage, require earlier ones.
 
-What it does: ``begin_stage`` decides whether a stage must run (not done, or ``force``), refuses
-to silently redo a completed stage with other parameters, and checks that the previous stage is
-complete and that the artifact belongs to the given model; ``start_writing`` marks the stage and later
-ones incomplete just before the stage writes (so bad input found while it computes changes nothing);
-``finish_stage`` records the stage
-(config, outputs, timing, warnings) in ``manifest.json`` atomically. It imports no torch.
+What it does: ``locked_stage`` makes a stage function hold the artifact's writer lock
+(``pwformat.writer_lock``) for its whole run; ``begin_stage`` decides whether a stage must run (not done, or
+``force``), refuses to silently redo a completed stage with other parameters, and checks that the previous stage
+is complete, that the artifact belongs to the given model and that the files the stage reads match their
+checksums; ``start_writing`` marks the stage and later ones incomplete just before the stage writes (so bad input
+found while it computes changes nothing); ``finish_stage`` records the stage (config, outputs, timing, warnings)
+and the checksums of its files in ``manifest.json`` atomically. It imports no torch.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from pwformat.checksums import file_sum, verify_files
 from pwformat.errors import PagedWeightError
 from pwformat.manifest import Manifest, check_same_model, read_manifest, write_manifest
+from pwformat.writer_lock import writer_lock
 
 ORDER = ("quantize", "sensitivity", "fit-residual", "search-buckets")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def locked_stage(fn: Callable[Concatenate[Path, Path, P], R]) -> Callable[Concatenate[Path, Path, P], R]:
+    """``fn(model_dir, artifact_dir, ...)`` run while holding ``artifact_dir``'s writer lock (a second writer gets a
+    one-line error naming the holder). A directory without a manifest is refused first, without a lock file."""
+    @functools.wraps(fn)
+    def run(model_dir: Path, artifact_dir: Path, *args: P.args, **kwargs: P.kwargs) -> R:
+        read_manifest(artifact_dir)
+        with writer_lock(artifact_dir):
+            return fn(model_dir, artifact_dir, *args, **kwargs)
+    return run
 
 
 def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[str, Any], force: bool,
@@ -34,6 +53,11 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
         if not manifest.complete(prev):
             raise PagedWeightError(f"{artifact_dir}: stage '{prev}' has not completed; run `pwcal {prev}` before "
                                    f"`pwcal {stage}`")
+    if manifest.checksums is not None:  # what this stage reads: the layer files and the earlier stages' tables
+        earlier = set(ORDER[: ORDER.index(stage)])
+        verify_files(artifact_dir, manifest.checksums, [f for f in manifest.checked_files()
+                                                        if manifest.checksums[f].stage in earlier],
+                     manifest.model.path)
     done = manifest.stage(stage)
     if done.get("complete") and not force:
         recorded, wanted = {**(defaults or {}), **done.get("config", {})}, json.loads(json.dumps(config))  # lists
@@ -61,8 +85,12 @@ def start_writing(artifact_dir: Path, stage: str) -> None:
 
 
 def finish_stage(artifact_dir: Path, stage: str, info: dict[str, Any]) -> Manifest:
-    """Record ``stage`` as complete with ``info``; later stages are marked stale (incomplete)."""
+    """Record ``stage`` as complete with ``info`` and the checksums of ``info["files"]`` (hashed now, under the
+    writer lock); later stages are marked stale (incomplete)."""
     manifest = read_manifest(artifact_dir)
+    if manifest.checksums is not None:  # an artifact from before checksums gets them from `pwcal verify --update`
+        for name in info.get("files", []):
+            manifest.checksums[name] = file_sum(artifact_dir / name, stage)
     stages = manifest.stages
     for later in ORDER[ORDER.index(stage) + 1:]:
         if later in stages:

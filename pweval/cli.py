@@ -28,9 +28,11 @@ from pwrun.cli_common import (
     DeviceOpt,
     DtypeOpt,
     ModelOpt,
+    NoVerifyOpt,
     check_writable_file,
     default_model,
     make_console,
+    open_artifact,
     user_errors,
     warn_missing_tables,
 )
@@ -102,6 +104,7 @@ def run(
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
+    no_verify: NoVerifyOpt = False,
 ) -> None:
     """Score one suite under each budget with one policy; append one row per budget to --out."""
     with user_errors():
@@ -118,6 +121,7 @@ def run(
         if policy != "16-bit" and policy not in POLICIES:
             raise PagedWeightError(f"unknown --policy {policy!r}: choose one of {', '.join(POLICIES)}, 16-bit")
         set_threads(threads)
+        open_artifact(artifacts, model or default_model(), not no_verify)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
         if policy != "16-bit":
             Policy.named(policy, bits).check_bits(ev.artifact.bits)
@@ -173,6 +177,7 @@ def sweep(
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
+    no_verify: NoVerifyOpt = False,
 ) -> None:
     """Every policy x budget on both suites -> results.parquet, then every figure and table (one command)."""
     from pweval.figures import write_report  # matplotlib: only the commands that draw load it
@@ -180,6 +185,7 @@ def sweep(
     with user_errors():
         _check_out(out, None)
         set_threads(threads)
+        open_artifact(artifacts, model or default_model(), not no_verify)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
         warn_missing_tables(ev.artifact, POLICIES, ev.model_dir)  # the sweep serves with every policy
         spec = QUICK if quick else SweepSpec()

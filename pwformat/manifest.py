@@ -1,11 +1,13 @@
 """The artifact manifest: a typed, versioned record of what an artifact directory holds.
 
 What it does: ``Manifest`` is ``manifest.json`` as a dataclass (format, bitwidths, the model's fingerprint,
-per-layer files, one record per pwcal stage), validated on read (``Manifest.from_dict`` raises a one-line
-``PagedWeightError`` naming the bad field); ``SCHEMA_VERSION`` is the version of this record (a manifest without
-one is version 1). It also fingerprints a model checkpoint (sha256 of config.json; sha256 of the weight files,
-and quick fingerprints from their names, sizes, headers and a few hundred bytes of every tensor that the
-runtime can check without reading gigabytes) and checks that an artifact belongs to a checkpoint.
+per-layer files, one record per pwcal stage, the id of the quantize run, a ``FileSum`` per file), validated on
+read (``Manifest.from_dict`` raises a one-line ``PagedWeightError`` naming the bad field, its value and what it
+should be); ``SCHEMA_VERSION`` is the version of this record (a manifest without one is version 1; version 2 adds
+``run_id`` and ``checksums``, which older ones lack). It also fingerprints a model checkpoint (sha256 of
+config.json; sha256 of the weight files, and quick fingerprints from their names, sizes, headers and a few
+hundred bytes of every tensor that the runtime can check without reading gigabytes) and checks that an artifact
+belongs to a checkpoint.
 It imports no torch.
 """
 
@@ -21,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from pwformat.atomic import write_atomic
+from pwformat.checksums import FileSum
 from pwformat.errors import PagedWeightError
+from pwformat.layout import PARENT_BITS, SUPPORTED_SEEDS
 
 MANIFEST = "manifest.json"
 
@@ -89,15 +93,47 @@ def model_fingerprint(model_dir: Path, full: bool = True) -> dict[str, str]:
     return out
 
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+FIX = "re-run pwcal quantize with --force"
+
+
+def _bad(where: Path | str, name: str, value: Any, want: str) -> PagedWeightError:
+    return PagedWeightError(f"{where}: field '{name}' is {value!r:.60}, not {want}: {FIX}")
 
 
 def _field(where: Path | str, name: str, value: Any, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise PagedWeightError(f"{where}: field '{name}' is {type(value).__name__} {value!r:.60}, not {want}: re-run "
-                               "pwcal quantize with --force")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in kinds):
+        want = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise PagedWeightError(f"{where}: field '{name}' is {type(value).__name__} {value!r:.60}, not {want}: {FIX}")
     return value
+
+
+def _plain_name(where: Path | str, name: str, value: Any) -> str:
+    """A file name inside the artifact directory (no directories, not hidden)."""
+    _field(where, name, value, str)
+    if not value or "/" in value or "\\" in value or value.startswith("."):
+        raise _bad(where, name, value, "a file name inside the artifact directory")
+    return str(value)
+
+
+def _checksums(where: Path | str, raw: Any) -> dict[str, FileSum] | None:
+    if raw is None:
+        return None
+    out = {}
+    for name, rec in _field(where, "checksums", raw, dict).items():
+        at = f"checksums.{name}"
+        _plain_name(where, at, name)
+        _field(where, at, rec, dict)
+        size = _field(where, f"{at}.size", rec.get("size"), int)
+        digest = _field(where, f"{at}.xxh3_128", rec.get("xxh3_128"), str)
+        if size < 0:
+            raise _bad(where, f"{at}.size", size, "a size in bytes >= 0")
+        if len(digest) != 32 or any(c not in "0123456789abcdef" for c in digest):
+            raise _bad(where, f"{at}.xxh3_128", digest, "32 lower-case hex digits")
+        out[name] = FileSum(size, digest, _field(where, f"{at}.stage", rec.get("stage"), str),
+                            _field(where, f"{at}.layer", rec.get("layer"), (int, type(None))))
+    return out
 
 
 @dataclass
@@ -115,8 +151,10 @@ class ModelRecord:
 
 @dataclass
 class Manifest:
-    """``manifest.json`` of an AP artifact. ``stages``: stage name -> its record (``complete``, ``config``, outputs,
-    timing, ``stale_because`` when a re-run left it incomplete); ``files``: layer index (str) -> file name."""
+    """``manifest.json`` of an AP artifact. ``stages``: stage name -> its record (``complete``, ``config``, outputs
+    (``files``), timing, ``stale_because`` when a re-run left it incomplete); ``files``: layer index (str) -> file
+    name; ``run_id``: the id of the quantize run that made the layer files (every table records it);
+    ``checksums``: file name -> ``FileSum`` (None: an artifact from before checksums)."""
 
     format: str
     format_version: int
@@ -131,6 +169,8 @@ class Manifest:
     package_version: str = "unknown"
     schema_version: int = SCHEMA_VERSION
     updated: str | None = None
+    run_id: str | None = None
+    checksums: dict[str, FileSum] | None = None
 
     def stage(self, name: str) -> dict[str, Any]:
         """The record of stage ``name`` ({} if it never ran)."""
@@ -140,45 +180,101 @@ class Manifest:
         return bool(self.stage(name).get("complete"))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.checksums is not None:
+            d["checksums"] = {k: v.to_dict() for k, v in self.checksums.items()}
+        return d
+
+    def checked_files(self) -> list[str]:
+        """The files a reader relies on: every layer file and the outputs of every complete stage."""
+        names = list(dict.fromkeys(self.files.values()))
+        for rec in self.stages.values():
+            if rec.get("complete"):
+                names += [f for f in rec.get("files", []) if f not in names]
+        return names
+
+    def model_id(self) -> str:
+        """A short fingerprint of the checkpoint (from its recorded hashes), recorded in every table."""
+        m = self.model
+        key = f"{m.config_sha256}:{m.weights_quick}:{m.weights_sample or ''}"
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def provenance(self) -> dict[str, str] | None:
+        """What every table of this artifact records: the model's fingerprint and the quantize run's id (None for
+        an artifact from before run ids)."""
+        return None if self.run_id is None else {"model": self.model_id(), "run": self.run_id}
 
     @staticmethod
     def from_dict(d: Any, where: Path | str) -> Manifest:
-        """Validate ``d`` (parsed JSON); raises ``PagedWeightError`` naming the first bad field and the fix."""
+        """Validate ``d`` (parsed JSON); raises ``PagedWeightError`` naming the first bad field, its value, what it
+        should be and the fix."""
         if not isinstance(d, dict):
-            raise PagedWeightError(f"{where} is corrupt (not the JSON object pwcal writes): re-run pwcal quantize "
-                                   "with --force")
+            raise PagedWeightError(f"{where} is corrupt (not the JSON object pwcal writes): {FIX}")
         version = _field(where, "schema_version", d.get("schema_version", 1), int)
         if version > SCHEMA_VERSION:
-            raise PagedWeightError(f"{where} has manifest schema {version}, newer than this version's "
-                                   f"{SCHEMA_VERSION}: upgrade pagedweight")
+            by = d.get("package_version")
+            reader = f"pagedweight {by} or later" if isinstance(by, str) and by != "unknown" else "a newer pagedweight"
+            raise PagedWeightError(f"{where} has manifest schema {version}, newer than the {SCHEMA_VERSION} this "
+                                   f"version reads: it was written by {reader}; upgrade to that to read it")
+        if version < 1:
+            raise _bad(where, "schema_version", version, f"1..{SCHEMA_VERSION}")
         for name in ("format", "format_version", "parent_bits", "seed_bits", "bits", "model", "files", "stages"):
             if name not in d:
-                raise PagedWeightError(f"{where}: field '{name}' is missing: re-run pwcal quantize with --force")
+                raise PagedWeightError(f"{where}: field '{name}' is missing: {FIX}")
         m = d["model"]
         _field(where, "model", m, dict)
         for name in ("path", "family", "config_sha256", "weights_quick"):
             _field(where, f"model.{name}", m.get(name), str)
         for name in ("weights_sample", "weights_sha256"):
             _field(where, f"model.{name}", m.get(name), (str, type(None)))
+        parent = _field(where, "parent_bits", d["parent_bits"], int)
+        seed = _field(where, "seed_bits", d["seed_bits"], int)
+        if parent != PARENT_BITS:
+            raise _bad(where, "parent_bits", parent, str(PARENT_BITS))
+        if seed not in SUPPORTED_SEEDS:
+            raise _bad(where, "seed_bits", seed, " or ".join(map(str, SUPPORTED_SEEDS)))
         bits = _field(where, "bits", d["bits"], list)
         for b in bits:
             _field(where, "bits[]", b, int)
+        if bits != list(range(seed, parent + 1)):
+            raise _bad(where, "bits", bits, f"every bitwidth from seed_bits to parent_bits, {seed}..{parent}")
         files = _field(where, "files", d["files"], dict)
+        for k, v in files.items():
+            if not (isinstance(k, str) and k.isdigit() and k.isascii()):
+                raise _bad(where, f"files.{k}", k, "a layer index (a decimal integer)")
+            _plain_name(where, f"files.{k}", v)
         stages = _field(where, "stages", d["stages"], dict)
         for name, rec in stages.items():
             _field(where, f"stages.{name}", rec, dict)
+            _field(where, f"stages.{name}.complete", rec.get("complete", False), bool)
+            _field(where, f"stages.{name}.config", rec.get("config", {}), dict)
+            for i, f in enumerate(_field(where, f"stages.{name}.files", rec.get("files", []), list)):
+                _plain_name(where, f"stages.{name}.files[{i}]", f)
+        sums = _checksums(where, d.get("checksums"))
+        if sums is None and version >= 2:  # only an artifact from before schema 2 may lack them
+            raise PagedWeightError(f"{where}: field 'checksums' is missing (schema {version} records them): {FIX}")
+        if sums is not None:
+            for k, v in files.items():
+                if v not in sums:
+                    raise _bad(where, f"files.{k}", v, "a file with a checksum record")
+                if sums[v].layer != int(k):
+                    raise _bad(where, f"files.{k}", v, f"the file of layer {k} (its checksum record says layer "
+                               f"{sums[v].layer}: the file map swaps layers)")
+            for name, rec in stages.items():
+                for f in rec.get("files", []) if rec.get("complete") else []:
+                    if f not in sums:
+                        raise _bad(where, f"stages.{name}.files", f, "a file with a checksum record")
         return Manifest(
             format=_field(where, "format", d["format"], str),
             format_version=_field(where, "format_version", d["format_version"], int),
-            parent_bits=_field(where, "parent_bits", d["parent_bits"], int),
-            seed_bits=_field(where, "seed_bits", d["seed_bits"], int),
-            bits=list(bits), files={str(k): str(v) for k, v in files.items()}, stages=stages,
+            parent_bits=parent, seed_bits=seed,
+            bits=list(bits), files=dict(files), stages=stages,
             model=ModelRecord(**{f.name: m.get(f.name) for f in dataclasses.fields(ModelRecord)}),
             lut_dtype=_field(where, "lut_dtype", d.get("lut_dtype", "float16"), str),
             packing=_field(where, "packing", d.get("packing", ""), str),
             package_version=_field(where, "package_version", d.get("package_version", "unknown"), str),
-            schema_version=version, updated=d.get("updated"))
+            schema_version=version, updated=_field(where, "updated", d.get("updated"), (str, type(None))),
+            run_id=_field(where, "run_id", d.get("run_id"), (str, type(None))), checksums=sums)
 
 
 def write_manifest(artifact_dir: Path, manifest: Manifest) -> None:
@@ -195,8 +291,9 @@ def read_manifest(artifact_dir: Path) -> Manifest:
                                "`pwcal run-all MODEL --out DIR` (or its first stage, `pwcal quantize`) first")
     try:
         out = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise PagedWeightError(f"{p} is corrupt ({exc.msg}): rerun the stage that wrote it with --force") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+        raise PagedWeightError(f"{p} is corrupt ({why}): {FIX}") from exc
     return Manifest.from_dict(out, p)
 
 

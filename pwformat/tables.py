@@ -3,13 +3,15 @@
 What it does: one ``pyarrow`` schema per table (``sensitivity``, ``routing``, ``block_features``,
 ``residual_heads``,
 ``buckets``, ``bucket_search``), ``write_table`` (validate against the schema, zstd, ``.tmp`` then
-rename) and ``read_table`` (clear error for a missing, truncated or corrupted file, or a schema
-mismatch). The pandas DataFrames that go in and out are what notebooks and the planner read.
-It imports no torch.
+rename; the table's provenance, the model's fingerprint and the quantize run's id, goes into the Parquet schema
+metadata) and ``read_table`` (clear error for a missing, truncated or corrupted file, a schema mismatch, contents
+that differ from the manifest's checksum, or a table of another model or quantize run). The pandas DataFrames
+that go in and out are what notebooks and the planner read. It imports no torch.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pwformat.atomic import atomic_path
+from pwformat.checksums import digest_bytes
 from pwformat.errors import PagedWeightError
+
+PROVENANCE_KEY = b"pagedweight.provenance"  # schema metadata: JSON {"model": fingerprint, "run": quantize run id}
 
 SCHEMAS: dict[str, pa.Schema] = {
     # one row per linear block i = (layer, expert, unit) and bitwidth b (SPEC Eq. 2, 3)
@@ -59,10 +64,17 @@ SCHEMAS: dict[str, pa.Schema] = {
     ]),
 }
 
+# table -> the pwcal stage that writes it
+WRITTEN_BY = {"sensitivity": "sensitivity", "routing": "sensitivity", "block_features": "sensitivity",
+              "residual_heads": "fit-residual", "buckets": "search-buckets", "bucket_search": "search-buckets"}
 
-def write_table(df: pd.DataFrame, path: Path, name: str) -> None:
-    """Write ``df`` as ``SCHEMAS[name]`` to ``path`` (zstd, atomic). Raises ``ValueError`` on schema mismatch."""
+
+def write_table(df: pd.DataFrame, path: Path, name: str, provenance: dict[str, str] | None = None) -> None:
+    """Write ``df`` as ``SCHEMAS[name]`` to ``path`` (zstd, atomic), recording ``provenance``
+    (``Manifest.provenance()``). Raises ``ValueError`` on schema mismatch."""
     schema = SCHEMAS[name]
+    if provenance is not None:
+        schema = schema.with_metadata({PROVENANCE_KEY: json.dumps(provenance, sort_keys=True).encode()})
     missing = [f for f in schema.names if f not in df.columns]
     if missing:
         raise ValueError(f"table {name} lacks columns {missing}")
@@ -71,17 +83,29 @@ def write_table(df: pd.DataFrame, path: Path, name: str) -> None:
         pq.write_table(table, tmp, compression="zstd")
 
 
-def read_table(path: Path, name: str) -> pd.DataFrame:
-    """Read ``path`` and check it against ``SCHEMAS[name]``; raises ``PagedWeightError`` with the fix."""
+def read_table(path: Path, name: str, digest: str | None = None, provenance: dict[str, str] | None = None,
+               remake: str = "re-run its pwcal stage with --force") -> pd.DataFrame:
+    """Read ``path`` and check it against ``SCHEMAS[name]``, its XXH3-128 ``digest`` and its ``provenance`` (each if
+    given); raises ``PagedWeightError`` ending in ``remake`` (what to do)."""
     if not path.is_file():
         raise PagedWeightError(f"{path} is missing: run the pwcal stage that writes {name} first")
+    data = path.read_bytes()  # once: the bytes hashed are the bytes parsed
+    if digest is not None and digest_bytes(data) != digest:
+        raise PagedWeightError(f"{path} is corrupt (its contents differ from the checksum in the manifest): {remake}")
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(pa.BufferReader(data))
     except (pa.ArrowInvalid, OSError) as exc:
-        raise PagedWeightError(f"{path} is truncated or corrupted ({str(exc).splitlines()[0]}): re-run its pwcal "
-                               "stage with --force") from exc
+        raise PagedWeightError(f"{path} is truncated or corrupted ({str(exc).splitlines()[0]}): {remake}") from exc
     want = SCHEMAS[name]
     if not table.schema.remove_metadata().equals(want):
-        raise PagedWeightError(f"{path} does not have the {name} schema of this version: re-run its pwcal stage "
-                               "with --force")
+        raise PagedWeightError(f"{path} does not have the {name} schema of this version: {remake}")
+    if provenance is not None:
+        raw = (table.schema.metadata or {}).get(PROVENANCE_KEY)
+        got = json.loads(raw) if raw else {}
+        if got.get("model") != provenance["model"]:
+            raise PagedWeightError(f"{path} was computed for another model (fingerprint {got.get('model')}, this "
+                                   f"artifact's is {provenance['model']}): {remake}")
+        if got.get("run") != provenance["run"]:
+            raise PagedWeightError(f"{path} was computed from another quantize run ({got.get('run')}, this "
+                                   f"artifact's is {provenance['run']}): {remake}")
     return table.to_pandas()

@@ -23,22 +23,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 
 from pwformat.atomic import write_atomic
 from pwformat.errors import PagedWeightError
-from pwrun.ap.artifact import APArtifact
 from pwrun.ap.dense import dense_model
 from pwrun.cli_common import (
     DeviceOpt,
     DtypeOpt,
     ModelOpt,
+    NoVerifyOpt,
     check_writable_file,
     default_model,
     make_console,
+    open_artifact,
     user_errors,
     warn_missing_tables,
 )
 from pwrun.cli_serve import serve
 from pwrun.core.config import EngineConfig
 from pwrun.core.policy import Policy
-from pwrun.core.request import SamplingParams
+from pwrun.core.request import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 from pwrun.data import document_prompts, read_jsonl_field, read_text
 from pwrun.engine.budget import parse_size
 from pwrun.engine.build import ServeConfig
@@ -118,7 +119,8 @@ def generate(
                                                  "concurrently.")] = None,
     output: Annotated[Path | None, typer.Option(help="Write results as JSONL here (default: stdout).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples (finite).")] = 0.0,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; 0.001..1000 samples (1 = the model's "
+                                               "distribution).")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     model: ModelOpt = None,
@@ -143,14 +145,15 @@ def generate(
     debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
                                                "every step.")] = False,
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
+    no_verify: NoVerifyOpt = False,
 ) -> None:
     """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
     with user_errors():
         if (prompt is None) == (prompts is None):
             raise PagedWeightError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise PagedWeightError(f"--temperature {temperature} is not allowed: give a finite number >= 0 "
-                                   "(0 = greedy, 1 = the model's distribution)")
+        if not (math.isfinite(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
+            raise PagedWeightError(f"--temperature {temperature} is not allowed: give 0 (greedy) or a number in "
+                                   f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (1 = the model's distribution)")
         if not 0 < top_p <= 1:  # also refuses nan
             raise PagedWeightError(f"--top-p {top_p} is not allowed: give a number in (0, 1] (1 = no nucleus cut)")
         if prompt is not None and not prompt.strip():
@@ -190,8 +193,7 @@ def generate(
             sys.stdout.write(("" if started[0] else texts[0]) + "\n")
 
         if artifacts is not None:
-            art = APArtifact(artifacts)
-            art.check_model(model_dir)
+            art = open_artifact(artifacts, model_dir, not no_verify)
             serve_policy = Policy.named(policy, bits)
             serve_policy.check_bits(art.bits)
             warn_missing_tables(art, [policy], model_dir)
@@ -264,19 +266,19 @@ def ppl(
                                                    "expert weights from.")] = None,
     uniform_bits: Annotated[int | None, typer.Option(help="With --artifacts: every expert block at this many "
                                                      "bits (seed..8).")] = None,
+    no_verify: NoVerifyOpt = False,
 ) -> None:
     """Perplexity (teacher-forced, exp of mean NLL per token) on real text, at 16-bit or uniform AP bits."""
     with user_errors():
         if seq_len < 2 or (max_windows is not None and max_windows < 1):
             raise PagedWeightError("--seq-len must be >= 2 and --max-windows >= 1")
         model_dir = model or default_model()
-        tok = load_tokenizer(model_dir)
-        lm = load_model(model_dir, device=device, dtype=dtype)
         if (artifacts is None) != (uniform_bits is None):
             raise PagedWeightError("--artifacts and --uniform-bits go together")
-        if artifacts is not None and uniform_bits is not None:
-            art = APArtifact(artifacts)
-            art.check_model(model_dir)
+        art = None if artifacts is None else open_artifact(artifacts, model_dir, not no_verify)
+        tok = load_tokenizer(model_dir)
+        lm = load_model(model_dir, device=device, dtype=dtype)
+        if art is not None and uniform_bits is not None:
             lm = dense_model(art, lm, uniform_bits)
         ids = tok(read_text(dataset), add_special_tokens=False, verbose=False).input_ids
         total = min(len(ids) // seq_len, max_windows) if max_windows else len(ids) // seq_len

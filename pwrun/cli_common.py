@@ -3,8 +3,9 @@
 What it does: the ``Annotated`` option aliases used by several commands (defined once),
 ``user_errors``, which turns a ``PagedWeightError`` into ``error: <one line>`` on stderr with
 exit code 2, ``check_writable_file``, which checks an output path before any work is done,
-``warn_missing_tables``, the warnings of every command that serves with an artifact, and
-``make_console``, the rich console of every command.
+``warn_missing_tables``, the warnings of every command that serves with an artifact, ``open_artifact``,
+which opens and verifies an artifact for a command (with progress), and ``make_console``, the rich console of
+every command.
 It does no work of its own.
 """
 
@@ -22,6 +23,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from safetensors import SafetensorError
 
 from pwformat.errors import PagedWeightError
@@ -29,6 +31,7 @@ from pwrun.ap.artifact import APArtifact
 from pwrun.core.policy import POLICIES
 from pwrun.data import default_model_dir
 from pwrun.engine.build import missing_tables
+from pwrun.progress import progress
 from pwrun.signals import Terminated, raise_terminated
 
 ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugging Face checkpoint directory "
@@ -36,6 +39,10 @@ ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugg
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, fp32 on "
                                        "CPU), float32, bfloat16 or float16.")]
+NoVerifyOpt = Annotated[bool, typer.Option("--no-verify", help="Do not re-hash the artifact's files against the "
+                                           "manifest's checksums (a read of every byte; sizes, layer ids and "
+                                           "tables' provenance are still checked).")]
+LARGE_ARTIFACT = 256 * 2**20  # bytes to verify above which a progress bar is shown
 
 
 # Width of a console whose stream is not a terminal (a file, a pipe, CI logs): rich would wrap at 80 columns,
@@ -107,6 +114,27 @@ def check_writable_file(flag: str, path: Path) -> None:
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise PagedWeightError(f"{what}: {path if path.exists() else parent} is not writable; give a path you can "
                                "write")
+
+
+def open_artifact(path: Path, model_dir: Path, verify: bool = True) -> APArtifact:
+    """The artifact at ``path`` for ``model_dir``'s checkpoint, its files' contents checked against the manifest's
+    checksums unless not ``verify`` (a progress bar on stderr above ``LARGE_ARTIFACT`` bytes); an artifact from
+    before checksums gets a one-line warning saying how to add them. Raises ``PagedWeightError`` (one line, the
+    bad file and the command that remakes it)."""
+    art = APArtifact(path)
+    art.check_model(model_dir)
+    if art.no_checksums_warning is not None:
+        typer.echo(f"warning: {art.no_checksums_warning}", err=True)
+    elif verify:
+        total = art.checked_bytes()
+        if total < LARGE_ARTIFACT:
+            art.verify()
+        else:
+            cols = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn())
+            with progress(make_console(stderr=True), *cols, transient=True) as bar:
+                task = bar.add_task(f"verifying {path}, MiB", total=round(total / 2**20))
+                art.verify(lambda n: bar.advance(task, n / 2**20))
+    return art
 
 
 def warn_missing_tables(art: APArtifact, policies: Iterable[str], model_dir: Path) -> None:

@@ -6,13 +6,15 @@ What it does: (1) runs the lean model over calibration windows with a ``HessianD
 rows (and the shared expert, an always-active block) with ``nested_kmeans`` weighted by each block's Hessian
 diagonal (uniform weights for experts that saw fewer than ``min_tokens`` tokens: reported), then for ``gptq``
 refines every bitwidth's codes and LUT with error feedback on the full Hessian (``nested_gptq``); (3) packs
-bit-planes and writes one safetensors file per layer plus ``manifest.json``, all inside
-``OUT.partial/`` that is renamed to ``OUT`` only when complete (an existing ``OUT`` is first renamed to
-``OUT.old``, put back if the run stops between the two renames, else removed). A rerun on a complete artifact
-with the same model and parameters is a no-op unless ``force``.
+bit-planes and writes one safetensors file per layer (hashed as written: ``pwformat.checksums``) plus
+``manifest.json``, all inside ``OUT.partial/`` that is renamed to ``OUT`` only when complete (an existing ``OUT``
+is first renamed to ``OUT.old``, removed once the new one is in place). A run killed between those renames is
+finished by the next run (``recover_leftovers``). A rerun on a complete artifact with the same model and
+parameters is a no-op unless ``force``.
 
 Tensor names in ``layer_LLL.safetensors``: ``{e}.{unit}.planes`` int32 [8, N, Kw] and
-``{e}.{unit}.lut{b}`` float16 [N, 2^b], e = expert id or ``shared``; format in ``pwformat.ap``.
+``{e}.{unit}.lut{b}`` float16 [N, 2^b], e = expert id or ``shared``; format in ``pwformat.ap``. The header
+metadata names the format, the layer and the run's id (``run_id``, also in the manifest and every table).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial as partial_fn
@@ -33,14 +36,17 @@ from safetensors.torch import save_file
 from pwcal.calib_data import calibration_windows
 from pwcal.quant.gptq import nested_gptq
 from pwcal.quant.kmeans1d import NestedCodes, nested_kmeans
+from pwcal.quant.leftovers import recover_leftovers
 from pwcal.stats.collect import observe
 from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.hessian_full import HessianFull, layer_groups
 from pwformat.ap import pack_planes
+from pwformat.checksums import file_sum
 from pwformat.errors import PagedWeightError
 from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS
 from pwformat.manifest import (
     MANIFEST,
+    FileSum,
     Manifest,
     ModelRecord,
     model_fingerprint,
@@ -226,7 +232,7 @@ def _first(lookup: Callable[[LinearBlock, int], tuple[torch.Tensor | None, int]]
 
 def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[str, str], layers: list[int],
               blocks: list[LinearBlock], fallback: list[LinearBlock], calibration_tokens: int,
-              seconds: float) -> Manifest:
+              seconds: float, run_id: str, sums: dict[str, FileSum]) -> Manifest:
     """The artifact's ``manifest.json`` as the quantize stage writes it."""
     return Manifest(
         format=FORMAT,
@@ -239,9 +245,12 @@ def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[
         model=ModelRecord(path=str(model_dir), family=family, **model_fp),
         package_version=package_version(),
         files={str(layer): layer_file(layer) for layer in layers},
+        run_id=run_id,
+        checksums=sums,
         stages={"quantize": {
             "complete": True,
             "config": asdict(cfg),
+            "files": [layer_file(layer) for layer in layers],
             "calibration_tokens": calibration_tokens,
             "blocks": len(blocks),
             "fallback_blocks": [[b.layer, b.expert, b.unit] for b in fallback],
@@ -265,10 +274,12 @@ def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConf
 
 
 def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "auto", force: bool = False,
-             progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[str, int, int], None] | None = None,
+             notice: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
     """Run the whole quantize stage; returns the manifest (written to ``out``).
 
-    ``progress(stage, done, total)`` is called as calibration windows and layers complete.
+    ``progress(stage, done, total)`` is called as calibration windows and layers complete; ``notice(line)`` with
+    what was done about a killed run's leftovers (``recover_leftovers``).
     Raises ``PagedWeightError`` for bad input, and when another run is writing ``out`` (``pwformat.writer_lock``);
     nothing is left at ``out`` unless complete.
     """
@@ -286,6 +297,7 @@ def quantize(model_dir: Path, out: Path, cfg: QuantizeConfig, device: str = "aut
     if not os.access(out.parent, os.W_OK):
         raise PagedWeightError(f"cannot create {out}: {out.parent} is not writable; give --out where you can write")
     with writer_lock(out):
+        recover_leftovers(out, notice)
         return _quantize_locked(model_dir, out, cfg, device, force, progress, t0)
 
 
@@ -299,9 +311,6 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
                                f"give --seq-len in [2, {context}]")
     model_fp = model_fingerprint(model_dir)
     old = out.with_name(out.name + ".old")  # the previous artifact while the new one is renamed into place
-    if old.exists() and not out.exists():
-        old.replace(out)  # a run killed between its two final renames (SIGKILL: no cleanup ran)
-    shutil.rmtree(old, ignore_errors=True)
     if out.exists() and not force and _existing_is_complete(out, model_fp, cfg):
         return {**read_manifest(out).to_dict(), "skipped": True}
     tok = load_tokenizer(model_dir)
@@ -314,6 +323,8 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
     hess = collect_hessian(model, windows, progress=progress) if cfg.method == "kmeans" else None
     partial = out.with_name(out.name + ".partial")
     fallback: list[LinearBlock] = []
+    run_id = uuid.uuid4().hex
+    sums: dict[str, FileSum] = {}
     try:  # from the mkdir on: a SIGTERM right after it must remove OUT.partial too
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -332,14 +343,16 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
                     _first(obs.weights_for, cfg.min_tokens), cfg,
                     full_of=None if full is None else _first(full.matrix_for, cfg.min_tokens))
                 fallback += fb
-                save_file(tensors, str(partial / layer_file(layer)),
-                          metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+                path = partial / layer_file(layer)
+                save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION),
+                                                        "layer": str(layer), "run_id": run_id})
+                sums[path.name] = file_sum(path, "quantize", layer)  # read back while in the page cache
                 done += 1
                 if progress:
                     progress("quantize", done, len(layers))
             del full
         manifest = _manifest(cfg, model_dir, model.spec.family, model_fp, layers, blocks, fallback,
-                             len(windows) * len(windows[0]), time.time() - t0)
+                             len(windows) * len(windows[0]), time.time() - t0, run_id, sums)
         write_manifest(partial, manifest)
         if out.exists():  # two renames: OUT is always the old artifact or the new one, never half of either
             out.replace(old)

@@ -13,12 +13,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["eos", "length", "abort"]
+# Sampling temperatures allowed besides 0: below the minimum the distribution is the argmax anyway (and logits / T
+# overflow), above the maximum it is uniform to within float precision.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature`` 0 = greedy; ``top_p`` in (0, 1] keeps the smallest set of tokens of that mass; request ``rid``
-    samples from a generator seeded ``seed + rid`` (reproducible whatever else runs in the batch)."""
+    """``temperature`` 0 = greedy, else in [``MIN_TEMPERATURE``, ``MAX_TEMPERATURE``]; ``top_p`` in (0, 1] keeps
+    the smallest set of tokens of that mass; request ``rid`` samples from a generator seeded ``seed + rid``
+    (reproducible whatever else runs in the batch)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -28,8 +32,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        t = self.temperature
+        if not (math.isfinite(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE)):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                             f"got {t}")
         if not 0 < self.top_p <= 1:  # also refuses nan
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 

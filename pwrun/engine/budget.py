@@ -44,7 +44,9 @@ def parse_size(text: str) -> int:
 
 
 def format_size(n: float) -> str:
-    """Human-readable bytes (KiB/MiB/GiB, 2 decimals; bytes below 1 KiB)."""
+    """Human-readable bytes (KiB/MiB/GiB/TiB, 2 decimals; bytes below 1 KiB)."""
+    if abs(n) >= 2**40:
+        return f"{n / 2**40:.2f} TiB"
     if abs(n) >= 2**30:
         return f"{n / 2**30:.2f} GiB"
     if abs(n) >= 2**20:

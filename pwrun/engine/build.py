@@ -12,6 +12,7 @@ with the model's own 16-bit experts (no artifact, no planner; the pool holds onl
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 from kernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
 from pwformat.cost import block_pages, kv_block_pages, kv_page_bytes, page_rounded_bytes
 from pwformat.errors import BudgetTooSmall, PagedWeightError
-from pwformat.tables import read_table
+from pwformat.tables import WRITTEN_BY
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.config import EngineConfig
 from pwrun.core.engine_core import EngineCore
@@ -65,8 +66,7 @@ OPTIONAL_TABLES = {
 }
 
 
-TABLE_STAGE = {"sensitivity": "sensitivity", "routing": "sensitivity",
-               **{name: stage for name, (stage, _) in OPTIONAL_TABLES.items()}}  # table -> the pwcal stage writing it
+TABLE_STAGE = WRITTEN_BY  # table -> the pwcal stage writing it
 
 
 def _stale(art: APArtifact, name: str) -> str | None:
@@ -108,7 +108,7 @@ def missing_tables(art: APArtifact, policy: Policy, model_dir: Path | str = "MOD
 
 def _read(art: APArtifact, name: str) -> pd.DataFrame | None:
     path = art.path / f"{name}.parquet"
-    return read_table(path, name) if path.is_file() and _stale(art, name) is None else None
+    return art.table(name) if path.is_file() and _stale(art, name) is None else None
 
 
 def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) -> BlockTable:
@@ -174,6 +174,18 @@ def _calib_features(art: APArtifact, table: BlockTable) -> np.ndarray | None:
     return out
 
 
+def check_device_budget(budget: int, dev: torch.device) -> None:
+    """Raise ``PagedWeightError`` if ``budget`` bytes exceed the device's whole memory (the GPU's, or the host's
+    RAM for the CPU): checked before anything is allocated for it."""
+    if dev.type == "cuda":
+        have = torch.cuda.get_device_properties(dev).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if budget > have:
+        raise PagedWeightError(f"--gpu-memory {format_size(budget)} is more than {dev} has ({format_size(have)} in "
+                               f"all): give at most --gpu-memory {have // 2**20}MiB")
+
+
 def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: SamplingParams,
                  requests: list[list[int]], eos: set[int], device: str = "auto", dtype: str = "auto",
                  forced: list[list[int]] | None = None, max_request_tokens: int = 0) -> LLMEngine:
@@ -188,6 +200,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     cfg.policy.check_bits(art.bits)
     missing_tables(art, cfg.policy, model_dir)  # the caller shows the warnings (e.g. once per CLI run)
     dev = resolve_device(device)
+    check_device_budget(cfg.gpu_memory, dev)
     dt = resolve_dtype(dtype, dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -242,6 +255,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         raise PagedWeightError("forced continuations must be one non-empty token list per request")
     new_tokens = [len(f) for f in forced] if forced is not None else [params.max_new_tokens] * len(requests)
     dev, dt = model.device, model.dtype
+    check_device_budget(cfg.gpu_memory, dev)
     spec = model.spec
     ecfg = cfg.engine
     elt = dt.itemsize

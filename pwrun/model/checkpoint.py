@@ -45,7 +45,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 class TensorReader:
-    """Lazy name -> tensor access over a set of safetensors files."""
+    """Lazy name -> tensor access over a set of safetensors files; every tensor is checked for NaN and Inf as it is
+    loaded (the error names it)."""
 
     def __init__(self, files: list[Path], dtype: torch.dtype, device: torch.device | str) -> None:
         self.dtype, self.device = dtype, device
@@ -76,7 +77,11 @@ class TensorReader:
                                    "the weights belong to another config")
         if not t.is_floating_point():
             raise PagedWeightError(f"tensor '{name}' has dtype {t.dtype}: only float checkpoints are supported")
-        return t.to(device=self.device, dtype=self.dtype)
+        out = t.to(device=self.device, dtype=self.dtype)
+        if not bool(torch.isfinite(out).all()):  # one pass over the tensor where it lands (cheap on a GPU)
+            raise PagedWeightError(f"tensor '{name}' of {f.name} holds NaN or Inf (as {str(self.dtype)[6:]}): the "
+                                   "checkpoint is damaged; re-download or re-export it")
+        return out
 
     def maybe(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.get(name, shape) if self.has(name) else None
