@@ -302,7 +302,7 @@ def test_messages_name_the_right_thing(tmp_path: Path) -> None:
     with pytest.raises(PagedWeightError, match="is corrupt \\(not the JSON object pwcal writes\\)"):
         APArtifact(tmp_path)
     good = Manifest("pagedweight-ap", 1, 8, 3, [3, 4, 5, 6, 7, 8], ModelRecord("m", "qwen2_moe", "c", "q"), {"0": "l0"},
-                    {"quantize": {"complete": True}}).to_dict()
+                    {"quantize": {"complete": True}}, schema_version=1).to_dict()  # schema 1: no checksums
     assert Manifest.from_dict(json.loads(json.dumps(good)), "m") == Manifest.from_dict(good, "m")
     bad_fields = (("model", []), ("stages", []), ("bits", "3-8"), ("seed_bits", "3"), ("model.config_sha256", 1))
     for field, value in bad_fields:
