@@ -11,13 +11,14 @@ from typing import Annotated
 import typer
 
 from pwformat.errors import BudgetTooSmall, PagedWeightError
-from pwrun.ap.artifact import APArtifact
 from pwrun.cli_common import (
     DeviceOpt,
     DtypeOpt,
     ModelOpt,
+    NoVerifyOpt,
     default_model,
     make_console,
+    open_artifact,
     user_errors,
     warn_missing_tables,
 )
@@ -67,6 +68,7 @@ def serve(
                                                "every step.")] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), "
                                            "debug.")] = "info",
+    no_verify: NoVerifyOpt = False,
 ) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics (Prometheus)."""
@@ -86,8 +88,7 @@ def serve(
             tok.chat_template = chat_template.read_text()
         serve_policy = Policy.named(policy, bits)
         if artifacts is not None:
-            art = APArtifact(artifacts)
-            art.check_model(model_dir)
+            art = open_artifact(artifacts, model_dir, not no_verify)
             serve_policy.check_bits(art.bits)
             warn_missing_tables(art, [policy], model_dir)
         cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), serve_policy,

@@ -39,3 +39,13 @@ def test_params_refuse_non_finite_temperature_and_nan_top_p() -> None:
     for kw in ({"temperature": float("inf")}, {"temperature": float("nan")}, {"top_p": float("nan")}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+
+
+def test_extreme_but_valid_options_sample_the_obvious_token() -> None:
+    """A top_p below float32's range keeps only the most likely token; the smallest temperature is (nearly) greedy;
+    neither may fail in the sampler."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 50, generator=gen) * 5
+    logits[torch.arange(6), torch.arange(6)] = 30.0  # a clear winner per row: 0.001 is then exactly greedy
+    for params in (SamplingParams(temperature=1.0, top_p=1e-300), SamplingParams(temperature=1e-3)):
+        assert torch.equal(sample(logits, params, gen), logits.argmax(-1))

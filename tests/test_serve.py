@@ -238,6 +238,7 @@ def _status(err: openai.APIStatusError) -> tuple[int, str]:
     ({"prompt": "word " * 300}, 400, [f"maximum context length is {CONTEXT} tokens", "prompt has"]),
     ({"max_tokens": CONTEXT}, 400, [f"maximum context length is {CONTEXT}", "max_tokens"]),
     ({"temperature": -1}, 400, ["temperature"]),
+    ({"temperature": 1e-300}, 400, ["temperature", "0.001"]),
     ({"top_p": 0}, 400, ["top_p"]),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, ["stop", "at most 4"]),
     ({"prompt": [1, 2, 10**6]}, 400, ["token id 1000000", "vocabulary"]),

@@ -19,7 +19,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the top token
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
+        keep[..., 0] = True  # the top token always (a top_p that underflows float32, e.g. 1e-300, keeps only it)
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)

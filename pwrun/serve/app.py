@@ -98,8 +98,11 @@ def create_app(state: ServerState) -> FastAPI:
         if body.model != state.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist: this server serves {state.model_name!r}",
                            param="model", kind="not_found_error", code="model_not_found")
-        params = SamplingParams(max_tokens, 1.0 if body.temperature is None else body.temperature,
-                                1.0 if body.top_p is None else body.top_p)
+        try:
+            params = SamplingParams(max_tokens, 1.0 if body.temperature is None else body.temperature,
+                                    1.0 if body.top_p is None else body.top_p)
+        except ValueError as exc:  # a temperature the sampler cannot use (e.g. 1e-300)
+            raise ApiError(400, str(exc), param="temperature" if "temperature" in str(exc) else None) from None
         stop = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else list(body.stop)
         gen = Generation(state.loop, state.tokenizer, ids, params, state.eos, stop, body.seed)
         gen.start()
