@@ -11,6 +11,8 @@ Two parts, one JSON line per measurement in ``bench/results/serving.jsonl``:
   tokens/s (decode leaves out CUDA-graph capture steps; a 3-token run of the same prompts first keeps Triton's JIT
   out of the timing), the bandwidth floor (``common.decode_step_bytes`` / copy bandwidth), planner time, bytes
   reloaded, mean bits, peak memory.
+* **HTTP** (``--http``, ``bench.serving_http``): the W1 workload (real C4 prompts, all at once) through the ``pwrun
+  serve`` server against the same engine in-process: generated tokens/s of both and their ratio.
 * **user path** (``--user-path``): what a user runs, timed stage by stage: a random-weight Hugging Face checkpoint
   at the real shape -> ``pwcal quantize`` -> ``pwcal sensitivity`` (random weights: the tables' values mean
   nothing, their cost is real) -> ``pwrun generate`` on ``--user-requests`` prompts, read from its summary JSON.
@@ -32,6 +34,7 @@ Usage (GPU machine, repository root)::
 
     python -m bench.serving --batches 1,4,16 --bits 3,4,5,8 [--interleave 2] [--config-dir ...Mixtral-8x7B-v0.1]
     python -m bench.serving --user-path --skip-table
+    python -m bench.serving --http --skip-table [--http-policy uniform]
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from bench.common import (
 )
 from bench.compare import EQUAL_MEMORY, compare_commit
 from bench.render import serving_table
+from bench.serving_http import http_vs_in_process
 from bench.serving_runs import engine_run, hf_run, lean16_run, non_expert_bytes, reset_peak
 from bench.workloads import workload_rows
 from pwformat.errors import BudgetTooSmall
@@ -252,6 +256,10 @@ def main() -> None:
     ap.add_argument("--workload-policies", default="pagedweight,uniform",
                     help="policies served per workload (uniform: 4 bits), in the same budget")
     ap.add_argument("--workload-gpu-memory", default="24GiB", help="the budget of both policies (e.g. 24GiB)")
+    ap.add_argument("--http", action="store_true", help="W1 through the pwrun serve server vs in-process, with the "
+                    "--workload-* options (bench.serving_http)")
+    ap.add_argument("--http-policy", choices=("pagedweight", "uniform"), default="pagedweight",
+                    help="the --http run's policy (uniform: 4 bits)")
     args = ap.parse_args()
     env = environment(args.label)
     out = args.out or Path("bench/results/serving.jsonl")
@@ -272,6 +280,8 @@ def main() -> None:
         user_path(args, emit)
     if args.workload:
         workload_rows(args, emit)
+    if args.http:
+        http_vs_in_process(args, emit)
     if args.out_md:
         args.out_md.write_text(serving_table(read_records(out), env["date"]) + "\n")
 

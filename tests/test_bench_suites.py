@@ -93,3 +93,22 @@ def test_real_workload_rows_account_for_every_token(tmp_path: Path) -> None:
         prompt = sum(r[f"{k}_prompt_tps"] * r[f"{k}_s"] for k in kinds)
         assert abs(prompt - r["prompt_tokens"]) < 1e-3 * r["prompt_tokens"]
         assert r["mixed_steps"] > 0 and r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"]
+
+
+def test_serving_http_mode_serves_w1_through_the_server(tmp_path: Path) -> None:
+    """``bench.serving --http`` on the shrunken config: W1 in-process and through the server, every requested token
+    on both sides (no stop token), their ratio, and a table of its own in the rendered section."""
+    _shrunken_qwen(tmp_path)
+    out = tmp_path / "serving.jsonl"
+    _run("bench.serving", "--device", "cpu", "--config-dir", str(tmp_path), "--skip-table", "--http",
+         "--workload-requests", "4", "--workload-gen", "4", "--workload-max-batch", "2", "--workload-step-tokens",
+         "512", "--workload-gpu-memory", "1GiB", "--label", "t", "--out", str(out))
+    (r,) = map(json.loads, out.read_text().splitlines())
+    assert r["system"] == "W1 over HTTP" and r["requests"] == 4 and r["in_process_tokens"] == r["http_tokens"] == 16
+    assert r["context"] <= 1024 + 4 and r["prompt_tokens"] <= 4 * 1024
+    assert abs(r["http_over_in_process"] - r["http_tps"] / r["in_process_tps"]) < 1e-9
+    assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_ms"] > 0 and r["http_steps"] >= r["in_process_steps"]
+    _run("bench.render", "--results", str(tmp_path), "--out", str(tmp_path / "perf.md"))
+    perf = (tmp_path / "perf.md").read_text()
+    assert f"| {tmp_path.name} | pagedweight | 1GiB | 2 | 4 | 4 |" in perf
+    assert f"| {tmp_path.name} | W1 over HTTP |" not in perf  # not in the decode tables

@@ -1,0 +1,189 @@
+"""The serving suite's HTTP mode (``python -m bench.serving --http``): W1 through the ``pwrun serve`` server against
+the same engine in-process, one record.
+
+W1 is ``bench.workloads.w1``: ``--workload-requests`` C4 documents (default 256) at their natural length capped at
+1,024 tokens, ``--workload-gen`` greedy tokens each with no stop token, all arriving at once (a saturating rate: the
+queue never runs dry), on the random-weight model and synthetic AP planes of ``--workload``. One engine build for
+requests that arrive later (``assemble_engine`` with ``max_request_tokens``: what ``pwrun serve`` builds, under
+``--workload-gpu-memory``, ``--workload-max-batch`` and ``--workload-step-tokens``) serves them twice, each after a
+3-token run of the same prompts (JIT and graphs out of the timing): in this process (every request added, then
+stepped to the end), and through HTTP (``pwrun.serve.server.Server``, the uvicorn server and engine thread that
+``pwrun serve`` runs, here on a background thread; the client is a separate process, this module's ``main``, with
+one streaming ``openai.AsyncOpenAI`` request per prompt). Generated tokens/s of both and their ratio (the target:
+HTTP at least 95% of in-process), client-side time to first token and per output token (p50 / p99), the server's
+demotions and preemptions, and the engine steps and their summed seconds on both sides (HTTP slower with as many
+steps: the steps themselves slowed, e.g. by the event loop's share of the interpreter; more steps: requests arrived
+spread out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import torch
+
+from bench.common import BENCH_PLANNER, BENCH_POLICY, SyntheticAP, random_model, synthetic_table
+from bench.serving_runs import reset_peak
+from bench.workloads import w1
+from pwrun.core.config import EngineConfig
+from pwrun.core.policy import Policy
+from pwrun.core.request import Request, SamplingParams
+from pwrun.data import default_model_dir
+from pwrun.engine.budget import parse_size
+from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
+from pwrun.engine.llm_engine import LLMEngine
+from pwrun.model.loader import load_tokenizer
+from pwrun.serve.generation import ServeLimits
+from pwrun.serve.server import Server, free_port
+
+HTTP = "W1 over HTTP"  # the system name of these records (bench.render shows them in a table of their own)
+
+
+class _Folded:
+    """The bundled tokenizer for a model of a larger vocabulary: ids folded into its own, so that every generated
+    token decodes to text (as with the model's own tokenizer: the stream carries a chunk per token)."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.size = tok, len(tok)
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return str(self.tok.decode([i % self.size for i in ids], **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+
+def in_process(engine: LLMEngine, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+    """Every prompt added at once, stepped to the end (after a 3-token run of the same prompts)."""
+    rid = 0
+    for n in (3, gen):
+        rids = range(rid, rid + len(prompts))
+        for r, ids in zip(rids, prompts, strict=True):
+            engine.add_request(Request(r, tuple(ids), SamplingParams(max_new_tokens=n)))
+        rid += len(prompts)
+        t, steps, busy = time.perf_counter(), len(engine.trace), engine.seconds
+        outs = engine.run_until_done()
+        seconds = time.perf_counter() - t
+    tokens = sum(len(outs[r].token_ids) for r in rids)
+    return {"in_process_s": seconds, "in_process_tokens": tokens, "in_process_tps": tokens / seconds,
+            "in_process_steps": len(engine.trace) - steps, "in_process_step_s": engine.seconds - busy}
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+
+
+def _client(url: str, prompts: Path, gen: int) -> dict[str, Any]:
+    """This module's ``main`` in a subprocess (its own interpreter: the client does not share the server's)."""
+    done = subprocess.run([sys.executable, "-m", "bench.serving_http", url, str(prompts), str(gen)], check=True,
+                          capture_output=True, text=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def over_http(engine: LLMEngine, vocab: int, context: int, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+    """The engine behind ``Server`` on 127.0.0.1; a 3-token burst of the prompts, then the timed burst."""
+    server = Server(engine, _Folded(load_tokenizer(default_model_dir())), "w1", ServeLimits(context, vocab), set(),
+                    port=free_port(), max_pending=2 * len(prompts), drain_seconds=0)
+    server.start()
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "prompts.json"
+            path.write_text(json.dumps(prompts))
+            _client(server.url, path, 3)
+            before = _metrics(server.url)
+            res = _client(server.url, path, gen)
+            after = _metrics(server.url)
+    finally:
+        server.stop()
+    ttft, tpot, toks = (np.array(x) for x in zip(*res["per"], strict=True))
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    return {"http_s": res["seconds"], "http_tokens": int(toks.sum()), "http_tps": float(toks.sum()) / res["seconds"],
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)), "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)),
+            "demoted_blocks": delta("pwrun_demoted_blocks_total"),
+            "promoted_blocks": delta("pwrun_promoted_blocks_total"),
+            "preemptions": delta("pwrun_preemptions_total"),
+            "http_steps": delta("pwrun_engine_step_seconds_count"),
+            "http_step_s": delta("pwrun_engine_step_seconds_sum")}
+
+
+def http_vs_in_process(args: argparse.Namespace, emit: Any) -> None:
+    """One record: W1 in-process and over HTTP, each on a fresh engine of the same build."""
+    dev = args.device
+    model = strip_experts(random_model(args.config_dir, torch.bfloat16, dev), torch.device(dev))
+    src, table = SyntheticAP(model.spec, torch.bfloat16, dev), synthetic_table(model.spec)
+    vocab = model.spec.vocab_size  # the bundled tokenizer's ids, folded into a smaller test vocabulary
+    prompts = [[i % vocab for i in r] for r in w1(args.workload_requests or 256)]
+    gen = args.workload_gen
+    context = min(max(map(len, prompts)) + gen, model.spec.max_position_embeddings)
+    bits = 4 if args.http_policy == "uniform" else None
+    cfg = ServeConfig(parse_size(args.workload_gpu_memory), Policy.named(args.http_policy, bits),
+                      EngineConfig(max_batch=args.workload_max_batch, max_step_tokens=args.workload_step_tokens),
+                      BENCH_PLANNER)
+
+    def build() -> LLMEngine:
+        return assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(), [], set(),
+                               max_request_tokens=context)
+
+    rec: dict[str, Any] = {"model": args.config_dir.name, "system": HTTP, "policy": args.http_policy, "bits": bits,
+                           "gpu_memory": args.workload_gpu_memory, "requests": len(prompts),
+                           "prompt_tokens": sum(map(len, prompts)), "gen": gen, "max_batch": args.workload_max_batch,
+                           "max_step_tokens": args.workload_step_tokens, "context": context}
+    rec |= in_process(build(), prompts, gen)
+    reset_peak(dev)
+    rec |= over_http(build(), vocab, context, prompts, gen)
+    reset_peak(dev)
+    rec["http_over_in_process"] = rec["http_tps"] / rec["in_process_tps"]
+    emit(rec)
+
+
+async def _burst(url: str, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+    """All prompts at once as streaming completions: wall seconds, and per request (TTFT s, mean TPOT s, tokens)."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+
+    async def one(ids: list[int]) -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        first = last = t0
+        tokens = 0
+        stream = await client.completions.create(model="w1", prompt=ids, max_tokens=gen, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                first = now if first == t0 else first
+                last = now
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return first - t0, (last - first) / max(tokens - 1, 1), tokens
+
+    t = time.perf_counter()
+    per = await asyncio.gather(*(one(ids) for ids in prompts))
+    seconds = time.perf_counter() - t
+    await client.close()
+    return {"seconds": seconds, "per": per}
+
+
+def main() -> None:
+    """The client: ``python -m bench.serving_http URL PROMPTS.json GEN`` prints one JSON line (``_burst``)."""
+    url, path, gen = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    print(json.dumps(asyncio.run(_burst(url, json.loads(path.read_text()), gen))))
+
+
+if __name__ == "__main__":
+    main()
