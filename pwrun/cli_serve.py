@@ -29,7 +29,7 @@ from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
 from pwrun.model.loader import load_spec, load_tokenizer
 from pwrun.serve.generation import ServeLimits
-from pwrun.serve.server import Server, build_serving_engine
+from pwrun.serve.server import Server, build_serving_engine, check_listen
 
 console = make_console(stderr=True)
 
@@ -81,6 +81,7 @@ def serve(
                                    f"{spec.max_position_embeddings} tokens")
         if artifacts is None and (gpu_memory or bits is not None or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`)")
+        check_listen(host, port)
         tok = load_tokenizer(model_dir)
         if chat_template is not None:
             if not chat_template.is_file():

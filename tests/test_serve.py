@@ -19,6 +19,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -416,4 +417,26 @@ def test_stopping_without_drain_aborts_the_running_request(calibrated_artifacts:
     assert isinstance(got[-1], Exception) and not any(getattr(c, "finish_reason", None) for c in got)
     assert server.loop.finished == {"eos": 0, "length": 0, "abort": 1} and not server.loop.alive
     assert engine.core.idle and engine.core.pool.count(KV) == 0
+
+
+
+
+def test_serve_command_refuses_bad_options(calibrated_artifacts: Path, tmp_path: Path) -> None:
+    """One ``error:`` line and exit 2, before the engine is built where it can be."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        cases = [
+            (["--port", port], f"cannot listen on 127.0.0.1:{port}"),
+            (["--max-model-len", "4096"], "above the model's context of 2048"),
+            (["--gpu-memory", "1GiB"], "need --artifacts"),
+            (["--chat-template", str(tmp_path / "none.jinja")], "is not a file"),
+            (["--artifacts", str(calibrated_artifacts), "--gpu-memory", "20MiB"], "or lower --max-model-len 2048"),
+        ]
+        for args, words in cases:
+            r = CliRunner().invoke(app, ["serve", "--device", "cpu", *args])
+            lines = r.stderr.strip().splitlines()
+            assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], (
+                args, r.stderr)
 

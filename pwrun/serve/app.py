@@ -9,6 +9,7 @@ in OpenAI's chunk format ending in ``data: [DONE]``. A client that disconnects h
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -22,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pwrun.core.request import SamplingParams
 from pwrun.serve.engine_loop import EngineLoop
-from pwrun.serve.generation import Generation, ServeLimits, encode
+from pwrun.serve.generation import Generation, Mailbox, ServeLimits, encode
 from pwrun.serve.metrics import ServerMetrics
 from pwrun.serve.protocol import ApiError, ChatBody, CompletionBody, parse
 
@@ -39,6 +40,7 @@ class ServerState:
     eos: frozenset[int]
     metrics: ServerMetrics
     shutting_down: Callable[[], bool] = lambda: False
+    mailbox: Mailbox | None = None  # made on the first request, in the event loop
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -105,7 +107,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(400, str(exc), param="temperature" if "temperature" in str(exc) else None) from None
         stop = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else list(body.stop)
         gen = Generation(state.loop, state.tokenizer, ids, params, state.eos, stop, body.seed)
-        gen.start()
+        aio = asyncio.get_running_loop()
+        if state.mailbox is None or state.mailbox.aio is not aio:
+            state.mailbox = Mailbox(aio)
+        gen.start(state.mailbox)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:

@@ -21,6 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pwrun.core.request import Request, RequestOutput
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.serve.metrics import ServerMetrics
@@ -106,6 +108,9 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        device = self.engine.runner.device
+        if device.type == "cuda":  # the current device is per thread; kernels launch on it
+            torch.cuda.set_device(device)
         try:
             while True:
                 self._commands(block=self.engine.idle)

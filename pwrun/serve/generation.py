@@ -4,13 +4,15 @@ What it does: ``encode`` tokenizes prompts and checks them against the server's 
 ``Generation`` turns them into engine requests (one per choice, sampled from a generator seeded ``seed + index``
 as ``pwrun generate --seed`` seeds prompt ``index``), submits them to the engine thread (503 past the bounded
 queue) and yields ``(index, delta, finish_reason)`` as outputs arrive through an ``asyncio.Queue`` (the engine
-thread posts with ``call_soon_threadsafe``). A stop string ends its choice ("stop") and aborts its request; a
-client that went away, a cancelled stream or a shutdown aborts every unfinished request (``close``).
+thread posts a step's outputs with one ``call_soon_threadsafe``: ``Mailbox``). A stop string ends its choice
+("stop") and aborts its request; a client that went away, a cancelled stream or a shutdown aborts every unfinished
+request (``close``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -61,6 +63,32 @@ def encode(tokenizer: Any, prompts: list[str] | list[list[int]], limits: ServeLi
     return out, max_tokens
 
 
+class Mailbox:
+    """Outputs from the engine thread to the event loop ``aio``: one wake-up of the loop per batch (a step's outputs),
+    not one per output."""
+
+    def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
+        self.aio = aio
+        self._items: collections.deque[tuple[asyncio.Queue[Any], Any]] = collections.deque()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue[Any], item: Any) -> None:
+        """Put ``item`` in ``queue`` soon (from any thread)."""
+        self._items.append((queue, item))
+        if not self._scheduled:
+            self._scheduled = True
+            try:
+                self.aio.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the event loop is closed: the server stopped and nobody reads the output
+                pass
+
+    def _deliver(self) -> None:
+        self._scheduled = False  # before draining: an item posted meanwhile is drained now or schedules anew
+        while self._items:
+            queue, item = self._items.popleft()
+            queue.put_nowait(item)
+
+
 class Generation:
     """The choices of one HTTP request (``prompts``: token ids, one choice each), run by ``loop``."""
 
@@ -77,15 +105,12 @@ class Generation:
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
-    def start(self) -> None:
-        """Submit the requests; ``ApiError`` 503 if the queue is full or the engine has stopped."""
-        aio = asyncio.get_running_loop()
+    def start(self, mailbox: Mailbox) -> None:
+        """Submit the requests, their outputs to come through ``mailbox``; ``ApiError`` 503 if the queue is full or
+        the engine has stopped."""
 
         def sink(item: RequestOutput | BaseException) -> None:  # on the engine thread
-            try:
-                aio.call_soon_threadsafe(self._queue.put_nowait, item)
-            except RuntimeError:  # the event loop is closed: the server stopped and nobody reads the output
-                pass
+            mailbox.post(self._queue, item)
 
         try:
             self.loop.submit(self.requests, sink)

@@ -36,7 +36,8 @@ class ServerMetrics:
         self.demotions = Counter("pwrun_demoted_blocks", "Expert blocks lowered to fewer bits", registry=r)
         self.promotions = Counter("pwrun_promoted_blocks", "Expert blocks raised to more bits", registry=r)
         self.preemptions = Counter("pwrun_preemptions", "Requests preempted (recomputed later)", registry=r)
-        self.steps = Counter("pwrun_engine_steps", "Engine steps", registry=r)
+        self.steps = Histogram("pwrun_engine_step_seconds", "Engine steps: wall seconds of each (planning, model, "
+                               "sampling)", buckets=_PER_TOKEN, registry=r)
         self.requests = Counter("pwrun_requests_finished", "Requests finished, by reason (eos, length, abort: "
                                 "client gone, stop string, shutdown)", ["finish"], registry=r)
         self.refused = Counter("pwrun_requests_refused", "HTTP requests refused, by status", ["status"], registry=r)
@@ -69,7 +70,7 @@ class ServerMetrics:
         self.demotions.inc(t.demoted_blocks)
         self.promotions.inc(t.promoted_blocks)
         self.preemptions.inc(t.preempted)
-        self.steps.inc()
+        self.steps.observe(t.seconds)
 
     def pool_state(self, engine: LLMEngine) -> None:
         """Pages and requests now (after aborts between steps, which leave no trace row)."""

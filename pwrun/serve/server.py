@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from pwformat.errors import PagedWeightError
 from pwrun.core.request import SamplingParams
 from pwrun.engine.build import ServeConfig, build_engine, dense_server_engine
 from pwrun.engine.llm_engine import LLMEngine
@@ -105,6 +106,18 @@ class _QuietShutdown:
         except asyncio.CancelledError:
             if not self.shutting_down():
                 raise
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raise ``PagedWeightError`` if ``host``:``port`` cannot be listened on now (checked before the engine is
+    built, which takes minutes on a large model)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise PagedWeightError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): give another --port or "
+                               "--host") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

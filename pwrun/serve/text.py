@@ -1,9 +1,9 @@
 """One choice's text as its tokens arrive: incremental detokenization and stop strings.
 
 What it does: ``ChoiceText.feed`` takes the request's tokens so far and returns the text to send now. The
-text is decoded from a few tokens before the new ones (a sliding window, constant work per token) and is
-held back while it ends inside a multi-byte character (U+FFFD) or could still become a stop string; once a
-stop string appears, the text ends just before it and ``stopped`` is set (the caller aborts the request).
+text is decoded from a few tokens before the new ones (a sliding window: about one short decode per token) and is
+held back while it ends inside a multi-byte character (U+FFFD) or could still become a stop string; once a stop
+string appears, the text ends just before it and ``stopped`` is set (the caller aborts the request).
 The concatenated deltas equal ``tokenizer.decode(all tokens, skip_special_tokens=True)`` cut at the stop.
 """
 
@@ -26,6 +26,7 @@ class ChoiceText:
         self.sent = 0  # characters of ``text`` already returned
         self.prefix = 0  # token index where the decode window starts
         self.read = 0  # tokens whose text is in ``text``
+        self.window: str | None = ""  # decode of tokens prefix..read (None: not decoded yet)
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
@@ -38,15 +39,18 @@ class ChoiceText:
             return ""
         ids = list(token_ids)
         if len(ids) > self.read:
-            before = self._decode(ids[self.prefix:self.read])
+            if self.window is None:
+                self.window = self._decode(ids[self.prefix:self.read])
             after = self._decode(ids[self.prefix:])
             if not after.endswith("\ufffd") or final:
-                if after.startswith(before):
-                    self.text += after[len(before):]
+                if after.startswith(self.window):
+                    self.text += after[len(self.window):]
                 else:  # a tokenizer whose decode is not prefix-stable here: fall back to a full decode
                     self.text = self._decode(ids)
                 self.read = len(ids)
-                self.prefix = max(self.prefix, self.read - _WINDOW)
+                self.window = after
+                if self.read - self.prefix > 2 * _WINDOW:  # slide the window now and then, not every token
+                    self.prefix, self.window = self.read - _WINDOW, None
         return self._release(final)
 
     def _release(self, final: bool) -> str:
