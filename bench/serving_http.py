@@ -87,14 +87,15 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _client(url: str, prompts: Path, gen: int) -> dict[str, Any]:
-    """This module's ``main`` in a subprocess (its own interpreter: the client does not share the server's)."""
+    """This module's ``main`` in a subprocess (its own interpreter: the client does not share the server's): a
+    3-token burst, ``/metrics``, the timed burst, ``/metrics`` again."""
     done = subprocess.run([sys.executable, "-m", "bench.serving_http", url, str(prompts), str(gen)], check=True,
                           capture_output=True, text=True)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def over_http(engine: LLMEngine, vocab: int, context: int, prompts: list[list[int]], gen: int) -> dict[str, Any]:
-    """The engine behind ``Server`` on 127.0.0.1; a 3-token burst of the prompts, then the timed burst."""
+    """The engine behind ``Server`` on 127.0.0.1, driven by the client process (``_client``)."""
     server = Server(engine, _Folded(load_tokenizer(default_model_dir())), "w1", ServeLimits(context, vocab), set(),
                     port=free_port(), max_pending=2 * len(prompts), drain_seconds=0)
     server.start()
@@ -102,16 +103,13 @@ def over_http(engine: LLMEngine, vocab: int, context: int, prompts: list[list[in
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "prompts.json"
             path.write_text(json.dumps(prompts))
-            _client(server.url, path, 3)
-            before = _metrics(server.url)
             res = _client(server.url, path, gen)
-            after = _metrics(server.url)
     finally:
         server.stop()
     ttft, tpot, toks = (np.array(x) for x in zip(*res["per"], strict=True))
 
     def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
+        return float(res["after"].get(name, 0.0) - res["before"].get(name, 0.0))
 
     return {"http_s": res["seconds"], "http_tokens": int(toks.sum()), "http_tps": float(toks.sum()) / res["seconds"],
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
@@ -180,9 +178,14 @@ async def _burst(url: str, prompts: list[list[int]], gen: int) -> dict[str, Any]
 
 
 def main() -> None:
-    """The client: ``python -m bench.serving_http URL PROMPTS.json GEN`` prints one JSON line (``_burst``)."""
+    """The client: ``python -m bench.serving_http URL PROMPTS.json GEN`` prints one JSON line: the timed burst
+    (``_burst``) and the server's metrics before and after it."""
     url, path, gen = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    print(json.dumps(asyncio.run(_burst(url, json.loads(path.read_text()), gen))))
+    prompts = json.loads(path.read_text())
+    asyncio.run(_burst(url, prompts, 3))
+    before = _metrics(url)
+    res = asyncio.run(_burst(url, prompts, gen))
+    print(json.dumps({**res, "before": before, "after": _metrics(url)}))
 
 
 if __name__ == "__main__":
