@@ -237,11 +237,11 @@ def test_every_shipped_bucket_resolves_to_a_path(shape: str) -> None:
 
 
 def test_the_tuned_shapes_route_as_tuned() -> None:
-    """Qwen1.5-MoE's routed experts (2048 x 1408): decode up to 32 tokens (sorted slots from 2), mid to 255, then
+    """Qwen1.5-MoE's routed experts (2048 x 1408): decode up to 95 tokens (sorted slots from 2), mid to 255, then
     prefill; its shared expert (2048 x 5632): prefill at 9..16 tokens; Mixtral (4096 x 14336): mid from 17."""
-    kinds = {t: type(launch_config(t, 2048, 1408)) for t in (1, 2, 16, 32, 33, 255, 256)}
-    assert kinds == {1: DecodeConfig, 2: DecodeConfig, 16: DecodeConfig, 32: DecodeConfig, 33: MidConfig,
-                     255: MidConfig, 256: PrefillConfig}
+    kinds = {t: type(launch_config(t, 2048, 1408)) for t in (1, 2, 16, 32, 64, 95, 96, 255, 256)}
+    assert kinds == {1: DecodeConfig, 2: DecodeConfig, 16: DecodeConfig, 32: DecodeConfig, 64: DecodeConfig,
+                     95: DecodeConfig, 96: MidConfig, 255: MidConfig, 256: PrefillConfig}
     one, two = launch_config(1, 2048, 1408), launch_config(2, 2048, 1408)
     assert isinstance(one, DecodeConfig) and isinstance(two, DecodeConfig)
     assert one.SLOTS == 0 and two.SLOTS == 1 and one.gate_up.RAW_SHFL
