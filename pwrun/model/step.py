@@ -56,34 +56,38 @@ class StepTensors:
     @staticmethod
     def build(chunks: list[ScheduledChunk] | tuple[ScheduledChunk, ...], device: torch.device | str) -> StepTensors:
         """The step's tensors from one host buffer and one host-to-device copy (each separate small copy costs
-        the step ~10 us of host time, which a batch-1 decode step of ~2.5 ms notices)."""
+        the step ~10 us of host time, which a batch-1 decode step of ~2.5 ms notices). Every section starts on a
+        16-byte boundary: Triton specializes a kernel on its pointers' alignment, so a section whose alignment
+        followed the step's token count would compile a second variant in the middle of a run."""
         n_tok = sum(len(c.token_ids) for c in chunks)
         s = len(chunks)
         width = max((len(c.block_table) for c in chunks), default=1)
         starts = [0]
         lens: list[int] = []
-        # layout of the int64 buffer: tokens [T] | positions [T] | slots [T] | context lens [S] | tables [S, width]
-        # | query offsets [S + 1]
-        tail = 3 * n_tok + s + s * width
-        host = np.zeros(tail + s + 1, dtype=np.int64)
+        # int64 sections, each padded to an even length: tokens [T] | positions [T] | slots [T] | context lens [S]
+        # | tables [S, width] | query offsets [S + 1]
+        sizes = (n_tok, n_tok, n_tok, s, s * width, s + 1)
+        at = np.concatenate([[0], np.cumsum([n + n % 2 for n in sizes])])
+        tok, posn, slot, ctx, tab, qs = (int(a) for a in at[:-1])
+        host = np.zeros(int(at[-1]), dtype=np.int64)
         pos = 0
         for i, c in enumerate(chunks):
             k = len(c.token_ids)
-            host[pos: pos + k] = c.token_ids
-            host[n_tok + pos: n_tok + pos + k] = np.arange(c.start, c.start + k)
-            host[2 * n_tok + pos: 2 * n_tok + pos + k] = c.slots
+            host[tok + pos: tok + pos + k] = c.token_ids
+            host[posn + pos: posn + pos + k] = np.arange(c.start, c.start + k)
+            host[slot + pos: slot + pos + k] = c.slots
             pos += k
             starts.append(pos)
             lens.append(c.start + k)
-            row = 3 * n_tok + s + i * width
-            host[row: row + len(c.block_table)] = c.block_table
-        host[3 * n_tok: 3 * n_tok + s] = lens
-        host[tail:] = starts
+            host[tab + i * width: tab + i * width + len(c.block_table)] = c.block_table
+        host[ctx: ctx + s] = lens
+        host[qs: qs + s + 1] = starts
         dev = torch.from_numpy(host).to(device)
-        tables = dev[3 * n_tok + s: tail].view(s, width)
+        tables = dev[tab: tab + s * width].view(s, width)
         return StepTensors(
-            tokens=dev[:n_tok], positions=dev[n_tok: 2 * n_tok], slots=dev[2 * n_tok: 3 * n_tok], query_start=starts,
-            context_lens=lens, block_tables=[tables[i, : len(c.block_table)] for i, c in enumerate(chunks)],
-            padded_tables=tables.to(torch.int32), context_lens_t=dev[3 * n_tok: 3 * n_tok + s].to(torch.int32),
-            query_start_t=dev[tail:].to(torch.int32),
+            tokens=dev[tok: tok + n_tok], positions=dev[posn: posn + n_tok], slots=dev[slot: slot + n_tok],
+            query_start=starts, context_lens=lens,
+            block_tables=[tables[i, : len(c.block_table)] for i, c in enumerate(chunks)],
+            padded_tables=tables.to(torch.int32), context_lens_t=dev[ctx: ctx + s].to(torch.int32),
+            query_start_t=dev[qs: qs + s + 1].to(torch.int32),
         )

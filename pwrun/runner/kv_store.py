@@ -57,7 +57,11 @@ class PooledKVCache:
         """Per-step setup (the model calls it first): with the kernels, every layer's K/V page table at once."""
         self._step_units = None
         if self.use_kernel and step.padded_tables is not None:
-            self._step_units = self.unit[:, step.padded_tables.long()].to(torch.int32)
+            # [2L, S, nb] int32 in rows padded to 16 bytes: each layer's table starts aligned (see StepTensors.build)
+            s, nb = step.padded_tables.shape
+            flat = torch.empty(self.unit.shape[0], -(-s * nb // 4) * 4, dtype=torch.int32, device=self.unit.device)
+            flat[:, : s * nb] = self.unit[:, step.padded_tables.long()].flatten(1)
+            self._step_units = flat[:, : s * nb].view(-1, s, nb)
 
     def _tables(self, layer: int, step: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 [S, nb] pages of layer ``layer``'s K and V for the step's padded block tables."""
