@@ -37,7 +37,7 @@ from pwrun.cli_common import (
     warn_missing_tables,
 )
 from pwrun.cli_serve import serve
-from pwrun.core.config import EngineConfig
+from pwrun.core.config import CPU_MAX_BATCH, CPU_STEP_TOKENS, GPU_MAX_BATCH, GPU_STEP_TOKENS, EngineConfig
 from pwrun.core.policy import Policy
 from pwrun.core.request import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 from pwrun.data import document_prompts, read_jsonl_field, read_text
@@ -46,7 +46,7 @@ from pwrun.engine.build import ServeConfig
 from pwrun.engine.report import format_summary
 from pwrun.generate import encode_prompts, serve_prompts
 from pwrun.generate import generate as run_generate
-from pwrun.model.loader import load_model, load_spec, load_tokenizer
+from pwrun.model.loader import load_model, load_spec, load_tokenizer, resolve_device
 from pwrun.ppl import perplexity
 from pwrun.progress import progress
 from pwrun.signals import exit_quietly_on_sigterm
@@ -137,11 +137,14 @@ def generate(
     bits: Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")
                     ] = None,
     trace: Annotated[Path | None, typer.Option(help="Write one row per engine step here (Parquet).")] = None,
-    max_batch: Annotated[int, typer.Option(min=1, help="Most requests running at once. On a GPU the decode kernels "
-                                           "are compiled for 1..max-batch tokens before serving (parallel processes; "
-                                           "once per machine, then cached by Triton).")] = 16,
-    max_step_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per engine step (longer prompts are "
-                                                 "prefilled in chunks).")] = 512,
+    max_batch: Annotated[int | None, typer.Option(min=1, help="Most requests running at once (default 64 on a "
+                                                  "GPU, 16 on the CPU). On a GPU the kernels are compiled for "
+                                                  "1..max-batch tokens (once per machine, then cached by Triton) and "
+                                                  "a CUDA graph is captured per batch size before serving: ~10 s at "
+                                                  "64 on an H200 with a warm cache.")] = None,
+    max_step_tokens: Annotated[int | None, typer.Option(min=1, help="Most tokens per engine step (longer prompts are "
+                                                        "prefilled in chunks; default 2048 on a GPU, 512 on the "
+                                                        "CPU).")] = None,
     debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
                                                "every step.")] = False,
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
@@ -176,6 +179,9 @@ def generate(
             if path is not None:
                 check_writable_file(flag, path)
         model_dir = model or default_model()
+        gpu = resolve_device(device).type == "cuda"
+        max_batch = max_batch or (GPU_MAX_BATCH if gpu else CPU_MAX_BATCH)
+        max_step_tokens = max_step_tokens or (GPU_STEP_TOKENS if gpu else CPU_STEP_TOKENS)
         tok = load_tokenizer(model_dir)
         params = SamplingParams(max_new_tokens, temperature, top_p, seed)
         stream = len(texts) == 1 and output is None

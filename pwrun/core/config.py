@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The CLI's defaults by device: on a GPU, 64 running requests and steps of up to 2,048 tokens (the real-workload
+# benchmark's setting, ``bench.serving --workload``); on the CPU, 16 and 512.
+GPU_MAX_BATCH, GPU_STEP_TOKENS = 64, 2048
+CPU_MAX_BATCH, CPU_STEP_TOKENS = 16, 512
+
 
 @dataclass(frozen=True)
 class EngineConfig:
