@@ -52,8 +52,9 @@ def _tokenize(texts: list[str]) -> list[list[int]]:
 
 
 def w1(count: int, cap: int = 1024) -> list[list[int]]:
-    """``count`` C4 documents as token ids, each at its natural length capped at ``cap``."""
-    docs = [d for d in read_documents("c4") if len(d) >= 200][:count]
+    """``count`` C4 documents as token ids, each at its natural length capped at ``cap`` (the bundled evaluation
+    sample first, then the calibration sample: 200 + 1,000 documents of >= 200 characters)."""
+    docs = [d for name in ("c4", "c4-calib") for d in read_documents(name) if len(d) >= 200][:count]
     return [ids[:cap] for ids in _tokenize(docs)]
 
 
