@@ -240,13 +240,14 @@ def http_table(records: list[Record]) -> str:
             ("HTTP tok/s", "http_tps"), ("HTTP / in-process", "http_over_in_process"), ("TTFT p50 s", "ttft_p50_s"),
             ("TTFT p99 s", "ttft_p99_s"), ("TPOT p50 ms", "tpot_p50_ms"), ("TPOT p99 ms", "tpot_p99_ms"),
             ("preemptions", "preemptions")]
-    rows = latest([r for r in records if r.get("system") == HTTP], ("model", "policy", "gpu_memory", "max_batch"))
+    rows = latest([r for r in records if r.get("system") == HTTP],
+                  ("model", "policy", "gpu_memory", "max_batch", "stream"))
     if not rows:
         return ""
     lines = ["W1 (real C4 prompts, all at once) through `pwrun serve` against the same engine in-process "
              "(generated tokens/s):", "",
-             "| model | policy | budget | max batch | " + " | ".join(c for c, _ in cols) + " |",
-             "|" + "---|" * (4 + len(cols))]
+             "| model | policy | budget | max batch | stream | " + " | ".join(c for c, _ in cols) + " |",
+             "|" + "---|" * (5 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)
 

@@ -9,11 +9,11 @@ requests that arrive later (``assemble_engine`` with ``max_request_tokens``: wha
 3-token run of the same prompts (JIT and graphs out of the timing): in this process (every request added, then
 stepped to the end), and through HTTP (``pwrun.serve.server.Server``, the uvicorn server and engine thread that
 ``pwrun serve`` runs, here on a background thread; the client is a separate process, this module's ``main``, with
-one streaming ``openai.AsyncOpenAI`` request per prompt). Generated tokens/s of both and their ratio (the target:
-HTTP at least 95% of in-process), client-side time to first token and per output token (p50 / p99), the server's
-demotions and preemptions, and the engine steps and their summed seconds on both sides (HTTP slower with as many
-steps: the steps themselves slowed, e.g. by the event loop's share of the interpreter; more steps: requests arrived
-spread out).
+one streaming ``openai.AsyncOpenAI`` request per prompt; ``--http-whole``: whole responses). Generated tokens/s of
+both and their ratio (the target: HTTP at least 95% of in-process), client-side time to first token and per output
+token (p50 / p99), the server's demotions and preemptions, and the engine steps and their summed seconds on both
+sides (HTTP slower with as many steps: the steps themselves slowed, e.g. by the event loop's share of the
+interpreter; more steps: requests arrived spread out).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
 import subprocess
 import sys
@@ -86,15 +87,16 @@ def _metrics(url: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
 
 
-def _client(url: str, prompts: Path, gen: int) -> dict[str, Any]:
+def _client(url: str, prompts: Path, gen: int, stream: bool) -> dict[str, Any]:
     """This module's ``main`` in a subprocess (its own interpreter: the client does not share the server's): a
     3-token burst, ``/metrics``, the timed burst, ``/metrics`` again."""
-    done = subprocess.run([sys.executable, "-m", "bench.serving_http", url, str(prompts), str(gen)], check=True,
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "bench.serving_http", url, str(prompts), str(gen),
+                           "stream" if stream else "whole"], check=True, capture_output=True, text=True)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def over_http(engine: LLMEngine, vocab: int, context: int, prompts: list[list[int]], gen: int) -> dict[str, Any]:
+def over_http(engine: LLMEngine, vocab: int, context: int, prompts: list[list[int]], gen: int,
+              stream: bool) -> dict[str, Any]:
     """The engine behind ``Server`` on 127.0.0.1, driven by the client process (``_client``)."""
     server = Server(engine, _Folded(load_tokenizer(default_model_dir())), "w1", ServeLimits(context, vocab), set(),
                     port=free_port(), max_pending=2 * len(prompts), drain_seconds=0)
@@ -103,7 +105,7 @@ def over_http(engine: LLMEngine, vocab: int, context: int, prompts: list[list[in
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "prompts.json"
             path.write_text(json.dumps(prompts))
-            res = _client(server.url, path, gen)
+            res = _client(server.url, path, gen, stream)
     finally:
         server.stop()
     ttft, tpot, toks = (np.array(x) for x in zip(*res["per"], strict=True))
@@ -113,7 +115,8 @@ def over_http(engine: LLMEngine, vocab: int, context: int, prompts: list[list[in
 
     return {"http_s": res["seconds"], "http_tokens": int(toks.sum()), "http_tps": float(toks.sum()) / res["seconds"],
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)), "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)),
+            "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)) if stream else None,
+            "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)) if stream else None,
             "demoted_blocks": delta("pwrun_demoted_blocks_total"),
             "promoted_blocks": delta("pwrun_promoted_blocks_total"),
             "preemptions": delta("pwrun_preemptions_total"),
@@ -142,26 +145,32 @@ def http_vs_in_process(args: argparse.Namespace, emit: Any) -> None:
     rec: dict[str, Any] = {"model": args.config_dir.name, "system": HTTP, "policy": args.http_policy, "bits": bits,
                            "gpu_memory": args.workload_gpu_memory, "requests": len(prompts),
                            "prompt_tokens": sum(map(len, prompts)), "gen": gen, "max_batch": args.workload_max_batch,
-                           "max_step_tokens": args.workload_step_tokens, "context": context}
+                           "max_step_tokens": args.workload_step_tokens, "context": context,
+                           "stream": not args.http_whole}
     rec |= in_process(build(), prompts, gen)
     reset_peak(dev)
-    rec |= over_http(build(), vocab, context, prompts, gen)
+    rec |= over_http(build(), vocab, context, prompts, gen, not args.http_whole)
     reset_peak(dev)
     rec["http_over_in_process"] = rec["http_tps"] / rec["in_process_tps"]
     emit(rec)
 
 
-async def _burst(url: str, prompts: list[list[int]], gen: int) -> dict[str, Any]:
-    """All prompts at once as streaming completions: wall seconds, and per request (TTFT s, mean TPOT s, tokens)."""
+async def _burst(url: str, prompts: list[list[int]], gen: int, stream: bool = True) -> dict[str, Any]:
+    """All prompts at once as streaming completions: wall seconds, and per request (TTFT s, mean TPOT s, tokens).
+    Without ``stream``: whole responses (TTFT and TPOT then span the whole request)."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
 
     async def one(ids: list[int]) -> tuple[float, float, int]:
         t0 = time.perf_counter()
+        if not stream:
+            whole = await client.completions.create(model="w1", prompt=ids, max_tokens=gen, temperature=0)
+            assert whole.usage is not None
+            return time.perf_counter() - t0, math.nan, whole.usage.completion_tokens
         first = last = t0
         tokens = 0
-        stream = await client.completions.create(model="w1", prompt=ids, max_tokens=gen, temperature=0, stream=True,
+        chunks = await client.completions.create(model="w1", prompt=ids, max_tokens=gen, temperature=0, stream=True,
                                                  stream_options={"include_usage": True})
-        async for chunk in stream:
+        async for chunk in chunks:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
                 first = now if first == t0 else first
@@ -178,13 +187,13 @@ async def _burst(url: str, prompts: list[list[int]], gen: int) -> dict[str, Any]
 
 
 def main() -> None:
-    """The client: ``python -m bench.serving_http URL PROMPTS.json GEN`` prints one JSON line: the timed burst
-    (``_burst``) and the server's metrics before and after it."""
-    url, path, gen = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    """The client: ``python -m bench.serving_http URL PROMPTS.json GEN stream|whole`` prints one JSON line: the timed
+    burst (``_burst``) and the server's metrics before and after it."""
+    url, path, gen, stream = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "stream"
     prompts = json.loads(path.read_text())
-    asyncio.run(_burst(url, prompts, 3))
+    asyncio.run(_burst(url, prompts, 3, stream))
     before = _metrics(url)
-    res = asyncio.run(_burst(url, prompts, gen))
+    res = asyncio.run(_burst(url, prompts, gen, stream))
     print(json.dumps({**res, "before": before, "after": _metrics(url)}))
 
 

@@ -349,6 +349,20 @@ def test_a_client_gone_mid_stream_is_aborted_and_its_pages_freed(tight: Server) 
     assert state["kv"] == 0 and state["requests"] == 0 and state["weight"] + state["free"] == state["pages"]
 
 
+def test_a_client_gone_while_waiting_for_a_whole_response_is_aborted(big: Server) -> None:
+    """Without streaming the server notices the closed connection by polling (every 0.5 s)."""
+    aborts = 'pwrun_requests_finished_total{finish="abort"}'
+    before = _metrics(big).get(aborts, 0)
+    with pytest.raises(openai.APITimeoutError):
+        _client(big, timeout=1.0).completions.create(model=NAME, prompt="The river", max_tokens=240, temperature=0)
+    end = time.monotonic() + 30
+    while _metrics(big).get(aborts, 0) == before and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _metrics(big)[aborts] == before + 1
+    state = _engine_state(big)
+    assert state["kv"] == 0 and state["requests"] == 0
+
+
 def _serve_process(artifacts: Path, port: int, drain: float) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pwrun", "serve", "--artifacts", str(artifacts), "--gpu-memory",
@@ -439,4 +453,5 @@ def test_serve_command_refuses_bad_options(calibrated_artifacts: Path, tmp_path:
             lines = r.stderr.strip().splitlines()
             assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], (
                 args, r.stderr)
+
 

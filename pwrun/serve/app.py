@@ -106,7 +106,7 @@ def create_app(state: ServerState) -> FastAPI:
         except ValueError as exc:  # a temperature the sampler cannot use (e.g. 1e-300)
             raise ApiError(400, str(exc), param="temperature" if "temperature" in str(exc) else None) from None
         stop = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else list(body.stop)
-        gen = Generation(state.loop, state.tokenizer, ids, params, state.eos, stop, body.seed)
+        gen = Generation(state.loop, state.tokenizer, ids, params, state.eos, stop, body.seed, body.stream)
         aio = asyncio.get_running_loop()
         if state.mailbox is None or state.mailbox.aio is not aio:
             state.mailbox = Mailbox(aio)

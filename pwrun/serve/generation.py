@@ -89,11 +89,15 @@ class Mailbox:
             queue.put_nowait(item)
 
 
+_GONE = object()  # queued by the disconnect watcher: stop waiting
+
+
 class Generation:
-    """The choices of one HTTP request (``prompts``: token ids, one choice each), run by ``loop``."""
+    """The choices of one HTTP request (``prompts``: token ids, one choice each), run by ``loop``; ``incremental``:
+    decode the text as it comes (a stream) rather than once at the end."""
 
     def __init__(self, loop: EngineLoop, tokenizer: Any, prompts: list[list[int]], params: SamplingParams,
-                 eos: frozenset[int], stop: list[str], seed: int | None) -> None:
+                 eos: frozenset[int], stop: list[str], seed: int | None, incremental: bool = True) -> None:
         self.loop = loop
         base = secrets.randbelow(2**62) if seed is None else seed
         self.requests = [Request(loop.next_rid(), tuple(ids), params, eos=eos, seed=base + i)
@@ -103,7 +107,9 @@ class Generation:
         self.finish: list[str | None] = [None] * len(prompts)
         self.tokens = [0] * len(prompts)
         self.prompt_tokens = sum(len(ids) for ids in prompts)
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.incremental = incremental or bool(stop)  # text as it comes (streams, stop strings), or once at the end
+        self.gone = False
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def start(self, mailbox: Mailbox) -> None:
         """Submit the requests, their outputs to come through ``mailbox``; ``ApiError`` 503 if the queue is full or
@@ -126,34 +132,50 @@ class Generation:
     async def events(self, disconnected: Callable[[], Awaitable[bool]] | None = None,
                      poll_seconds: float = 0.5) -> AsyncIterator[tuple[int, str, str | None]]:
         """``(choice index, new text, finish reason or None)`` until every choice has finished. ``disconnected``:
-        polled while waiting; once it says so, the requests are aborted and ``ConnectionError`` is raised."""
-        while not self.done:
-            try:
-                item = await asyncio.wait_for(self._queue.get(), poll_seconds) if disconnected else \
-                    await self._queue.get()
-            except asyncio.TimeoutError:
-                assert disconnected is not None
-                if await disconnected():
+        polled every ``poll_seconds`` beside; once it says so, the requests are aborted and ``ConnectionError`` is
+        raised."""
+        watcher = None if disconnected is None else asyncio.create_task(self._watch(disconnected, poll_seconds))
+        try:
+            while not self.done:
+                item = await self._queue.get()
+                if item is _GONE:
+                    break
+                if isinstance(item, BaseException):
                     self.close()
-                    raise ConnectionError("the client went away") from None
-                continue
-            if isinstance(item, BaseException):
+                    raise ApiError(503, str(item), kind="server_unavailable")
+                i = self.index[item.rid]
+                if self.finish[i] is not None:
+                    continue  # ended by a stop string: the abort's output is not news
+                self.tokens[i] = len(item.token_ids)
+                if not self.incremental:  # the whole text once, at the end
+                    if item.finish is not None:
+                        self.finish[i] = _FINISH[item.finish]
+                        yield i, self.texts[i].feed(item.token_ids, final=True), self.finish[i]
+                    continue
+                text = self.texts[i]
+                delta = text.feed(item.token_ids, final=item.finished)
+                if text.stopped:
+                    self.finish[i] = "stop"
+                    if not item.finished:
+                        self.loop.abort(item.rid)
+                elif item.finish is not None:
+                    self.finish[i] = _FINISH[item.finish]
+                if delta or self.finish[i] is not None:
+                    yield i, delta, self.finish[i]
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        if self.gone:
+            raise ConnectionError("the client went away")
+
+    async def _watch(self, disconnected: Callable[[], Awaitable[bool]], poll_seconds: float) -> None:
+        while not self.done:
+            await asyncio.sleep(poll_seconds)
+            if await disconnected():
+                self.gone = True
                 self.close()
-                raise ApiError(503, str(item), kind="server_unavailable")
-            i = self.index[item.rid]
-            if self.finish[i] is not None:
-                continue  # ended by a stop string: the abort's output is not news
-            text = self.texts[i]
-            delta = text.feed(item.token_ids, final=item.finished)
-            self.tokens[i] = len(item.token_ids)
-            if text.stopped:
-                self.finish[i] = "stop"
-                if not item.finished:
-                    self.loop.abort(item.rid)
-            elif item.finish is not None:
-                self.finish[i] = _FINISH[item.finish]
-            if delta or self.finish[i] is not None:
-                yield i, delta, self.finish[i]
+                self._queue.put_nowait(_GONE)
+                return
 
     def close(self) -> None:
         """Abort every request that has not finished (its pages return to the pool at the next step boundary)."""
