@@ -110,5 +110,5 @@ def test_serving_http_mode_serves_w1_through_the_server(tmp_path: Path) -> None:
     assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_ms"] > 0 and r["http_steps"] >= r["in_process_steps"]
     _run("bench.render", "--results", str(tmp_path), "--out", str(tmp_path / "perf.md"))
     perf = (tmp_path / "perf.md").read_text()
-    assert f"| {tmp_path.name} | pagedweight | 1GiB | 2 | 4 | 4 |" in perf
+    assert f"| {tmp_path.name} | pagedweight | 1GiB | 2 | True | 4 | 4 |" in perf
     assert f"| {tmp_path.name} | W1 over HTTP |" not in perf  # not in the decode tables
