@@ -22,12 +22,12 @@ from pwrun.cli_common import (
     user_errors,
     warn_missing_tables,
 )
-from pwrun.core.config import EngineConfig
+from pwrun.core.config import CPU_MAX_BATCH, CPU_STEP_TOKENS, GPU_MAX_BATCH, GPU_STEP_TOKENS, EngineConfig
 from pwrun.core.policy import Policy
 from pwrun.engine.budget import parse_size
 from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
-from pwrun.model.loader import load_spec, load_tokenizer
+from pwrun.model.loader import load_spec, load_tokenizer, resolve_device
 from pwrun.serve.generation import ServeLimits
 from pwrun.serve.server import Server, build_serving_engine, check_listen
 
@@ -51,9 +51,11 @@ def serve(
                                                       "(default: the model's context). The budget provisions "
                                                       "--max-batch requests of this length; longer ones get a "
                                                       "400.")] = None,
-    max_batch: Annotated[int, typer.Option(min=1, help="Most requests running at once.")] = 16,
-    max_step_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per engine step (longer prompts are "
-                                                 "prefilled in chunks).")] = 512,
+    max_batch: Annotated[int | None, typer.Option(min=1, help="Most requests running at once (default 64 on a "
+                                                  "GPU, 16 on the CPU; as `pwrun generate`).")] = None,
+    max_step_tokens: Annotated[int | None, typer.Option(min=1, help="Most tokens per engine step (longer prompts are "
+                                                        "prefilled in chunks; default 2048 on a GPU, 512 on the "
+                                                        "CPU).")] = None,
     max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait beyond the --max-batch running ones; "
                                            "past that the server answers 503.")] = 256,
     served_model_name: Annotated[str | None, typer.Option(help="The model name clients give (default: the model "
@@ -82,6 +84,9 @@ def serve(
         if artifacts is None and (gpu_memory or bits is not None or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`)")
         check_listen(host, port)
+        gpu = resolve_device(device).type == "cuda"
+        max_batch = max_batch or (GPU_MAX_BATCH if gpu else CPU_MAX_BATCH)
+        max_step_tokens = max_step_tokens or (GPU_STEP_TOKENS if gpu else CPU_STEP_TOKENS)
         tok = load_tokenizer(model_dir)
         if chat_template is not None:
             if not chat_template.is_file():
