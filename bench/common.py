@@ -45,7 +45,7 @@ from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.data import default_model_dir
 from pwrun.model.checkpoint import LayerWeights, ModelWeights, _attention, _moe
 from pwrun.model.families import spec_from_config
-from pwrun.model.inventory import expert_blocks, moe_layer_shapes
+from pwrun.model.inventory import expert_blocks, kv_layout, moe_layer_shapes
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import read_config
 
@@ -214,9 +214,8 @@ def compiled_kernels(dirs: set[str]) -> list[str]:
 
 
 def kv_bytes(spec: Any, tokens: int) -> int:
-    """bf16 K + V bytes of ``tokens`` positions over every layer of ``spec``."""
-    a = spec.layers[0].attention
-    return cost.kv_block_bytes(spec.num_layers, tokens, a.num_kv_heads, a.head_dim, 2)
+    """bf16 K + V bytes of ``tokens`` positions over every layer of ``spec`` (as the pool lays them out)."""
+    return kv_layout(spec).block_bytes(tokens, 2)
 
 
 def decode_step_bytes(spec: Any, non_expert: int, bits: float | None, batch: int, ctx: int) -> float:
@@ -235,8 +234,7 @@ def table_at(table: BlockTable, spec: Any, bits: int) -> np.ndarray:
 
 def page_rounded_table(table: BlockTable, spec: Any) -> BlockTable:
     """``table`` with its bytes filled in as the engine rounds them (16-token bf16 KV pages)."""
-    a = spec.layers[0].attention
-    page = cost.kv_page_bytes(16, a.num_kv_heads, a.head_dim, 2)
+    page = kv_layout(spec).page_bytes(16, 2)
     return replace(table, bytes=cost.page_rounded_bytes(table.shapes(spec), table.bits, page))
 
 

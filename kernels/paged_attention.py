@@ -2,7 +2,8 @@
 
 What it computes: for S sequences with one new (already RoPE'd) query token each,
 ``out[s, h] = softmax(scale * q[s, h] . K_s^T) V_s`` over the sequence's first ``context_lens[s]``
-cached positions (the new token's K/V already written), with GQA: query head h reads kv head
+cached positions (the new token's K/V already written), or only the last ``window`` of them (a
+sliding-window layer: units of older blocks are never read), with GQA: query head h reads kv head
 ``h // (Hq // Hkv)``. It does not write the cache, apply RoPE, or handle prefill (several query
 tokens per sequence): ``pwrun.model.attention`` does those.
 
@@ -65,7 +66,7 @@ def pick_config(num_seqs: int, hq: int, hkv: int, d: int, configs: dict[str, Any
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                k_offset: int = 0, v_offset: int = 0, out: torch.Tensor | None = None,
-                               v_block_tables: torch.Tensor | None = None) -> torch.Tensor:
+                               v_block_tables: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Reference decode attention out [S, Hq, D] in q's dtype (arguments as ``paged_decode_attention``).
 
     Softmax and the weighted sum of values in fp32. Reads context lengths to the host (a sync), so
@@ -79,10 +80,14 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         if not 1 <= ctx <= block_tables.shape[1] * block_size:
             raise ValueError(f"context_lens[{s}] = {ctx} outside [1, max_blocks * block_size]")
         num_blocks = -(-ctx // block_size)
-        units = block_tables[s, :num_blocks].long()
-        vunits = _check_v_table(v_block_tables, block_tables)[s, :num_blocks].long()
-        k = k_cache[units + k_offset].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
-        v = v_cache[vunits + v_offset].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
+        lo = 0 if window is None else max(ctx - window, 0)
+        first = lo // block_size
+        units = block_tables[s, first:num_blocks].long()
+        vunits = _check_v_table(v_block_tables, block_tables)[s, first:num_blocks].long()
+        k = k_cache[units + k_offset].flatten(0, 1)[lo - first * block_size:ctx - first * block_size]
+        v = v_cache[vunits + v_offset].flatten(0, 1)[lo - first * block_size:ctx - first * block_size]
+        k = k.float().repeat_interleave(hq // hkv, dim=1)
+        v = v.float().repeat_interleave(hq // hkv, dim=1)
         p = torch.softmax(torch.einsum("hd,thd->ht", q[s].float(), k) * scale, dim=-1)  # [Hq, ctx]
         res[s] = torch.einsum("ht,thd->hd", p, v).to(q.dtype)
     return res
@@ -107,6 +112,7 @@ def _decode_kernel(
     v_offset,  # units added to a table entry to reach the V unit
     qk_scale,  # softmax scale * log2(e)
     max_tokens,  # max_blocks * BLOCK_SIZE: lengths are clamped to it, so no read past a table row
+    window,  # sliding window: only positions >= ctx - window are read (max_tokens: all)
     split_len,  # positions per split (a multiple of BLOCK_N)
     num_heads,  # Hq
     num_splits,  # context splits (grid dim 2)
@@ -129,8 +135,9 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.minimum(tl.load(ctx_ptr + s), max_tokens)
-    start = split * split_len
-    end = tl.minimum(start + split_len, ctx)
+    lo = tl.maximum(ctx - window, 0)
+    start = tl.maximum(split * split_len, lo)
+    end = tl.minimum(split * split_len + split_len, ctx)
 
     g = tl.arange(0, BLOCK_G)
     gmask = g < GROUP
@@ -161,7 +168,7 @@ def _decode_kernel(
         else:
             sc = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale
         sc = tl.where(pmask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: every iteration has >= 1 valid position
+        m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: every iteration has >= 1 valid position (start < end)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -176,7 +183,8 @@ def _decode_kernel(
         tl.store(out_ptr + s * stride_os + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=gmask[:, None])
     else:
-        # splits past the context store (-inf, 0, 0); the merge never reads them
+        # splits past the context store (-inf, 0, 0); the merge never reads them; splits before a sliding
+        # window store the same and weigh 0 in the merge (a later split of the window has a finite max)
         part = (s * num_heads + heads) * num_splits + split
         tl.store(m_ptr + part, m_i, mask=gmask)
         tl.store(l_ptr + part, l_i, mask=gmask)
@@ -295,7 +303,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float, k_offset: int = 0, v_offset: int = 0,
                            out: torch.Tensor | None = None, *, num_splits: int | None = None,
                            v_block_tables: torch.Tensor | None = None,
-                           config: dict[str, Any] | None = None) -> torch.Tensor:
+                           config: dict[str, Any] | None = None, window: int | None = None) -> torch.Tensor:
     """Decode attention out [S, Hq, D] in q's dtype, written into ``out`` if given (see module docstring).
 
     ``q``: [S, Hq, D] bf16/fp16; ``k_cache``, ``v_cache``: [U, block_size, Hkv, D] q's dtype, contiguous;
@@ -305,7 +313,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``block_tables`` (max_blocks = the batch's longest sequence) gives a better default split.
     ``v_block_tables``: optional int32 [S, max_blocks] table for V when V's units are not K's plus a
     constant (the runtime's page pool places every page independently). ``config``: a full launch config
-    (keys of ``CONFIGS["default"]``; default ``pick_config`` for this batch and head shape).
+    (keys of ``CONFIGS["default"]``; default ``pick_config`` for this batch and head shape). ``window``: attend
+    over the last ``window`` positions only (sliding-window layers; the units of older blocks are not read).
     Raises ``ValueError`` on bad shapes, dtypes, devices or strides.
     """
     _check(q, k_cache, v_cache, block_tables, context_lens, k_offset, v_offset, out)
@@ -334,7 +343,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         m = lsum = acc = res  # unused by the kernel when NUM_SPLITS == 1
     _decode_kernel[(num_seqs, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, vbt, context_lens, res, m, lsum, acc, k_offset, v_offset, scale * LOG2E,
-        max_tokens, split_len, hq, num_splits,
+        max_tokens, min(window or max_tokens, max_tokens), split_len, hq, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

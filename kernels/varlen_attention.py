@@ -71,14 +71,16 @@ def _varlen_kernel(
             q = q.to(tl.float32)
         hi = tl.minimum(ctx, ctx - n + (tile + 1) * BLOCK_M)  # keys below this position
         lo = 0
+        first = 0  # the tile's first query's window starts here: older blocks may have gone back to the pool
         if WINDOW:
-            lo = tl.maximum(ctx - n + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+            first = tl.maximum(ctx - n + tile * BLOCK_M - window + 1, 0)
+            lo = first // BLOCK_N * BLOCK_N
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
-            pmask = pos < hi
+            pmask = (pos < hi) & (pos >= first)
             page = tl.load(kt_ptr + s * stride_kts + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
             vpage = tl.load(vt_ptr + s * stride_vts + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
             row = pos % BLOCK_SIZE

@@ -55,8 +55,20 @@ def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face check
             m = moe[0].moe
             assert m is not None
             console.print(f"experts {m.num_experts} x {m.expert_intermediate} (top-{m.top_k}, norm_topk_prob "
-                          f"{m.norm_topk_prob}), shared expert {m.shared_intermediate or 'none'}; "
+                          f"{m.norm_topk_prob}, {m.activation}), shared expert {m.shared_intermediate or 'none'}; "
                           f"{len(expert_blocks(spec))} expert linear blocks")
+        beside = sorted({ls.dense_intermediate for ls in moe if ls.dense_intermediate})
+        if beside:
+            console.print(f"dense MLP beside each MoE block ({', '.join(map(str, beside))} wide): kept at 16 bits "
+                          "like attention (only expert blocks become AP bit-planes)")
+        windows = sorted({w for w in spec.windows if w is not None})
+        if windows:
+            sliding = sum(w is not None for w in spec.windows)
+            console.print(f"attention: {sliding} sliding-window layers (window {', '.join(map(str, windows))} "
+                          f"tokens: their KV pages return to the pool outside it), "
+                          f"{spec.num_layers - sliding} global")
+        for note in spec.notes:
+            console.print(f"note: {note}")
         table = Table("kind", "parameters", "share", "bytes at 16-bit")
         for kind, n in counts.items():
             table.add_row(kind, f"{n:,}", f"{n / total:.1%}", f"{2 * n / 2**20:,.1f} MiB")

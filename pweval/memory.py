@@ -5,7 +5,7 @@ workload at full concurrency (``max_batch`` of its longest requests at their ful
 it without queueing; its footprint is ``fixed`` (the non-expert weights in the model dtype, as the runtime holds
 them) + ``workspace`` (the runtime's step activation bound, ``budget.workspace_bytes``)
 + ``experts`` + ``kv``, in bytes. The same byte functions as the runtime's are used (``pwformat.cost``:
-page-rounded AP planes and LUTs, KV pages and blocks), so a
+page-rounded AP planes and LUTs; ``pwformat.kv_layout``: KV pages and blocks), so a
 uniform-b run at its footprint budget fits exactly. These footprints are the "equal total memory"
 points of the quality-memory comparison (SPEC section 8) and the budget grid of the sweep. No
 device memory is allocated here.
@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from pweval.workload import Workload
-from pwformat.cost import kv_block_bytes, kv_page_bytes, page_rounded_bytes
+from pwformat.cost import page_rounded_bytes
 from pwrun.core.config import EngineConfig
 from pwrun.core.kv_blocks import blocks_needed
 from pwrun.engine.budget import workspace_bytes
-from pwrun.model.inventory import expert_blocks
+from pwrun.model.inventory import expert_blocks, kv_layout
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.spec import ModelSpec
 
@@ -52,8 +52,7 @@ def full_concurrency_kv_bytes(workload: Workload, spec: ModelSpec, ecfg: EngineC
     """KV bytes of the ``max_batch`` longest requests at full length (prompt + continuation - 1 tokens each)."""
     blocks = sorted((blocks_needed(r.tokens - 1, ecfg.block_size) for r in workload.requests),
                     reverse=True)[:ecfg.max_batch]
-    a = spec.layers[0].attention
-    return sum(blocks) * kv_block_bytes(spec.num_layers, ecfg.block_size, a.num_kv_heads, a.head_dim, dtype.itemsize)
+    return sum(blocks) * kv_layout(spec).block_bytes(ecfg.block_size, dtype.itemsize)
 
 
 def expert_bytes(spec: ModelSpec, bits: int, ecfg: EngineConfig, dtype: torch.dtype) -> int:
@@ -61,8 +60,7 @@ def expert_bytes(spec: ModelSpec, bits: int, ecfg: EngineConfig, dtype: torch.dt
     blocks = expert_blocks(spec)
     if bits == 16:
         return sum(b.n * b.k * 2 for b in blocks)
-    a = spec.layers[0].attention
-    page = kv_page_bytes(ecfg.block_size, a.num_kv_heads, a.head_dim, dtype.itemsize)
+    page = kv_layout(spec).page_bytes(ecfg.block_size, dtype.itemsize)
     return int(page_rounded_bytes([(b.n, b.k) for b in blocks], np.array([bits]), page).sum())
 
 

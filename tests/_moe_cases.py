@@ -39,7 +39,7 @@ DECODE = {"path": "decode", "gate_up": {"BLOCK_N": 16, "BLOCK_K": 64},
 
 
 def check(t: int, k: int, e: int, hidden: int, inter: int, bits: list[int], dtype: torch.dtype, seed: int,
-          ids: torch.Tensor | None = None, config: dict | None = None) -> None:
+          ids: torch.Tensor | None = None, config: dict | None = None, activation: str = "silu") -> None:
     ex = make(e, hidden, inter, bits, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(t, hidden, generator=g).to(dtype).to(DEV)
@@ -47,8 +47,8 @@ def check(t: int, k: int, e: int, hidden: int, inter: int, bits: list[int], dtyp
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     w = torch.rand(t, k, generator=g).to(DEV)
     ids = ids.to(DEV)
-    got = ap_moe(x, ids, w, ex, config=config).float()
-    ref = ap_moe_ref(x, ids, w, ex).float()
+    got = ap_moe(x, ids, w, ex, config=config, activation=activation).float()
+    ref = ap_moe_ref(x, ids, w, ex, activation).float()
     assert torch.isfinite(got).all()
     err = (got - ref).abs().max().item()
     scale = ref.abs().max().item() + 1e-6

@@ -59,7 +59,7 @@ def _core(pool_pages: int, start_bits: int = 6, planner: bool = True, **cfg: int
     for i in range(wpt.n):
         wpt.place(pool, i, start_bits)
     p = Planner(table, BucketPolicy.neutral(3), PlannerConfig(overlapped=False)) if planner else None
-    return EngineCore(EngineConfig(block_size=4, **cfg), pool, num_layers=1, weights=wpt, planner=p)
+    return EngineCore(EngineConfig(block_size=4, **cfg), pool, layout=1, weights=wpt, planner=p)
 
 
 class FakeRunner:
@@ -178,7 +178,7 @@ def test_requests_join_at_any_time_and_abort_returns_their_pages() -> None:
 
 
 def test_forced_tokens_are_fed_and_scored() -> None:
-    core = EngineCore(EngineConfig(block_size=4), PagePool(PoolConfig(64, PAGE)), num_layers=1)
+    core = EngineCore(EngineConfig(block_size=4), PagePool(PoolConfig(64, PAGE)), layout=1)
     core.add_request(Request(0, (1, 2, 3), forced=(9, 8, 7)))
     seen = []
     while not core.idle:

@@ -12,7 +12,7 @@ from pwrun.core.pool import KV, PagePool, PoolConfig
 
 def BlockAllocator(num_blocks: int) -> PooledBlockAllocator:
     """``num_blocks`` KV blocks of a one-layer model (2 pages each) over a pool that holds exactly them."""
-    return PooledBlockAllocator(PagePool(PoolConfig(2 * num_blocks, 64)), num_layers=1)
+    return PooledBlockAllocator(PagePool(PoolConfig(2 * num_blocks, 64)), layout=1)
 
 
 def test_blocks_needed() -> None:

@@ -253,3 +253,23 @@ def test_cuda_serving_shapes(hq: int, hkv: int, dtype: torch.dtype, num_layers: 
     got = check(c, num_splits, cfg)
     torch.cuda.synchronize()
     assert got.is_cuda
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window_reads_only_the_window(num_splits: int) -> None:
+    """A sliding-window layer attends over the last ``window`` positions; the blocks wholly before the window are
+    NaN-poisoned (their pages may belong to something else by then), so reading them shows."""
+    window, bs = 11, 8
+    c = make_case([5, 11, 12, 40, 67], 4, 2, 64, bs, BF16, seed=23)
+    for s, ctx in enumerate(c.context_lens.tolist()):
+        for j in range(max(ctx - window, 0) // bs):
+            unit = int(c.block_tables[s, j])
+            c.k_cache[unit], c.v_cache[unit] = float("nan"), float("nan")
+    got = paged_decode_attention(*c.args(), num_splits=num_splits, window=window)
+    ref = paged_decode_attention_ref(*c.args(), window=window)
+    assert_close(got, ref, BF16)
+    for s, (kd, vd) in enumerate(zip(c.dense_k, c.dense_v, strict=True)):
+        kd, vd = kd[-window:], vd[-window:]
+        want = F.scaled_dot_product_attention(c.q[s, :, None].float(), kd.transpose(0, 1).float(),
+                                              vd.transpose(0, 1).float(), scale=c.scale, enable_gqa=True)[:, 0]
+        assert_close(got[s], want, BF16)

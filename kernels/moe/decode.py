@@ -1,10 +1,11 @@
 """Decode MoE path (Triton): word-first GEMV kernels for a few tokens per expert (SPEC section 7).
 
-Two launches with no host sync: gate_up with SiLU-and-mul, writing the intermediate word-major, then down with
-split-K and the routing weight, writing fp32 partials [SPLIT, T, k, H] that ``kernels.moe.layout.combine`` sums
-and rounds once. Activations are word-major (``kernels.moe.layout.word_major``) and padded to whole K steps, so
-the lanes (one plane word each) read them unmasked at constant offsets; weights come from
-``kernels.moe.decode_dot``. Two ways to map (token, slot) pairs to programs:
+Two launches with no host sync: gate_up with SiLU-and-mul (or GELU-tanh), writing the intermediate word-major,
+then down with split-K and the routing weight, writing fp32 partials [SPLIT, T, k, H] that
+``kernels.moe.layout.combine`` sums and rounds once. Activations are word-major
+(``kernels.moe.layout.word_major``) and padded to whole K steps, so the lanes (one plane word each) read them
+unmasked at constant offsets; weights come from ``kernels.moe.decode_dot``.
+Two ways to map (token, slot) pairs to programs:
   * token slots (``SLOTS`` 0): the program of an expert's first pair does the expert's work for all its tokens
     (at most 8 per launch; more run as chunks of 8, each reading its experts again);
   * sorted slots (``SLOTS`` = S in 1, 2, 4, 8): pairs sorted by expert on the device (``kernels.moe.pair_sort``),
@@ -19,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe.activation import check_activation, gate_act
 from kernels.moe.decode_dot import _dot_block
 from kernels.moe.experts import APExperts
 from kernels.moe.launch import DecodeConfig, DecodeTile
@@ -68,7 +70,7 @@ def token_pad(num_tokens: int) -> int:
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr,  # [T, 32, KWX] activations (bf16/fp16), word-major and zero-padded (``word_major``)
-    inter_ptr,  # [T*k, 32, KWO] out: silu(gate) * up in x's dtype, word-major, at each (token, expert)'s 1st pair
+    inter_ptr,  # [T*k, 32, KWO] out: act(gate) * up in x's dtype, word-major, at each (token, expert)'s 1st pair
     ids_ptr,  # [T*k] expert ids, row-major [T, k] (SORTED: sorted by expert)
     order_ptr,  # SORTED: [T*k] sorted position -> pair (else unused)
     seg_ptr,  # SORTED: [T*k] sorted position -> first position of its expert's run (else unused)
@@ -91,6 +93,7 @@ def _decode_gate_up_kernel(
     KWX: tl.constexpr,  # words of an x row (ceil(H / 32) rounded up to a multiple of BKW)
     KWO: tl.constexpr,  # words of an inter row (down's KWX)
     PAD_O: tl.constexpr,  # power of 2 >= 32 * KWO - I: inter columns the first program of a pair zeroes
+    GELU: tl.constexpr,  # GELU-tanh gate activation instead of SiLU (``kernels.moe.activation``)
 ):
     if SORTED:
         e, lead, active, row, tok = _slots_of(ids_ptr, order_ptr, seg_ptr, tl.program_id(0), T * TOPK, TOPK, T_PAD)
@@ -107,7 +110,7 @@ def _decode_gate_up_kernel(
     acc = _dot_block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, 0, tl.where(lead, kwh, 0),
                      kwh, x_ptr, x_off, KWX, T_PAD, BKW, LE, RAW)
     g, u = tl.split(tl.reshape(acc, (T_PAD, BLOCK_N, 2)))
-    h = g / (1.0 + tl.exp(-g)) * u
+    h = gate_act(g, GELU) * u
     tl.store(inter_ptr + row[:, None] * (32 * KWO) + ((n % 32) * KWO + n // 32)[None, :],
              h.to(inter_ptr.dtype.element_ty), mask=active[:, None] & (n < I)[None, :])
     if tl.program_id(1) == 0:  # down reads whole padded rows unmasked: columns I .. 32 * KWO - 1 are 0
@@ -181,7 +184,8 @@ def _entries(bkw: int) -> int:
 
 
 def decode_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-                    cfg: DecodeConfig, xw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    cfg: DecodeConfig, xw: torch.Tensor | None = None, activation: str = "silu"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing-weighted partial outputs [SPLIT, T, k, H] fp32 of T tokens x [T, H] (ids/weights [T, k],
     checked by ``kernels.moe.dispatch``), and the word-major activations [T, 32, KWX] they were computed from
     (``xw``: reuse them, e.g. for the shared expert of the same x, when the gate_up tiles give the same KWX).
@@ -194,12 +198,14 @@ def decode_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
     pairs are sorted by expert on the device (``kernels.moe.pair_sort``: one launch, no host sync) and each
     program does S consecutive pairs of one expert (``_slots_of``), so an expert with c tokens is read ceil(c / S)
     times and each weight feeds S token slots, not T_PAD (most routed experts get 1-2 of a batch's tokens).
+    ``activation``: of the gate half, ``silu`` or ``gelu_tanh`` (``kernels.moe.activation``).
     """
     ex = experts
     t, k = topk_ids.shape
     slots = cfg.SLOTS
+    gelu = check_activation(activation)
     if t > MAX_TOKENS and not slots:
-        return _chunked_partials(x, topk_ids, topk_w, experts, cfg, xw)
+        return _chunked_partials(x, topk_ids, topk_w, experts, cfg, xw, activation)
     num_pairs = t * k
     gu, dn = cfg.gate_up, cfg.down
     split = dn.SPLIT_K
@@ -221,7 +227,7 @@ def decode_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
         ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=gu.BLOCK_N, BKW=bkw_gu,
         LE=_entries(bkw_gu),
         RAW=_raw(gu, bkw_gu, x), KWX=kwx, KWO=kwo, PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)),
-        num_warps=gu.num_warps)
+        GELU=gelu, num_warps=gu.num_warps)
     _decode_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn.BLOCK_N), split)](
         inter, out, ids, order, seg, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
         ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=dn.BLOCK_N, BKW=bkw_dn,
@@ -246,19 +252,20 @@ def launches(num_tokens: int, cfg: DecodeConfig) -> list[tuple[int, int]]:
 
 
 def _chunked_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-                      cfg: DecodeConfig, xw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      cfg: DecodeConfig, xw: torch.Tensor | None, activation: str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``decode_partials`` of more than 8 tokens, chunk by chunk (``chunks``): partials [SPLIT, T, k, H] fp32 and
     the word-major activations [T, 32, KWX] of all T tokens (built once, or ``xw`` if it is x's for this tile)."""
     kwx = padded_words(experts.hidden, cfg.gate_up.BLOCK_K // 32)
     if xw is None or xw.shape != (x.shape[0], 32, kwx):  # none, or not x's (e.g. another tile's)
         xw = word_major(x, kwx)
-    parts = [decode_partials(x[a:b], topk_ids[a:b], topk_w[a:b], experts, cfg, xw[a:b])[0]
+    parts = [decode_partials(x[a:b], topk_ids[a:b], topk_w[a:b], experts, cfg, xw[a:b], activation)[0]
              for a, b in chunks(x.shape[0])]
     return torch.cat(parts, dim=1), xw
 
 
 def decode_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-               cfg: DecodeConfig) -> torch.Tensor:
+               cfg: DecodeConfig, activation: str = "silu") -> torch.Tensor:
     """MoE output y [T, H] in x's dtype for tokens x [T, H] and ids / weights [T, k] (checked by
-    ``kernels.moe.dispatch``); ``cfg`` and errors as in ``decode_partials``."""
-    return combine(decode_partials(x, topk_ids, topk_w, experts, cfg)[0], None, x.dtype)
+    ``kernels.moe.dispatch``); ``cfg``, ``activation`` and errors as in ``decode_partials``."""
+    return combine(decode_partials(x, topk_ids, topk_w, experts, cfg, activation=activation)[0], None, x.dtype)

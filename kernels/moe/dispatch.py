@@ -6,8 +6,9 @@ default buckets; the largest ``min_tokens`` <= T wins):
   * ``decode`` (``kernels.moe.decode``): word-first GEMV kernels, a few tokens per expert;
   * ``mid`` (``kernels.moe.mid``): dequantized tiles into tensor cores, tens of tokens;
   * ``prefill`` (``kernels.moe.prefill``): dequantize used experts once, then grouped GEMMs.
-``ap_moe_block`` adds a layer's shared expert as an always-selected expert; on the decode path both sets of
-partial outputs are summed and rounded once in one launch. Only this module checks inputs.
+Experts are SwiGLU or GeGLU (``activation``, ``kernels.moe.activation``). ``ap_moe_block`` adds a layer's
+shared expert as an always-selected expert; on the decode path both sets of partial outputs are summed and
+rounded once in one launch. Only this module checks inputs.
 """
 
 from __future__ import annotations
@@ -92,11 +93,13 @@ def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, 
 
 
 def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-           config: LaunchConfig | Mapping[str, Any] | None = None, check: bool = True) -> torch.Tensor:
+           config: LaunchConfig | Mapping[str, Any] | None = None, check: bool = True,
+           activation: str = "silu") -> torch.Tensor:
     """MoE output y [T, H] in x's dtype. x [T, H] bf16/fp16; topk_ids [T, k] integer; topk_w [T, k] float.
 
     ``config``: a launch config or its JSON form (default: ``launch_config`` by T and shape). ``check=False``
     skips the value checks that sync with the host (ids in range, bits in 1..8): the decode path then never syncs.
+    ``activation``: of the experts' gate half, ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU, Gemma-4).
     Raises ``ValueError`` on bad input or a bad config.
     """
     check_inputs(x, topk_ids, topk_w, experts, sync=check)
@@ -106,11 +109,11 @@ def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, expert
     if topk_ids.numel() == 0:
         return torch.zeros_like(x)
     if isinstance(cfg, DecodeConfig):
-        return decode_moe(x, topk_ids, topk_w, experts, cfg)
+        return decode_moe(x, topk_ids, topk_w, experts, cfg, activation)
     if isinstance(cfg, MidConfig):
-        return mid_moe(x, topk_ids, topk_w, experts, cfg)
+        return mid_moe(x, topk_ids, topk_w, experts, cfg, activation)
     if isinstance(cfg, PrefillConfig):
-        return prefill_moe(x, topk_ids, topk_w, experts, cfg)
+        return prefill_moe(x, topk_ids, topk_w, experts, cfg, activation)
     raise ValueError(f"config must be a DecodeConfig, MidConfig or PrefillConfig, got {cfg!r}")
 
 
@@ -126,7 +129,8 @@ def ap_moe_shared(x: torch.Tensor, shared: APExperts, gate: torch.Tensor | None 
 
 def ap_moe_block(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
                  shared: APExperts | None = None, shared_w: torch.Tensor | None = None,
-                 shared_ids: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+                 shared_ids: torch.Tensor | None = None, check: bool = True, activation: str = "silu"
+                 ) -> torch.Tensor:
     """A layer's MoE output y [T, H] (x's dtype): the routed experts (as ``ap_moe``) plus, if ``shared`` is given,
     the shared expert times ``shared_w`` [T, 1] fp32 (its gate already applied), as an always-selected expert
     (SPEC section 7: one fused path for routed and shared experts).
@@ -137,7 +141,7 @@ def ap_moe_block(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, 
     the shared expert's hidden size or LUT dtype differs from the routed experts'.
     """
     if shared is None:
-        return ap_moe(x, topk_ids, topk_w, experts, check=check)
+        return ap_moe(x, topk_ids, topk_w, experts, check=check, activation=activation)
     t = x.shape[0]
     if shared_w is None or shared_w.shape != (t, 1):
         raise ValueError(f"shared_w must be [T, 1] = [{t}, 1]")
@@ -149,7 +153,8 @@ def ap_moe_block(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, 
     if isinstance(cr, DecodeConfig) and isinstance(cs, DecodeConfig) and topk_ids.numel() > 0:
         check_inputs(x, topk_ids, topk_w, experts, sync=check)
         check_inputs(x, sid, shared_w, shared, sync=check)
-        a, xw = decode_partials(x, topk_ids, topk_w, experts, cr)
-        b, _ = decode_partials(x, sid, shared_w, shared, cs, xw)
+        a, xw = decode_partials(x, topk_ids, topk_w, experts, cr, activation=activation)
+        b, _ = decode_partials(x, sid, shared_w, shared, cs, xw, activation)
         return combine(a, b, x.dtype)
-    return ap_moe(x, topk_ids, topk_w, experts, check=check) + ap_moe(x, sid, shared_w, shared, check=check)
+    return ap_moe(x, topk_ids, topk_w, experts, check=check, activation=activation) + \
+        ap_moe(x, sid, shared_w, shared, check=check, activation=activation)

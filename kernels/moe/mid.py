@@ -2,7 +2,7 @@
 
 Per tile of BLOCK_M (token, slot) pairs of one expert (pairs sorted by expert, each expert's segment padded to
 BLOCK_M, as fused MoE kernels do) and BLOCK_N rows, a [BLOCK_N, BLOCK_K] weight tile is dequantized once in
-registers (``kernels.moe.tile.weight_tile``) and multiplied on tensor cores (``tl.dot``): SiLU(gate) * up ->
+registers (``kernels.moe.tile.weight_tile``) and multiplied on tensor cores (``tl.dot``): act(gate) * up ->
 ``inter`` [T*k, I] in x's dtype, then down times the routing weight -> [T*k, H] fp32, summed over k by the
 launcher (deterministic, no atomics). The pair sort (``align_by_expert``) needs no host sync.
 """
@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe.activation import check_activation, gate_act
 from kernels.moe.experts import APExperts
 from kernels.moe.launch import MidConfig
 from kernels.moe.tile import lut_rows, weight_tile
@@ -23,7 +24,7 @@ from kernels.moe.tile import lut_rows, weight_tile
 @triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H] activations (bf16/fp16), rows stride_xm apart
-    inter_ptr,  # [T*k, I] out: silu(gate) * up, x's dtype
+    inter_ptr,  # [T*k, I] out: act(gate) * up, x's dtype
     sorted_ptr,  # [num_tiles * BLOCK_M] int32 pair ids (t * k + j), padded with T*k
     tile_expert_ptr,  # [num_tiles] int32 expert of each tile (num_experts: spare tile, no work)
     pool_ptr,  # int32 plane pool
@@ -41,6 +42,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,  # intermediate columns per tile
     BLOCK_K: tl.constexpr,  # K step, a multiple of 32
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is exact
+    GELU: tl.constexpr,  # GELU-tanh gate activation instead of SiLU (``kernels.moe.activation``)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -66,7 +68,7 @@ def _gate_up_kernel(
             xt, wg, wu = xt.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_g += tl.dot(xt, tl.trans(wg))
         acc_u += tl.dot(xt, tl.trans(wu))
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = gate_act(acc_g, GELU) * acc_u
     tl.store(inter_ptr + pairs[:, None] * I + n[None, :], h.to(inter_ptr.dtype.element_ty),
              mask=pmask[:, None] & nmask[None, :])
 
@@ -137,11 +139,13 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 def mid_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-            cfg: MidConfig) -> torch.Tensor:
+            cfg: MidConfig, activation: str = "silu") -> torch.Tensor:
     """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``kernels.moe.dispatch``.
 
-    ``cfg``: the tile. Raises ``ValueError`` if x's rows are not contiguous.
+    ``cfg``: the tile; ``activation``: ``silu`` or ``gelu_tanh``. Raises ``ValueError`` if x's rows are not
+    contiguous.
     """
+    gelu = check_activation(activation)
     ex = experts
     if x.stride(1) != 1:
         raise ValueError(f"x must be contiguous along the hidden dim, got strides {x.stride()}")
@@ -157,7 +161,7 @@ def mid_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exper
     _gate_up_kernel[(tiles, triton.cdiv(ex.inter, bn))](
         x, inter, sorted_pairs, tile_expert, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits,
         num_pairs, ex.num_experts, x.stride(0), TOPK=k, H=ex.hidden, I=ex.inter, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, DOT_FP32=interp, num_warps=warps)
+        BLOCK_K=bk, DOT_FP32=interp, GELU=gelu, num_warps=warps)
     _down_kernel[(tiles, triton.cdiv(ex.hidden, bn))](
         inter, out_pairs, topk_w.flatten().float().contiguous(), sorted_pairs, tile_expert, ex.pool,
         ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, num_pairs, ex.num_experts, H=ex.hidden, I=ex.inter,

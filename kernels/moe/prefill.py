@@ -17,16 +17,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.moe.activation import check_activation, gate_act, gate_act_ref
 from kernels.moe.experts import APExperts
 from kernels.moe.launch import PrefillConfig
 from kernels.moe.tile import lut_rows, weight_tile
 from kernels.rounding import round_to
 
 
-def silu_mul_ref(h: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """act [M, I] in h's dtype = SiLU(h[:, :I]) * h[:, I:] (* scale[:, None]), in fp32. h [M, 2I]; scale [M] fp32."""
+def silu_mul_ref(h: torch.Tensor, scale: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """act [M, I] in h's dtype = SiLU(h[:, :I]) * h[:, I:] (* scale[:, None]), in fp32 (GELU-tanh for
+    ``activation="gelu_tanh"``). h [M, 2I]; scale [M] fp32."""
     g, u = h.float().chunk(2, dim=-1)
-    a = F.silu(g) * u
+    a = gate_act_ref(g, activation) * u
     if scale is not None:
         a = a * scale.float()[:, None]
     return a.to(h.dtype)
@@ -45,13 +47,14 @@ def _silu_mul_kernel(
     inter,  # I
     HAS_SCALE: tl.constexpr,  # multiply by scale
     BLOCK: tl.constexpr,  # columns per program
+    GELU: tl.constexpr,  # GELU-tanh instead of SiLU
 ):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(h_ptr + m * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(h_ptr + m * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    a = g / (1.0 + tl.exp(-g)) * u
+    a = gate_act(g, GELU) * u
     if HAS_SCALE:
         a = a * tl.load(scale_ptr + m)
     tl.store(out_ptr + m * inter + cols, round_to(a, out_ptr.dtype.element_ty), mask=mask)
@@ -81,7 +84,7 @@ def _rows(z: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a contiguous 2-D tensor, got {tuple(z.shape)} strides {z.stride()}")
 
 
-def silu_mul(h: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul(h: torch.Tensor, scale: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
     """Triton version of ``silu_mul_ref``: h [M, 2I] bf16/fp16/fp32 contiguous, scale [M] fp32 or None.
 
     Returns a new [M, I] tensor in h's dtype. Raises ``ValueError`` on an odd width, a non-contiguous h or a
@@ -99,7 +102,8 @@ def silu_mul(h: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(m, triton.cdiv(inter, block))](h, h if scale is None else scale, out, inter,
-                                                    HAS_SCALE=scale is not None, BLOCK=block, num_warps=4)
+                                                    HAS_SCALE=scale is not None, BLOCK=block,
+                                                    GELU=check_activation(activation), num_warps=4)
     return out
 
 
@@ -172,13 +176,13 @@ def dequant_blocks(experts: APExperts, blocks: torch.Tensor, unit: str, dtype: t
 
 
 def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
-                cfg: PrefillConfig) -> torch.Tensor:
+                cfg: PrefillConfig, activation: str = "silu") -> torch.Tensor:
     """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``kernels.moe.dispatch``.
 
     One grouped GEMM per unit over the expert-sorted pairs (experts without tokens get an empty group); where
     ``torch._grouped_mm`` is unavailable, a per-expert loop. A single expert with k = 1 (a shared expert) skips
     the sorting: two plain GEMMs around the same SiLU-and-mul (one term per token, rounded once, as grouped).
-    ``cfg`` as in ``dequant_blocks``.
+    ``cfg`` as in ``dequant_blocks``; ``activation``: ``silu`` or ``gelu_tanh``.
     """
     ex = experts
     t, k = topk_ids.shape
@@ -186,7 +190,7 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, e
     if ex.num_experts == 1 and k == 1:
         w_gu = dequant_blocks(ex, e_all, "gate_up", x.dtype, None, cfg)[0]
         w_dn = dequant_blocks(ex, e_all + 1, "down", x.dtype, None, cfg)[0]
-        return F.linear(silu_mul(F.linear(x, w_gu), topk_w.reshape(t).float().contiguous()), w_dn)
+        return F.linear(silu_mul(F.linear(x, w_gu), topk_w.reshape(t).float().contiguous(), activation), w_dn)
     sorted_ids, order = torch.sort(topk_ids.flatten())
     offs = torch.searchsorted(sorted_ids, e_all + 1).to(torch.int32)  # end of each expert's rows
     live = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
@@ -195,7 +199,7 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, e
     if hasattr(torch, "_grouped_mm"):  # CUDA; CPU too since torch 2.9
         try:
             h = torch._grouped_mm(x[order // k], w_gu.transpose(1, 2), offs=offs)
-            act = silu_mul(h, topk_w.flatten()[order].float())  # the routing weight applied before down
+            act = silu_mul(h, topk_w.flatten()[order].float(), activation)  # routing weight applied before down
             y = torch._grouped_mm(act, w_dn.transpose(1, 2), offs=offs)
             pos = torch.empty_like(order)
             pos[order] = torch.arange(t * k, device=x.device)  # where pair (token, slot) sits in y
@@ -206,6 +210,6 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, e
     for e in topk_ids.unique().tolist():
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
         g, u = (x[rows] @ w_gu[e].T).float().chunk(2, dim=-1)
-        h = (F.silu(g) * u).to(x.dtype)
+        h = (gate_act_ref(g, activation) * u).to(x.dtype)
         out.index_add_(0, rows, (h @ w_dn[e].T).float() * topk_w[rows, slot, None].float())
     return out.to(x.dtype)

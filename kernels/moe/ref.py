@@ -1,21 +1,24 @@
 """The pure-PyTorch reference of the AP MoE (SPEC section 7), the slow twin every MoE kernel is tested against.
 
 For hidden states x [T, H] and top-k expert ids / weights [T, k]:
-``y[t] = sum_j w_tj * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with e = ids[t, j], each block dequantized at its
-committed bitwidth. Like the kernels it accumulates in fp32 and stores the intermediate in x's dtype.
+``y[t] = sum_j w_tj * down_e(act(gate_e(x_t)) * up_e(x_t))`` with e = ids[t, j] (act: SiLU, or GELU-tanh),
+each block dequantized at its committed bitwidth. Like the kernels it accumulates in fp32 and stores the
+intermediate in x's dtype.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.moe.activation import gate_act_ref
 from kernels.moe.experts import APExperts
 from pwformat.ap import dequantize
 
 
-def ap_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts) -> torch.Tensor:
-    """Reference MoE output y [T, H] (x's dtype) from x [T, H], topk_ids/topk_w [T, k]."""
+def ap_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
+               activation: str = "silu") -> torch.Tensor:
+    """Reference MoE output y [T, H] (x's dtype) from x [T, H], topk_ids/topk_w [T, k]; ``activation`` of the gate
+    half (``kernels.moe.activation``)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
@@ -24,6 +27,6 @@ def ap_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, ex
         gate_up = dequantize(pg, lg, kg, pg.shape[0], torch.float32)
         down = dequantize(pd_, ld, kd, pd_.shape[0], torch.float32)
         g, u = (x[rows].float() @ gate_up.T).chunk(2, dim=-1)
-        h = (F.silu(g) * u).to(x.dtype).float()  # the kernels store the intermediate in x's dtype
+        h = (gate_act_ref(g, activation) * u).to(x.dtype).float()  # the kernels store the intermediate in x's dtype
         out.index_add_(0, rows, (h @ down.T) * topk_w[rows, slot, None].float())
     return out.to(x.dtype)

@@ -8,7 +8,9 @@ and returns one ``StepDecision``. After the runner computed and sampled, ``updat
 (``observe_routing``) and applies the weight policy after sampling; the weight moves it makes go to the
 runner through ``take_moves``. With overlapped planning (CUDA) ``while_computing`` does the planner's
 work while the device computes. It never touches tensors: the page pool, the weight page table, the
-KV block tables and the planner are numpy and ints; the runner mirrors them on the device.
+KV block tables and the planner are numpy and ints; the runner mirrors them on the device. On a model
+with sliding-window layers, ``update`` gives back the sliding layers' pages of every block that has left
+its sequence's window (``BlockTables.trim``), so the planner sees them as free pages at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from pwformat.kv_layout import KVLayout
 from pwrun.core.config import EngineConfig
 from pwrun.core.decision import ScheduledChunk, StepDecision, WeightMoves
 from pwrun.core.kv_blocks import BlockTables, PooledBlockAllocator, blocks_needed
@@ -29,15 +32,18 @@ from pwrun.core.weight_table import WeightPageTable
 
 
 class EngineCore:
-    """Requests over ``pool`` (KV blocks of ``num_layers`` layers; expert blocks of ``weights`` if given, moved
-    by ``planner`` if given: None for static policies and for 16-bit experts outside the pool)."""
+    """Requests over ``pool`` (KV blocks laid out as ``layout``, or of that many uniform layers; expert blocks of
+    ``weights`` if given, moved by ``planner`` if given: None for static policies and for 16-bit experts outside
+    the pool)."""
 
-    def __init__(self, cfg: EngineConfig, pool: PagePool, num_layers: int, weights: WeightPageTable | None = None,
-                 planner: Planner | None = None) -> None:
-        self.cfg, self.pool, self.num_layers = cfg, pool, num_layers
-        self.alloc = PooledBlockAllocator(pool, num_layers)
+    def __init__(self, cfg: EngineConfig, pool: PagePool, layout: int | KVLayout,
+                 weights: WeightPageTable | None = None, planner: Planner | None = None) -> None:
+        self.cfg, self.pool = cfg, pool
+        self.alloc = PooledBlockAllocator(pool, layout)
+        self.layout, self.num_layers = self.alloc.layout, self.alloc.num_layers
         self.tables = BlockTables(self.alloc, cfg.block_size)
         self.kv_block_bytes = self.alloc.block_pages * pool.cfg.page_bytes  # B_KV of Eq. 7
+        self.trimmed_blocks = 0  # blocks that gave back their sliding-window pages in the last ``update``
         self.scheduler = Scheduler(cfg.max_batch, cfg.max_step_tokens)
         self.wpt = weights
         self.planner = planner
@@ -190,19 +196,29 @@ class EngineCore:
             if s.finish is not None:
                 self.scheduler.finish(s, self)
             outs.append(self.output(s.rid))
+        self.trimmed_blocks = self._trim(decision)
         if self.weights is not None:
             self.weights.after_step(self.scheduler.running)
         self.steps += 1
         return outs
+
+    def _trim(self, decision: StepDecision) -> int:
+        """Give back the sliding-window pages of the blocks the step's sequences no longer read: a later query
+        (position >= the chunk's end) reads keys from end - window + 1 on. Returns the blocks trimmed."""
+        window = self.layout.window
+        if window is None:
+            return 0
+        return sum(self.tables.trim(c.rid, c.end - window + 1) for c in decision.chunks)
 
     @property
     def step_actions(self) -> StepActions:
         return StepActions() if self.weights is None else self.weights.step
 
     def check(self) -> None:
-        """Page conservation, q <= resident planes, KV pages = KV blocks in use (``AssertionError`` if not)."""
+        """Page conservation, q <= resident planes, KV pages = the pages of the KV blocks in use, trimmed ones
+        without their sliding-window pages (``AssertionError`` if not)."""
         self.pool.check()
-        assert self.pool.count(KV) == self.alloc.block_pages * self.alloc.num_used
+        assert self.pool.count(KV) == self.alloc.kv_pages
         if self.wpt is not None:
             self.wpt.check()
             assert self.pool.count(WEIGHT) == self.wpt.weight_pages()

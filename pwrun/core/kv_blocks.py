@@ -1,20 +1,22 @@
 """KV blocks in the shared page pool and per-request block tables (SPEC section 5; control plane, no torch).
 
 What it does: ``PooledBlockAllocator`` hands out KV blocks with reference counts; block b is
-``2 * num_layers`` pages of the ``PagePool`` (layer l's K page and V page, anywhere in the pool),
-taken from the pool's free pages when the block is allocated and handed back when its last
-reference goes, so the KV cache grows into pages that demoted bit-planes freed and shrinks to give
-them back. ``pages(b)`` tells the runner where block b's pages are; block ids are small integers
-reused from a free list (they index the runner's device-side page table). ``BlockTables`` keeps one
-table per request (logical block j of a request lives in block ``table[j]``): token t is stored in
-slot ``table[t // block_size] * block_size + t % block_size``, as PagedAttention does.
+``layout.pages_per_block`` pages of the ``PagePool`` (each layer's K and V, anywhere in the pool;
+``pwformat.kv_layout``), taken from the pool's free pages when the block is allocated and handed back
+when its last reference goes, so the KV cache grows into pages that demoted bit-planes freed and shrinks
+to give them back. A block that has fallen out of the sliding window of its sequence gives its
+sliding-window layers' pages back at once (``trim``) and keeps only the global layers' pages. ``pages(b)``
+tells the runner where block b's pages are; block ids are small integers reused from a free list (they
+index the runner's device-side page table). ``BlockTables`` keeps one table per request (logical block j
+of a request lives in block ``table[j]``): token t is stored in slot
+``table[t // block_size] * block_size + t % block_size``, as PagedAttention does.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from pwformat.cost import kv_block_pages
+from pwformat.kv_layout import KVLayout
 from pwrun.core.pool import KV, PagePool
 
 
@@ -28,25 +30,47 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class PooledBlockAllocator:
-    """KV blocks of ``block_pages`` pages each (``pwformat.cost.kv_block_pages``), over ``pool``; at most
-    ``max_blocks`` ids."""
+    """KV blocks of ``layout.pages_per_block`` pages each over ``pool`` (an int: that many uniform layers, two
+    pages each); at most ``max_blocks`` ids. A trimmed block keeps only its global layers' pages, so up to
+    every id may be in use at once: ``max_blocks`` counts whole blocks' pages and the trimmed blocks' ids come on
+    top (as many as the pool could hold trimmed blocks)."""
 
-    def __init__(self, pool: PagePool, num_layers: int) -> None:
-        if num_layers <= 0:
-            raise ValueError("num_layers must be positive")
-        self.pool, self.num_layers = pool, num_layers
-        self.block_pages = kv_block_pages(num_layers)
-        self.max_blocks = pool.cfg.num_pages // self.block_pages
+    def __init__(self, pool: PagePool, layout: int | KVLayout) -> None:
+        self.layout = KVLayout.uniform(layout) if isinstance(layout, int) else layout
+        self.pool, self.num_layers = pool, self.layout.num_layers
+        self.block_pages = self.layout.pages_per_block
+        self._sliding = self.layout.sliding_pages
+        self.max_blocks = self.layout.max_blocks(pool.cfg.num_pages)
         self.num_blocks = self.max_blocks
         self._ids = list(range(self.max_blocks - 1, -1, -1))
         self._refs: dict[int, int] = {}
         self._pages: dict[int, list[int]] = {}
+        self._trimmed: set[int] = set()
+        self.trimmed_pages = 0  # sliding-window pages given back by trims, in total
         self.new_blocks: list[int] = []  # allocated since the runner last mapped them
 
     @property
     def num_free(self) -> int:
         """F_blk of SPEC Eq. 7: KV blocks the pool's free pages could hold now."""
         return min(self.pool.num_free // self.block_pages, len(self._ids))
+
+    @property
+    def num_trimmed(self) -> int:
+        """Blocks in use that gave back their sliding-window pages."""
+        return len(self._trimmed)
+
+    @property
+    def kv_pages(self) -> int:
+        """Pool pages the blocks in use hold."""
+        return self.block_pages * len(self._refs) - len(self._sliding) * len(self._trimmed)
+
+    @property
+    def sliding_kv_pages(self) -> int:
+        """Pool pages of sliding-window layers the blocks in use hold (untrimmed blocks only)."""
+        return len(self._sliding) * (len(self._refs) - len(self._trimmed))
+
+    def trimmed(self, block: int) -> bool:
+        return block in self._trimmed
 
     @property
     def num_used(self) -> int:
@@ -66,8 +90,19 @@ class PooledBlockAllocator:
         return out
 
     def pages(self, block: int) -> list[int]:
-        """The block's 2L pages: layer l's K page at index 2l, its V page at 2l + 1."""
+        """The block's pages in ``layout`` order (layer l's from ``layout.offsets[l]``)."""
         return self._pages[block]
+
+    def trim(self, block: int) -> bool:
+        """Give the sliding-window layers' pages of ``block`` back to the pool (its global layers' stay). Only
+        a block with one reference (no other sequence reads its window) that is not trimmed yet; True if done."""
+        if not self._sliding or block in self._trimmed or self._refs.get(block, 0) != 1:
+            return False
+        pages = self._pages[block]
+        self.pool.release([pages[i] for i in self._sliding], KV)
+        self._trimmed.add(block)
+        self.trimmed_pages += len(self._sliding)
+        return True
 
     def share(self, block: int) -> None:
         if self._refs.get(block, 0) <= 0:
@@ -81,7 +116,12 @@ class PooledBlockAllocator:
         self._refs[block] -= 1
         if self._refs[block] == 0:
             del self._refs[block]
-            self.pool.release(self._pages.pop(block), KV)
+            pages = self._pages.pop(block)
+            if block in self._trimmed:
+                self._trimmed.discard(block)
+                gone = set(self._sliding)
+                pages = [p for i, p in enumerate(pages) if i not in gone]
+            self.pool.release(pages, KV)
             self._ids.append(block)
 
     def refcount(self, block: int) -> int:
@@ -98,6 +138,8 @@ class KVAllocator(Protocol):
 
     def release(self, block: int) -> None: ...
 
+    def trim(self, block: int) -> bool: ...
+
 
 class BlockTables:
     """Per-request block tables over one allocator (``PooledBlockAllocator``; tests may give a fake one)."""
@@ -107,6 +149,7 @@ class BlockTables:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.allocator, self.block_size = allocator, block_size
         self._tables: dict[int, list[int]] = {}
+        self._trimmed: dict[int, int] = {}  # leading blocks of a request already offered to ``trim``
 
     def table(self, rid: int) -> list[int]:
         return self._tables[rid]
@@ -129,8 +172,22 @@ class BlockTables:
             raise ValueError(f"request {rid} has {len(t)} blocks, token {end - 1} not reserved")
         return [t[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def trim(self, rid: int, first_needed: int) -> int:
+        """Offer ``rid``'s blocks that hold only positions below ``first_needed`` (the oldest key any later query
+        of a sliding-window layer reads) to the allocator's ``trim``; returns the blocks trimmed now."""
+        t = self._tables.get(rid)
+        if t is None:
+            return 0
+        upto = min(max(first_needed, 0) // self.block_size, len(t))
+        done = 0
+        for j in range(self._trimmed.get(rid, 0), upto):
+            done += self.allocator.trim(t[j])
+        self._trimmed[rid] = max(upto, self._trimmed.get(rid, 0))
+        return done
+
     def free(self, rid: int) -> None:
         """Release every block of ``rid`` and forget its table."""
+        self._trimmed.pop(rid, None)
         for b in self._tables.pop(rid, []):
             self.allocator.release(b)
 

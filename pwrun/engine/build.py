@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from kernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
-from pwformat.cost import block_pages, kv_block_pages, kv_page_bytes, page_rounded_bytes
+from pwformat.cost import block_pages, page_rounded_bytes
 from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwformat.tables import WRITTEN_BY
 from pwrun.ap.artifact import APArtifact
@@ -41,7 +41,7 @@ from pwrun.core.request import Request, SamplingParams
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.engine.budget import dtype_label, format_size, workspace_bytes
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
+from pwrun.model.inventory import SHARED_EXPERT, expert_blocks, kv_layout
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, resolve_device, resolve_dtype
 from pwrun.model.weights import fuse_qkv
@@ -259,8 +259,8 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     spec = model.spec
     ecfg = cfg.engine
     elt = dt.itemsize
-    a = spec.layers[0].attention
-    page_bytes = kv_page_bytes(ecfg.block_size, a.num_kv_heads, a.head_dim, elt)
+    layout = kv_layout(spec)
+    page_bytes = layout.page_bytes(ecfg.block_size, elt)
     sizes = [len(r) + n for r, n in zip(requests, new_tokens, strict=True)] + [max_request_tokens] * ecfg.max_batch
     longest = max(sizes)
     if longest < 1:
@@ -269,8 +269,8 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt,
                            cuda=dev.type == "cuda")
     pool_bytes = cfg.gpu_memory - fixed - work
-    kv_block_bytes = kv_block_pages(spec.num_layers) * page_bytes  # B_KV of Eq. 7
-    min_kv_pages = blocks_needed(longest, ecfg.block_size) * kv_block_pages(spec.num_layers)
+    kv_block_bytes = layout.pages_per_block * page_bytes  # B_KV of Eq. 7
+    min_kv_pages = blocks_needed(longest, ecfg.block_size) * layout.pages_per_block
     table = replace(table, bytes=page_rounded_bytes(table.shapes(spec), table.bits, page_bytes))
     pcfg = cfg.policy.planner_config(cfg.planner)
     if pcfg is not None and pcfg.overlapped is None:
@@ -333,7 +333,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     initial_weight_pages = pool.count(WEIGHT)
     placed_bytes = int(store.bytes_h2d)
     store.mirror.bytes_h2d = 0
-    core = EngineCore(ecfg, pool, spec.num_layers, wpt, planner)
+    core = EngineCore(ecfg, pool, layout, wpt, planner)
     info = {"device": str(dev), "dtype": str(dt).removeprefix("torch."), "policy": cfg.policy.name,
             "bits": cfg.policy.bits,
             "gpu_memory": cfg.gpu_memory, "fixed_bytes": fixed, "workspace_bytes": work,
@@ -364,10 +364,10 @@ def dense_server_engine(model: LeanMoEModel, cfg: EngineConfig, max_request_toke
     requests of ``max_request_tokens`` tokens each; no CUDA graphs (see ``dense_engine``)."""
     spec = model.spec
     cfg = replace(cfg, cuda_graphs=False)
-    a = spec.layers[0].attention
-    page_bytes = kv_page_bytes(cfg.block_size, a.num_kv_heads, a.head_dim, model.dtype.itemsize)
-    num_pages = cfg.max_batch * blocks_needed(max_request_tokens, cfg.block_size) * kv_block_pages(spec.num_layers)
-    return LLMEngine(EngineCore(cfg, PagePool(PoolConfig(num_pages, page_bytes)), spec.num_layers),
+    layout = kv_layout(spec)
+    page_bytes = layout.page_bytes(cfg.block_size, model.dtype.itemsize)
+    num_pages = cfg.max_batch * blocks_needed(max_request_tokens, cfg.block_size) * layout.pages_per_block
+    return LLMEngine(EngineCore(cfg, PagePool(PoolConfig(num_pages, page_bytes)), layout),
                      ModelRunner(model, cfg, num_pages, page_bytes),
                      {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
                       "policy": "16-bit", "bits": None, "pool_bytes": num_pages * page_bytes, "page_bytes": page_bytes})
@@ -382,11 +382,11 @@ def dense_engine(model: LeanMoEModel, params: SamplingParams, requests: list[lis
     cfg = EngineConfig(block_size=block_size, max_batch=max(len(requests), 1),
                        max_step_tokens=max(sum(len(r) for r in requests), 1), cuda_graphs=False)
     blocks = sum(blocks_needed(len(r) + params.max_new_tokens, block_size) for r in requests)
-    a = spec.layers[0].attention
-    page_bytes = kv_page_bytes(block_size, a.num_kv_heads, a.head_dim, model.dtype.itemsize)
-    num_pages = max(blocks, 1) * kv_block_pages(spec.num_layers)
+    layout = kv_layout(spec)
+    page_bytes = layout.page_bytes(block_size, model.dtype.itemsize)
+    num_pages = max(blocks, 1) * layout.pages_per_block
     pool = PagePool(PoolConfig(num_pages, page_bytes))
-    engine = LLMEngine(EngineCore(cfg, pool, spec.num_layers), ModelRunner(model, cfg, num_pages, page_bytes),
+    engine = LLMEngine(EngineCore(cfg, pool, layout), ModelRunner(model, cfg, num_pages, page_bytes),
                        {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
                         "policy": "16-bit", "bits": None})
     add_requests(engine, params, requests, eos)

@@ -162,4 +162,6 @@ class LLMEngine:
             bytes_in_flight=0 if core.weights is None else core.weights.in_flight_bytes(),
             running=len(core.scheduler.running), waiting=len(core.scheduler.waiting), preempted=preempted,
             step_tokens=step_tokens, prefill_tokens=prefill_tokens, bits_hist=np.bincount(q, minlength=9).tolist(),
-            shared_bits=shared, routed_bits=routed, device_peak_bytes=self.runner.peak_bytes())
+            shared_bits=shared, routed_bits=routed, device_peak_bytes=self.runner.peak_bytes(),
+            kv_pages_global=core.alloc.kv_pages - core.alloc.sliding_kv_pages,
+            kv_pages_sliding=core.alloc.sliding_kv_pages, trimmed_blocks=core.trimmed_blocks)

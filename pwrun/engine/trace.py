@@ -11,7 +11,9 @@ Columns and units (seconds are host wall-clock; blocks are expert linear blocks 
   while the device computed. ``poll_seconds``, ``refresh_seconds``, ``raise_plan_seconds``,
   ``raise_start_seconds``, ``prepare_seconds``: host seconds by phase (0: did not run).
 - ``free_blocks``: KV blocks the free pages could hold; ``kv_pages``, ``weight_pages``, ``free_pages``: pool pages
-  by owner at the end of the step.
+  by owner at the end of the step; ``kv_pages_global`` / ``kv_pages_sliding``: the KV pages of global-attention
+  and of sliding-window layers (their sum is ``kv_pages``); ``trimmed_blocks``: KV blocks that gave their
+  sliding-window pages back to the pool this step (they left every window of their sequence).
 - ``pressure_bytes``: D of SPEC Eq. 7 after sampling (bytes); ``demoted_blocks``: blocks lowered this step;
   ``reload_started_blocks``: blocks whose reload started; ``promoted_blocks``: blocks whose reload committed.
 - ``mean_bits``: committed bits per block (unweighted mean); ``shared_bits`` / ``routed_bits``: committed bits per
@@ -70,6 +72,9 @@ class StepTrace:
     shared_bits: float = float("nan")
     routed_bits: float = float("nan")
     device_peak_bytes: int = 0
+    kv_pages_global: int = 0
+    kv_pages_sliding: int = 0
+    trimmed_blocks: int = 0
 
 
 def trace_schema() -> pa.Schema:

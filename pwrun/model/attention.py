@@ -2,10 +2,12 @@
 
 What it does: projects q/k/v, applies qk-norm and RoPE, writes the step's keys/values into the
 paged KV cache, then for each sequence gathers its keys/values through its block table and
-attends causally (query at position p sees keys 0..p) with GQA. This is the reference twin of
-the Triton kernels a cache may offer: ``decode_attention`` (``kernels/paged_attention.py``) for pure
-decode steps and ``varlen_attention`` (``kernels/varlen_attention.py``) for any step, prompt chunks
-beside decodes (the runtime's pooled cache does where the kernels run). It does not allocate blocks.
+attends causally (query at position p sees keys 0..p, or p - window + 1..p on a sliding-window layer,
+which gathers only the blocks its window covers: the older ones may have returned to the pool) with
+GQA. This is the reference twin of the Triton kernels a cache may offer: ``decode_attention``
+(``kernels/paged_attention.py``) for pure decode steps and ``varlen_attention``
+(``kernels/varlen_attention.py``) for any step, prompt chunks beside decodes (the runtime's pooled cache
+does where the kernels run). It does not allocate blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.dense_gemv import linear
 from kernels.norm import rms_norm_ref
-from pwrun.model.ops import apply_rope, rope_cos_sin
+from pwrun.model.ops import apply_rope, rms_unit, rope_cos_sin
 from pwrun.model.spec import AttentionSpec
 from pwrun.model.step import StepTensors
 from pwrun.model.weights import AttentionWeights
@@ -26,7 +28,10 @@ from pwrun.model.weights import AttentionWeights
 
 class PagedKVCache(Protocol):
     """What attention needs from a paged KV store (``pwrun.runner.kv_store.PooledKVCache``): ``write`` k, v
-    [T, Hkv, D] at slots [T]; ``gather`` positions 0..length-1 of one sequence through its block table [nb]."""
+    [T, Hkv, D] at slots [T]; ``gather`` positions 0..length-1 of one sequence through its block table [nb]
+    (a table that starts at logical block j gives positions j * block_size ..)."""
+
+    block_size: int
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
@@ -37,6 +42,18 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, fused: boo
     if fused:
         return linear(x, w, b)
     return F.linear(x, w, b)
+
+
+def _window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
+                      ctx: int) -> torch.Tensor:
+    """Sliding-window attention of queries q [n, heads, d] at positions ctx - n .. ctx - 1 over keys k, v
+    [m, heads, d] at positions ctx - m .. ctx - 1: query p sees keys p - window + 1 .. p. Returns [heads, n, d]."""
+    n, m = q.shape[0], k.shape[0]
+    qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+    kpos = torch.arange(ctx - m, ctx, device=q.device)[None, :]
+    mask = (kpos <= qpos) & (kpos > qpos - window)
+    qt, kt, vt = (z.transpose(0, 1).unsqueeze(0) for z in (q, k, v))
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)[0]
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -68,7 +85,8 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
     if w.qkv is not None:
         q, k, v = _linear(x, w.qkv, w.qkv_bias, fused).split((hq * d, hkv * d, hkv * d), dim=-1)
     else:
-        q, k, v = _linear(x, w.q, w.q_bias), _linear(x, w.k, w.k_bias), _linear(x, w.v, w.v_bias)
+        q, k = _linear(x, w.q, w.q_bias), _linear(x, w.k, w.k_bias)
+        v = k if w.v is None else _linear(x, w.v, w.v_bias)
     if spec.qk_norm == "full":
         assert w.q_norm is not None and w.k_norm is not None
         q, k = rms_norm_ref(q, w.q_norm, eps), rms_norm_ref(k, w.k_norm, eps)
@@ -78,17 +96,26 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
     if spec.qk_norm == "per_head":
         assert w.q_norm is not None and w.k_norm is not None
         q, k = rms_norm_ref(q, w.q_norm, eps), rms_norm_ref(k, w.k_norm, eps)
+    if spec.v_norm:
+        v = rms_unit(v, eps)
     write_rope = getattr(cache, "write_rope", None) if fused else None
-    rotated = write_rope(layer, step, q, k, v, spec.rope_theta) if write_rope is not None else None
+    rotated = write_rope(layer, step, q, k, v, spec.rope_theta, spec.rotary_dim) if write_rope is not None else None
     if rotated is not None:
         q = rotated
     else:
-        cos, sin = rope_cos_sin(step.positions, d, spec.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(step.positions, d, spec.rope_theta, x.dtype, spec.rotary_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, step.slots, k, v)
+    scale = spec.softmax_scale
     fast = getattr(cache, "decode_attention", None)
     if fast is not None and step.decode_only:
-        o = fast(layer, q, step, d**-0.5)
+        o = fast(layer, q, step, scale, spec.window)
+        if o is not None:
+            return _linear(o.reshape(t, hq * d), w.o, None, fused)
+
+    varlen = getattr(cache, "varlen_attention", None)
+    if varlen is not None:
+        o = varlen(layer, q, step, scale, spec.window or 0)
         if o is not None:
             return _linear(o.reshape(t, hq * d), w.o, None, fused)
 
@@ -103,8 +130,13 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
     for s in range(step.num_seqs):
         lo, hi = step.query_start[s], step.query_start[s + 1]
         ctx = step.context_lens[s]
-        ks, vs = cache.gather(layer, step.block_tables[s], ctx)
+        first = 0 if spec.window is None else max(0, ctx - (hi - lo) - spec.window + 1) // cache.block_size
+        ks, vs = cache.gather(layer, step.block_tables[s][first:], ctx - first * cache.block_size)
         if groups > 1:
             ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-        out[lo:hi] = _causal_attention(q[lo:hi], ks, vs, d**-0.5).transpose(0, 1)
+        if spec.window is None:
+            o = _causal_attention(q[lo:hi], ks, vs, scale)
+        else:
+            o = _window_attention(q[lo:hi], ks, vs, scale, spec.window, ctx)
+        out[lo:hi] = o.transpose(0, 1)
     return F.linear(out.reshape(t, hq * d), w.o)

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from pwformat.errors import PagedWeightError
+from pwrun.model.checkpoint_gemma4 import load_gemma4
 from pwrun.model.families import CheckpointNames
 from pwrun.model.spec import LayerSpec, ModelSpec
 from pwrun.model.weights import AttentionWeights, LayerWeights, MLPWeights, ModelWeights, MoEWeights
@@ -138,6 +139,8 @@ def load_weights(model_dir: Path, spec: ModelSpec, names: CheckpointNames, dtype
     Raises ``PagedWeightError`` when files or tensors are missing or shapes disagree with ``spec``.
     """
     r = TensorReader(safetensors_files(model_dir), dtype, device)
+    if names.gemma4:
+        return load_gemma4(r, spec)
     h, v = spec.hidden_size, spec.vocab_size
     embed = r.get("model.embed_tokens.weight", (v, h))
     if r.has("lm_head.weight") and not spec.tie_word_embeddings:

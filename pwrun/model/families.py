@@ -1,9 +1,8 @@
 """Model families: turn a Hugging Face config into the canonical ``ModelSpec``.
 
 What it does: one adapter per supported family (``qwen2_moe``, ``mixtral``, ``qwen3_moe``,
-``olmoe``) reads the family's config fields and says where its tensors live in a checkpoint
-(``CheckpointNames``). Families that we cannot run yet (``gemma4``) get a clear error naming
-the missing pieces. It does not read tensors (``checkpoint.py`` does) and imports no torch.
+``olmoe``, ``gemma4``) reads the family's config fields and says where its tensors live in a checkpoint
+(``CheckpointNames``). It does not read tensors (``checkpoint.py`` does) and imports no torch.
 """
 
 from __future__ import annotations
@@ -22,26 +21,22 @@ class CheckpointNames:
 
     ``moe_prefix``: the MoE block's module name; ``expert_*``: the per-expert projection names
     (hub checkpoints store ``experts.{e}.{name}.weight``); gate/up are concatenated into our
-    ``gate_up`` [2I, H] with gate rows first.
+    ``gate_up`` [2I, H] with gate rows first. ``gemma4``: the Gemma-4 names (``checkpoint_gemma4.py``).
     """
 
     moe_prefix: str = "mlp"
     expert_gate: str = "gate_proj"
     expert_up: str = "up_proj"
     expert_down: str = "down_proj"
+    gemma4: bool = False
 
 
 QWEN_NAMES = CheckpointNames()
 MIXTRAL_NAMES = CheckpointNames(moe_prefix="block_sparse_moe", expert_gate="w1", expert_up="w3", expert_down="w2")
+GEMMA4_NAMES = CheckpointNames(moe_prefix="experts", gemma4=True)
 
-UNSUPPORTED = {
-    "gemma4": (
-        "gemma4 (Gemma-4 MoE) is not supported yet: it needs sliding-window + global attention with "
-        "attention_k_eq_v and proportional partial RoPE, a dense MLP summed beside the MoE block with "
-        "post-feedforward norms, GELU-tanh experts and final logit softcapping"
-    ),
-}
-UNSUPPORTED["gemma4_text"] = UNSUPPORTED["gemma4"]
+UNSUPPORTED: dict[str, str] = {}
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -145,6 +140,62 @@ def mixtral(cfg: Any) -> ModelSpec:
     return _model(cfg, "mixtral", [LayerSpec(i, attn, moe) for i in range(int(cfg.num_hidden_layers))])
 
 
+def _gemma4_rope(cfg: Any, layer_type: str, head_dim: int) -> tuple[float, int]:
+    """(theta, rotary_dim) of one Gemma-4 layer type: ``default`` rotates all of head_dim, ``proportional`` the
+    first ``int(partial_rotary_factor * head_dim // 2)`` frequency pairs (as transformers computes them)."""
+    params = (_get(cfg, "rope_parameters") or {}).get(layer_type) or {}
+    kind = params.get("rope_type", "default")
+    theta = float(params.get("rope_theta", 10000.0))
+    if kind == "default":
+        return theta, head_dim
+    if kind == "proportional" and float(params.get("factor", 1.0)) == 1.0:
+        return theta, 2 * int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    raise PagedWeightError(f"RoPE '{kind}' of Gemma-4 {layer_type} layers is not supported: use default or "
+                           "proportional RoPE without a factor")
+
+
+def gemma4(cfg: Any) -> ModelSpec:
+    """Gemma-4 MoE text model (a multimodal config's ``text_config``; its other towers get a note)."""
+    notes = tuple(f"the checkpoint's {kind} tower is not served (text model only)"
+                  for kind in ("vision", "audio") if _get(cfg, f"{kind}_config") is not None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if not _get(text, "enable_moe_block", False):
+        raise PagedWeightError("this Gemma-4 checkpoint has no MoE block (enable_moe_block false): PagedWeight "
+                               "serves MoE models")
+    for name, ok in (("hidden_size_per_layer_input", 0), ("num_kv_shared_layers", 0),
+                     ("use_double_wide_mlp", False)):
+        if (_get(text, name) or ok) != ok:
+            raise PagedWeightError(f"Gemma-4 {name}={_get(text, name)} is not supported: PagedWeight serves the "
+                                   "MoE models without per-layer inputs or shared KV layers")
+    if _get(text, "use_bidirectional_attention") == "all" or _get(text, "attention_bias"):
+        raise PagedWeightError("Gemma-4 with bidirectional attention or attention biases is not supported")
+    act = ACTIVATIONS.get(str(_get(text, "hidden_activation")))
+    if act is None:
+        raise PagedWeightError(f"Gemma-4 hidden_activation '{_get(text, 'hidden_activation')}' is not supported: "
+                               f"use one of {', '.join(ACTIVATIONS)}")
+    heads, k_eq_v = int(text.num_attention_heads), bool(_get(text, "attention_k_eq_v", False))
+    moe = MoESpec(int(text.num_experts), int(text.top_k_experts), int(text.moe_intermediate_size), True,
+                  activation=act, router="gemma4")  # type: ignore[arg-type]
+    layers = []
+    for i, kind in enumerate(text.layer_types):
+        per = text.per_layer_config[i]
+        head_dim, kv_heads = int(per.head_dim), int(per.num_key_value_heads)
+        sliding = kind == "sliding_attention"
+        theta, rotary = _gemma4_rope(text, kind, head_dim)
+        attn = AttentionSpec(heads, kv_heads, head_dim, qkv_bias=False, qk_norm="per_head", clip_qkv=None,
+                             rope_theta=theta, window=int(text.sliding_window) if sliding else None,
+                             rotary_dim=None if rotary == head_dim else rotary, scale=1.0,
+                             k_eq_v=k_eq_v and not sliding, v_norm=True)
+        layers.append(LayerSpec(i, attn, moe, dense_intermediate=int(text.intermediate_size)))
+    return ModelSpec(
+        family="gemma4", vocab_size=int(text.vocab_size), hidden_size=int(text.hidden_size),
+        rms_norm_eps=float(text.rms_norm_eps), max_position_embeddings=int(text.max_position_embeddings),
+        tie_word_embeddings=bool(_get(text, "tie_word_embeddings", True)), layers=tuple(layers),
+        eos_token_ids=_eos(text), sandwich=True, mlp_activation=act,  # type: ignore[arg-type]
+        embed_scale=float(text.hidden_size) ** 0.5, logit_softcap=_get(text, "final_logit_softcapping"),
+        notes=notes)
+
+
 def olmoe(cfg: Any) -> ModelSpec:
     _check_common(cfg)
     attn = _attention(cfg, qkv_bias=bool(_get(cfg, "attention_bias", False)), qk_norm="full")
@@ -158,6 +209,8 @@ FAMILIES: dict[str, tuple[Callable[[Any], ModelSpec], CheckpointNames]] = {
     "qwen3_moe": (qwen3_moe, QWEN_NAMES),
     "mixtral": (mixtral, MIXTRAL_NAMES),
     "olmoe": (olmoe, QWEN_NAMES),
+    "gemma4": (gemma4, GEMMA4_NAMES),
+    "gemma4_text": (gemma4, GEMMA4_NAMES),
 }
 
 

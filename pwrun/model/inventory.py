@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pwformat.cost import MoELayerShape
+from pwformat.kv_layout import KVLayout
 from pwrun.model.spec import ModelSpec
 
 SHARED_EXPERT = -1
@@ -44,6 +45,12 @@ def expert_blocks(spec: ModelSpec) -> list[LinearBlock]:
     return out
 
 
+def kv_layout(spec: ModelSpec) -> KVLayout:
+    """How a KV block of ``spec`` splits into pool pages (per layer: Hkv * head_dim, sliding window)."""
+    return KVLayout.of([(ls.attention.num_kv_heads, ls.attention.head_dim, ls.attention.window)
+                        for ls in spec.layers])
+
+
 def moe_layer_shapes(spec: ModelSpec) -> list[MoELayerShape]:
     """The expert shapes of every MoE layer, as the cost model (``pwformat.cost``) takes them."""
     return [MoELayerShape(spec.hidden_size, ls.moe.expert_intermediate, ls.moe.num_experts, ls.moe.top_k,
@@ -59,14 +66,14 @@ def parameter_counts(spec: ModelSpec) -> dict[str, int]:
     for layer in spec.layers:
         a = layer.attention
         qd, kd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        c["attention"] += h * (qd + 2 * kd) + qd * h + (qd + 2 * kd if a.qkv_bias else 0)
+        kv = 1 if a.k_eq_v else 2
+        c["attention"] += h * (qd + kv * kd) + qd * h + (qd + kv * kd if a.qkv_bias else 0)
         c["attention"] += {"none": 0, "per_head": 2 * a.head_dim, "full": qd + kd}[a.qk_norm]
-        c["other"] += 2 * h
+        c["other"] += (7 * h + 1) if spec.sandwich else 2 * h  # the norms (and a sandwich layer's scalar)
         if layer.moe is not None:
             m = layer.moe
             c["routed_experts"] += m.num_experts * 3 * h * m.expert_intermediate
             c["shared_experts"] += 3 * h * m.shared_intermediate + (h if m.shared_gate else 0)
-            c["other"] += m.num_experts * h
-        else:
-            c["dense_mlp"] += 3 * h * layer.dense_intermediate
+            c["other"] += m.num_experts * h + ((h + m.num_experts) if m.router == "gemma4" else 0)
+        c["dense_mlp"] += 3 * h * layer.dense_intermediate
     return c

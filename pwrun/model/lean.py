@@ -2,7 +2,10 @@
 
 What it does: embeddings -> per layer [RMSNorm -> paged GQA attention (RoPE, optional qkv bias
 / qk-norm) -> residual -> RMSNorm -> MoE block or dense MLP -> residual] -> final RMSNorm ->
-lm_head, for any family described by a ``ModelSpec``. Runs on CPU and CUDA in the dtype of its
+lm_head, for any family described by a ``ModelSpec``; sandwich layers (Gemma-4) add norms after
+attention and after the feed-forward, run a dense MLP beside the MoE block (each with its own norms,
+the router reading the residual stream) and scale the layer's output; the embeddings may be scaled and
+the logits soft-capped. Runs on CPU and CUDA in the dtype of its
 weights. One ``forward`` call runs one step: any mix of prefill chunks and decode tokens of many
 sequences. It does not schedule, allocate KV blocks or sample (``generate.py`` does).
 """
@@ -15,12 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels.dense_gemv import linear
-from kernels.norm import add_rms_norm, add_rms_norm_ref
+from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm_ref
 from pwrun.model.attention import PagedKVCache, attention_forward
-from pwrun.model.moe import MoEObserver, mlp_forward, moe_forward
-from pwrun.model.spec import ModelSpec
+from pwrun.model.moe import MoEObserver, mlp_forward, moe_forward, router_input
+from pwrun.model.ops import softcap
+from pwrun.model.spec import LayerSpec, ModelSpec
 from pwrun.model.step import StepTensors
-from pwrun.model.weights import ModelWeights
+from pwrun.model.weights import LayerWeights, ModelWeights
+
+MoEFn = Callable[..., torch.Tensor]  # moe(x [T, H], layer, r=router input or None) -> [T, H]
 
 
 class LeanMoEModel:
@@ -40,13 +46,12 @@ class LeanMoEModel:
         return self.weights.embed.device
 
     def forward(self, step: StepTensors, cache: PagedKVCache, logits_for: str = "last",
-                observer: MoEObserver | None = None,
-                moe: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
+                observer: MoEObserver | None = None, moe: MoEFn | None = None) -> torch.Tensor:
         """Run one step; writes its keys/values into ``cache``.
 
-        ``moe``: replaces the MoE blocks' reference forward (``moe(x [T, H], layer) -> [T, H]``); the
-        runtime passes its Any-Precision experts here. ``cache`` may be any object with the
-        ``PagedKVCache`` interface (``write``, ``gather``).
+        ``moe``: replaces the MoE blocks' reference forward (``moe(x [T, H], layer, r=None) -> [T, H]``, ``r``
+        the router's input where it is not x); the runtime passes its Any-Precision experts here. ``cache`` may
+        be any object with the ``PagedKVCache`` interface (``write``, ``gather``).
 
         Returns fp32 logits: [S, V] for each sequence's last token (``logits_for="last"``) or
         [T, V] for every token (``"all"``, used by perplexity and parity tests).
@@ -61,10 +66,13 @@ class LeanMoEModel:
             return self._step(step, cache, logits_for, None, None, False)
 
     def _step(self, step: StepTensors, cache: PagedKVCache, logits_for: str, observer: MoEObserver | None,
-              moe: Callable[[torch.Tensor, int], torch.Tensor] | None, fused: bool) -> torch.Tensor:
+              moe: MoEFn | None, fused: bool) -> torch.Tensor:
         spec, w = self.spec, self.weights
         h = F.embedding(step.tokens, w.embed)
+        if spec.embed_scale != 1.0:
+            h = h * torch.tensor(spec.embed_scale, dtype=h.dtype)
         norm = add_rms_norm if fused else add_rms_norm_ref
+        eps = spec.rms_norm_eps
         begin = getattr(cache, "begin_step", None)
         if begin is not None:
             begin(step)
@@ -72,19 +80,40 @@ class LeanMoEModel:
         for ls, lw in zip(spec.layers, w.layers, strict=True):
             h, x = norm(h, delta, lw.attn_norm, spec.rms_norm_eps)
             a = attention_forward(x, lw.attn, ls.attention, spec.rms_norm_eps, ls.index, step, cache, fused)
+            if lw.sandwich is not None:
+                sw = lw.sandwich
+                h, x = norm(h, rms_norm_ref(a, sw.post_attn, eps), lw.ffn_norm, eps)
+                f = self._sandwich_ffn(h, x, ls, lw, observer, moe)
+                h, delta = (h + rms_norm_ref(f, sw.post_ffn, eps)) * sw.scalar, None
+                continue
             h, x = norm(h, a, lw.ffn_norm, spec.rms_norm_eps)
             if lw.moe is not None:
                 assert ls.moe is not None
                 delta = moe(x, ls.index) if moe is not None else moe_forward(x, lw.moe, ls.moe, ls.index, observer)
             else:
                 assert lw.mlp is not None
-                delta = mlp_forward(x, lw.mlp)
+                delta = mlp_forward(x, lw.mlp, spec.mlp_activation)
         if logits_for == "last":
             h = h.index_select(0, step.last_token_index)
             delta = None if delta is None else delta.index_select(0, step.last_token_index)
         elif logits_for != "all":
             raise ValueError(f"logits_for must be 'last' or 'all', got {logits_for!r}")
         _, h = norm(h, delta, w.final_norm, spec.rms_norm_eps)
-        if fused:
-            return linear(h, w.lm_head).float()
-        return F.linear(h, w.lm_head).float()
+        logits = linear(h, w.lm_head) if fused else F.linear(h, w.lm_head)
+        return softcap(logits.float(), spec.logit_softcap)
+
+    def _sandwich_ffn(self, h: torch.Tensor, x: torch.Tensor, ls: LayerSpec, lw: LayerWeights,
+                      observer: MoEObserver | None, moe: MoEFn | None) -> torch.Tensor:
+        """The feed-forward of a sandwich layer, before its post-norm: the dense MLP of x (after its own norm)
+        plus the MoE block of the residual stream h (normalised by its pre-norm; the router reads h itself)."""
+        eps = self.spec.rms_norm_eps
+        sw = lw.sandwich
+        assert sw is not None and lw.mlp is not None
+        f = rms_norm_ref(mlp_forward(x, lw.mlp, self.spec.mlp_activation), sw.mlp_post, eps)
+        if lw.moe is None:
+            return f
+        assert ls.moe is not None
+        x2 = rms_norm_ref(h, sw.moe_pre, eps)
+        r = router_input(h, lw.moe, ls.moe, eps) if ls.moe.router == "gemma4" else None
+        e = moe(x2, ls.index, r=r) if moe is not None else moe_forward(x2, lw.moe, ls.moe, ls.index, observer, r)
+        return f + rms_norm_ref(e, sw.moe_post, eps)

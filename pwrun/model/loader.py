@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pwformat.errors import PagedWeightError
 from pwrun.data import missing_bundle_hint
@@ -76,6 +78,9 @@ def read_config(model_dir: Path) -> Any:
         # fail before transformers, which may not know the type at all
         spec_from_config(type("Cfg", (), {"model_type": model_type})())
 
+    if model_type not in CONFIG_MAPPING:
+        raise PagedWeightError(f"transformers {transformers.__version__} does not know model_type '{model_type}' of "
+                               f"{cfg_path}: upgrade transformers (pip install -U transformers)")
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as exc:  # transformers raises many types (strict dataclass validation among them)

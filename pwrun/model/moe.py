@@ -1,9 +1,10 @@
-"""MoE feed-forward, pure-PyTorch reference: softmax router, top-k, SwiGLU experts, shared expert.
+"""MoE feed-forward, pure-PyTorch reference: softmax router, top-k, gated experts, shared expert.
 
 What it does: ``route`` implements the routers of all supported families (softmax over the
-experts in fp32, top-k, optional renormalisation; SPEC Eq. 1 uses these weights as routing
-mass); ``moe_forward`` groups tokens by expert, runs each expert's ``gate_up`` / ``down`` and
-accumulates ``sum_k w_tk * down_e(silu(gate_e(x_t)) * up_e(x_t))``, then adds the shared expert
+experts in fp32, top-k, optional renormalisation, Gemma-4's per-expert scale; SPEC Eq. 1 uses these
+weights as routing mass; ``router_input`` is what the router reads); ``moe_forward`` groups tokens by
+expert, runs each expert's ``gate_up`` / ``down`` and
+accumulates ``sum_k w_tk * down_e(act(gate_e(x_t)) * up_e(x_t))``, then adds the shared expert
 (scaled by its sigmoid gate where the family has one). This is the reference twin of the fused
 Triton MoE kernel of a later stage. ``MoEObserver`` lets calibration see each block's inputs.
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pwrun.model.inventory import SHARED_EXPERT
+from pwrun.model.ops import act, rms_unit
 from pwrun.model.spec import MoESpec
 from pwrun.model.weights import MLPWeights, MoEWeights
 
@@ -32,37 +34,48 @@ class MoEObserver(Protocol):
         """
 
 
-def route(x: torch.Tensor, router: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing weights [T, k] (x's dtype) and expert ids [T, k] int64 for x [T, H], router [E, H]."""
+def router_input(h: torch.Tensor, w: MoEWeights, spec: MoESpec, eps: float) -> torch.Tensor:
+    """What the router of a ``gemma4`` block reads: the residual stream h [T, H] RMS-normalised without weight,
+    times ``router_scale`` and H^-0.5 (other routers read the MoE input itself: callers pass it)."""
+    assert spec.router == "gemma4" and w.router_scale is not None
+    return rms_unit(h, eps) * w.router_scale * h.shape[-1] ** -0.5
+
+
+def route(x: torch.Tensor, router: torch.Tensor, spec: MoESpec, expert_scale: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights [T, k] (x's dtype) and expert ids [T, k] int64 for the router input x [T, H], router
+    [E, H]; ``expert_scale`` [E] multiplies each renormalised weight (Gemma-4)."""
     logits = F.linear(x, router)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, spec.top_k, dim=-1)
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if expert_scale is not None:
+        weights = weights * expert_scale[ids]
     return weights.to(x.dtype), ids
 
 
-def mlp_forward(x: torch.Tensor, w: MLPWeights) -> torch.Tensor:
-    """SwiGLU MLP: x [T, H] -> [T, H] with gate_up [2I, H], down [H, I]."""
+def mlp_forward(x: torch.Tensor, w: MLPWeights, activation: str = "silu") -> torch.Tensor:
+    """Gated MLP: x [T, H] -> [T, H] with gate_up [2I, H], down [H, I] (SwiGLU, or GeGLU for ``gelu_tanh``)."""
     gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w.down)
+    return F.linear(act(gate, activation) * up, w.down)
 
 
 def moe_forward(x: torch.Tensor, w: MoEWeights, spec: MoESpec, layer: int = 0,
-                observer: MoEObserver | None = None) -> torch.Tensor:
-    """MoE block output [T, H] for normalised hidden states x [T, H]."""
-    weights, ids = route(x, w.router, spec)
+                observer: MoEObserver | None = None, r: torch.Tensor | None = None) -> torch.Tensor:
+    """MoE block output [T, H] for normalised hidden states x [T, H]; ``r``: the router's input if not x."""
+    weights, ids = route(x if r is None else r, w.router, spec, w.expert_scale)
     if observer is not None:
         observer.routing(layer, ids, weights)
-    return experts_forward(x, w, weights, ids, spec.num_experts, layer, observer)
+    return experts_forward(x, w, weights, ids, spec.num_experts, layer, observer, spec.activation)
 
 
 def experts_forward(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
-                    layer: int = 0, observer: MoEObserver | None = None) -> torch.Tensor:
+                    layer: int = 0, observer: MoEObserver | None = None, activation: str = "silu") -> torch.Tensor:
     """Routed experts (tokens grouped by expert) plus the shared expert, for given routing weights/ids [T, k].
 
     ``w.gate_up[e]`` / ``w.down[e]`` may be any indexable of [2I, H] / [H, I] tensors (the runtime
-    passes dense views of its AP blocks).
+    passes dense views of its AP blocks). ``activation``: of the gate half (``MoESpec.activation``).
     """
     top_k = ids.shape[1]
     out = torch.zeros_like(x)
@@ -78,7 +91,7 @@ def experts_forward(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: 
         idx = token_of[start:start + n]
         xe = x.index_select(0, idx)
         gate, up = F.linear(xe, w.gate_up[e]).chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        h = act(gate, activation) * up
         if observer is not None:
             observer.expert_inputs(layer, e, xe, h, flat_w[start:start + n])
         y = F.linear(h, w.down[e]) * flat_w[start:start + n, None]
@@ -86,7 +99,7 @@ def experts_forward(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: 
         start += n
     if w.shared is not None:
         gate, up = F.linear(x, w.shared.gate_up).chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        h = act(gate, activation) * up
         if observer is not None:
             observer.expert_inputs(layer, SHARED_EXPERT, x, h, torch.ones(x.shape[0], dtype=x.dtype, device=x.device))
         s = F.linear(h, w.shared.down)

@@ -1,27 +1,52 @@
-"""Rotary embeddings of the lean model (RMSNorm's eager math is ``kernels.norm.rms_norm_ref``).
+"""Rotary embeddings and small ops of the lean model (RMSNorm's eager math is ``kernels.norm.rms_norm_ref``).
 
 What it does: the exact math of the supported families (computed in fp32, cast back, as
-transformers does, so that parity holds). It does not do attention or MoE.
+transformers does, so that parity holds): RoPE tables (full, or proportional partial RoPE), the
+weightless RMSNorm, the gated activations and the logit soft cap. It does not do attention or MoE.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.rope_kv import rope_cos_sin_fp32
 
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
-    """[D/2] fp32 inverse frequencies ``theta^(-2i/D)`` of the default RoPE (full head_dim)."""
-    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta ** exps)
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str,
+                  rotary_dim: int | None = None) -> torch.Tensor:
+    """[D/2] fp32 inverse frequencies ``theta^(-2i/D)`` of the default RoPE (full head_dim), or with
+    ``rotary_dim`` < D only the first rotary_dim/2 of them and zeros after (proportional partial RoPE: the other
+    dims are not rotated)."""
+    rot = head_dim if rotary_dim is None else rotary_dim
+    exps = torch.arange(0, rot, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv = 1.0 / (theta ** exps)
+    if rot < head_dim:
+        inv = torch.cat([inv, torch.zeros((head_dim - rot) // 2, dtype=torch.float32, device=device)])
+    return inv
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D] in ``dtype`` for positions [T] int64 (default RoPE, full head_dim, fp32 math)."""
-    cos, sin = rope_cos_sin_fp32(positions, rope_inv_freq(head_dim, theta, positions.device))
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 rotary_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] in ``dtype`` for positions [T] int64 (fp32 math; ``rotary_dim`` as ``rope_inv_freq``)."""
+    cos, sin = rope_cos_sin_fp32(positions, rope_inv_freq(head_dim, theta, positions.device, rotary_dim))
     return cos.to(dtype), sin.to(dtype)
+
+
+def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without weight over the last dim, fp32 math, in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def act(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The gate activation of a gated MLP: ``silu`` (SwiGLU) or ``gelu_tanh`` (GELU, tanh approximation)."""
+    return F.silu(x) if kind == "silu" else F.gelu(x, approximate="tanh")
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)``, or the logits unchanged for ``cap`` None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

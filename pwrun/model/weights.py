@@ -20,12 +20,13 @@ from pwrun.model.inventory import SHARED_EXPERT, LinearBlock
 class AttentionWeights:
     """q [Hq*D, H], k/v [Hkv*D, H], o [H, Hq*D]; biases [out] or None; q_norm/k_norm [D] or [Hq*D]/[Hkv*D].
 
+    ``v`` is None where the values are the key projection (``AttentionSpec.k_eq_v``).
     ``qkv`` [(Hq + 2 Hkv) * D, H] (and ``qkv_bias``): q, k and v in one tensor, of which ``q``/``k``/``v`` are
     then views (``fuse_qkv``); None until fused."""
 
     q: torch.Tensor
     k: torch.Tensor
-    v: torch.Tensor
+    v: torch.Tensor | None
     o: torch.Tensor
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
@@ -50,13 +51,30 @@ class MLPWeights:
 
 @dataclass
 class MoEWeights:
-    """router [E, H]; gate_up [E, 2I, H]; down [E, H, I]; shared expert and its gate [1, H] optional."""
+    """router [E, H]; gate_up [E, 2I, H]; down [E, H, I]; shared expert and its gate [1, H] optional;
+    ``router_scale`` [H] and ``expert_scale`` [E] of the Gemma-4 router (``MoESpec.router``)."""
 
     router: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
     shared: MLPWeights | None = None
     shared_gate: torch.Tensor | None = None
+    router_scale: torch.Tensor | None = None
+    expert_scale: torch.Tensor | None = None
+
+
+@dataclass
+class SandwichNorms:
+    """The extra norms [H] of a sandwich layer (``ModelSpec.sandwich``): after attention, after the summed
+    feed-forward, after the dense MLP (``mlp_post``), before and after the MoE block; ``scalar`` [1] multiplies
+    the layer's output."""
+
+    post_attn: torch.Tensor
+    post_ffn: torch.Tensor
+    mlp_post: torch.Tensor
+    moe_pre: torch.Tensor
+    moe_post: torch.Tensor
+    scalar: torch.Tensor
 
 
 @dataclass
@@ -66,6 +84,7 @@ class LayerWeights:
     attn: AttentionWeights
     moe: MoEWeights | None = None
     mlp: MLPWeights | None = None
+    sandwich: SandwichNorms | None = None
 
 
 @dataclass
@@ -92,7 +111,7 @@ class ModelWeights:
                 add(t)
             add(layer.attn_norm)
             add(layer.ffn_norm)
-            for block in (layer.moe, layer.mlp):
+            for block in (layer.moe, layer.mlp, layer.sandwich):
                 if block is None:
                     continue
                 for t in vars(block).values():
@@ -124,6 +143,8 @@ def fuse_qkv(attn: AttentionWeights) -> None:
     views of it, so that a step projects with one GEMM instead of three (no extra memory once the old tensors
     are dropped). Idempotent while q, k, v are still its views; if one was replaced since, fuses again. Raises
     ``ValueError`` if only some of the three have a bias, or they differ in dtype, device or input size."""
+    if attn.v is None:  # keys are the values: nothing to fuse
+        return
     parts = (attn.q, attn.k, attn.v)
     if attn.qkv is not None and all(t.untyped_storage().data_ptr() == attn.qkv.untyped_storage().data_ptr()
                                     for t in parts):

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from pwformat.cost import kv_block_pages, kv_page_bytes
 from pwrun.core.config import EngineConfig
 from pwrun.core.decision import ScheduledChunk, StepDecision, WeightMoves
 from pwrun.core.planner.tables import BlockTable
 from pwrun.core.pool import PagePool
 from pwrun.core.request import Request, SamplingParams
 from pwrun.core.weight_table import WeightPageTable
+from pwrun.model.inventory import kv_layout
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import MoEObserver
 from pwrun.model.step import StepTensors
@@ -42,13 +42,14 @@ class ModelRunner:
         self.device = model.device
         self.use_kernels = cfg.use_kernels if cfg.use_kernels is not None else self.device.type == "cuda"
         model.fused = cfg.fused_kernels and self.use_kernels
+        if page_bytes != kv_layout(model.spec).page_bytes(cfg.block_size, model.dtype.itemsize):
+            raise ValueError("a pool page must hold exactly the widest layer's K (or V) of one KV block")
+        self.memory = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=self.device)
         spec = model.spec
         a = spec.layers[0].attention
-        if page_bytes != kv_page_bytes(cfg.block_size, a.num_kv_heads, a.head_dim, model.dtype.itemsize):
-            raise ValueError("a pool page must hold exactly one layer's K (or V) of one KV block")
-        self.memory = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=self.device)
-        self.kv = PooledKVCache(self.memory, spec.num_layers, num_pages // kv_block_pages(spec.num_layers),
-                                cfg.block_size, a.num_kv_heads, a.head_dim, model.dtype, self.use_kernels)
+        layers = [(ls.attention.num_kv_heads, ls.attention.head_dim, ls.attention.window) for ls in spec.layers]
+        self.kv = PooledKVCache(self.memory, spec.num_layers, kv_layout(spec).max_blocks(num_pages), cfg.block_size,
+                                a.num_kv_heads, a.head_dim, model.dtype, self.use_kernels, layers)
         self.experts: ExpertStore | None = None
         self.graphs: DecodeGraphs | None = None
         self.captured = False  # the last step captured a CUDA graph (one-off cost: warm-up + capture)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from pwformat.cost import kv_block_pages, kv_page_bytes
 from pwrun.core.config import EngineConfig
 from pwrun.core.engine_core import EngineCore
 from pwrun.core.kv_blocks import blocks_needed
 from pwrun.core.pool import PagePool, PoolConfig
 from pwrun.core.request import Request, SamplingParams
+from pwrun.model.inventory import kv_layout
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import MoEObserver
 from pwrun.runner.model_runner import ModelRunner
@@ -29,10 +29,10 @@ def prefill_logits(model: LeanMoEModel, tokens: list[list[int]], block_size: int
     spec = model.spec
     cfg = EngineConfig(block_size=block_size, max_batch=len(tokens), max_step_tokens=sum(len(t) for t in tokens),
                        cuda_graphs=False, use_kernels=False)
-    a = spec.layers[0].attention
-    num_pages = sum(blocks_needed(len(t), block_size) for t in tokens) * kv_block_pages(spec.num_layers)
-    page_bytes = kv_page_bytes(block_size, a.num_kv_heads, a.head_dim, model.dtype.itemsize)
-    core = EngineCore(cfg, PagePool(PoolConfig(num_pages, page_bytes)), spec.num_layers)
+    layout = kv_layout(spec)
+    num_pages = sum(blocks_needed(len(t), block_size) for t in tokens) * layout.pages_per_block
+    page_bytes = layout.page_bytes(block_size, model.dtype.itemsize)
+    core = EngineCore(cfg, PagePool(PoolConfig(num_pages, page_bytes)), layout)
     runner = ModelRunner(model, cfg, num_pages, page_bytes)
     for rid, t in enumerate(tokens):
         core.add_request(Request(rid, tuple(t), SamplingParams(max_new_tokens=1)))

@@ -76,39 +76,45 @@ class APMoE:
             self._dense[i] = w
         return w
 
-    def __call__(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """MoE output [T, H] for normalised hidden states x [T, H] with the committed AP experts."""
+    def __call__(self, x: torch.Tensor, layer: int, r: torch.Tensor | None = None) -> torch.Tensor:
+        """MoE output [T, H] for normalised hidden states x [T, H] with the committed AP experts; ``r``: the
+        router's input where it is not x (``pwrun.model.moe.router_input``)."""
         lw = self.model.weights.layers[layer].moe
         spec = self.spec.layers[layer].moe
         assert lw is not None and spec is not None
         if self.use_kernel:
-            return self._kernel(x, layer, lw, spec)
-        weights, ids = route(x, lw.router, spec)
+            return self._kernel(x, layer, lw, spec, x if r is None else r)
+        weights, ids = route(x if r is None else r, lw.router, spec, lw.expert_scale)
         if self.observe:
             self._observe(layer, x, ids, weights, spec.num_experts, lw.shared is not None)
         view = _DenseMoE(self, layer, lw)
-        return experts_forward(x, cast(MoEWeights, view), weights, ids, spec.num_experts, layer)
+        return experts_forward(x, cast(MoEWeights, view), weights, ids, spec.num_experts, layer,
+                               activation=spec.activation)
 
-    def _kernel(self, x: torch.Tensor, layer: int, lw: MoEWeights, spec: Any) -> torch.Tensor:
+    def _kernel(self, x: torch.Tensor, layer: int, lw: MoEWeights, spec: Any, r: torch.Tensor) -> torch.Tensor:
         """Kernel path: router matmul (router and shared gate in one), one routing kernel (top-k, gate,
         statistics), the fused AP kernels for the routed experts and the shared expert (``ap_moe_block``)."""
         e = spec.num_experts
         has_gate = lw.shared_gate is not None
         weight = self._router_gate.get(layer, lw.router)
-        logits = linear(x, weight)
-        stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max else None
+        logits = linear(r, weight)
+        scaled = lw.expert_scale is not None  # the statistics take the weights after the per-expert scale
+        stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max and not scaled \
+            else None
         w, ids, shared_w = route_topk(logits, x, e, spec.top_k, spec.norm_topk_prob, has_gate, stats,
                                       has_shared=lw.shared is not None)
+        if lw.expert_scale is not None:
+            w = (w * lw.expert_scale.float()[ids]).to(x.dtype).float()
         if self.observe and stats is None:
             self._observe(layer, x, ids, w, e, lw.shared is not None)
         if lw.shared is None:
-            return ap_moe(x, ids, w, self.tables.experts(layer), check=False)
+            return ap_moe(x, ids, w, self.tables.experts(layer), check=False, activation=spec.activation)
         t = x.shape[0]
         sid = self._shared_ids.get(t)
         if sid is None:
             sid = self._shared_ids[t] = torch.zeros(t, 1, dtype=torch.int64, device=x.device)
         return ap_moe_block(x, ids, w, self.tables.experts(layer), self.tables.experts(layer, "shared"),
-                            shared_w[:, None], sid, check=False)
+                            shared_w[:, None], sid, check=False, activation=spec.activation)
 
     def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  shared: bool) -> None:
