@@ -44,6 +44,7 @@ from pwrun.core.planner.runtime import PlannerConfig
 from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.data import default_model_dir
 from pwrun.model.checkpoint import LayerWeights, ModelWeights, _attention, _moe
+from pwrun.model.checkpoint_gemma4 import load_gemma4
 from pwrun.model.families import spec_from_config
 from pwrun.model.inventory import expert_blocks, kv_layout, moe_layer_shapes
 from pwrun.model.lean import LeanMoEModel
@@ -52,6 +53,7 @@ from pwrun.model.loader import read_config
 RESULTS = Path("bench/results")
 QWEN = Path("tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B")
 MIXTRAL = Path("tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1")
+GEMMA4 = Path("tests/fixtures/configs/google__gemma-4-26B-A4B")
 BITS = [3, 4, 5, 6, 7, 8]  # bitwidths of the synthetic artifacts and tables
 # the routing buckets and planner thresholds the serving and planner suites run with (no bucket search on random
 # weights): two mass buckets, floors 4/5/6 then 3/4/5 bits
@@ -221,10 +223,12 @@ def kv_bytes(spec: Any, tokens: int) -> int:
 def decode_step_bytes(spec: Any, non_expert: int, bits: float | None, batch: int, ctx: int) -> float:
     """Bytes one decode step of ``batch`` sequences at ``ctx`` positions must read (``pwformat.cost``): the
     ``non_expert`` weight bytes (attention and LM head, no embedding table), every router (bf16), the experts the
-    batch routes to and the shared experts at ``bits`` (None: bf16), and the KV cache of every sequence."""
+    batch routes to and the shared experts at ``bits`` (None: bf16), and the KV cache of every sequence (a
+    sliding-window layer's at most its window, ``KVLayout.read_bytes``)."""
     layers = moe_layer_shapes(spec)
     routers = sum(m.num_experts * m.hidden * 2 for m in layers)
-    return cost.decode_step_bytes(non_expert + routers, layers, batch, ctx, kv_bytes(spec, 1), bits)
+    kv = batch * kv_layout(spec).read_bytes(ctx, 2)
+    return cost.decode_step_bytes(non_expert + routers, layers, batch, ctx, 0, bits) + kv
 
 
 def table_at(table: BlockTable, spec: Any, bits: int) -> np.ndarray:
@@ -247,18 +251,19 @@ def seed_spec(config_dir: Path) -> tuple[Any, Any]:
 
 
 class _RandomReader:
-    """Stands in for the checkpoint reader: random tensors of the asked shapes (norms 1)."""
+    """Stands in for the checkpoint reader: random tensors of the asked shapes (norms, scales and layer scalars 1;
+    a Gemma-4 text model at the ``model.`` prefix)."""
 
     def __init__(self, dtype: torch.dtype, device: str) -> None:
         self.dtype, self.device = dtype, device
         self.g = torch.Generator(device=device).manual_seed(0)
 
     def has(self, name: str) -> bool:
-        return name.endswith("experts.gate_up_proj")
+        return name.endswith("experts.gate_up_proj") or name == "model.embed_tokens.weight"
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         assert shape is not None
-        if "norm" in name:
+        if "norm" in name or "scale" in name:
             return torch.ones(shape, dtype=self.dtype, device=self.device)
         return (torch.randn(shape, device=self.device, generator=self.g) * 0.02).to(self.dtype)
 
@@ -271,6 +276,8 @@ def random_model(config_dir: Path, dtype: torch.dtype, device: str) -> LeanMoEMo
     must be MoE (AssertionError otherwise)."""
     spec, names = seed_spec(config_dir)
     r = _RandomReader(dtype, device)
+    if names.gemma4:
+        return LeanMoEModel(spec, load_gemma4(r, spec))  # type: ignore[arg-type]
     h, v = spec.hidden_size, spec.vocab_size
     embed = r.get("embed", (v, h))
     lm_head = embed if spec.tie_word_embeddings else r.get("lm_head", (v, h))

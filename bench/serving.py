@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from bench.common import (
+    GEMMA4,
     MIXTRAL,
     QWEN,
     SyntheticAP,
@@ -77,7 +78,7 @@ from pwrun.engine.build import strip_experts
 from pwrun.model.lean import LeanMoEModel
 
 EQUAL_MEMORY_BITS = (4, 3)  # uniform bitwidths tried in PagedWeight's budget, highest first
-MODELS = {"qwen1.5-moe": QWEN, "mixtral-8x7b": MIXTRAL}
+MODELS = {"qwen1.5-moe": QWEN, "mixtral-8x7b": MIXTRAL, "gemma-4-26b-a4b": GEMMA4}
 
 
 def pressure_setup(spec: Any, stripped: LeanMoEModel, table: Any, b: int, prompt_len: int, gen: int,

@@ -138,7 +138,7 @@ def lean16_run(model: LeanMoEModel, reqs: list[list[int]], gen: int, device: str
 def hf_run(config_dir: Path, batch: int, plen: int, gen: int) -> dict[str, Any]:
     """transformers' eager bf16 ``generate`` with random weights (CUDA): prefill from a 1-token run, decode from
     the difference to a ``gen``-token run."""
-    cfg = AutoConfig.from_pretrained(str(config_dir))
+    cfg = AutoConfig.from_pretrained(str(config_dir)).get_text_config()  # a multimodal config: its text model
     with torch.device("cuda"):
         m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     ids = torch.randint(100, cfg.vocab_size - 100, (batch, plen), device="cuda")

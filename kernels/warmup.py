@@ -26,6 +26,7 @@ import triton
 
 from kernels.dense_gemv import gemv, max_tokens
 from kernels.dense_gemv import pick_config as gemv_config
+from kernels.moe.activation import check_activation
 from kernels.moe.decode import launches
 from kernels.moe.dispatch import ap_moe, launch_config, shape_buckets
 from kernels.moe.experts import random_experts
@@ -33,7 +34,7 @@ from kernels.moe.launch import DecodeConfig, LaunchConfig
 
 J = TypeVar("J")
 
-_done: set[tuple[int, int, int, str, int]] = set()  # MoE jobs warmed in this process (the disk cache outlives it)
+_done: set[tuple[int, int, int, str, str, int]] = set()  # MoE jobs warmed in this process (the disk cache outlives it)
 _done_gemv: set[tuple[int, int, bool, str, int]] = set()  # GEMV jobs warmed in this process
 
 
@@ -41,17 +42,20 @@ _done_gemv: set[tuple[int, int, bool, str, int]] = set()  # GEMV jobs warmed in 
 class MoEShape:
     """One layer's expert shapes: ``hidden`` H, ``inter`` I of a routed expert, ``topk`` experts per token,
     ``shared_inter`` the shared expert's intermediate size (0: none), ``dtype`` of activations and LUTs (a torch
-    dtype name). Raises ``ValueError`` for a size below 1 (``shared_inter`` below 0)."""
+    dtype name), ``activation`` of the experts' gate (``silu`` or ``gelu_tanh``: each compiles its own kernels).
+    Raises ``ValueError`` for a size below 1 (``shared_inter`` below 0) or an unknown activation."""
 
     hidden: int
     inter: int
     topk: int
     shared_inter: int = 0
     dtype: str = "bfloat16"
+    activation: str = "silu"
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.inter, self.topk) < 1 or self.shared_inter < 0:
             raise ValueError(f"expert shapes must be positive (shared_inter >= 0), got {self}")
+        check_activation(self.activation)
 
 
 def triton_int_class(v: int) -> int:
@@ -110,23 +114,23 @@ def covering_counts(max_t: int, keys_of: Callable[[int], set[Any]]) -> list[int]
     return out
 
 
-def _warm(job: tuple[int, int, int, str, int]) -> str:
+def _warm(job: tuple[int, int, int, str, str, int]) -> str:
     """Worker: one decode MoE call of ``t`` tokens on random experts (H, I, top-k; the shared expert is top-1 of
-    one expert), as ``ap_moe_block`` makes it; "" or the error."""
-    hidden, inter, topk, dt, t = job
+    one expert) with their gate activation, as ``ap_moe_block`` makes it; "" or the error."""
+    hidden, inter, topk, dt, act, t = job
     start = time.perf_counter()
     try:
         dtype = getattr(torch, dt)
         experts = random_experts(hidden, inter, topk, dtype=dtype)
         x = torch.randn(t, hidden, device="cuda", dtype=dtype)
         ids = torch.arange(t * topk, device="cuda").view(t, topk) % topk
-        ap_moe(x, ids, torch.rand(t, topk, device="cuda"), experts, check=False)
+        ap_moe(x, ids, torch.rand(t, topk, device="cuda"), experts, check=False, activation=act)
         torch.cuda.synchronize()
-        print(f"  decode MoE kernels for experts {hidden}x{inter} top-{topk} {dt}, {t} tokens: "
+        print(f"  decode MoE kernels for experts {hidden}x{inter} top-{topk} {dt} {act}, {t} tokens: "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         return ""
     except Exception as err:
-        return f"experts {hidden}x{inter} top-{topk} {dt}, {t} tokens: {type(err).__name__}: {str(err)[:200]}"
+        return f"experts {hidden}x{inter} top-{topk} {dt} {act}, {t} tokens: {type(err).__name__}: {str(err)[:200]}"
 
 
 def default_workers() -> int:
@@ -181,8 +185,8 @@ def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | Non
     ``ValueError`` for a negative or non-integer ``workers``."""
     check_workers(workers)
     shapes = [s for s in shapes if s.dtype in ("bfloat16", "float16")]
-    sets = [(s.hidden, s.inter, s.topk, s.dtype) for s in shapes]
-    sets += [(s.hidden, s.shared_inter, 1, s.dtype) for s in shapes if s.shared_inter]
+    sets = [(s.hidden, s.inter, s.topk, s.dtype, s.activation) for s in shapes]
+    sets += [(s.hidden, s.shared_inter, 1, s.dtype, s.activation) for s in shapes if s.shared_inter]
     jobs = [(*e, t) for e in dict.fromkeys(sets)
             for t in decode_token_counts(step_token_limit(max_batch, max_step_tokens, e[0], e[1]), e[0], e[1],
                                          topk=e[2])]

@@ -106,6 +106,12 @@ class KVLayout:
         """Bytes of one pool page (``pwformat.cost.kv_page_bytes`` of the widest layer)."""
         return kv_page_bytes(block_size, 1, self.page_token_elems, elem_bytes)
 
+    def read_bytes(self, context: int, elem_bytes: int) -> int:
+        """K and V bytes one decode query of a ``context``-token sequence reads over every layer: a sliding-window
+        layer reads at most its window."""
+        return sum(2 * e * elem_bytes * (context if w is None else min(context, w))
+                   for e, w in zip(self.token_elems, self.windows, strict=True))
+
     def block_bytes(self, block_size: int, elem_bytes: int) -> int:
         """B_KV of SPEC Eq. 7: bytes of one whole KV block (every layer, K and V)."""
         return self.pages_per_block * self.page_bytes(block_size, elem_bytes)

@@ -25,6 +25,7 @@ from pwrun.runner.model_runner import ModelRunner
 from tests._tiny_gemma4 import WINDOW, save_tiny_gemma4
 
 ATOL = 2e-4
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 REAL = Path(__file__).parent / "fixtures" / "configs" / "google__gemma-4-26B-A4B"
 
 
@@ -62,17 +63,24 @@ def _engine(model, max_step_tokens: int, blocks: int = 40) -> tuple[EngineCore, 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     path = tmp_path_factory.mktemp("gemma4")
-    hf = save_tiny_gemma4(path)
-    return hf, load_model(path, device="cpu", dtype="float32")
+    return save_tiny_gemma4(path), path
+
+
+def _on(tiny, device: str):  # type: ignore[no-untyped-def]
+    """transformers' model and ours on ``device`` (fp32)."""
+    hf, path = tiny
+    return hf.to(device), load_model(path, device=device, dtype="float32")
 
 
 def _ref(hf: torch.nn.Module, toks: list[int]) -> torch.Tensor:
+    dev = next(hf.parameters()).device
     with torch.no_grad():
-        return hf(input_ids=torch.tensor([toks])).logits[0]
+        return hf(input_ids=torch.tensor([toks], device=dev)).logits[0]
 
 
-def test_prefill_and_decode_past_the_window(tiny) -> None:  # type: ignore[no-untyped-def]
-    hf, ours = tiny
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_and_decode_past_the_window(tiny, device: str) -> None:  # type: ignore[no-untyped-def]
+    hf, ours = _on(tiny, device)
     layout = kv_layout(ours.spec)
     assert layout.pages_per_block == 2 * 2 + 2 and layout.window == WINDOW  # global K and V: one page
     gen = torch.Generator().manual_seed(1)
@@ -119,8 +127,9 @@ def test_prefill_and_decode_past_the_window(tiny) -> None:  # type: ignore[no-un
         assert not any(core.alloc.trimmed(b) for b in table[behind:])
 
 
-def test_chunked_prefill_across_the_window_edge(tiny) -> None:  # type: ignore[no-untyped-def]
-    hf, ours = tiny
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_prefill_across_the_window_edge(tiny, device: str) -> None:  # type: ignore[no-untyped-def]
+    hf, ours = _on(tiny, device)
     toks = torch.randint(0, 97, (19,), generator=torch.Generator().manual_seed(2)).tolist()
     want = _ref(hf, toks)
     core, runner = _engine(ours, 4)
@@ -153,3 +162,24 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
     core.add_request(Request(0, tuple(toks)))
     got = runner.execute(core.step(), logits_for="all")
     assert (got - _ref(hf, toks)).abs().max().item() <= ATOL
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [t for o in obj for t in _tensors(o)]
+    if hasattr(obj, "__dataclass_fields__"):
+        return [t for v in vars(obj).values() for t in _tensors(v)]
+    return []
+
+
+def test_serving_moves_every_non_expert_tensor(tmp_path: Path) -> None:
+    """``strip_experts`` (the build of a serving engine) puts every tensor the forward reads on the device, the
+    sandwich norms and router scales too (checked on the meta device)."""
+    from pwrun.engine.build import strip_experts
+
+    save_tiny_gemma4(tmp_path)
+    model = strip_experts(load_model(tmp_path, device="cpu", dtype="float32"), torch.device("meta"))
+    tensors = _tensors(model.weights)
+    assert len(tensors) > 50 and all(t.device.type == "meta" for t in tensors)

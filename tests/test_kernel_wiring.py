@@ -70,9 +70,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_path_scores_what_the_reference_path_scores(tmp_path: Path, case: str) -> None:
-    _save_tiny(tmp_path)
+def _save_tiny_gemma4(path: Path) -> None:
+    """A random 2-layer Gemma-4 MoE at the kernels' smallest shapes: a sliding layer (window 4: decode steps and
+    chunks attend over part of the context) of head dim 16 and a global one of 32 (keys as values, partial RoPE),
+    GELU-tanh experts (4 of 32), the dense MLP beside them."""
+    from tests._tiny_gemma4 import save_tiny_gemma4
+
+    save_tiny_gemma4(path, vocab_size=61, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                     layer_types=["sliding_attention", "full_attention"], sliding_window=4, num_experts=4,
+                     moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize(("case", "family"), [("prefill_decode", "qwen2_moe"), ("mixed_chunks", "qwen2_moe"),
+                                               ("mixed_chunks", "gemma4")])
+def test_kernel_path_scores_what_the_reference_path_scores(tmp_path: Path, case: str, family: str) -> None:
+    (_save_tiny if family == "qwen2_moe" else _save_tiny_gemma4)(tmp_path)
     prompts, forced, step_tokens = CASES[case]
     lps = {}
     mixed = 0

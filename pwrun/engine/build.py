@@ -144,8 +144,14 @@ def strip_experts(model: LeanMoEModel, device: torch.device) -> LeanMoEModel:
         fuse_qkv(lw.attn)
         if lw.mlp is not None:
             lw.mlp.gate_up, lw.mlp.down = lw.mlp.gate_up.to(device), lw.mlp.down.to(device)
+        if lw.sandwich is not None:
+            for k, v in vars(lw.sandwich).items():
+                setattr(lw.sandwich, k, v.to(device))
         if lw.moe is not None:
             lw.moe.router = lw.moe.router.to(device)
+            for k in ("router_scale", "expert_scale"):
+                if getattr(lw.moe, k) is not None:
+                    setattr(lw.moe, k, getattr(lw.moe, k).to(device))
             lw.moe.gate_up = lw.moe.down = empty
             if lw.moe.shared is not None:
                 lw.moe.shared.gate_up = lw.moe.shared.down = empty
@@ -218,7 +224,7 @@ def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
     spec = model.spec
     return list(dict.fromkeys(
         MoEShape(spec.hidden_size, ls.moe.expert_intermediate, ls.moe.top_k, ls.moe.shared_intermediate,
-                 str(model.dtype).removeprefix("torch."))
+                 str(model.dtype).removeprefix("torch."), ls.moe.activation)
         for ls in spec.layers if ls.moe is not None))
 
 

@@ -69,8 +69,8 @@ class LeanMoEModel:
               moe: MoEFn | None, fused: bool) -> torch.Tensor:
         spec, w = self.spec, self.weights
         h = F.embedding(step.tokens, w.embed)
-        if spec.embed_scale != 1.0:
-            h = h * torch.tensor(spec.embed_scale, dtype=h.dtype)
+        if spec.embed_scale != 1.0:  # the scale rounded to the weights' dtype first, as transformers does
+            h = h * torch.tensor(spec.embed_scale, dtype=h.dtype).item()
         norm = add_rms_norm if fused else add_rms_norm_ref
         eps = spec.rms_norm_eps
         begin = getattr(cache, "begin_step", None)
