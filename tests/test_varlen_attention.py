@@ -105,3 +105,18 @@ def test_bad_inputs_are_refused() -> None:
         varlen_paged_attention(q, kp, vp, kt, vt, _i32([0]), *good[1:])
     with pytest.raises(ValueError, match="multiple"):
         varlen_paged_attention(q[:, :1].expand(-1, 3, -1).contiguous(), kp, vp, kt, vt, *good)
+
+
+def test_window_never_reads_pages_before_it() -> None:
+    """Pages wholly before the window of a chunk's first query may already have gone back to the pool (sliding-window
+    layers give them back): NaN-poisoned there, the kernel's output stays finite and equals the reference's."""
+    chunks, hq, hkv, d, bs, window = [(70, 23), (40, 1), (129, 64), (9, 9)], 4, 2, 32, 8, 12
+    q, kp, vp, kt, vt, qs, ctx = _step(chunks, hq, hkv, d, bs, torch.bfloat16, seed=7)
+    ref = varlen_paged_attention_ref(q, kp, vp, kt, vt, qs, ctx, d ** -0.5, window)
+    for s, (c, n) in enumerate(chunks):
+        for j in range(max(c - n - window + 1, 0) // bs):
+            kp[kt[s, j].long()], vp[vt[s, j].long()] = float("nan"), float("nan")
+    out = varlen_paged_attention(q, kp, vp, kt, vt, torch.tensor(qs, dtype=torch.int32),
+                                 torch.tensor(ctx, dtype=torch.int32), max(n for _, n in chunks), d ** -0.5, window)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -70,14 +70,16 @@ def workspace_bytes(spec: ModelSpec, max_step_tokens: int, max_batch: int, max_c
     on the GPU by the serving summary.
     """
     h = spec.hidden_size
-    a = spec.layers[0].attention
+    heads = max(ls.attention.num_heads for ls in spec.layers)
+    qdim = max(ls.attention.num_heads * ls.attention.head_dim for ls in spec.layers)  # the widest layer's q
     moes = [ls.moe for ls in spec.layers if ls.moe is not None]
     k = max((m.top_k for m in moes), default=1)
-    inter = max((max(m.expert_intermediate, m.shared_intermediate) for m in moes), default=h)
+    inter = max([max(m.expert_intermediate, m.shared_intermediate) for m in moes]
+                + [ls.dense_intermediate for ls in spec.layers if ls.dense_intermediate], default=h)
     t = max_step_tokens
-    attention = t * max_context * a.num_heads * 4 * 2 + t * max_context
+    attention = t * max_context * heads * 4 * 2 + t * max_context
     moe = t * k * (2 * inter * elt + h * 4) * 2 + t * 2 * inter * 4
-    hidden = t * (8 * h + 3 * a.num_heads * a.head_dim) * 4
+    hidden = t * (8 * h + 3 * qdim) * 4
     logits = max_batch * spec.vocab_size * 8
     # CUDA prefill path of the fused MoE: every used expert of a layer dequantized to 16-bit at once; plus, always
     # reserved (whatever the configs pick), one shared expert dequantized inside the decode CUDA graphs' own memory
