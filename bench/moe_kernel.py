@@ -23,27 +23,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import MixtralConfig, Qwen2MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
 from bench.common import copy_bandwidth, environment, event_ms, graph_ms, write_records
+from kernels.moe.activation import gate_act_ref
 from kernels.moe.dispatch import ap_moe, pick_config
 from kernels.moe.experts import build_experts
 from kernels.moe.ref import ap_moe_ref
 from pwformat.ap import pack_planes
 from pwformat.cost import block_bytes
 
-SHAPES = {"qwen1.5-moe": dict(hidden=2048, inter=1408, experts=60, topk=4),
+SHAPES: dict[str, dict[str, Any]] = {"qwen1.5-moe": dict(hidden=2048, inter=1408, experts=60, topk=4),
           "mixtral-8x7b": dict(hidden=4096, inter=14336, experts=8, topk=2)}
 SHAPES["qwen1.5-moe-shared"] = dict(hidden=2048, inter=5632, experts=1, topk=1)  # its own launch in serving
+SHAPES["gemma-4-26b-a4b"] = dict(hidden=2816, inter=704, experts=128, topk=8, activation="gelu_tanh")
 DECODE_PATHS = ("decode",)  # paths whose launches a CUDA graph holds (no host sync)
 COLD_L2_BYTES = 256 << 20  # written before each timed call with --cold-l2 (H200 L2: 50 MB)
 
 
 def dense_grouped(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
+                  down: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """bf16 dense MoE via grouped GEMMs over the expert-sorted (token, slot) pairs. No host sync (group ends by
     ``searchsorted``, not ``bincount``, which syncs on CUDA), so a CUDA graph can hold it: its graph time is the
     dense baseline's GPU time at decode, comparable with our kernel's graph time."""
@@ -55,27 +56,37 @@ def dense_grouped(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: 
     xs = x[order // k]
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
     g, u = h.chunk(2, -1)
-    y = torch._grouped_mm((F.silu(g) * u).contiguous(), down.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm((gate_act_ref(g, act) * u).contiguous(), down.transpose(1, 2), offs=offs)
     out = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
     out[order] = y.float() * w.flatten()[order, None]
     return out.view(t, k, -1).sum(1).to(x.dtype)
 
 
 def dense_loop(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
-               down: torch.Tensor) -> torch.Tensor:
+               down: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """The bf16 dense MoE, one expert at a time (the baseline where grouped GEMMs are slower)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         rows, slot = (ids == e).nonzero(as_tuple=True)
         g, u = (x[rows] @ gate_up[e].T).chunk(2, -1)
-        out.index_add_(0, rows, ((F.silu(g) * u) @ down[e].T).float() * w[rows, slot, None])
+        out.index_add_(0, rows, ((gate_act_ref(g, act) * u) @ down[e].T).float() * w[rows, slot, None])
     return out.to(x.dtype)
 
 
-def hf_block(family: str, s: dict) -> torch.nn.Module:
-    """transformers' experts block of the family (its default experts implementation), bf16 on the GPU."""
+def hf_block(family: str, s: dict) -> torch.nn.Module | None:
+    """transformers' experts block of the family (its default experts implementation), bf16 on the GPU; None for
+    Gemma-4 where this transformers has no ``gemma4``."""
     mod: torch.nn.Module
-    if family == "qwen1.5-moe":
+    if family.startswith("gemma-4"):
+        try:  # an optional model: transformers before 5.5 has no Gemma-4
+            from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+            from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+        except ImportError:
+            return None
+        mod = Gemma4TextExperts(Gemma4TextConfig(hidden_size=s["hidden"], moe_intermediate_size=s["inter"],
+                                                 num_experts=s["experts"], top_k_experts=s["topk"],
+                                                 enable_moe_block=True))
+    elif family == "qwen1.5-moe":
         mod = Qwen2MoeExperts(Qwen2MoeConfig(hidden_size=s["hidden"], moe_intermediate_size=s["inter"],
                                              num_experts=s["experts"]))
     else:
@@ -115,6 +126,7 @@ def random_layer(s: dict) -> tuple[list, list, torch.Tensor, torch.Tensor]:
 def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, reps: int,
               flush: torch.Tensor | None) -> list[dict]:
     e, hdim, inter = s["experts"], s["hidden"], s["inter"]
+    act = s.get("activation", "silu")
     g = torch.Generator().manual_seed(0)
     codes, luts, gate_up, down = random_layer(s)
     hf = hf_block(family, s)
@@ -125,28 +137,29 @@ def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, rep
         for t in ts:
             try:
                 x, ids, w = routed(s, t, t)
-                got = ap_moe(x, ids, w, ex).float()
-                ref = ap_moe_ref(x, ids, w, ex).float()
+                got = ap_moe(x, ids, w, ex, activation=act).float()
+                ref = ap_moe_ref(x, ids, w, ex, act).float()
                 rel = ((got - ref).norm() / ref.norm()).item()
                 r = reps if t <= 64 else max(5, reps // 2)
-                t_k = event_ms(lambda: ap_moe(x, ids, w, ex, check=False), r, flush)  # noqa: B023
+                t_k = event_ms(lambda: ap_moe(x, ids, w, ex, check=False, activation=act), r, flush)  # noqa: B023
                 path = pick_config(t, hdim, inter)["path"]
                 decode = path in DECODE_PATHS
-                t_graph = graph_ms(lambda _: ap_moe(x, ids, w, ex, check=False), 1, r, flush) \
+                t_graph = graph_ms(lambda _: ap_moe(x, ids, w, ex, check=False, activation=act), 1, r, flush) \
                     if decode else float("nan")  # noqa: B023
                 try:
-                    t_g = event_ms(lambda: dense_grouped(x, ids, w, gate_up, down), r, flush)  # noqa: B023
+                    t_g = event_ms(lambda: dense_grouped(x, ids, w, gate_up, down, act), r, flush)  # noqa: B023
                 except (RuntimeError, AttributeError):  # grouped mm unavailable for this layout/build
                     t_g = float("inf")
-                t_l = event_ms(lambda: dense_loop(x, ids, w, gate_up, down), r, flush) \
+                t_l = event_ms(lambda: dense_loop(x, ids, w, gate_up, down, act), r, flush) \
                     if e <= 8 or t <= 64 else float("inf")  # noqa: B023
-                t_hf = event_ms(lambda: hf(x, ids, w.to(torch.bfloat16)), r, flush)  # noqa: B023
+                t_hf = event_ms(lambda: hf(x, ids, w.to(torch.bfloat16)), r, flush) \
+                    if hf is not None else float("nan")  # noqa: B023
                 qb = ex.bits.tolist()
                 kbytes = sum(block_bytes(n, kk, qb[2 * u + j], seed=min(qb)) for u in ids.unique().tolist()
                              for j, (n, kk) in enumerate(((2 * inter, hdim), (hdim, inter))))
                 floor_ms = (kbytes + x.numel() * 2 * 2) / bw * 1e3
                 dense = min(t_g, t_l)
-                t_dg = graph_ms(lambda _: dense_grouped(x, ids, w, gate_up, down), 1, r, flush) \
+                t_dg = graph_ms(lambda _: dense_grouped(x, ids, w, gate_up, down, act), 1, r, flush) \
                     if decode else float("nan")  # noqa: B023
                 rows.append({"shape": family, "q": qname, "T": t, "path": path,
                              "kernel_ms": round(t_k, 4), "graph_ms": round(t_graph, 4),

@@ -198,6 +198,8 @@ def generate(
         def end_stream() -> None:
             sys.stdout.write(("" if started[0] else texts[0]) + "\n")
 
+        for note in load_spec(model_dir)[0].notes:  # e.g. a multimodal checkpoint's towers: text model only
+            console.print(f"note: {note}", style="dim", highlight=False, soft_wrap=True)
         if artifacts is not None:
             art = open_artifact(artifacts, model_dir, not no_verify)
             serve_policy = Policy.named(policy, bits)

@@ -183,3 +183,20 @@ def test_serving_moves_every_non_expert_tensor(tmp_path: Path) -> None:
     model = strip_experts(load_model(tmp_path, device="cpu", dtype="float32"), torch.device("meta"))
     tensors = _tensors(model.weights)
     assert len(tensors) > 50 and all(t.device.type == "meta" for t in tensors)
+
+
+def test_spec_without_per_layer_configs(tmp_path: Path) -> None:
+    """A transformers whose Gemma-4 config keeps ``global_head_dim`` / ``num_global_key_value_heads`` as plain fields
+    (no per-layer configs) gives the same spec as the per-layer configs of transformers 5.24."""
+    import json
+    from types import SimpleNamespace
+
+    from pwrun.model.families import gemma4
+
+    shutil.copy(REAL / "config.json", tmp_path / "config.json")
+    want, _ = load_spec(tmp_path)
+    raw = json.loads((REAL / "config.json").read_text())
+    text = SimpleNamespace(**raw["text_config"])
+    got = gemma4(SimpleNamespace(text_config=text, vision_config=raw["vision_config"], audio_config=None,
+                                 get_text_config=lambda: text))
+    assert got == want

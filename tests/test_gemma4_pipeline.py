@@ -18,11 +18,16 @@ from pwrun.data import default_model_dir
 from tests._tiny_gemma4 import save_tiny_gemma4
 
 runner = CliRunner()
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 
 
 def test_pipeline_and_generate(tmp_path: Path) -> None:
     model = tmp_path / "gemma4"
     save_tiny_gemma4(model, vocab_size=4096, sliding_window=20)
+    # as a multimodal checkpoint's config (the real one's vision tower, which is not served), text model inside
+    real = json.loads((CONFIGS / "google__gemma-4-26B-A4B" / "config.json").read_text())
+    text_config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**real, "text_config": text_config}))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir() / f, model / f)
     out, cpu = tmp_path / "ap", ["--device", "cpu"]
@@ -30,7 +35,7 @@ def test_pipeline_and_generate(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.stderr
     text = " ".join(r.stdout.split())
     assert "family gemma4" in text and "gelu_tanh" in text and "kept at 16 bits like attention" in text
-    assert "2 sliding-window layers (window 20 tokens" in text
+    assert "2 sliding-window layers (window 20 tokens" in text and "vision tower is not served" in text
     for args in (["quantize", str(model), "--out", str(out), "--samples", "4", "--seq-len", "64", *cpu],
                  ["sensitivity", str(model), "--artifacts", str(out), "--samples", "4", "--seq-len", "64", *cpu],
                  ["fit-residual", str(model), "--artifacts", str(out), "--prompts", "8", *cpu],
@@ -47,6 +52,7 @@ def test_pipeline_and_generate(tmp_path: Path) -> None:
                                   "--prompt", "The river", "--max-new-tokens", "60", "--trace",
                                   str(tmp_path / "t.parquet"), "--summary-json", str(tmp_path / "s.json"), *cpu])
     assert r.exit_code == 0, r.stderr
+    assert "note: the checkpoint's vision tower is not served (text model only)" in r.stderr
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["decode_tokens"] + summary["prefill_tokens"] >= 60 and summary["policy"] == "pagedweight"
     trace = pq.read_table(tmp_path / "t.parquet").to_pandas()

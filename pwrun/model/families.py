@@ -154,6 +154,20 @@ def _gemma4_rope(cfg: Any, layer_type: str, head_dim: int) -> tuple[float, int]:
                            "proportional RoPE without a factor")
 
 
+def _gemma4_heads(text: Any, layer: int, sliding: bool, k_eq_v: bool) -> tuple[int, int]:
+    """(head_dim, KV heads) of a Gemma-4 layer: from transformers' per-layer config where it has one (5.24), else
+    from ``global_head_dim`` / ``num_global_key_value_heads`` on the global layers (the fields of config.json)."""
+    per_layer = _get(text, "per_layer_config")
+    if per_layer is not None:
+        per = per_layer[layer]
+        return int(per.head_dim), int(per.num_key_value_heads)
+    head_dim, kv_heads = int(text.head_dim), int(text.num_key_value_heads)
+    if sliding:
+        return head_dim, kv_heads
+    global_kv = _get(text, "num_global_key_value_heads")
+    return int(_get(text, "global_head_dim") or head_dim), int(global_kv) if k_eq_v and global_kv else kv_heads
+
+
 def gemma4(cfg: Any) -> ModelSpec:
     """Gemma-4 MoE text model (a multimodal config's ``text_config``; its other towers get a note)."""
     notes = tuple(f"the checkpoint's {kind} tower is not served (text model only)"
@@ -178,9 +192,8 @@ def gemma4(cfg: Any) -> ModelSpec:
                   activation=act, router="gemma4")  # type: ignore[arg-type]
     layers = []
     for i, kind in enumerate(text.layer_types):
-        per = text.per_layer_config[i]
-        head_dim, kv_heads = int(per.head_dim), int(per.num_key_value_heads)
         sliding = kind == "sliding_attention"
+        head_dim, kv_heads = _gemma4_heads(text, i, sliding, k_eq_v)
         theta, rotary = _gemma4_rope(text, kind, head_dim)
         attn = AttentionSpec(heads, kv_heads, head_dim, qkv_bias=False, qk_norm="per_head", clip_qkv=None,
                              rope_theta=theta, window=int(text.sliding_window) if sliding else None,
