@@ -200,3 +200,14 @@ def test_spec_without_per_layer_configs(tmp_path: Path) -> None:
     got = gemma4(SimpleNamespace(text_config=text, vision_config=raw["vision_config"], audio_config=None,
                                  get_text_config=lambda: text))
     assert got == want
+
+
+def test_warm_up_shapes(tiny) -> None:  # type: ignore[no-untyped-def]
+    """The warm-up compiles the GELU-tanh MoE kernels and the decode GEMVs of the dense MLP beside each MoE block."""
+    from pwrun.engine.build import linear_shapes, moe_shapes
+
+    _, model = _on(tiny, "cpu")
+    (shape,) = moe_shapes(model)
+    assert (shape.hidden, shape.inter, shape.topk, shape.activation) == (48, 24, 2, "gelu_tanh")
+    dims = {(s.n, s.k) for s in linear_shapes(model)}
+    assert {(80, 48), (48, 40)} <= dims  # gate_up [2 x 40, 48] and down [48, 40]

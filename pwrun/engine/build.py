@@ -231,8 +231,8 @@ def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
 def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
     """The distinct 16-bit linears a CUDA decode step runs through ``kernels.dense_gemv.linear`` (fused q/k/v, which
     serving always builds (unfused projections take ``F.linear``); o_proj; the router, with the shared-expert gate
-    as one more row where the layer has one, as ``ExpertStore`` fuses them; the LM head), for
-    ``kernels.warmup.precompile_gemv``."""
+    as one more row where the layer has one, as ``ExpertStore`` fuses them; a sandwich layer's dense MLP; the LM
+    head), for ``kernels.warmup.precompile_gemv``."""
     dt = str(model.dtype).removeprefix("torch.")
     h = model.spec.hidden_size
     out = []
@@ -243,6 +243,8 @@ def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
         out.append(LinearShape(a.o.shape[0], a.o.shape[1], False, dt))
         if lw.moe is not None:
             out.append(LinearShape(lw.moe.router.shape[0] + (lw.moe.shared_gate is not None), h, False, dt))
+        if lw.sandwich is not None and lw.mlp is not None:  # the dense MLP beside the MoE block (Gemma-4)
+            out += [LinearShape(int(t.shape[0]), int(t.shape[1]), False, dt) for t in (lw.mlp.gate_up, lw.mlp.down)]
     out.append(LinearShape(model.weights.lm_head.shape[0], model.weights.lm_head.shape[1], False, dt))
     return list(dict.fromkeys(out))
 

@@ -83,7 +83,7 @@ class LeanMoEModel:
             if lw.sandwich is not None:
                 sw = lw.sandwich
                 h, x = norm(h, rms_norm_ref(a, sw.post_attn, eps), lw.ffn_norm, eps)
-                f = self._sandwich_ffn(h, x, ls, lw, observer, moe)
+                f = self._sandwich_ffn(h, x, ls, lw, observer, moe, fused)
                 h, delta = (h + rms_norm_ref(f, sw.post_ffn, eps)) * sw.scalar, None
                 continue
             h, x = norm(h, a, lw.ffn_norm, spec.rms_norm_eps)
@@ -103,13 +103,13 @@ class LeanMoEModel:
         return softcap(logits.float(), spec.logit_softcap)
 
     def _sandwich_ffn(self, h: torch.Tensor, x: torch.Tensor, ls: LayerSpec, lw: LayerWeights,
-                      observer: MoEObserver | None, moe: MoEFn | None) -> torch.Tensor:
+                      observer: MoEObserver | None, moe: MoEFn | None, fused: bool) -> torch.Tensor:
         """The feed-forward of a sandwich layer, before its post-norm: the dense MLP of x (after its own norm)
         plus the MoE block of the residual stream h (normalised by its pre-norm; the router reads h itself)."""
         eps = self.spec.rms_norm_eps
         sw = lw.sandwich
         assert sw is not None and lw.mlp is not None
-        f = rms_norm_ref(mlp_forward(x, lw.mlp, self.spec.mlp_activation), sw.mlp_post, eps)
+        f = rms_norm_ref(mlp_forward(x, lw.mlp, self.spec.mlp_activation, fused), sw.mlp_post, eps)
         if lw.moe is None:
             return f
         assert ls.moe is not None
