@@ -7,9 +7,9 @@ each other:
 
 * weight objects take **contiguous runs** (a kernel addresses a plane by one offset), first fit
   from the bottom of the pool (``allocate_run``);
-* KV takes single pages from the top of the pool (``allocate_top``): a KV block is
-  ``2 * num_layers`` pages (each layer's K page and V page), anywhere, so every page a demotion
-  frees can hold KV and reloads find their runs in the holes at the bottom.
+* KV takes single pages from the top of the pool (``allocate_top``): a KV block is a page or two
+  per layer (its K and V, ``pwformat.kv_layout``), anywhere, so every page a demotion frees can hold
+  KV and reloads find their runs in the holes at the bottom.
 
 ``check`` verifies conservation (KV + weight + free = pool). It owns no memory: the runtime maps
 page ids to byte ranges of one device tensor. Control plane: numpy only, no torch. Weight runs are
