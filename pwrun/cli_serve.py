@@ -29,7 +29,7 @@ from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
 from pwrun.model.loader import load_spec, load_tokenizer, resolve_device
 from pwrun.serve.generation import ServeLimits
-from pwrun.serve.server import Server, build_serving_engine, check_listen
+from pwrun.serve.server import LOG_LEVELS, Server, build_serving_engine, check_listen
 
 console = make_console(stderr=True)
 
@@ -83,6 +83,8 @@ def serve(
                                    f"{spec.max_position_embeddings} tokens")
         if artifacts is None and (gpu_memory or bits is not None or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`)")
+        if log_level not in LOG_LEVELS:
+            raise PagedWeightError(f"--log-level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         check_listen(host, port)
         gpu = resolve_device(device).type == "cuda"
         max_batch = max_batch or (GPU_MAX_BATCH if gpu else CPU_MAX_BATCH)

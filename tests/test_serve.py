@@ -444,6 +444,7 @@ def test_serve_command_refuses_bad_options(calibrated_artifacts: Path, tmp_path:
         cases = [
             (["--port", port], f"cannot listen on 127.0.0.1:{port}"),
             (["--max-model-len", "4096"], "above the model's context of 2048"),
+            (["--log-level", "loud"], "--log-level 'loud' is not one of critical, error, warning, info, debug"),
             (["--gpu-memory", "1GiB"], "need --artifacts"),
             (["--chat-template", str(tmp_path / "none.jinja")], "is not a file"),
             (["--artifacts", str(calibrated_artifacts), "--gpu-memory", "20MiB"], "or lower --max-model-len 2048"),

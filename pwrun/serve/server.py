@@ -31,6 +31,8 @@ from pwrun.serve.engine_loop import EngineLoop
 from pwrun.serve.generation import ServeLimits
 from pwrun.serve.metrics import ServerMetrics
 
+LOG_LEVELS = tuple(uvicorn.config.LOG_LEVELS)  # what --log-level accepts
+
 
 def build_serving_engine(model_dir: Path, artifacts: Path | None, cfg: ServeConfig, max_model_len: int,
                          device: str = "auto", dtype: str = "auto") -> LLMEngine:
