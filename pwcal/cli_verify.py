@@ -35,7 +35,7 @@ def verify(
         m = read_manifest(artifacts)
         total = sum(m.checksums[f].size for f in m.checked_files() if f in m.checksums) if m.checksums else 0
         with progress(console, *cols, transient=True) as bar:
-            task = bar.add_task(f"verifying {artifacts}, MiB", total=round(total / 2**20))
+            task = bar.add_task(f"verifying {artifacts}, MiB", total=total / 2**20)
             problems = artifact_problems(artifacts, lambda n: bar.advance(task, n / 2**20))
         for p in problems:
             typer.echo(f"error: {p}", err=True)

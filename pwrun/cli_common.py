@@ -132,7 +132,7 @@ def open_artifact(path: Path, model_dir: Path, verify: bool = True) -> APArtifac
         else:
             cols = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn())
             with progress(make_console(stderr=True), *cols, transient=True) as bar:
-                task = bar.add_task(f"verifying {path}, MiB", total=round(total / 2**20))
+                task = bar.add_task(f"verifying {path}, MiB", total=total / 2**20)
                 art.verify(lambda n: bar.advance(task, n / 2**20))
     return art
 

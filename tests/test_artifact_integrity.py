@@ -316,3 +316,12 @@ def test_tables_record_their_provenance(artifacts: tuple[Path, Path]) -> None:
         prov = json.loads(pq.read_schema(x / "routing.parquet").metadata[PROVENANCE_KEY])
         assert prov["run"] == m["run_id"]
         assert isinstance(pd.read_parquet(x / "routing.parquet"), pd.DataFrame)
+
+
+def test_verifying_a_large_artifact_shows_progress(art: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pwrun.cli_common
+
+    monkeypatch.setattr(pwrun.cli_common, "LARGE_ARTIFACT", 0)
+    r = serve(art, "--policy", "uniform", "--bits", "4")
+    total = sum(p.stat().st_size for p in art.iterdir() if p.name != "manifest.json") / 2**20
+    assert r.exit_code == 0 and f"verifying {art}, MiB: {total:g}/{total:g}" in r.stderr, r.stderr
