@@ -94,6 +94,18 @@ class KVLayout:
         kept = self.pages_per_block - len(self.sliding_pages)
         return num_pages // (max(kept, 1) if self.sliding_pages else self.pages_per_block)
 
+    def peak_pages(self, num_tokens: int, block_size: int, chunk_tokens: int) -> int:
+        """Pages a sequence of ``num_tokens`` tokens holds at most while it is computed ``chunk_tokens`` (>= 1) at a
+        time: every block whole, or with sliding-window layers whole blocks only for the window and the next chunk
+        (a block behind the window keeps its global layers' pages)."""
+        total = -(-num_tokens // block_size)
+        window = self.window
+        if window is None:
+            return total * self.pages_per_block
+        whole = min(total, -(-(window + chunk_tokens) // block_size) + 1)
+        kept = self.pages_per_block - len(self.sliding_pages)
+        return whole * self.pages_per_block + (total - whole) * kept
+
     def units(self, layer: int, pages: Sequence[int]) -> tuple[int, int]:
         """Layer ``layer``'s K and V sub-page ids (in its view of ``sub`` sub-pages per page) within a block whose
         page list is ``pages``."""

@@ -24,6 +24,9 @@ class FakeKV:
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
         return self.tables.extra_blocks(rid, num_tokens)
 
+    def admission_blocks(self, rid: int, num_tokens: int) -> int:
+        return self.tables.extra_blocks(rid, num_tokens)
+
     def make_room(self, blocks: int) -> bool:
         return self.tables.allocator.num_free >= blocks
 

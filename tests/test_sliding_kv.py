@@ -71,3 +71,13 @@ def test_a_pool_too_small_for_whole_blocks_serves_long_sequences() -> None:
     assert trims == 52 // BS - 2 and len(core.output(0).token_ids) == 40
     core, trims = _run(pages=60, prompts=[12, 5, 12], new=40)
     assert core.scheduler.preemptions > 0 and all(len(core.output(r).token_ids) == 40 for r in range(3))
+
+
+def test_a_prompt_longer_than_whole_blocks_fit_is_admitted() -> None:
+    """A 60-token prompt needs 15 whole blocks (120 pages); admitted for the pages it holds at most while prefilled
+    8 tokens a step (whole blocks for the window and the next chunk, global pages behind: ``peak_pages``), it runs
+    in 64 pages."""
+    assert LAYOUT.peak_pages(60, BS, 8) == 5 * 8 + 10 * 2 and LAYOUT.peak_pages(9, BS, 8) == 3 * 8
+    assert KVLayout.uniform(2).peak_pages(60, BS, 8) == 15 * 4
+    core, trims = _run(pages=64, prompts=[60], new=5)
+    assert trims > 0 and len(core.output(0).token_ids) == 5

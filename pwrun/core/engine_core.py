@@ -96,6 +96,13 @@ class EngineCore:
     def blocks_needed(self, rid: int, num_tokens: int) -> int:
         return self.tables.extra_blocks(rid, num_tokens)
 
+    def admission_blocks(self, rid: int, num_tokens: int) -> int:
+        """Whole blocks' worth of the pages ``rid`` will hold at most while its ``num_tokens`` tokens are computed
+        (``KVLayout.peak_pages``: with sliding-window layers, blocks behind the window hold only global pages)."""
+        need = self.tables.extra_blocks(rid, num_tokens)
+        peak = self.layout.peak_pages(num_tokens, self.cfg.block_size, self.cfg.max_step_tokens)
+        return min(need, -(-peak // self.alloc.block_pages))
+
     def make_room(self, blocks: int) -> bool:
         if self.weights is None:
             return self.alloc.num_free >= blocks

@@ -66,6 +66,9 @@ class KVCapacity(Protocol):
 
     def blocks_needed(self, rid: int, num_tokens: int) -> int: ...
 
+    def admission_blocks(self, rid: int, num_tokens: int) -> int:
+        """Blocks' worth of free pages a waiting request of ``num_tokens`` known tokens needs to be admitted."""
+
     def make_room(self, blocks: int) -> bool:
         """True once ``blocks`` KV blocks are free (may demote expert weights first)."""
 
@@ -137,10 +140,11 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch and budget > 0:
             s = self.waiting[0]
             c = self._chunk(s, budget)
-            # admission: room for all the tokens it has (the rest of a chunked prefill too); room for the first chunk
+            # admission: room for the pages all the tokens it has will hold (the rest of a chunked prefill too; with
+            # sliding-window layers, blocks behind the window keep only their global pages); room for the first chunk
             # only let a request in whose next chunks then preempted it (prefilled, preempted and re-admitted over
             # and over near the smallest budgets)
-            if not kv.make_room(kv.blocks_needed(s.rid, len(s.tokens))):
+            if not kv.make_room(kv.admission_blocks(s.rid, len(s.tokens))):
                 break
             kv.reserve(s.rid, c.start + len(c.token_ids))
             self.waiting.popleft()

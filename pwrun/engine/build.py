@@ -278,7 +278,9 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
                            cuda=dev.type == "cuda")
     pool_bytes = cfg.gpu_memory - fixed - work
     kv_block_bytes = layout.pages_per_block * page_bytes  # B_KV of Eq. 7
-    min_kv_pages = blocks_needed(longest, ecfg.block_size) * layout.pages_per_block
+    # the longest request's pages at their peak (admission's rule), in whole blocks
+    min_kv_pages = -(-layout.peak_pages(longest, ecfg.block_size, ecfg.max_step_tokens) // layout.pages_per_block) \
+        * layout.pages_per_block
     table = replace(table, bytes=page_rounded_bytes(table.shapes(spec), table.bits, page_bytes))
     pcfg = cfg.policy.planner_config(cfg.planner)
     if pcfg is not None and pcfg.overlapped is None:
