@@ -7,6 +7,8 @@ settings) plus the neutral one-bucket policy, by held-out perplexity when the ru
 (``pwrun.core.planner.greedy.fit_budget``, run offline over the calibration tables, with eta = 1 since no
 live prompt exists) must fit each memory budget. Settings that give the same allocation at a budget
 share one perplexity. Selection score = mean log-perplexity over the budgets (infeasible = +inf).
+The allocations are scored together in batched passes (``pwcal.alloc_scoring``: each dequantized weight
+made once, shared layer prefixes run once), equal to one model per allocation up to float rounding.
 
 Confirmation (the held-out objective the choice is kept on): the winner and the neutral policy are
 scored again, per budget, on the next ``confirm_windows`` calibration windows, which the selection
@@ -38,18 +40,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pwcal.alloc_scoring import score_allocations
 from pwcal.calib_data import calibration_windows
 from pwcal.stages import begin_stage, finish_stage, locked_stage, start_writing
 from pwformat.errors import PagedWeightError
 from pwformat.manifest import read_manifest
 from pwformat.tables import write_table
 from pwrun.ap.artifact import APArtifact
-from pwrun.ap.dense import dense_model
 from pwrun.core.planner.buckets import BucketPolicy
 from pwrun.core.planner.greedy import fit_budget
-from pwrun.core.planner.tables import UNITS, BlockTable
+from pwrun.core.planner.tables import BlockTable
 from pwrun.model.loader import load_model, load_tokenizer
-from pwrun.ppl import perplexity
 
 
 @dataclass(frozen=True)
@@ -159,24 +160,21 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     fits = [[fit_budget(table, pol, budget) for budget in budgets] for pol in candidates]
     cache: dict[tuple[str, int, bytes], np.ndarray] = {}
 
-    def nll(q: np.ndarray, k: int, split: str, text: list[list[int]]) -> np.ndarray:
-        key = (split, k, q.tobytes())
-        if key not in cache:
-            bits = {(int(la), int(e), UNITS[u]): int(b)
-                    for la, e, u, b in zip(table.layer, table.expert, table.unit, q, strict=True)}
-            flat = [t for w in text for t in w]
-            cache[key] = np.array(perplexity(dense_model(art, base, bits), flat, seq_len=len(text[0])).window_nll)
-            if progress:
-                done = sum(1 for c in cache if c[0] == split)
-                progress(f"{split} allocations", done, unique if split == "select" else 2 * len(budgets))
-        return cache[key]
+    def score(split: str, text: list[list[int]], todo: list[tuple[int, np.ndarray]]) -> None:
+        """Window NLLs of the allocations (budget index, bits) not yet in ``cache``, in batched passes."""
+        new = {(split, k, q.tobytes()): q for k, q in todo if (split, k, q.tobytes()) not in cache}
+        unique = {q.tobytes(): q for q in new.values()}  # an allocation that fits two budgets is scored once
+        tick = None if progress is None else (lambda d, t: progress(f"{split} allocation windows", d, t))
+        nll = score_allocations(art, base, table, list(unique.values()), text, progress=tick) if unique else None
+        by_bits = {} if nll is None else dict(zip(unique, nll, strict=True))
+        cache.update((key, by_bits[key[2]]) for key in new)
 
-    unique = len({(k, q.tobytes()) for row in fits for k, q in enumerate(row) if q is not None})
+    score("select", select, [(k, q) for row in fits for k, q in enumerate(row) if q is not None])
     rows, scores = [], []
     for ci, pol in enumerate(candidates):
         logs = []
         for k, (budget, q) in enumerate(zip(budgets, fits[ci], strict=True)):
-            ppl = math.inf if q is None else math.exp(float(nll(q, k, "select", select).mean()))
+            ppl = math.inf if q is None else math.exp(float(cache["select", k, q.tobytes()].mean()))
             rows.append({"candidate": ci, "setting": pol.to_json(), "split": "select", "budget_bytes": budget,
                          "expert_bytes": -1 if q is None else table.total_bytes(q), "ppl": ppl, "score": math.nan})
             logs.append(math.log(ppl))
@@ -186,11 +184,13 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     best = int(np.argmin(scores))
     if not math.isfinite(scores[best]):
         raise PagedWeightError(f"no candidate fits the budgets {list(cfg.budgets_bits)}: raise --budget-bits")
+    pairs = [(fits[best][k], fits[0][k]) for k in range(len(budgets))]
+    score("confirm", confirm, [(k, q) for k, pair in enumerate(pairs) for q in pair if q is not None])
     gain, gains = [], []
     for k, budget in enumerate(budgets):
-        q_best, q_neutral = fits[best][k], fits[0][k]
+        q_best, q_neutral = pairs[k]
         assert q_best is not None and q_neutral is not None  # neutral fits whatever the winner fits
-        on_best, on_neutral = nll(q_best, k, "confirm", confirm), nll(q_neutral, k, "confirm", confirm)
+        on_best, on_neutral = cache["confirm", k, q_best.tobytes()], cache["confirm", k, q_neutral.tobytes()]
         gain.append(float((on_neutral - on_best).mean()))
         gains.append(shows_gain(on_neutral, on_best, cfg.gain_z))
         for ci, q, w in ((best, q_best, on_best), (0, q_neutral, on_neutral)):

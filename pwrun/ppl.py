@@ -38,6 +38,16 @@ class PerplexityResult:
         return math.exp(self.nll)
 
 
+def window_nll_sums(logits: torch.Tensor, ids: torch.Tensor) -> list[float]:
+    """Summed NLL (nats, fp64) of each window's predicted tokens: fp32 logits [n * L, V] of windows ids [n, L]
+    (each position predicts the next; the last position predicts nothing)."""
+    n, seq_len = ids.shape
+    logits = logits.view(n, seq_len, -1)[:, :-1]
+    target = ids[:, 1:].to(logits.device)
+    loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(n, -1)
+    return [float(x) for x in loss.double().sum(1).tolist()]
+
+
 def perplexity(model: LeanMoEModel, token_ids: list[int], seq_len: int = 512, max_windows: int | None = None,
                batch: int = 8, block_size: int = 16, on_window: Callable[[int], None] | None = None,
                observer: MoEObserver | None = None) -> PerplexityResult:
@@ -62,10 +72,7 @@ def perplexity(model: LeanMoEModel, token_ids: list[int], seq_len: int = 512, ma
     for lo in range(0, n, batch):
         rows = range(lo, min(n, lo + batch))
         logits = prefill_logits(model, [ids[r].tolist() for r in rows], block_size, observer=observer)
-        logits = logits.view(len(rows), seq_len, -1)[:, :-1]
-        target = ids[lo:lo + len(rows), 1:].to(logits.device)
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(len(rows), -1)
-        sums += loss.double().sum(1).tolist()
+        sums += window_nll_sums(logits, ids[lo:lo + len(rows)])
         if on_window is not None:
             on_window(len(rows))
     return PerplexityResult(nll=sum(sums) / (n * (seq_len - 1)), tokens=n * (seq_len - 1), windows=n,

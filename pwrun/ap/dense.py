@@ -5,11 +5,25 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from pwformat.ap import dequantize
 from pwformat.errors import PagedWeightError
 from pwrun.ap.artifact import APArtifact
-from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
+from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
+
+
+def dense_block(artifact: APArtifact, tensors: dict[str, torch.Tensor], block: LinearBlock, bits: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """One block's weight [n, k] at ``bits`` in ``dtype`` from its layer's ``tensors`` (``layer_tensors``).
+
+    Raises ``PagedWeightError`` for a bitwidth the artifact does not hold.
+    """
+    if bits not in artifact.bits:
+        raise PagedWeightError(f"bitwidth {bits} is not in this artifact's {artifact.bits}")
+    k = artifact.key(block)
+    return dequantize(tensors[f"{k}.planes"], tensors[f"{k}.lut{bits}"], block.k, bits, dtype)
 
 
 def dense_model(artifact: APArtifact, model: LeanMoEModel,
@@ -33,10 +47,7 @@ def dense_model(artifact: APArtifact, model: LeanMoEModel,
         t = artifact.layer_tensors(layer, model.device)
         for b in (x for x in blocks if x.layer == layer):
             q = bits if isinstance(bits, int) else bits[(b.layer, b.expert, b.unit)]
-            if q not in artifact.bits:
-                raise PagedWeightError(f"bitwidth {q} is not in this artifact's {artifact.bits}")
-            k = artifact.key(b)
-            w = dequantize(t[f"{k}.planes"], t[f"{k}.lut{q}"], b.k, q, model.dtype)
+            w = dense_block(artifact, t, b, q, model.dtype)
             if b.expert == SHARED_EXPERT:
                 assert moe.shared is not None
                 setattr(moe.shared, b.unit, w)

@@ -12,6 +12,7 @@ kernel wiring also runs on the CPU in Triton's interpreter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -94,17 +95,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ steps
     def execute(self, decision: StepDecision, logits_for: str = "last", observer: MoEObserver | None = None,
-                with_grad: bool = False) -> torch.Tensor:
+                with_grad: bool = False, moe: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """Apply ``decision``'s KV mapping and weight moves, then launch its forward; fp32 logits [S, V] (last
         token of each chunk) or [T, V] (``logits_for="all"``). On CUDA the logits may still be computing.
         ``observer`` sees the 16-bit experts' inputs (calibration); ``with_grad``: through
-        ``LeanMoEModel.forward_with_grad`` (16-bit experts, no observer)."""
+        ``LeanMoEModel.forward_with_grad`` (16-bit experts, no observer). ``moe``: runs the MoE blocks instead of
+        the runner's experts (``LeanMoEModel.forward``'s argument; offline scoring of many expert allocations)."""
         self.kv.map_blocks(decision.new_kv_blocks)
         self.apply(decision.moves)
         step = StepTensors.build(decision.chunks, self.device)
         if with_grad:
             return self.model.forward_with_grad(step, self.kv, logits_for=logits_for)
-        moe = None if self.experts is None else self.experts.moe
+        if moe is None and self.experts is not None:
+            moe = self.experts.moe
         self.captured = False
         if (logits_for == "last" and self.cfg.cuda_graphs and self.device.type == "cuda" and step.decode_only
                 and moe is not None):  # the 16-bit reference experts sync with the host: not capturable

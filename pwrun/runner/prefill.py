@@ -8,6 +8,8 @@ position, optionally with gradients (``LeanMoEModel.forward_with_grad``: the Fis
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pwrun.core.config import EngineConfig
@@ -22,8 +24,10 @@ from pwrun.runner.model_runner import ModelRunner
 
 
 def prefill_logits(model: LeanMoEModel, tokens: list[list[int]], block_size: int = 16,
-                   observer: MoEObserver | None = None, with_grad: bool = False) -> torch.Tensor:
-    """fp32 logits [sum of lengths, V] of every position of every list in ``tokens`` (concatenated in order)."""
+                   observer: MoEObserver | None = None, with_grad: bool = False,
+                   moe: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
+    """fp32 logits [sum of lengths, V] of every position of every list in ``tokens`` (concatenated in order).
+    ``moe``: replaces the model's MoE blocks (``LeanMoEModel.forward``; x [T, H] and the layer -> [T, H])."""
     if not tokens or any(not t for t in tokens):
         raise ValueError("prefill_logits needs at least one non-empty token list")
     spec = model.spec
@@ -38,4 +42,4 @@ def prefill_logits(model: LeanMoEModel, tokens: list[list[int]], block_size: int
         core.add_request(Request(rid, tuple(t), SamplingParams(max_new_tokens=1)))
     decision = core.step()
     assert len(decision.chunks) == len(tokens), "every list runs whole in one step"
-    return runner.execute(decision, logits_for="all", observer=observer, with_grad=with_grad)
+    return runner.execute(decision, logits_for="all", observer=observer, with_grad=with_grad, moe=moe)

@@ -1,0 +1,77 @@
+"""Batched scoring of expert-bit allocations (``pwcal.alloc_scoring``) equals one model per allocation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pwcal.alloc_scoring import allocation_bits, score_allocations
+from pwformat.tables import read_table
+from pwrun.ap.artifact import APArtifact
+from pwrun.ap.dense import dense_model
+from pwrun.core.planner.tables import UNITS, BlockTable
+from pwrun.data import default_model_dir
+from pwrun.model.loader import load_model
+from pwrun.ppl import perplexity
+
+
+@pytest.fixture(scope="module")
+def parts(calibrated_artifacts: Path):  # type: ignore[no-untyped-def]
+    table = BlockTable.from_frames(read_table(calibrated_artifacts / "sensitivity.parquet", "sensitivity"),
+                                   read_table(calibrated_artifacts / "routing.parquet", "routing"))
+    art = APArtifact(calibrated_artifacts)
+    return art, load_model(default_model_dir(), device="cpu", dtype="float32"), table
+
+
+def _allocations(art: APArtifact, table: BlockTable) -> list[np.ndarray]:
+    """Random bits, plus allocations that agree with the first on layers 0-1 (shared prefixes), differ from it
+    only in one shared-expert block, and repeat it."""
+    rng = np.random.default_rng(0)
+    qs = [rng.choice(art.bits, size=len(table.layer)) for _ in range(3)]
+    late = qs[0].copy()
+    late[table.layer >= 2] = rng.choice(art.bits, size=int((table.layer >= 2).sum()))
+    shared = qs[0].copy()
+    i = int(np.flatnonzero(table.expert == -1)[0])
+    shared[i] = art.bits[0] if shared[i] != art.bits[0] else art.bits[-1]
+    return [*qs, late, shared, qs[0].copy()]
+
+
+def _reference(art: APArtifact, base, table: BlockTable, q: np.ndarray, windows: list[list[int]]) -> np.ndarray:  # type: ignore[no-untyped-def]
+    bits = {(int(la), int(e), UNITS[u]): int(b) for la, e, u, b in zip(table.layer, table.expert, table.unit, q,
+                                                                         strict=True)}
+    flat = [t for w in windows for t in w]
+    return np.array(perplexity(dense_model(art, base, bits), flat, seq_len=len(windows[0])).window_nll)
+
+
+def test_batched_scores_equal_one_model_per_allocation(parts) -> None:  # type: ignore[no-untyped-def]
+    art, base, table = parts
+    qs = _allocations(art, table)
+    g = torch.Generator().manual_seed(1)
+    windows = [torch.randint(0, base.spec.vocab_size, (40,), generator=g).tolist() for _ in range(3)]
+    ref = np.stack([_reference(art, base, table, q, windows) for q in qs])
+    ticks: list[tuple[int, int]] = []
+    one_step = score_allocations(art, base, table, qs, windows, progress=lambda d, t: ticks.append((d, t)))
+    np.testing.assert_allclose(one_step, ref, rtol=0, atol=2e-5)
+    assert ticks == [(18, 18)]
+    assert np.array_equal(one_step[0], one_step[5])  # the repeat shares every row with the first
+    # steps of 2 sequences (allocations split across steps) and a weight cache that keeps one tensor
+    small = score_allocations(art, base, table, qs, windows, max_step_tokens=80, cache_bytes=1,
+                              progress=lambda d, t: ticks.append((d, t)))
+    np.testing.assert_allclose(small, ref, rtol=0, atol=2e-5)
+    assert ticks[-1] == (18, 18) and len(ticks) == 1 + 9
+
+
+def test_prefix_classes_follow_the_earlier_layers(parts) -> None:  # type: ignore[no-untyped-def]
+    art, _, table = parts
+    qs = _allocations(art, table)
+    bits, prefix = allocation_bits(table, qs)
+    assert (prefix[:, 0] == 0).all()  # every allocation enters layer 0 with the same states
+    for a in range(len(qs)):
+        for b in range(len(qs)):
+            for la in range(prefix.shape[1]):
+                same = np.array_equal(bits[a, :la], bits[b, :la])
+                assert (prefix[a, la] == prefix[b, la]) == same
+    assert prefix[3, 2] == prefix[0, 2] and prefix[3, 3] != prefix[0, 3]
