@@ -49,7 +49,7 @@ def test_real_config_spec(tmp_path: Path) -> None:
     assert len(expert_blocks(spec)) == 30 * 128 * 2
     counts = parameter_counts(spec)
     assert abs(counts["routed_experts"] / 1e9 - 30 * 128 * 3 * 2816 * 704 / 1e9) < 1e-9
-    assert 24.5 < sum(counts.values()) / 1e9 < 26.0  # the model card's 25.2B with the 0.55B vision tower off
+    assert 24.5 < sum(counts.values()) / 1e9 < 26.0  # the text model: 25.2B
 
 
 def _engine(model, max_step_tokens: int, blocks: int = 40) -> tuple[EngineCore, ModelRunner]:  # type: ignore[no-untyped-def]
