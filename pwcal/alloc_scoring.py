@@ -27,6 +27,7 @@ from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import route
+from pwrun.model.ops import act
 from pwrun.ppl import window_nll_sums
 from pwrun.runner.prefill import prefill_logits
 
@@ -69,14 +70,17 @@ class BatchedExperts:
         self.model, self.weights, self.bits, self.prefix = model, weights, bits, prefix
         self.seq_alloc, self.seq_window, self.L = seq_alloc, seq_window, seq_len
 
-    def _expert(self, x: torch.Tensor, layer: int, expert: int, b: tuple[int, int]) -> torch.Tensor:
+    def _expert(self, x: torch.Tensor, layer: int, expert: int, b: tuple[int, int], activation: str) -> torch.Tensor:
         gate, up = F.linear(x, self.weights.get(layer, expert, "gate_up", b[0])).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.weights.get(layer, expert, "down", b[1]))
+        return F.linear(act(gate, activation) * up, self.weights.get(layer, expert, "down", b[1]))
 
-    def __call__(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, layer: int, r: torch.Tensor | None = None) -> torch.Tensor:
+        """MoE output [T, H] of the step's sequences for x [T, H]; ``r``: the router's input where it is not x
+        (``LeanMoEModel``'s ``moe`` callback)."""
         L, dev = self.L, x.device
         lw, spec = self.model.weights.layers[layer].moe, self.model.spec.layers[layer].moe
         assert lw is not None and spec is not None
+        r = x if r is None else r
         alloc = self.seq_alloc
         # one representative sequence per (window, prefix class): the others enter this layer with its states
         keys = self.seq_window * (int(self.prefix[:, layer].max()) + 1) + self.prefix[alloc, layer]
@@ -87,7 +91,8 @@ class BatchedExperts:
         rep_seqs = torch.as_tensor(first, device=dev)
         rep_rows = (rep_seqs[:, None] * L + torch.arange(L, device=dev)).flatten()
         xr = x if len(first) == len(alloc) else x.index_select(0, rep_rows)
-        weights, ids = route(xr, lw.router, spec)
+        rr = r if len(first) == len(alloc) else r.index_select(0, rep_rows)
+        weights, ids = route(rr, lw.router, spec, lw.expert_scale)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
@@ -107,7 +112,7 @@ class BatchedExperts:
                 need = torch.zeros(len(first), dtype=torch.bool, device=dev)
                 need[torch.as_tensor(rep_of[members], device=dev)] = True
                 sel = need[seg]
-                y = self._expert(xr.index_select(0, idx[sel]), layer, e, b) * w[sel]
+                y = self._expert(xr.index_select(0, idx[sel]), layer, e, b, spec.activation) * w[sel]
                 src_seg, src_pos = seg[sel], idx[sel] % L
                 src, dst = [], []
                 for s in members:  # each member sequence takes its representative's rows
@@ -124,7 +129,7 @@ class BatchedExperts:
             members = np.flatnonzero((pairs == b).all(1))
             reps = np.unique(rep_of[members])
             rows = (torch.as_tensor(reps, device=dev)[:, None] * L + pos).flatten()
-            y = self._expert(xr.index_select(0, rows), layer, SHARED_EXPERT, b)
+            y = self._expert(xr.index_select(0, rows), layer, SHARED_EXPERT, b, spec.activation)
             if gate is not None:
                 y = gate.index_select(0, rows) * y
             where = {int(r): i for i, r in enumerate(reps)}

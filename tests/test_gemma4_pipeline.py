@@ -9,12 +9,21 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
+import torch
 from typer.testing import CliRunner
 
+from pwcal.alloc_scoring import score_allocations
 from pwcal.cli import app as pwcal_app
+from pwformat.tables import read_table
+from pwrun.ap.artifact import APArtifact
+from pwrun.ap.dense import dense_model
 from pwrun.cli import app as pwrun_app
+from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.data import default_model_dir
+from pwrun.model.loader import load_model
+from pwrun.ppl import perplexity
 from tests._tiny_gemma4 import save_tiny_gemma4
 
 runner = CliRunner()
@@ -45,6 +54,7 @@ def test_pipeline_and_generate(tmp_path: Path) -> None:
         assert r.exit_code == 0, (args[0], r.stderr)
     for name in ("sensitivity", "routing", "residual_heads", "buckets"):
         assert (out / f"{name}.parquet").is_file()
+    _batched_scores_equal_one_model_per_allocation(model, out)
     manifest = json.loads((out / "manifest.json").read_text())
     assert all(manifest["stages"][s]["complete"] for s in ("quantize", "sensitivity", "fit-residual",
                                                            "search-buckets"))
@@ -59,3 +69,23 @@ def test_pipeline_and_generate(tmp_path: Path) -> None:
     assert (trace.kv_pages_global + trace.kv_pages_sliding == trace.kv_pages).all()
     # 16-token blocks, a window of 20: blocks 0 and 1 leave the window during the 60 decode steps
     assert trace.trimmed_blocks.sum() == 2 and trace.kv_pages_sliding.iloc[-2] < 2 * trace.kv_pages_global.iloc[-2]
+
+
+def _batched_scores_equal_one_model_per_allocation(model: Path, out: Path) -> None:
+    """search-buckets' batched scoring (the Gemma-4 router reads the residual stream; GELU-tanh experts) equals the
+    perplexity of one dense model per allocation."""
+    art = APArtifact(out)
+    base = load_model(model, device="cpu", dtype="float32")
+    table = BlockTable.from_frames(read_table(out / "sensitivity.parquet", "sensitivity"),
+                                   read_table(out / "routing.parquet", "routing"))
+    rng = np.random.default_rng(0)
+    qs = [rng.choice(art.bits, size=len(table.layer)) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    windows = [torch.randint(0, base.spec.vocab_size, (30,), generator=g).tolist() for _ in range(2)]
+    got = score_allocations(art, base, table, qs, windows)
+    for q, row in zip(qs, got, strict=True):
+        bits = {(int(la), int(e), UNITS[u]): int(b) for la, e, u, b in zip(table.layer, table.expert, table.unit, q,
+                                                                             strict=True)}
+        flat = [t for w in windows for t in w]
+        want = perplexity(dense_model(art, base, bits), flat, seq_len=len(windows[0])).window_nll
+        np.testing.assert_allclose(row, want, rtol=0, atol=2e-5)
