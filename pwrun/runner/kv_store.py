@@ -58,7 +58,8 @@ class PooledKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at ``slots`` [T] int64 (slot = block * block_size + offset)."""
-        bs, rows = self.block_size, self.layer_rows[layer]
+        # a view made per call: with autograd (the Fisher importance) a cached view of a shared base is refused
+        bs, rows = self.block_size, self.layer_pages[layer].flatten(0, 1)
         blk, off = slots // bs, slots % bs
         rows.index_copy_(0, self.unit[2 * layer][blk] * bs + off, k)
         rows.index_copy_(0, self.unit[2 * layer + 1][blk] * bs + off, v)
