@@ -1,15 +1,32 @@
 """Atomic file writes: readers see the old file or the new one, never half of one.
 
 ``atomic_path`` hands out ``path.tmp`` and renames it over ``path`` when the ``with`` block ends normally;
-``write_atomic`` writes bytes through it, fsynced. It imports no torch.
+``write_atomic`` writes bytes through it, fsynced. ``fault_point`` marks a write point for the fault-injection
+tests (a no-op unless ``PAGEDWEIGHT_FAULT_AT`` is set). It imports no torch.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+FAULT_ENV = "PAGEDWEIGHT_FAULT_AT"
+fault_points = 0  # write points passed in this process while FAULT_ENV is set
+
+
+def fault_point() -> None:
+    """A write point: with ``PAGEDWEIGHT_FAULT_AT=N`` in the environment, the N-th call in this process kills it
+    with SIGKILL (no cleanup runs, as after a power cut or the OOM killer), so that tests can stop a stage between
+    any two of its writes. Does nothing when the variable is unset."""
+    global fault_points
+    at = os.environ.get(FAULT_ENV)
+    if at:
+        fault_points += 1
+        if fault_points == int(at):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextmanager
@@ -20,6 +37,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     tmp = path.with_name(path.name + ".tmp")
     try:
         yield tmp
+        fault_point()
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)

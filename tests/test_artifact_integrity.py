@@ -6,9 +6,7 @@ layers swapped in the manifest's file map or on disk, a table from another quant
 fields of the wrong type or value, a second writer while a stage writes, NaN weights, absurd sampling options and
 budgets, and the leftovers of a quantize run killed between its final renames.
 
-The two artifacts of the module come from the real quantize stage with a fast stand-in for the nested k-means
-(uniform nested codes: these tests check what is recorded and verified, not quantization quality) and the real
-sensitivity stage, a few seconds each.
+The two artifacts of the module come from ``tests._artifacts.make_artifact`` (the real stages, a fast k-means).
 """
 
 from __future__ import annotations
@@ -25,43 +23,14 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner, Result
 
-import pwcal.quant.quantize as quantize_module
 from pwcal.cli import app as pwcal_app
-from pwcal.quant.kmeans1d import NestedCodes
-from pwcal.quant.quantize import QuantizeConfig, quantize
-from pwcal.sensitivity import SensitivityConfig, run_sensitivity
 from pwformat.checksums import file_digest
 from pwformat.tables import PROVENANCE_KEY
 from pwrun.cli import app as pwrun_app
 from pwrun.core.request import SamplingParams
-from pwrun.data import default_model_dir
-
-MODEL = default_model_dir()
-runner = CliRunner()
-QUANT = ["--samples", "2", "--seq-len", "64", "--device", "cpu"]
-SERVE = ["generate", "--prompt", "The river", "--max-new-tokens", "2", "--device", "cpu", "--gpu-memory", "48MiB"]
-
-
-def uniform_nested(x: torch.Tensor, w: torch.Tensor, seed_bits: int = 3, iters: int = 50) -> NestedCodes:
-    """Nested codes of x [R, K] on a uniform 256-level grid per row, with each b-bit LUT at its cells' centres."""
-    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
-    step = (hi - lo).clamp_min(1e-8) / 256
-    codes = ((x - lo) / step).floor().clamp(0, 255).to(torch.uint8)
-    luts = {b: (lo + (torch.arange(2**b, dtype=x.dtype) + 0.5) * step * 2 ** (8 - b)).half()
-            for b in range(seed_bits, 9)}
-    return NestedCodes(codes, luts)
-
-
-def make_artifact(out: Path, calib_seed: int) -> Path:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(quantize_module, "nested_kmeans", uniform_nested)
-        quantize(MODEL, out, QuantizeConfig(samples=2, seq_len=64, calib_seed=calib_seed), device="cpu")
-    run_sensitivity(MODEL, out, SensitivityConfig(samples=2, seq_len=64, min_tokens=1), "cpu")
-    return out
+from tests._artifacts import MODEL, QUANT, SERVE, edit_manifest, flip, make_artifact, one_error, runner, serve
 
 
 @pytest.fixture(scope="module")
@@ -75,33 +44,6 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def art(artifacts: tuple[Path, Path], tmp_path: Path) -> Path:
     """A fresh copy of the first artifact to damage."""
     return Path(shutil.copytree(artifacts[0], tmp_path / "ap"))
-
-
-def one_error(r: Result, *needles: str) -> str:
-    """The single ``error:`` line of a failed command, which must contain every needle."""
-    lines = r.stderr.strip().splitlines()
-    errors = [x for x in lines if x.startswith("error:")]
-    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.exit_code, r.stderr, r.exception)
-    assert len(errors) == 1 and "Traceback" not in r.output + r.stderr, r.stderr
-    for n in needles:
-        assert n in errors[0], (n, errors[0])
-    return errors[0]
-
-
-def serve(art: Path, *extra: str) -> Result:
-    return runner.invoke(pwrun_app, [*SERVE, "--artifacts", str(art), *extra])
-
-
-def flip(path: Path, offset: int, n: int = 16) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset:offset + n] = bytes(b ^ 0xFF for b in data[offset:offset + n])
-    path.write_bytes(bytes(data))
-
-
-def edit_manifest(art: Path, change: Any) -> None:
-    m = json.loads((art / "manifest.json").read_text())
-    change(m)
-    (art / "manifest.json").write_text(json.dumps(m))
 
 
 def test_intact_artifact_verifies_and_serves(art: Path) -> None:

@@ -41,6 +41,7 @@ from pwcal.stats.collect import observe
 from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.hessian_full import HessianFull, layer_groups
 from pwformat.ap import pack_planes
+from pwformat.atomic import fault_point
 from pwformat.checksums import file_sum
 from pwformat.errors import PagedWeightError
 from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS
@@ -346,6 +347,7 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
                 path = partial / layer_file(layer)
                 save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION),
                                                         "layer": str(layer), "run_id": run_id})
+                fault_point()
                 sums[path.name] = file_sum(path, "quantize", layer)  # read back while in the page cache
                 done += 1
                 if progress:
@@ -355,12 +357,15 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
                              len(windows) * len(windows[0]), time.time() - t0, run_id, sums)
         write_manifest(partial, manifest)
         if out.exists():  # two renames: OUT is always the old artifact or the new one, never half of either
+            fault_point()
             out.replace(old)
+        fault_point()
         partial.replace(out)
     except BaseException:
         if old.exists() and not out.exists():
             old.replace(out)  # interrupted between the renames: the previous artifact comes back
         shutil.rmtree(partial, ignore_errors=True)  # never leave a half-written artifact behind
         raise
+    fault_point()
     shutil.rmtree(old, ignore_errors=True)
     return manifest.to_dict()
