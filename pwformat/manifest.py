@@ -260,6 +260,10 @@ class Manifest:
                 if sums[v].layer != int(k):
                     raise _bad(where, f"files.{k}", v, f"the file of layer {k} (its checksum record says layer "
                                f"{sums[v].layer}: the file map swaps layers)")
+            for v, rec in sums.items():
+                if rec.layer is not None and str(rec.layer) not in files:
+                    raise _bad(where, f"files.{rec.layer}", None, f"{v} (the checksum record of that file says it "
+                               f"holds layer {rec.layer})")
             for name, rec in stages.items():
                 for f in rec.get("files", []) if rec.get("complete") else []:
                     if f not in sums:

@@ -134,6 +134,8 @@ def test_a_table_from_another_run_or_model_is_refused(art: Path, artifacts: tupl
     ("parent_bits", 7.5, "field 'parent_bits' is float"),
     ("files", {"zero": "layer_000.safetensors"}, "field 'files.zero'"),
     ("files", {"0": "../../etc/passwd"}, "a file name inside the artifact directory"),
+    ("files", {}, "field 'files.0' is None, not layer_000.safetensors (the checksum record of that file says it holds "
+     "layer 0)"),
     ("checksums", {"layer_000.safetensors": {"size": -1, "xxh3_128": "0" * 32, "stage": "quantize"}},
      "field 'checksums.layer_000.safetensors.size' is -1"),
     ("checksums", {"layer_000.safetensors": {"size": 1, "xxh3_128": "xyz", "stage": "quantize"}},

@@ -128,6 +128,26 @@ def test_flipped_byte_is_refused_or_unused(kind: str, i: int, work: Path, clean:
     assert file_digest(path) == intact
 
 
+@pytest.mark.parametrize(("old", "new", "message"), [
+    (b'"7.gate_up.planes"', b'"7.gate_up.planez"', "has no tensor '7.gate_up.planes'"),
+    (b'"4.gate_up.lut4"', b'"4.gate_up.lut\x7f"', "has no tensor '4.gate_up.lut4'"),
+    (b'"dtype":"I32"', b'"dtype":"F32"', "is torch.float32, not torch.int32"),
+    (b'"dtype":"F16"', b'"dtype":"I16"', "is torch.int16, not torch.float16"),
+])
+def test_a_header_naming_another_tensor_or_dtype_is_refused_unverified(old: bytes, new: bytes, message: str,
+                                                                       work: Path) -> None:
+    """Single flipped bytes of a layer header that keep it valid JSON: unverified, the reader still refuses them."""
+    path = work / "layer_001.safetensors"
+    data = path.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    at = data.index(old, 0, header)
+    try:
+        path.write_bytes(data[:at] + new + data[at + len(old):])
+        one_error(serve(work, "--no-verify", *UNIFORM), "layer_001.safetensors", message)
+    finally:
+        path.write_bytes(data)
+
+
 def fields(node: Any, at: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
     """Every key path of a JSON object (a list is one field)."""
     if isinstance(node, dict):
@@ -144,9 +164,9 @@ def set_field(m: dict[str, Any], at: tuple[str, ...], value: Any) -> None:
 
 def names_field(line: str, at: tuple[str, ...], value: Any) -> bool:
     """Whether an error line names the manifest field ``at`` or what it governs: the field itself, the file whose
-    checksum it records, the layer files it maps, the model it fingerprints, or its version."""
+    checksum it records, the model it fingerprints, or its version."""
     return ("manifest.json" in line or f"'{'.'.join(at)}'" in line or at[-1] in line
-            or (at[0] == "checksums" and at[1] in line) or (at[0] == "files" and "layer" in line)
+            or (at[0] == "checksums" and at[1] in line)
             or (at[0] == "model" and "another model" in line) or f"v{value}" in line)
 
 

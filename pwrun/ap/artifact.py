@@ -30,6 +30,19 @@ NO_CHECKSUMS = ("{path} has no content checksums (made before they existed), so 
                 "`pwcal verify {path} --update` records them from the files as they are now")
 
 
+class LayerTensors(dict[str, torch.Tensor]):
+    """One layer file's tensors by name; looking up a name the file lacks (a damaged header, another model's file)
+    raises a one-line ``PagedWeightError`` naming the file and ``remake``, not a ``KeyError``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], path: Path, remake: str) -> None:
+        super().__init__(tensors)
+        self.path, self.remake = path, remake
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        raise PagedWeightError(f"{self.path} has no tensor {key!r} (a damaged header or another model's file): "
+                               f"{self.remake}")
+
+
 class APArtifact:
     """An AP artifact directory. ``bits``: supported bitwidths (seed..8). Raises ``PagedWeightError`` if the
     manifest is invalid, a stage is writing the directory, or a recorded file is missing or has another size."""
@@ -82,9 +95,9 @@ class APArtifact:
             raise PagedWeightError(f"{self.path}: file of layer {layer} is missing: {self._remake('quantize')}")
         return self.path / name
 
-    def layer_tensors(self, layer: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Every tensor of one layer's file (names as in ``pwcal.quant.quantize``), after checking that its header
-        names this layer and this artifact's quantize run."""
+    def layer_tensors(self, layer: int, device: torch.device | str = "cpu") -> LayerTensors:
+        """Every tensor of one layer's file (names and dtypes as in ``pwcal.quant.quantize``), after checking that
+        its header names this layer and this artifact's quantize run and each tensor's dtype."""
         path = self._file(layer)
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
@@ -95,9 +108,16 @@ class APArtifact:
                         f"{path} holds layer {meta.get('layer')} of quantize run {meta.get('run_id')}, not layer "
                         f"{layer} of this artifact's run {self.manifest.run_id} (a swapped or foreign file): "
                         f"{self._remake('quantize')}")
-                return {k: f.get_tensor(k) for k in f.keys()}
+                tensors = LayerTensors({k: f.get_tensor(k) for k in f.keys()}, path, self._remake("quantize"))
         except (SafetensorError, OSError) as exc:
             raise PagedWeightError(f"{path} is unreadable ({exc}): {self._remake('quantize')}") from exc
+        lut = getattr(torch, self.manifest.lut_dtype, None)
+        for k, v in tensors.items():  # a damaged header can name another dtype of the same size
+            want = torch.int32 if k.endswith(".planes") else lut if ".lut" in k else None
+            if isinstance(want, torch.dtype) and v.dtype != want:
+                raise PagedWeightError(f"{path}: tensor {k!r} is {v.dtype}, not {want} (a damaged header): "
+                                       f"{self._remake('quantize')}")
+        return tensors
 
     def table(self, name: str) -> pd.DataFrame:
         """The calibration table ``name`` (``pwformat.tables.SCHEMAS``), checked against its checksum and this
