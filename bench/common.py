@@ -287,7 +287,7 @@ def random_model(config_dir: Path, dtype: torch.dtype, device: str) -> LeanMoEMo
         lw = LayerWeights(attn_norm=r.get(p + "norm", (h,)), ffn_norm=r.get(p + "norm2", (h,)),
                           attn=_attention(r, p + "self_attn.", spec, layer))  # type: ignore[arg-type]
         assert layer.moe is not None
-        lw.moe = _moe(r, p, spec, layer, names)  # type: ignore[arg-type]
+        lw.moe = _moe(r, p, spec, layer, names, "load")  # type: ignore[arg-type]
         layers.append(lw)
     return LeanMoEModel(spec, ModelWeights(embed=embed, lm_head=lm_head, final_norm=r.get("norm", (h,)),
                                            layers=layers))

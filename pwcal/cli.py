@@ -13,8 +13,10 @@ import typer
 from rich.table import Table
 
 from pwcal import cli_calib, cli_quant, cli_verify
+from pwformat.layout import PARENT_BITS
 from pwrun.cli_common import make_console, user_errors
-from pwrun.model.inventory import expert_blocks, parameter_counts
+from pwrun.engine.budget import format_size
+from pwrun.model.inventory import expert_blocks, host_memory, parameter_counts
 from pwrun.model.loader import load_spec
 
 app = typer.Typer(help="PagedWeight offline calibration. Pipeline, in this order: quantize (AP bit-planes + "
@@ -41,7 +43,8 @@ def _root() -> None:
 
 @app.command()
 def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]) -> None:
-    """Describe a checkpoint: family, MoE layers, expert linear blocks and parameters by kind (16-bit bytes)."""
+    """Describe a checkpoint: family, MoE layers, expert linear blocks, parameters by kind (16-bit bytes) and the
+    peak host memory that calibration and serving are expected to take (``pwformat.cost.HostMemory``)."""
     with user_errors():
         spec, _ = load_spec(model)
         counts = parameter_counts(spec)
@@ -74,3 +77,11 @@ def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face check
             table.add_row(kind, f"{n:,}", f"{n / total:.1%}", f"{2 * n / 2**20:,.1f} MiB")
         table.add_row("total", f"{total:,}", "100%", f"{2 * total / 2**20:,.1f} MiB")
         console.print(table)
+        if moe:
+            cal = host_memory(spec, list(range(3, PARENT_BITS + 1)), 4)
+            serve = host_memory(spec, list(range(3, PARENT_BITS + 1)), 2)
+            console.print(f"host memory beyond the interpreter (3..8-bit artifact of {format_size(cal.artifact)}): "
+                          f"calibration {format_size(cal.calibrate(False))} with --device cuda, "
+                          f"{format_size(cal.calibrate(True))} on the CPU; serving "
+                          f"{format_size(serve.serve(False))} on CUDA (bf16), target at most "
+                          f"{format_size(serve.bound())} (artifact + non-expert weights + 10%)")

@@ -149,7 +149,7 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
     art = APArtifact(artifact_dir)
     sens, ref = art.table("sensitivity"), art.table("block_features")
     tok = load_tokenizer(model_dir)
-    model = load_model(model_dir, device=device, dtype="float32")
+    model = load_model(model_dir, device=device, dtype="float32", experts="stream")  # experts layer by layer
     windows = calibration_windows(tok, sens_cfg["dataset"], cfg.prompts, sens_cfg["seq_len"], sens_cfg["seed"],
                                   skip=sens_cfg["samples"], flags="--prompts")
     per_prompt = []

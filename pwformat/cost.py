@@ -117,3 +117,43 @@ def decode_step_bytes(non_expert_bytes: int, layers: Sequence[MoELayerShape], ba
     layers, K and V). Divided into the memory bandwidth it bounds decode tokens/s from above."""
     experts = sum(expert_bytes_read(m, batch, bits) for m in layers)
     return non_expert_bytes + experts + batch * context * kv_token_bytes
+
+
+def artifact_bytes(shapes: Sequence[tuple[int, int]], bits: Sequence[int]) -> int:
+    """Bytes of an artifact's planes and LUTs for blocks of shapes (N, K): 8 planes and one LUT per bitwidth in
+    ``bits`` each (what ``pwcal quantize`` writes and the serving host mirror holds, headers aside)."""
+    return sum(PARENT_BITS * plane_bytes(n, k) + sum(lut_bytes(n, b) for b in bits) for n, k in shapes)
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Peak host RSS of the PagedWeight stages, in bytes above the interpreter's baseline (Python, torch, the CUDA
+    context), from the sizes that set it. ``artifact``: ``artifact_bytes``; ``non_expert``: the non-expert weights
+    in the compute dtype; ``layer_experts``: the largest MoE layer's dense experts (routed and shared) in the
+    compute dtype; ``layer_file``: the same in the checkpoint's dtype (one layer of the file, mapped while read);
+    ``experts``: every expert block dense in the compute dtype."""
+
+    artifact: int
+    non_expert: int
+    layer_experts: int
+    layer_file: int
+    experts: int = 0
+
+    def serve(self, device_is_host: bool, pool_bytes: int = 0) -> int:
+        """``pwrun generate --artifacts``: the host mirror (every plane and LUT, once) and one layer of the files
+        mapped while loading; where the device is the host, also the non-expert weights, the page pool and the
+        reference path's dense copies of the blocks it ran (dequantized at their committed bits, at most
+        ``experts``: a speed choice of the CPU path; CUDA runs the AP kernels on the pool's planes)."""
+        return self.artifact + self.layer_file + (self.non_expert + pool_bytes + self.experts if device_is_host
+                                                  else 0)
+
+    def calibrate(self, device_is_host: bool) -> int:
+        """``pwcal quantize / sensitivity / fit-residual`` (Hessian importance): one layer of the checkpoint
+        mapped while it is read; where the device is the host, also the non-expert weights and one MoE layer of
+        experts (while it is read, the per-expert tensors and their stack). Activations and quantizer work space
+        are not counted (they depend on --samples, --seq-len and the block shapes, not on the number of layers)."""
+        return self.layer_file + (self.non_expert + 2 * self.layer_experts if device_is_host else 0)
+
+    def bound(self, slack: float = 0.10) -> int:
+        """The target: artifact bytes plus the non-expert weights plus ``slack``."""
+        return int((self.artifact + self.non_expert) * (1 + slack))

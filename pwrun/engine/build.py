@@ -1,7 +1,7 @@
 """Build a serving engine from a model directory, an artifact directory and a memory budget.
 
 What it does: checks the artifact against the model and the policy against the artifact's
-stages; loads the non-expert weights onto the device (in the model's dtype; the dense experts are never kept);
+stages; loads the non-expert weights onto the device (in the model's dtype; the dense experts are never read);
 splits ``--gpu-memory`` into fixed parts and the page pool; places every expert block at its
 initial bitwidth (the planner's fit of the pool, a uniform or a static allocation); refuses a
 budget below what the floors and the longest request need, stating the minimum; and returns an
@@ -41,7 +41,7 @@ from pwrun.core.request import Request, SamplingParams
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.engine.budget import dtype_label, format_size, workspace_bytes
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.model.inventory import SHARED_EXPERT, expert_blocks, kv_layout
+from pwrun.model.inventory import SHARED_EXPERT, expert_blocks, host_memory, kv_layout
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, resolve_device, resolve_dtype
 from pwrun.model.weights import fuse_qkv
@@ -131,6 +131,7 @@ def strip_experts(model: LeanMoEModel, device: torch.device) -> LeanMoEModel:
     """Move the non-expert weights to ``device`` and drop the 16-bit expert tensors (the pool holds AP ones);
     q, k and v become views of one tensor (``fuse_qkv``: one projection GEMM per step)."""
     w = model.weights
+    model.experts = None
     empty = torch.empty(0, dtype=model.dtype, device=device)
     tied = w.lm_head is w.embed
     w.embed = w.embed.to(device)
@@ -210,7 +211,9 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     dt = resolve_dtype(dtype, dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    model = strip_experts(load_model(model_dir, device="cpu", dtype=str(dt).removeprefix("torch.")), dev)
+    # the dense experts are never read: the non-expert weights go straight to the device, one layer at a time
+    model = strip_experts(load_model(model_dir, device=str(dev), dtype=str(dt).removeprefix("torch."),
+                                     experts="skip"), dev)
     table = block_table(art, model, need_calibration=cfg.policy.placement != "uniform")
     heads_df = _read(art, "residual_heads")
     return assemble_engine(model, art, table, _bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None
@@ -351,7 +354,9 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
             "expert_bytes_16bit": sum(b.n * b.k * 2 for b in expert_blocks(spec)),
             "initial_expert_bytes": placed_bytes,
             "initial_weight_pages": initial_weight_pages, "initial_mean_bits": float(q0.mean()),
-            "floor_expert_bytes": floor_bytes, "shared_expert": bool((table.expert == SHARED_EXPERT).any())}
+            "floor_expert_bytes": floor_bytes, "shared_expert": bool((table.expert == SHARED_EXPERT).any()),
+            "host_mirror_bytes": store.mirror.host_bytes,
+            "host_model_bytes": host_memory(spec, bit_list, elt).serve(dev.type != "cuda", num_pages * page_bytes)}
     size = np.array([n * k for n, k in table.shapes(spec)], dtype=np.float64)
     shared = table.expert == SHARED_EXPERT
     engine = LLMEngine(core, runner, info, (size * shared, size * ~shared))

@@ -12,6 +12,7 @@ Parquet (``trace.trace_schema``; zstd, atomic) for the notebooks.
 
 from __future__ import annotations
 
+import resource
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,9 @@ class RunSummary:
     are over steps, means weighted by step time; ``expert_share_16bit``: mean expert bytes / their 16-bit bytes;
     ``mean_bits``: time-averaged mean committed bits; ``final_bits_hist``: blocks by committed bits at the end;
     ``warm_up_seconds`` / ``graphs_captured_at_start``: the start-up warm-up (CUDA), ``graph_captures_in_run``:
-    steps that captured a CUDA graph (0 after a complete warm-up)."""
+    steps that captured a CUDA graph (0 after a complete warm-up); ``host_peak_rss_bytes``: the process's peak
+    resident host memory so far (``peak_rss_bytes``), ``host_mirror_bytes``: the host mirror's planes and LUTs,
+    ``host_model_bytes``: what ``pwformat.cost.HostMemory.serve`` predicts above the interpreter's baseline."""
 
     device: str
     dtype: str
@@ -84,6 +87,9 @@ class RunSummary:
     warm_up_seconds: float | None = None
     graphs_captured_at_start: int | None = None
     graph_captures_in_run: int | None = None
+    host_peak_rss_bytes: int | None = None
+    host_mirror_bytes: int | None = None
+    host_model_bytes: int | None = None
     trace_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -111,6 +117,19 @@ def summary_table(summaries: list[RunSummary]) -> pa.Table:
     cols = {n: [list(getattr(s, n).items()) if isinstance(getattr(s, n), dict) else getattr(s, n) for s in summaries]
             for n in schema.names}
     return pa.table(cols, schema=schema)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, bytes (``VmHWM`` of /proc/self/status; elsewhere
+    ``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def summarize(engine: LLMEngine) -> RunSummary:
@@ -146,6 +165,7 @@ def summarize(engine: LLMEngine) -> RunSummary:
     if engine.runner.device.type == "cuda":
         over["device_peak_bytes"] = engine.runner.peak_bytes()
     store = engine.runner.experts
+    over["host_peak_rss_bytes"] = peak_rss_bytes()
     return RunSummary(
         **known, steps=steps, seconds=engine.seconds, prefill_tokens=core.prefill_tokens,
         decode_tokens=core.decode_tokens, tokens_per_second=(core.prefill_tokens + core.decode_tokens) / secs,
@@ -184,6 +204,10 @@ def format_summary(s: RunSummary) -> str:
         f"{s.planner_ms_per_step:.2f} ms/step ({100 * s.planner_share_of_step:.2f}% of step time; "
         f"+{s.planner_overlapped_ms_per_step:.2f} ms/step while the device computed)",
     ]
+    if s.host_peak_rss_bytes is not None:
+        lines.append(f"peak host RSS {format_size(s.host_peak_rss_bytes)}"
+                     + (f" (host mirror {format_size(s.host_mirror_bytes)})" if s.host_mirror_bytes is not None
+                        else ""))
     if s.device_peak_bytes is not None:
         lines.append(f"peak device memory {format_size(s.device_peak_bytes)} of the "
                      f"{format_size(s.gpu_memory)} budget")

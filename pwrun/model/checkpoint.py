@@ -5,6 +5,10 @@ family's tensor names to the canonical layout (``CheckpointNames``), stacks per-
 projections into [E, 2I, H] / [E, H, I] (or takes transformers-5 fused ``gate_up_proj`` /
 ``down_proj`` tensors as they are), checks every shape against the spec, and casts to the
 requested dtype and device. Errors name the missing tensor or the mismatched shape.
+Host memory: files are memory-mapped (``safe_open``) one layer at a time and unmapped after it, and every
+tensor returned owns its memory (a mapped page counts in the process's RSS for as long as it is mapped), so
+loading holds at most one layer of the file beside what it returns. ``experts="skip"`` returns the expert
+weights as empty placeholders (serving an artifact), for ``pwrun.model.streamed`` to read layer by layer.
 It does not parse configs (``families.py``) or run anything.
 """
 
@@ -45,11 +49,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-class TensorReader:
-    """Lazy name -> tensor access over a set of safetensors files; every tensor is checked for NaN and Inf as it is
-    loaded (the error names it)."""
+EXPERT_MODES = ("load", "skip")
 
-    def __init__(self, files: list[Path], dtype: torch.dtype, device: torch.device | str) -> None:
+
+class TensorReader:
+    """Lazy name -> tensor access over a set of safetensors files (``close`` unmaps them; reopened on the next
+    ``get``); every tensor is checked for NaN and Inf as it is loaded (the error names it)."""
+
+    def __init__(self, files: list[Path], dtype: torch.dtype | None, device: torch.device | str) -> None:
+        """``dtype`` None: each tensor in its checkpoint dtype."""
         self.dtype, self.device = dtype, device
         self._where: dict[str, Path] = {}
         for f in files:
@@ -72,7 +80,7 @@ class TensorReader:
         f = self._where[name]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
-        t = self._handles[f].get_tensor(name)  # type: ignore[attr-defined]
+        t = self._handles[f].get_tensor(name)  # type: ignore[attr-defined]  # a view of the mapped file
         if shape is not None and tuple(t.shape) != shape:
             raise PagedWeightError(f"tensor '{name}' has shape {tuple(t.shape)} but config.json implies {shape}: "
                                    "the weights belong to another config")
@@ -80,9 +88,15 @@ class TensorReader:
             raise PagedWeightError(f"tensor '{name}' has dtype {t.dtype}: only float checkpoints are supported")
         out = t.to(device=self.device, dtype=self.dtype)
         if not bool(torch.isfinite(out).all()):  # one pass over the tensor where it lands (cheap on a GPU)
-            raise PagedWeightError(f"tensor '{name}' of {f.name} holds NaN or Inf (as {str(self.dtype)[6:]}): the "
+            raise PagedWeightError(f"tensor '{name}' of {f.name} holds NaN or Inf (as {str(out.dtype)[6:]}): the "
                                    "checkpoint is damaged; re-download or re-export it")
+        if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            out = out.clone()  # same dtype on the CPU: own the bytes, so that ``close`` can unmap the file
         return out
+
+    def close(self) -> None:
+        """Unmap every file (their pages leave the RSS); later ``get`` calls map them again."""
+        self._handles.clear()
 
     def maybe(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.get(name, shape) if self.has(name) else None
@@ -110,12 +124,14 @@ def _mlp(r: TensorReader, p: str, names: tuple[str, str, str], inter: int, h: in
     return MLPWeights(gate_up=torch.cat([gate, up], 0), down=r.get(p + names[2] + ".weight", (h, inter)))
 
 
-def _moe(r: TensorReader, p: str, spec: ModelSpec, layer: LayerSpec, names: CheckpointNames) -> MoEWeights:
+def experts_of(r: TensorReader, p: str, spec: ModelSpec, layer: LayerSpec, names: CheckpointNames
+               ) -> tuple[torch.Tensor, torch.Tensor, MLPWeights | None]:
+    """One MoE layer's dense experts: gate_up [E, 2I, H], down [E, H, I] and the shared expert (or None);
+    ``p`` = ``model.layers.{index}.``."""
     m, h = layer.moe, spec.hidden_size
     assert m is not None
     e, i = m.num_experts, m.expert_intermediate
     mp = p + names.moe_prefix + "."
-    router = r.get(mp + "gate.weight", (e, h))
     if r.has(mp + "experts.gate_up_proj"):  # transformers-5 fused layout
         gate_up = r.get(mp + "experts.gate_up_proj", (e, 2 * i, h))
         down = r.get(mp + "experts.down_proj", (e, h, i))
@@ -124,23 +140,43 @@ def _moe(r: TensorReader, p: str, spec: ModelSpec, layer: LayerSpec, names: Chec
         experts = [_mlp(r, mp + f"experts.{x}.", units, i, h) for x in range(e)]
         gate_up = torch.stack([x.gate_up for x in experts])
         down = torch.stack([x.down for x in experts])
-    w = MoEWeights(router=router, gate_up=gate_up, down=down)
+    shared = None
     if m.shared_intermediate:
-        w.shared = _mlp(r, mp + "shared_expert.", ("gate_proj", "up_proj", "down_proj"), m.shared_intermediate, h)
+        shared = _mlp(r, mp + "shared_expert.", ("gate_proj", "up_proj", "down_proj"), m.shared_intermediate, h)
+    return gate_up, down, shared
+
+
+def _moe(r: TensorReader, p: str, spec: ModelSpec, layer: LayerSpec, names: CheckpointNames,
+         experts: str) -> MoEWeights:
+    m, h = layer.moe, spec.hidden_size
+    assert m is not None
+    mp = p + names.moe_prefix + "."
+    router = r.get(mp + "gate.weight", (m.num_experts, h))
+    if experts == "load":
+        gate_up, down, shared = experts_of(r, p, spec, layer, names)
+    else:  # placeholders with the layout of a stripped model (``pwrun.engine.build.strip_experts``)
+        gate_up = down = torch.empty(0, dtype=r.dtype, device=r.device)
+        shared = MLPWeights(gate_up, down) if m.shared_intermediate else None
+    w = MoEWeights(router=router, gate_up=gate_up, down=down, shared=shared)
     if m.shared_gate:
         w.shared_gate = r.get(mp + "shared_expert_gate.weight", (1, h))
     return w
 
 
 def load_weights(model_dir: Path, spec: ModelSpec, names: CheckpointNames, dtype: torch.dtype,
-                 device: torch.device | str) -> ModelWeights:
-    """Load every tensor the lean model needs, as ``dtype`` on ``device``.
+                 device: torch.device | str, experts: str = "load") -> ModelWeights:
+    """Load every tensor the lean model needs, as ``dtype`` on ``device``; ``experts="skip"``: all but the
+    routed and shared experts' weights (empty placeholders; routers and shared-expert gates are loaded).
 
     Raises ``PagedWeightError`` when files or tensors are missing or shapes disagree with ``spec``.
     """
+    if experts not in EXPERT_MODES:
+        raise ValueError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
     r = TensorReader(safetensors_files(model_dir), dtype, device)
-    if names.gemma4:
-        return load_gemma4(r, spec)
+    if names.gemma4:  # its own layout: every weight is loaded (``strip_experts`` drops the experts)
+        gemma = load_gemma4(r, spec)
+        r.close()
+        return gemma
     h, v = spec.hidden_size, spec.vocab_size
     embed = r.get("model.embed_tokens.weight", (v, h))
     if r.has("lm_head.weight") and not spec.tie_word_embeddings:
@@ -158,8 +194,11 @@ def load_weights(model_dir: Path, spec: ModelSpec, names: CheckpointNames, dtype
             attn=_attention(r, p + "self_attn.", spec, layer),
         )
         if layer.moe is not None:
-            lw.moe = _moe(r, p, spec, layer, names)
+            lw.moe = _moe(r, p, spec, layer, names, experts)
         else:
             lw.mlp = _mlp(r, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), layer.dense_intermediate, h)
         layers.append(lw)
-    return ModelWeights(embed=embed, lm_head=lm_head, final_norm=r.get("model.norm.weight", (h,)), layers=layers)
+        r.close()  # at most one layer of the files mapped at a time
+    out = ModelWeights(embed=embed, lm_head=lm_head, final_norm=r.get("model.norm.weight", (h,)), layers=layers)
+    r.close()
+    return out

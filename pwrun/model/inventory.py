@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pwformat.cost import MoELayerShape
+from pwformat.cost import HostMemory, MoELayerShape, artifact_bytes
 from pwformat.kv_layout import KVLayout
 from pwrun.model.spec import ModelSpec
 
@@ -77,3 +77,17 @@ def parameter_counts(spec: ModelSpec) -> dict[str, int]:
             c["other"] += m.num_experts * h + ((h + m.num_experts) if m.router == "gemma4" else 0)
         c["dense_mlp"] += 3 * h * layer.dense_intermediate
     return c
+
+
+def host_memory(spec: ModelSpec, bits: list[int], compute_bytes: int, file_bytes: int = 2) -> HostMemory:
+    """The ``pwformat.cost.HostMemory`` of ``spec`` for an artifact of ``bits`` (LUTs held in 16 bits), weights
+    computed in ``compute_bytes`` per parameter (4 for calibration, the serving dtype's size) and stored in
+    ``file_bytes`` per parameter in the checkpoint."""
+    counts = parameter_counts(spec)
+    experts = sum(b.n * b.k for b in expert_blocks(spec))
+    non_expert = sum(counts.values()) - experts
+    per_layer = [sum(b.n * b.k for b in expert_blocks(spec) if b.layer == la.index) for la in spec.layers]
+    largest = max(per_layer, default=0)
+    return HostMemory(artifact=artifact_bytes([(b.n, b.k) for b in expert_blocks(spec)], bits),
+                      non_expert=non_expert * compute_bytes, layer_experts=largest * compute_bytes,
+                      layer_file=largest * file_bytes, experts=experts * compute_bytes)

@@ -24,16 +24,18 @@ from pwrun.model.moe import MoEObserver, mlp_forward, moe_forward, router_input
 from pwrun.model.ops import softcap
 from pwrun.model.spec import LayerSpec, ModelSpec
 from pwrun.model.step import StepTensors
+from pwrun.model.streamed import StreamedExperts
 from pwrun.model.weights import LayerWeights, ModelWeights
 
 MoEFn = Callable[..., torch.Tensor]  # moe(x [T, H], layer, r=router input or None) -> [T, H]
 
 
 class LeanMoEModel:
-    """A loaded model: ``spec`` (what it is) + ``weights`` (its tensors, one dtype/device)."""
+    """A loaded model: ``spec`` (what it is) + ``weights`` (its tensors, one dtype/device). ``experts``: where the
+    dense experts come from when ``weights`` holds only placeholders for them (``load_model(experts="stream")``)."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
-        self.spec, self.weights = spec, weights
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: StreamedExperts | None = None) -> None:
+        self.spec, self.weights, self.experts = spec, weights, experts
         # run the fused Triton kernels for residual+norm, RoPE+KV write (the runner turns this on where kernels run)
         self.fused = False
 
@@ -89,7 +91,11 @@ class LeanMoEModel:
             h, x = norm(h, a, lw.ffn_norm, spec.rms_norm_eps)
             if lw.moe is not None:
                 assert ls.moe is not None
-                delta = moe(x, ls.index) if moe is not None else moe_forward(x, lw.moe, ls.moe, ls.index, observer)
+                if moe is not None:
+                    delta = moe(x, ls.index)
+                else:
+                    mw = lw.moe if self.experts is None else self.experts.moe(ls.index, lw.moe)
+                    delta = moe_forward(x, mw, ls.moe, ls.index, observer)
             else:
                 assert lw.mlp is not None
                 delta = mlp_forward(x, lw.mlp, spec.mlp_activation)
@@ -115,5 +121,9 @@ class LeanMoEModel:
         assert ls.moe is not None
         x2 = rms_norm_ref(h, sw.moe_pre, eps)
         r = router_input(h, lw.moe, ls.moe, eps) if ls.moe.router == "gemma4" else None
-        e = moe(x2, ls.index, r=r) if moe is not None else moe_forward(x2, lw.moe, ls.moe, ls.index, observer, r)
+        if moe is not None:
+            e = moe(x2, ls.index, r=r)
+        else:
+            mw = lw.moe if self.experts is None else self.experts.moe(ls.index, lw.moe)
+            e = moe_forward(x2, mw, ls.moe, ls.index, observer, r)
         return f + rms_norm_ref(e, sw.moe_post, eps)

@@ -23,6 +23,7 @@ from pwrun.model.checkpoint import load_weights
 from pwrun.model.families import FAMILIES, UNSUPPORTED, CheckpointNames, spec_from_config
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.spec import ModelSpec
+from pwrun.model.streamed import StreamedExperts
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -102,17 +103,26 @@ def load_spec(model_dir: Path) -> tuple[ModelSpec, CheckpointNames]:
     return spec_from_config(read_config(model_dir))
 
 
-def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> LeanMoEModel:
+def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto",
+               experts: str = "load") -> LeanMoEModel:
     """Load the checkpoint in ``model_dir`` as a ``LeanMoEModel`` on ``device`` in ``dtype``.
 
+    ``experts``: ``"load"`` every weight; ``"skip"`` all but the dense experts (serving an artifact: the pool
+    holds AP experts); ``"stream"`` all but the dense experts, which the model then reads from the checkpoint one
+    MoE layer at a time when it runs (``pwrun.model.streamed``: calibration within host memory).
     Raises ``PagedWeightError`` for a missing directory/config/weights, an unsupported family, or
     tensors that do not match the config.
     """
+    if experts not in ("load", "skip", "stream"):
+        raise ValueError(f"experts must be load, skip or stream, got {experts!r}")
     path = Path(model_dir)
     spec, names = load_spec(path)
     dev = resolve_device(device)
-    weights = load_weights(path, spec, names, resolve_dtype(dtype, dev), dev)
-    return LeanMoEModel(spec, weights)
+    dt = resolve_dtype(dtype, dev)
+    if names.gemma4 and experts == "stream":
+        experts = "load"  # Gemma-4's expert layout is read by its own loader only
+    weights = load_weights(path, spec, names, dt, dev, "load" if experts == "load" else "skip")
+    return LeanMoEModel(spec, weights, StreamedExperts(path, spec, names, dt, dev) if experts == "stream" else None)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:

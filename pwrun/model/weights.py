@@ -131,6 +131,8 @@ def dense_weight(model: Any, block: LinearBlock) -> torch.Tensor:
     m = model.weights.layers[block.layer].moe
     if m is None:
         raise ValueError(f"layer {block.layer} has no MoE block")
+    if getattr(model, "experts", None) is not None:  # streamed from the checkpoint (``pwrun.model.streamed``)
+        m = model.experts.moe(block.layer, m)
     if block.expert == SHARED_EXPERT:
         if m.shared is None:
             raise ValueError(f"layer {block.layer} has no shared expert")

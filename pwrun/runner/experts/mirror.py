@@ -1,17 +1,19 @@
 """The host mirror of every expert block and the copies into the page pool (SPEC sections 3 and 6).
 
-What it does: keeps every block's 8 bit-planes and every LUT in host memory (pinned on CUDA: weights
-never change, so a demotion copies nothing back) and executes ``CopyOrder``s into the pool's bytes.
+What it does: keeps every block's 8 bit-planes and every LUT in one host buffer of exactly their bytes (pinned
+on CUDA: weights never change, so a demotion copies nothing back) and executes ``CopyOrder``s into the pool's bytes.
 Reloads copy on a side CUDA stream behind the running step and record one event per reload batch;
 ``finished`` lists the batches whose copies completed (on the CPU every copy is done at once).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
+from pwformat.layout import WORD_BYTES, words_per_row
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.decision import Reload
 from pwrun.core.weight_table import CopyOrder
@@ -20,28 +22,56 @@ from pwrun.model.inventory import LinearBlock
 
 class HostMirror:
     """Planes [8, N, K/32] int32 and b-bit LUTs [N, 2^b] (``lut_dtype``) of blocks ``keys`` (layer, expert, unit)
-    with ``shapes`` (N, K), read from ``artifact`` layer by layer; copies into ``memory`` (uint8 [bytes])."""
+    with ``shapes`` (N, K), read from ``artifact`` layer by layer; copies into ``memory`` (uint8 [bytes]).
+
+    All planes and LUTs are views of one host buffer of exactly their bytes (``host_bytes``), filled straight
+    from the artifact's mapped files (one copy, no intermediate one), and on CUDA page-locked in place
+    (``cudaHostRegister``: torch's pinned allocator would round every tensor up to a power of two)."""
 
     def __init__(self, artifact: Any, keys: list[tuple[int, int, str]], shapes: list[tuple[int, int]],
                  bits: list[int], lut_dtype: torch.dtype, memory: torch.Tensor, page_bytes: int) -> None:
         self.memory, self.page_bytes = memory, page_bytes
         self.device = memory.device
-        pin = self.device.type == "cuda"
-        planes_of: list[torch.Tensor | None] = [None] * len(keys)
-        luts_of: list[dict[int, torch.Tensor] | None] = [None] * len(keys)
+        elt = torch.empty(0, dtype=lut_dtype).element_size()
+        sizes = [(8 * n * words_per_row(k) * WORD_BYTES, [n * 2**b * elt for b in bits]) for n, k in shapes]
+        self.host_bytes = sum(p + sum(luts) for p, luts in sizes)
+        self.buffer = torch.empty(self.host_bytes, dtype=torch.uint8)
+        self._registered = False
+        if self.device.type == "cuda" and self.host_bytes:
+            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.host_bytes, 0)
+            self._registered = int(err) == 0
+            if not self._registered:
+                warnings.warn(f"cannot page-lock the {self.host_bytes}-byte host mirror (cudaHostRegister: {err}): "
+                              "reloads copy synchronously", stacklevel=2)
+        self.planes: list[torch.Tensor] = []
+        self.luts: list[dict[int, torch.Tensor]] = []
+        at = 0
+
+        def take(nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            nonlocal at
+            view = self.buffer[at:at + nbytes].view(dtype).view(shape)
+            at += nbytes
+            return view
+
+        for (n, k), (pb, lbs) in zip(shapes, sizes, strict=True):
+            self.planes.append(take(pb, torch.int32, (8, n, words_per_row(k))))
+            self.luts.append({b: take(lb, lut_dtype, (n, 2**b)) for b, lb in zip(bits, lbs, strict=True)})
         for layer in sorted({k[0] for k in keys}):
-            t = artifact.layer_tensors(layer)
+            t = artifact.layer_tensors(layer)  # views of the mapped file: unmapped once dropped
             for i in (i for i, k in enumerate(keys) if k[0] == layer):
                 name = APArtifact.key(LinearBlock(*keys[i], *shapes[i]))
-                planes = t[f"{name}.planes"].contiguous()
-                luts = {b: t[f"{name}.lut{b}"].to(lut_dtype).contiguous() for b in bits}
-                planes_of[i] = planes.pin_memory() if pin else planes
-                luts_of[i] = {b: x.pin_memory() for b, x in luts.items()} if pin else luts
-        self.planes: list[torch.Tensor] = [p for p in planes_of if p is not None]
-        self.luts: list[dict[int, torch.Tensor]] = [x for x in luts_of if x is not None]
+                self.planes[i].copy_(t[f"{name}.planes"])
+                for b in bits:
+                    self.luts[i][b].copy_(t[f"{name}.lut{b}"])
+            del t
         self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pending: list[tuple[Any, int]] = []  # (event or None, reload batch id)
         self.bytes_h2d = 0
+
+    def __del__(self) -> None:
+        if getattr(self, "_registered", False):
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False
 
     def copy(self, orders: list[CopyOrder] | tuple[CopyOrder, ...]) -> None:
         """Execute copy orders on the current stream (host mirror -> pool pages)."""
