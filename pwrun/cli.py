@@ -25,10 +25,13 @@ from pwformat.atomic import write_atomic
 from pwformat.errors import PagedWeightError
 from pwrun.ap.dense import dense_model
 from pwrun.cli_common import (
+    BitsOpt,
     DeviceOpt,
     DtypeOpt,
+    GpuMemoryOpt,
     ModelOpt,
     NoVerifyOpt,
+    PolicyOpt,
     check_writable_file,
     default_model,
     make_console,
@@ -129,13 +132,9 @@ def generate(
     artifacts: Annotated[Path | None, typer.Option(help="Artifact directory from `pwcal run-all` (AP weights + "
                                                    "calibration): serve with the page pool under --gpu-memory. "
                                                    "Without it: the 16-bit model, no budget.")] = None,
-    gpu_memory: Annotated[str | None, typer.Option(help="With --artifacts: the device memory budget of the whole "
-                                                   "process, e.g. 10GiB, 48MiB (binary units), 1.5GB (decimal), "
-                                                   "or a bare number of bytes (default 4GiB).")] = None,
-    policy: Annotated[str, typer.Option(help="pagedweight (default), uniform (needs --bits), static, or an ablation: "
-                                        "no-routing, no-residual, no-movement, no-sensitivity.")] = "pagedweight",
-    bits: Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")
-                    ] = None,
+    gpu_memory: GpuMemoryOpt = None,
+    policy: PolicyOpt = "pagedweight",
+    bits: BitsOpt = None,
     trace: Annotated[Path | None, typer.Option(help="Write one row per engine step here (Parquet).")] = None,
     max_batch: Annotated[int | None, typer.Option(min=1, help="Most requests running at once (default 64 on a "
                                                   "GPU, 16 on the CPU). On a GPU the kernels are compiled for "

@@ -12,10 +12,13 @@ import typer
 
 from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwrun.cli_common import (
+    BitsOpt,
     DeviceOpt,
     DtypeOpt,
+    GpuMemoryOpt,
     ModelOpt,
     NoVerifyOpt,
+    PolicyOpt,
     default_model,
     make_console,
     open_artifact,
@@ -38,13 +41,9 @@ def serve(
     model: ModelOpt = None,
     artifacts: Annotated[Path | None, typer.Option(help="Artifact directory from `pwcal run-all`: serve with the page "
                                                    "pool under --gpu-memory. Without it: the 16-bit model.")] = None,
-    gpu_memory: Annotated[str | None, typer.Option(help="With --artifacts: the device memory budget of the whole "
-                                                   "process, e.g. 10GiB, 48MiB (binary units), 1.5GB (decimal), "
-                                                   "or a bare number of bytes (default 4GiB).")] = None,
-    policy: Annotated[str, typer.Option(help="pagedweight (default), uniform (needs --bits), static, or an ablation: "
-                                        "no-routing, no-residual, no-movement, no-sensitivity.")] = "pagedweight",
-    bits: Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")
-                    ] = None,
+    gpu_memory: GpuMemoryOpt = None,
+    policy: PolicyOpt = "pagedweight",
+    bits: BitsOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
     max_model_len: Annotated[int | None, typer.Option(min=2, help="Prompt + generated tokens of one request at most "
