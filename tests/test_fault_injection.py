@@ -3,8 +3,8 @@ set to wrong-typed or out-of-range values, and SIGKILL at every write point of `
 sensitivity``. Every case ends in exit code 2 with exactly one ``error:`` line (no traceback), or in output identical
 to the intact artifact's; never a hang or a silently different result.
 
-The artifacts come from ``tests._artifacts.make_artifact``; a killed stage runs in a forked child that
-``pwformat.atomic.fault_point`` kills at its N-th write point (``PAGEDWEIGHT_FAULT_AT=N``).
+The artifacts come from ``tests._artifacts.make_artifact``; a killed stage runs in ``tests._fault_child``, a
+fresh interpreter that ``pwformat.atomic.fault_point`` kills at its N-th write point (``PAGEDWEIGHT_FAULT_AT=N``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import os
 import random
 import shutil
 import signal
-import time
-from collections.abc import Callable, Iterator
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,12 @@ from typer.testing import Result
 import pwcal.quant.quantize as quantize_module
 import pwformat.atomic as atomic
 from pwcal.cli import app as pwcal_app
-from pwcal.sensitivity import SensitivityConfig, run_sensitivity
 from pwformat.checksums import file_digest
 from tests._artifacts import (
     MODEL,
     QUANT,
-    SENSITIVITY,
     make_artifact,
     one_error,
-    quantize_fast,
     runner,
     serve,
     uniform_nested,
@@ -52,6 +50,7 @@ KIND_FILES = {  # kind -> (a file of that kind, region of its bytes)
 }
 QUANTIZE_POINTS = 8  # 4 layer files, the manifest, OUT -> OUT.old, OUT.partial -> OUT, removing OUT.old
 SENSITIVITY_POINTS = 5  # the manifest marked stale, three tables, the manifest marked complete
+ROOT = Path(__file__).resolve().parents[1]
 WRONG = [None, "x", -1, 2**63, 1.5, float("nan"), True, [], {}, [1, "a"], {"k": 1}, "../x", ""]
 
 
@@ -207,28 +206,20 @@ def test_every_manifest_field_with_wrong_values(work: Path, clean: dict[str, str
     assert len(paths) > 80 and len(configs) > 10 and outcomes["error"] > len(cases) // 2, (len(paths), outcomes)
 
 
-def run_killed(stage: Callable[[], object], at: int, timeout: float = 120) -> int:
-    """Run ``stage`` in a forked child that ``fault_point`` kills at its ``at``-th write point; the child's signal
-    (SIGKILL) or, if it finished, its exit code + 1000 (0: done, 3: raised)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 3
-        try:
-            os.environ[atomic.FAULT_ENV] = str(at)
-            atomic.fault_points = 0
-            stage()
-            code = 0
-        finally:
-            os._exit(code)
-    t0 = time.monotonic()
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() - t0 > timeout:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"the stage hung at write point {at}")
-        time.sleep(0.05)
-    status = done[1]
-    return os.WTERMSIG(status) if os.WIFSIGNALED(status) else 1000 + os.WEXITSTATUS(status)
+def run_killed(stage: str, ap: Path, at: int, timeout: float = 300) -> int:
+    """Run ``stage`` of ``tests._fault_child`` on ``ap`` in a fresh interpreter that ``fault_point`` kills at its
+    ``at``-th write point; the child's signal (SIGKILL) or, if it finished, its exit code + 1000 (0: done)."""
+    env = {**os.environ, atomic.FAULT_ENV: str(at), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, "-m", "tests._fault_child", stage, str(ap)], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the stage hung at write point {at}")
+    if done.returncode < 0:
+        return -done.returncode
+    assert done.returncode == 0, done.stderr[-3000:]
+    return 1000
 
 
 def digests(ap: Path) -> dict[str, str]:
@@ -256,7 +247,7 @@ def test_quantize_killed_at_every_write_point(at: int, base: Path, clean: dict[s
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     ap = Path(shutil.copytree(base, tmp_path / "ap"))
     previous = digests(ap)
-    got = run_killed(lambda: quantize_fast(ap, calib_seed=1, force=True), at)
+    got = run_killed("quantize", ap, at)
     assert got == (signal.SIGKILL if at <= QUANTIZE_POINTS else 1000), (at, got)
     # a reader meanwhile: the previous artifact byte for byte, the new complete one, or one error line
     verified = runner.invoke(pwcal_app, ["verify", str(ap)])
@@ -281,8 +272,7 @@ def test_quantize_killed_at_every_write_point(at: int, base: Path, clean: dict[s
 def test_sensitivity_killed_at_every_write_point(at: int, base: Path, clean: dict[str, str], tmp_path: Path
                                                  ) -> None:
     ap = Path(shutil.copytree(base, tmp_path / "ap"))
-    other = SensitivityConfig(**{**SENSITIVITY.__dict__, "seed": 2})
-    got = run_killed(lambda: run_sensitivity(MODEL, ap, other, "cpu", force=True), at)
+    got = run_killed("sensitivity", ap, at)
     assert got == (signal.SIGKILL if at <= SENSITIVITY_POINTS else 1000), (at, got)
     reader = serve(ap)
     verified = runner.invoke(pwcal_app, ["verify", str(ap)])
