@@ -41,7 +41,7 @@ eval: setup
 	$(BIN)/pwrun eval notebooks --artifacts artifacts/runs/tiny-ap --figures docs/eval
 
 lint: setup
-	$(BIN)/ruff check pwformat pwrun pwcal pweval kernels tests tools bench
+	$(BIN)/ruff check pwformat pwrun pwcal pweval pwkernels tests tools bench
 
 typecheck: setup
 	$(BIN)/mypy

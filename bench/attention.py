@@ -1,4 +1,4 @@
-"""Attention suite: paged decode attention (``kernels/paged_attention.py``), launch configs against the default.
+"""Attention suite: paged decode attention (``pwkernels/paged_attention.py``), launch configs against the default.
 
 For each head shape (Qwen1.5-MoE 16x16x128, Mixtral 32x8x128, a Qwen3-MoE-like 32x4x128) and batch S, every
 sequence at ``--ctx`` positions of a paged cache laid out as the runtime's (K and V units of one tensor, placed
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from bench.common import copy_bandwidth, environment, graph_ms, write_records
-from kernels import paged_attention as pa
+from pwkernels import paged_attention as pa
 
 SHAPES = {"qwen1.5-moe": (16, 16, 128), "mixtral-8x7b": (32, 8, 128), "qwen3-moe-like": (32, 4, 128)}
 SPLITS = [(64, 4), (128, 2), (128, 4), (256, 2), (512, 1)]  # (min_split_tokens, programs_per_sm)

@@ -1,5 +1,5 @@
 # ruff: noqa: B023  (the timed closures run inside their loop iteration)
-"""Dense GEMV suite: decode GEMVs of the 16-bit linears, cuBLAS (``F.linear``) against ``kernels/dense_gemv.py``.
+"""Dense GEMV suite: decode GEMVs of the 16-bit linears, cuBLAS (``F.linear``) against ``pwkernels/dense_gemv.py``.
 
 What it does: for the linears a decode step reads once (Qwen1.5-MoE and Mixtral shapes: q, k, v separately and
 fused, o_proj, router + shared gate, LM head), at T = 1 and 4 tokens, times ``F.linear`` and the Triton GEMV over a
@@ -7,7 +7,7 @@ grid of tiles (GPU time of a CUDA-graph replay of 24 calls cycling over copies o
 each call reads its weight from HBM as in a decode step; median of 5), checks every Triton result against
 ``F.linear`` (max |diff| / max |ref|) and records us per call, % of the copy bandwidth (weight bytes / time, read +
 write counted as the other floors) and the best tile. ``--write-configs F`` writes the best T = 1 tile per shape
-into F (``kernels/configs/dense_gemv.json`` layout). One record per (linear, T) in ``bench/results/dense_gemv.jsonl``.
+into F (``pwkernels/configs/dense_gemv.json`` layout). One record per (linear, T) in ``bench/results/dense_gemv.jsonl``.
 
 Usage (GPU machine)::
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import copy_bandwidth, environment, graph_ms, write_records
-from kernels.dense_gemv import gemv, pick_config
+from pwkernels.dense_gemv import gemv, pick_config
 
 # name: (N, K, bias)
 SHAPES = {
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", type=Path, default=None, help="JSONL (default bench/results/dense_gemv.jsonl)")
     ap.add_argument("--write-configs", type=Path, help="write the best T = 1 tile per shape into this JSON "
-                    "(kernels/configs/dense_gemv.json layout, by_shape)")
+                    "(pwkernels/configs/dense_gemv.json layout, by_shape)")
     args = ap.parse_args()
     env = environment(args.label)
     torch.manual_seed(0)

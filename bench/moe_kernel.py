@@ -28,12 +28,12 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
 from bench.common import copy_bandwidth, environment, event_ms, graph_ms, write_records
-from kernels.moe.activation import gate_act_ref
-from kernels.moe.dispatch import ap_moe, pick_config
-from kernels.moe.experts import build_experts
-from kernels.moe.ref import ap_moe_ref
 from pwformat.ap import pack_planes
 from pwformat.cost import block_bytes
+from pwkernels.moe.activation import gate_act_ref
+from pwkernels.moe.dispatch import ap_moe, pick_config
+from pwkernels.moe.experts import build_experts
+from pwkernels.moe.ref import ap_moe_ref
 
 SHAPES: dict[str, dict[str, Any]] = {"qwen1.5-moe": dict(hidden=2048, inter=1408, experts=60, topk=4),
           "mixtral-8x7b": dict(hidden=4096, inter=14336, experts=8, topk=2)}

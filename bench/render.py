@@ -88,7 +88,7 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                   [("heads", "heads"), ("default us", "default_us"), ("% of floor", "default_pct_of_floor"),
                    ("best us", "best_us"), ("best % of floor", "best_pct_of_floor")]),
     "dense_gemv": ("Dense decode GEMV", "The 16-bit linears of a decode step (`python -m bench.dense_gemv`): "
-                   "cuBLAS `F.linear` against `kernels/dense_gemv.py`, % of the copy bandwidth.",
+                   "cuBLAS `F.linear` against `pwkernels/dense_gemv.py`, % of the copy bandwidth.",
                    ("shape", "t"),
                    [("N", "n"), ("K", "k"), ("cuBLAS us", "cublas_us"), ("% bw", "cublas_pct_bw"),
                     ("Triton us", "triton_us"), ("% bw ", "triton_pct_bw"), ("speed-up", "speedup")]),

@@ -1,14 +1,14 @@
 """Shared cases of the AP MoE kernel tests: random experts laid out with gaps in shuffled order, a compare against
-``kernels.moe.ref.ap_moe_ref`` at bf16 / fp16 tolerances, and one small config per path (few programs, so
+``pwkernels.moe.ref.ap_moe_ref`` at bf16 / fp16 tolerances, and one small config per path (few programs, so
 Triton's interpreter stays fast)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.moe.dispatch import ap_moe
-from kernels.moe.experts import APExperts, build_experts
-from kernels.moe.ref import ap_moe_ref
+from pwkernels.moe.dispatch import ap_moe
+from pwkernels.moe.experts import APExperts, build_experts
+from pwkernels.moe.ref import ap_moe_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF, FP = torch.bfloat16, torch.float16

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.dense_gemv import CONFIGS, MAX_TOKENS, SMALL_N, gemv, gemv_ref, linear, max_tokens, pick_config
+from pwkernels.dense_gemv import CONFIGS, MAX_TOKENS, SMALL_N, gemv, gemv_ref, linear, max_tokens, pick_config
 from pwrun.model.weights import AttentionWeights, fuse_qkv
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.norm import add_rms_norm, add_rms_norm_ref
-from kernels.rope_kv import rope_kv_write, rope_kv_write_ref
-from kernels.route_topk import route_topk, route_topk_ref
+from pwkernels.norm import add_rms_norm, add_rms_norm_ref
+from pwkernels.rope_kv import rope_kv_write, rope_kv_write_ref
+from pwkernels.route_topk import route_topk, route_topk_ref
 from pwrun.model.moe import route
 from pwrun.model.ops import apply_rope, rope_cos_sin, rope_inv_freq
 from pwrun.model.spec import MoESpec

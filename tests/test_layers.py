@@ -33,7 +33,7 @@ def offenders(packages: tuple[str, ...], forbidden: set[str]) -> list[str]:
 
 
 def test_pwformat_is_the_bottom_layer() -> None:
-    assert offenders(("pwformat",), {"pwrun", "pwcal", "pweval", "kernels"}) == []
+    assert offenders(("pwformat",), {"pwrun", "pwcal", "pweval", "pwkernels"}) == []
 
 
 def test_pwrun_imports_neither_pwcal_nor_pweval() -> None:
@@ -45,17 +45,17 @@ def test_pwcal_does_not_import_pweval() -> None:
 
 
 def test_kernels_are_leaves() -> None:
-    assert offenders(("kernels",), {"pwrun", "pwcal", "pweval", "bench"}) == []
+    assert offenders(("pwkernels",), {"pwrun", "pwcal", "pweval", "bench"}) == []
 
 
 def test_matplotlib_only_in_pweval() -> None:
-    assert offenders(("pwformat", "pwrun", "pwcal", "kernels", "tools", "bench"), {"matplotlib"}) == []
+    assert offenders(("pwformat", "pwrun", "pwcal", "pwkernels", "tools", "bench"), {"matplotlib"}) == []
 
 
 def test_http_stack_only_in_the_server() -> None:
     """FastAPI, uvicorn and prometheus_client stay in ``pwrun/serve`` (and its command, ``pwrun/cli_serve.py``)."""
     http = {"fastapi", "uvicorn", "starlette", "prometheus_client"}
-    found = [f for p in ("pwformat", "pwrun", "pwcal", "pweval", "kernels")
+    found = [f for p in ("pwformat", "pwrun", "pwcal", "pweval", "pwkernels")
              for f, names in imported_packages(p).items() if names & http]
     assert found and all(f.startswith("pwrun/serve/") for f in found), found
 

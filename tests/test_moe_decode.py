@@ -1,4 +1,4 @@
-"""The decode path (``kernels.moe.decode``, word-first GEMV kernels) and its layout helpers against the reference:
+"""The decode path (``pwkernels.moe.decode``, word-first GEMV kernels) and its layout helpers against the reference:
 ragged H and I, a random mix of q in one launch, top-k 1..8, token slots and sorted slots, chunks past 8 tokens,
 split-K over more programs than K steps, poisoned scratch buffers (interpreter on CPU, native on GPU)."""
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 from _moe_cases import BF, DECODE, DEV, FP, check, make
 
-import kernels.moe.decode as g
-from kernels.moe.decode import chunks, decode_partials
-from kernels.moe.dispatch import ap_moe
-from kernels.moe.launch import DecodeTile, parse_config
-from kernels.moe.layout import combine, padded_words, word_major
-from kernels.moe.ref import ap_moe_ref
+import pwkernels.moe.decode as g
+from pwkernels.moe.decode import chunks, decode_partials
+from pwkernels.moe.dispatch import ap_moe
+from pwkernels.moe.launch import DecodeTile, parse_config
+from pwkernels.moe.layout import combine, padded_words, word_major
+from pwkernels.moe.ref import ap_moe_ref
 
 
 @pytest.mark.parametrize(("t", "k", "e", "hidden", "inter", "dtype"),

@@ -1,10 +1,10 @@
-"""``kernels.moe.dispatch`` against the reference on every path (interpreter on CPU, native on GPU), and the
+"""``pwkernels.moe.dispatch`` against the reference on every path (interpreter on CPU, native on GPU), and the
 shipped launch configs.
 
 Fresh random inputs each run; ragged sizes (H, I not multiples of the tiles), experts with no token, all tokens on
 one expert, a token picking one expert twice, every q in 1..8, a random mix of q in one launch, several top-k,
 bf16 and fp16; scratch buffers are poisoned first so unwritten rows are caught; bits / LUT tables changed in place
-between calls are honoured; every bucket of ``kernels/configs/ap_moe.json`` parses to a path's typed config.
+between calls are honoured; every bucket of ``pwkernels/configs/ap_moe.json`` parses to a path's typed config.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import pytest
 import torch
 from _moe_cases import BF, DECODE, DEV, FP, PATHS, check, make
 
-import kernels.moe.decode as dec
-import kernels.moe.dispatch as am
-import kernels.moe.mid as mid
-import kernels.moe.prefill as pre
-from kernels.moe.dispatch import CONFIGS, ap_moe, ap_moe_block, ap_moe_shared, launch_config, pick_config
-from kernels.moe.experts import APExperts
-from kernels.moe.launch import DecodeConfig, DecodeTile, MidConfig, PrefillConfig, parse_config, to_json
-from kernels.moe.ref import ap_moe_ref
+import pwkernels.moe.decode as dec
+import pwkernels.moe.dispatch as am
+import pwkernels.moe.mid as mid
+import pwkernels.moe.prefill as pre
+from pwkernels.moe.dispatch import CONFIGS, ap_moe, ap_moe_block, ap_moe_shared, launch_config, pick_config
+from pwkernels.moe.experts import APExperts
+from pwkernels.moe.launch import DecodeConfig, DecodeTile, MidConfig, PrefillConfig, parse_config, to_json
+from pwkernels.moe.ref import ap_moe_ref
 
 ROUTING_CASES = [(1, 1, FP), (3, 2, BF), (3, 2, FP), (8, 4, BF), (33, 2, FP), (257, 2, BF)]
 
@@ -209,7 +209,7 @@ def test_routed_and_shared_block_on_chunked_word_first_path(monkeypatch: pytest.
 
 
 def test_pick_config_buckets_by_tokens() -> None:
-    """``kernels.config_buckets.pick_bucket`` behind ``pick_config``: the largest bound <= T wins, the first bucket
+    """``pwkernels.config_buckets.pick_bucket`` behind ``pick_config``: the largest bound <= T wins, the first bucket
     below every bound, untuned shapes take the default buckets, and an empty config is a bucket like any other."""
     table = {"default": [{"min_tokens": 1, "config": {"path": "decode"}}],
              "by_shape": {"8x4": [{"min_tokens": 2, "config": {"path": "prefill"}}, {"min_tokens": 5, "config": {}},
@@ -222,7 +222,7 @@ def test_pick_config_buckets_by_tokens() -> None:
 
 @pytest.mark.parametrize("shape", [*CONFIGS["by_shape"], "default"])
 def test_every_shipped_bucket_resolves_to_a_path(shape: str) -> None:
-    """Every bucket of ``kernels/configs/ap_moe.json`` parses to the typed config of an existing path (its JSON form
+    """Every bucket of ``pwkernels/configs/ap_moe.json`` parses to the typed config of an existing path (its JSON form
     round-trips), buckets ascend, and every token count of the shape resolves (past the last bucket too)."""
     rows = CONFIGS["default"] if shape == "default" else CONFIGS["by_shape"][shape]
     bounds = [r["min_tokens"] for r in rows]

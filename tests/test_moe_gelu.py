@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe.activation import gate_act_ref
-from kernels.moe.dispatch import ap_moe_block
-from kernels.moe.prefill import silu_mul, silu_mul_ref
-from kernels.moe.ref import ap_moe_ref
+from pwkernels.moe.activation import gate_act_ref
+from pwkernels.moe.dispatch import ap_moe_block
+from pwkernels.moe.prefill import silu_mul, silu_mul_ref
+from pwkernels.moe.ref import ap_moe_ref
 from tests._moe_cases import BF, DEV, PATHS, check, make
 
 

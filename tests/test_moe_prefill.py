@@ -1,4 +1,4 @@
-"""The AP MoE prefill path's elementwise kernels (``kernels.moe.prefill``) against their references, and the
+"""The AP MoE prefill path's elementwise kernels (``pwkernels.moe.prefill``) against their references, and the
 references against the eager math they replace (interpreter on CPU, native on GPU): odd widths, empty inputs,
 bf16 / fp16, k = 1..8, pairs in a random sorted order."""
 
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from _moe_cases import DEV, make
 
-from kernels.moe.dispatch import ap_moe
-from kernels.moe.prefill import dequant_blocks, gather_sum, gather_sum_ref, silu_mul, silu_mul_ref
-from kernels.moe.ref import ap_moe_ref
 from pwformat.ap import dequantize
+from pwkernels.moe.dispatch import ap_moe
+from pwkernels.moe.prefill import dequant_blocks, gather_sum, gather_sum_ref, silu_mul, silu_mul_ref
+from pwkernels.moe.ref import ap_moe_ref
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> None:

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.paged_attention as pa
-from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref, pick_num_splits
+import pwkernels.paged_attention as pa
+from pwkernels.paged_attention import paged_decode_attention, paged_decode_attention_ref, pick_num_splits
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF16, FP16 = torch.bfloat16, torch.float16

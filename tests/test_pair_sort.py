@@ -1,4 +1,4 @@
-"""``kernels.moe.pair_sort``: (token, slot) pairs sorted by expert in one launch vs ``torch.sort`` + ``searchsorted``
+"""``pwkernels.moe.pair_sort``: (token, slot) pairs sorted by expert in one launch vs ``torch.sort`` + ``searchsorted``
 (Triton's interpreter on CPU, native on GPU)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe.pair_sort import sort_pairs, sort_pairs_ref
+from pwkernels.moe.pair_sort import sort_pairs, sort_pairs_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

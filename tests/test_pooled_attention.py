@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import paged_decode_attention
 from pwformat.cost import kv_page_bytes
+from pwkernels.paged_attention import paged_decode_attention
 from pwrun.core.kv_blocks import BlockTables, PooledBlockAllocator
 from pwrun.core.pool import WEIGHT, PagePool, PoolConfig
 from pwrun.runner.kv_store import PooledKVCache

@@ -1,4 +1,4 @@
-"""kernels.moe.experts.random_experts: the random experts the warm-up compiles the decode kernels with (and the MoE
+"""pwkernels.moe.experts.random_experts: the random experts the warm-up compiles the decode kernels with (and the MoE
 kernel suite times) have the asked count, shapes and bitwidth, for counts other than a layer's top-k too."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe.experts import random_experts
+from pwkernels.moe.experts import random_experts
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

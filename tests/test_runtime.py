@@ -21,10 +21,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kernels.moe.experts import APExperts
-from kernels.moe.ref import ap_moe_ref
 from pwformat.ap import dequantize
 from pwformat.errors import PagedWeightError
+from pwkernels.moe.experts import APExperts
+from pwkernels.moe.ref import ap_moe_ref
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.dense import dense_model
 from pwrun.cli import app

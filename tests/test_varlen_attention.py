@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.varlen_attention import varlen_paged_attention, varlen_paged_attention_ref
+from pwkernels.varlen_attention import varlen_paged_attention, varlen_paged_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/conftest.py sets TRITON_INTERPRET
 

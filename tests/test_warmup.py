@@ -1,4 +1,4 @@
-"""Ahead-of-time compile of the decode MoE kernels (``kernels/warmup.py``): which token counts need their own
+"""Ahead-of-time compile of the decode MoE kernels (``pwkernels/warmup.py``): which token counts need their own
 compile, which expert shapes a model has, and on a GPU that the warmed kernels are the ones the decode step uses."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe.launch import parse_config
-from kernels.warmup import MoEShape, decode_token_counts, precompile_decode
+from pwkernels.moe.launch import parse_config
+from pwkernels.warmup import MoEShape, decode_token_counts, precompile_decode
 from pwrun.data import default_model_dir
 from pwrun.engine.build import moe_shapes
 from pwrun.model.loader import load_model
@@ -26,7 +26,7 @@ def test_decode_token_counts_cover_every_kernel_specialization() -> None:
     each chunk of 8 to a power of 2 (9 = 8 + 1, 10, 11 add chunks of 1, 2, 4 tokens), mid does not specialize; a
     bucket with its own config past 16 tokens adds the counts whose chunks it pads differently (17 = 8 + 8 + 1, 18,
     19)."""
-    from kernels.warmup import kernels_at
+    from pwkernels.warmup import kernels_at
 
     table = {"default": [{"min_tokens": 1, "config": dec(1)},
                          {"min_tokens": 2, "config": dec(2)},
@@ -40,7 +40,7 @@ def test_decode_token_counts_cover_every_kernel_specialization() -> None:
     one = {"default": [{"min_tokens": 1, "config": dec(1)}], "by_shape": {}}
     assert decode_token_counts(40, configs=one) == [1, 2, 3, 5]  # past 8 the chunks reuse those kernels
     # the counts launch exactly the specializations of the whole range
-    from kernels.moe.dispatch import launch_config
+    from pwkernels.moe.dispatch import launch_config
 
     def union(ts: list[int] | range) -> set:
         return set().union(*(kernels_at(t, launch_config(t, None, None, table)) for t in ts))
@@ -58,8 +58,8 @@ def test_step_token_limit_covers_every_step_a_mixed_batch_makes(shape: tuple[int
     to max_step_tokens: with max_step_tokens the warm-up counts launch every specialization of 1..2048 on the shipped
     configs (Mixtral, Qwen routed and shared, an untuned shape), including 5 for Mixtral; without it, decode
     counts only; never below max_batch, never above max_step_tokens."""
-    from kernels.moe.dispatch import launch_config
-    from kernels.warmup import kernels_at, step_token_limit
+    from pwkernels.moe.dispatch import launch_config
+    from pwkernels.warmup import kernels_at, step_token_limit
 
     h, i, k = shape
 
@@ -94,7 +94,7 @@ def test_sorted_slots_and_triton_int_specialization() -> None:
 def test_int_classes_follow_triton() -> None:
     """``triton_int_class`` agrees with Triton's own specialization of int arguments (where this Triton exposes
     it): the warm-up's keys must split token counts exactly where Triton compiles another kernel."""
-    from kernels.warmup import triton_int_class
+    from pwkernels.warmup import triton_int_class
 
     try:
         from triton._C.libtriton import native_specialize_impl
@@ -109,8 +109,8 @@ def test_int_classes_follow_triton() -> None:
 
 
 def union_shipped(ts: list[int] | range) -> set:
-    from kernels.moe.dispatch import launch_config
-    from kernels.warmup import kernels_at
+    from pwkernels.moe.dispatch import launch_config
+    from pwkernels.warmup import kernels_at
 
     return set().union(*(kernels_at(t, launch_config(t, 2048, 1408)) for t in ts))
 

@@ -1,4 +1,4 @@
-"""kernels/warmup: the decode GEMV warm-up covers every kernel specialization a linear meets in 1..max_batch
+"""pwkernels/warmup: the decode GEMV warm-up covers every kernel specialization a linear meets in 1..max_batch
 tokens with the fewest calls, compiles it on a small stand-in weight of the same Triton int class, and lists the
 linears a CUDA decode step runs (``pwrun.engine.build.linear_shapes``)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dense_gemv import CONFIGS
-from kernels.warmup import (
+from pwkernels.dense_gemv import CONFIGS
+from pwkernels.warmup import (
     LinearShape,
     gemv_key,
     linear_token_counts,
@@ -39,7 +39,7 @@ def test_token_counts_by_hand() -> None:
 def test_precompile_gemv_covers_mixed_steps_past_max_batch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Given max_step_tokens, the GEMV warm-up takes every count a step can hand a linear (the router up to its 16
     tokens at max_batch 4); without it, up to max_batch. The job list is read through a stand-in runner (no GPU)."""
-    import kernels.warmup as wg
+    import pwkernels.warmup as wg
 
     seen: list = []
     monkeypatch.setattr(wg, "compile_in_workers", lambda fn, jobs, done, workers, what: seen.append(jobs) or [])

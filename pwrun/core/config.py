@@ -21,7 +21,7 @@ class EngineConfig:
     where the kernels run; ``use_kernels``: run the Triton kernels (MoE, paged attention, fused ops) at all
     (None: on CUDA only; True on the CPU runs them in Triton's interpreter, for tests at tiny shapes);
     ``precompile_workers``: on CUDA, processes that compile the decode MoE kernels for 1..``max_batch`` tokens
-    before the page pool is allocated (``kernels/warmup.py``; -1: one per CPU core up to 8, 0: compile on first
+    before the page pool is allocated (``pwkernels/warmup.py``; -1: one per CPU core up to 8, 0: compile on first
     use); ``debug_checks``: assert page conservation and q_i <= resident planes after every step."""
 
     block_size: int = 16

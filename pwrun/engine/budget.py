@@ -84,7 +84,7 @@ def workspace_bytes(spec: ModelSpec, max_step_tokens: int, max_batch: int, max_c
     # CUDA prefill path of the fused MoE: every used expert of a layer dequantized to 16-bit at once; plus, always
     # reserved (whatever the configs pick), one shared expert dequantized inside the decode CUDA graphs' own memory
     # pool, for buckets that take the prefill path at decode sizes (Qwen1.5-MoE's shared expert at 9..16 tokens,
-    # kernels/configs/ap_moe.json)
+    # pwkernels/configs/ap_moe.json)
     dequant = max((m.num_experts * 3 * h * m.expert_intermediate + 3 * h * m.shared_intermediate for m in moes),
                   default=0) * elt + max((3 * h * m.shared_intermediate for m in moes), default=0) * elt
     return attention + moe + hidden + logits + (2 * cublas_workspace_bytes() + dequant if cuda else 0)

@@ -22,10 +22,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
 from pwformat.cost import block_pages, page_rounded_bytes
 from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwformat.tables import WRITTEN_BY
+from pwkernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.config import EngineConfig
 from pwrun.core.engine_core import EngineCore
@@ -223,7 +223,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
 
 def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
     """The distinct expert shapes of ``model``'s MoE layers (SPEC section 3's units, by shape), for
-    ``kernels.warmup.precompile_decode``; [] for a model without MoE layers."""
+    ``pwkernels.warmup.precompile_decode``; [] for a model without MoE layers."""
     spec = model.spec
     return list(dict.fromkeys(
         MoEShape(spec.hidden_size, ls.moe.expert_intermediate, ls.moe.top_k, ls.moe.shared_intermediate,
@@ -232,10 +232,10 @@ def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
 
 
 def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
-    """The distinct 16-bit linears a CUDA decode step runs through ``kernels.dense_gemv.linear`` (fused q/k/v, which
+    """The distinct 16-bit linears a CUDA decode step runs through ``pwkernels.dense_gemv.linear`` (fused q/k/v, which
     serving always builds (unfused projections take ``F.linear``); o_proj; the router, with the shared-expert gate
     as one more row where the layer has one, as ``ExpertStore`` fuses them; a sandwich layer's dense MLP; the LM
-    head), for ``kernels.warmup.precompile_gemv``."""
+    head), for ``pwkernels.warmup.precompile_gemv``."""
     dt = str(model.dtype).removeprefix("torch.")
     h = model.spec.hidden_size
     out = []

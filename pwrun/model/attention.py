@@ -5,8 +5,8 @@ paged KV cache, then for each sequence gathers its keys/values through its block
 attends causally (query at position p sees keys 0..p, or p - window + 1..p on a sliding-window layer,
 which gathers only the blocks its window covers: the older ones may have returned to the pool) with
 GQA. This is the reference twin of the Triton kernels a cache may offer: ``decode_attention``
-(``kernels/paged_attention.py``) for pure decode steps and ``varlen_attention``
-(``kernels/varlen_attention.py``) for any step, prompt chunks beside decodes (the runtime's pooled cache
+(``pwkernels/paged_attention.py``) for pure decode steps and ``varlen_attention``
+(``pwkernels/varlen_attention.py``) for any step, prompt chunks beside decodes (the runtime's pooled cache
 does where the kernels run). It does not allocate blocks.
 """
 
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.dense_gemv import linear
-from kernels.norm import rms_norm_ref
+from pwkernels.dense_gemv import linear
+from pwkernels.norm import rms_norm_ref
 from pwrun.model.ops import apply_rope, rms_unit, rope_cos_sin
 from pwrun.model.spec import AttentionSpec
 from pwrun.model.step import StepTensors
@@ -77,7 +77,7 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
 
     The step's keys/values are written to ``cache`` at ``step.slots`` before attending. ``fused``:
     RoPE and the KV write in one kernel where the cache offers ``write_rope``, and the decode GEMV of
-    ``kernels.dense_gemv`` for the projections of few tokens (CUDA runtime). With ``w.qkv`` (``fuse_qkv``)
+    ``pwkernels.dense_gemv`` for the projections of few tokens (CUDA runtime). With ``w.qkv`` (``fuse_qkv``)
     q, k and v come from one projection.
     """
     t = x.shape[0]

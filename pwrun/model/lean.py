@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.dense_gemv import linear
-from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm_ref
+from pwkernels.dense_gemv import linear
+from pwkernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm_ref
 from pwrun.model.attention import PagedKVCache, attention_forward
 from pwrun.model.moe import MoEObserver, mlp_forward, moe_forward, router_input
 from pwrun.model.ops import softcap

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.dense_gemv import linear
+from pwkernels.dense_gemv import linear
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.ops import act, rms_unit
 from pwrun.model.spec import MoESpec
@@ -58,7 +58,7 @@ def route(x: torch.Tensor, router: torch.Tensor, spec: MoESpec, expert_scale: to
 
 def mlp_forward(x: torch.Tensor, w: MLPWeights, activation: str = "silu", fused: bool = False) -> torch.Tensor:
     """Gated MLP: x [T, H] -> [T, H] with gate_up [2I, H], down [H, I] (SwiGLU, or GeGLU for ``gelu_tanh``);
-    ``fused``: the decode GEMV of ``kernels.dense_gemv`` for few tokens (CUDA runtime)."""
+    ``fused``: the decode GEMV of ``pwkernels.dense_gemv`` for few tokens (CUDA runtime)."""
     lin = linear if fused else F.linear
     gate, up = lin(x, w.gate_up).chunk(2, dim=-1)
     return lin(act(gate, activation) * up, w.down)

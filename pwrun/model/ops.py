@@ -1,4 +1,4 @@
-"""Rotary embeddings and small ops of the lean model (RMSNorm's eager math is ``kernels.norm.rms_norm_ref``).
+"""Rotary embeddings and small ops of the lean model (RMSNorm's eager math is ``pwkernels.norm.rms_norm_ref``).
 
 What it does: the exact math of the supported families (computed in fp32, cast back, as
 transformers does, so that parity holds): RoPE tables (full, or proportional partial RoPE), the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.rope_kv import rope_cos_sin_fp32
+from pwkernels.rope_kv import rope_cos_sin_fp32
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str,

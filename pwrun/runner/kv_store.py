@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.paged_attention import paged_decode_attention
-from kernels.rope_kv import rope_kv_write
-from kernels.varlen_attention import varlen_paged_attention
 from pwformat.kv_layout import KVLayout
+from pwkernels.paged_attention import paged_decode_attention
+from pwkernels.rope_kv import rope_kv_write
+from pwkernels.varlen_attention import varlen_paged_attention
 from pwrun.model.ops import rope_inv_freq
 from pwrun.model.step import StepTensors
 

@@ -14,11 +14,11 @@ from typing import Any, cast
 
 import torch
 
-from kernels.dense_gemv import linear
-from kernels.moe.dispatch import ap_moe, ap_moe_block
-from kernels.route_topk import accumulate_routing_stats, route_topk
 from pwformat.ap import dequantize
 from pwformat.layout import LUT_BYTES, words_per_row
+from pwkernels.dense_gemv import linear
+from pwkernels.moe.dispatch import ap_moe, ap_moe_block
+from pwkernels.route_topk import accumulate_routing_stats, route_topk
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.lean import LeanMoEModel

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.moe.experts import APExperts
 from pwformat.layout import LUT_BYTES
+from pwkernels.moe.experts import APExperts
 from pwrun.core.planner.tables import UNITS
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.model.inventory import SHARED_EXPERT

@@ -1,4 +1,4 @@
-"""Per-weight building blocks of the decode MoE kernels (Triton; used by ``kernels.moe.decode``).
+"""Per-weight building blocks of the decode MoE kernels (Triton; used by ``pwkernels.moe.decode``).
 
 At decode the cost is instructions per weight (SPEC section 7), so a thread keeps whole int32 plane words and
 makes the 32 weights of each itself: a bit-matrix transpose of the plane words gives 4-bit codes (q <= 4, from
@@ -15,9 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.moe.bit_transpose import _transpose4, _transpose8
-from kernels.moe.lut_shuffle import _lut, _shfl
-from kernels.moe.tile import _plane
+from pwkernels.moe.bit_transpose import _transpose4, _transpose8
+from pwkernels.moe.lut_shuffle import _lut, _shfl
+from pwkernels.moe.tile import _plane
 
 
 @triton.jit

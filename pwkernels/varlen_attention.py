@@ -5,7 +5,7 @@ What it computes: one step holds S sequences, sequence s running the n_s newest 
 ``query_start[s] .. query_start[s + 1] - 1`` of q [T, Hq, D] (already RoPE'd; their K/V already written).
 Query i of sequence s sits at position ``ctx_s - n_s + i`` and attends causally to positions 0 .. its own
 (``window`` > 0: only to the last ``window`` positions up to its own, a sliding-window layer), GQA as in
-``kernels.paged_attention`` (query head h reads kv head ``h // (Hq // Hkv)``). K and V are read through
+``pwkernels.paged_attention`` (query head h reads kv head ``h // (Hq // Hkv)``). K and V are read through
 per-sequence page tables (``k_tables`` / ``v_tables`` int32 [S, max_blocks]: the page of each KV block, pages
 [P, block_size, Hkv, D]; K and V may be the same tensor), never assumed contiguous. Every sequence of the step
 runs in one launch: no Python loop over sequences and no host synchronisation (the grid comes from host ints).

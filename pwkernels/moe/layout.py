@@ -1,4 +1,4 @@
-"""Layouts and glue of the word-first decode path (``kernels.moe.decode``; SPEC section 7).
+"""Layouts and glue of the word-first decode path (``pwkernels.moe.decode``; SPEC section 7).
 
 What it holds: the word-major activation layout the decode kernels read (``word_major``, ``padded_words``) and the
 one-launch sum of their fp32 partial outputs over split-K parts and top-k slots, of one or two expert sets, rounded
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rounding import round_to
+from pwkernels.rounding import round_to
 
 
 def padded_words(k: int, bkw: int, split: int = 1) -> int:

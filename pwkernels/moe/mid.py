@@ -2,7 +2,7 @@
 
 Per tile of BLOCK_M (token, slot) pairs of one expert (pairs sorted by expert, each expert's segment padded to
 BLOCK_M, as fused MoE kernels do) and BLOCK_N rows, a [BLOCK_N, BLOCK_K] weight tile is dequantized once in
-registers (``kernels.moe.tile.weight_tile``) and multiplied on tensor cores (``tl.dot``): act(gate) * up ->
+registers (``pwkernels.moe.tile.weight_tile``) and multiplied on tensor cores (``tl.dot``): act(gate) * up ->
 ``inter`` [T*k, I] in x's dtype, then down times the routing weight -> [T*k, H] fp32, summed over k by the
 launcher (deterministic, no atomics). The pair sort (``align_by_expert``) needs no host sync.
 """
@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.activation import check_activation, gate_act
-from kernels.moe.experts import APExperts
-from kernels.moe.launch import MidConfig
-from kernels.moe.tile import lut_rows, weight_tile
+from pwkernels.moe.activation import check_activation, gate_act
+from pwkernels.moe.experts import APExperts
+from pwkernels.moe.launch import MidConfig
+from pwkernels.moe.tile import lut_rows, weight_tile
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,  # intermediate columns per tile
     BLOCK_K: tl.constexpr,  # K step, a multiple of 32
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is exact
-    GELU: tl.constexpr,  # GELU-tanh gate activation instead of SiLU (``kernels.moe.activation``)
+    GELU: tl.constexpr,  # GELU-tanh gate activation instead of SiLU (``pwkernels.moe.activation``)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -140,7 +140,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 def mid_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
             cfg: MidConfig, activation: str = "silu") -> torch.Tensor:
-    """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``kernels.moe.dispatch``.
+    """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``pwkernels.moe.dispatch``.
 
     ``cfg``: the tile; ``activation``: ``silu`` or ``gelu_tanh``. Raises ``ValueError`` if x's rows are not
     contiguous.

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rounding import round_to
+from pwkernels.rounding import round_to
 
 
 def accumulate_routing_stats(mass: torch.Tensor, acc: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,

@@ -24,13 +24,13 @@ from typing import Any, TypeVar
 import torch
 import triton
 
-from kernels.dense_gemv import gemv, max_tokens
-from kernels.dense_gemv import pick_config as gemv_config
-from kernels.moe.activation import check_activation
-from kernels.moe.decode import launches
-from kernels.moe.dispatch import ap_moe, launch_config, shape_buckets
-from kernels.moe.experts import random_experts
-from kernels.moe.launch import DecodeConfig, LaunchConfig
+from pwkernels.dense_gemv import gemv, max_tokens
+from pwkernels.dense_gemv import pick_config as gemv_config
+from pwkernels.moe.activation import check_activation
+from pwkernels.moe.decode import launches
+from pwkernels.moe.dispatch import ap_moe, launch_config, shape_buckets
+from pwkernels.moe.experts import random_experts
+from pwkernels.moe.launch import DecodeConfig, LaunchConfig
 
 J = TypeVar("J")
 
@@ -67,12 +67,12 @@ def triton_int_class(v: int) -> int:
 def kernels_at(num_tokens: int, cfg: LaunchConfig, topk: int = 1) -> set[tuple[Any, int, int]]:
     """The kernel specializations a MoE call of ``num_tokens`` tokens (top-``topk`` routing) with config ``cfg``
     launches, as (config, constexpr token count, int class) keys: the decode path's token rules are its own
-    (``kernels.moe.decode.launches``; the other paths take no token constexpr, 0), the int class
+    (``pwkernels.moe.decode.launches``; the other paths take no token constexpr, 0), the int class
     (``triton_int_class``) that of the runtime count the kernels receive (T for the decode path, T * topk pairs
     for the others and for the decode path's pair sort with SLOTS)."""
     if isinstance(cfg, DecodeConfig):
         keys: set[tuple[Any, int, int]] = {(cfg, t_pad, triton_int_class(t)) for t_pad, t in launches(num_tokens, cfg)}
-        if cfg.SLOTS:  # the pair sort (``kernels.moe.pair_sort``) takes the T * topk pairs
+        if cfg.SLOTS:  # the pair sort (``pwkernels.moe.pair_sort``) takes the T * topk pairs
             keys.add(("pair_sort", 0, triton_int_class(num_tokens * topk)))
         return keys
     return {(cfg, 0, triton_int_class(num_tokens * topk))}
@@ -82,7 +82,7 @@ def decode_token_counts(max_batch: int, hidden: int | None = None, inter: int | 
                         configs: dict[str, Any] | None = None, topk: int = 1) -> list[int]:
     """The fewest token counts in 1..``max_batch`` whose decode MoE calls launch every kernel specialization that
     any count in that range launches (``kernels_at``), for experts of hidden size ``hidden`` and intermediate size
-    ``inter`` routing ``topk`` experts per token under ``configs`` (default: ``kernels/configs/ap_moe.json``; its
+    ``inter`` routing ``topk`` experts per token under ``configs`` (default: ``pwkernels/configs/ap_moe.json``; its
     buckets decide the path per count): the smallest count that needs a specialization stands for it."""
     return covering_counts(max_batch, lambda t: kernels_at(t, launch_config(t, hidden, inter, configs), topk))
 
@@ -209,9 +209,9 @@ class LinearShape:
 
 
 def gemv_key(t: int) -> tuple[int, int]:
-    """The specialization of ``kernels.dense_gemv._gemv_kernel`` that ``t`` tokens launch on a given weight:
+    """The specialization of ``pwkernels.dense_gemv._gemv_kernel`` that ``t`` tokens launch on a given weight:
     (T_PAD = the next power of 2 >= t, Triton int class of t)."""
-    return triton.next_power_of_2(t), triton_int_class(t)  # T_PAD as ``kernels.dense_gemv.gemv`` computes it
+    return triton.next_power_of_2(t), triton_int_class(t)  # T_PAD as ``pwkernels.dense_gemv.gemv`` computes it
 
 
 def linear_token_counts(shape: LinearShape, max_batch: int) -> list[int]:
@@ -222,7 +222,7 @@ def linear_token_counts(shape: LinearShape, max_batch: int) -> list[int]:
 
 def stand_in_rows(n: int) -> int:
     """Rows of a weight that compiles the same kernel as ``n`` rows (same ``triton_int_class``; the row count is a
-    runtime argument, the tile comes from ``kernels.dense_gemv.pick_config(n, K)``): 1, 16 or 17, never more than
+    runtime argument, the tile comes from ``pwkernels.dense_gemv.pick_config(n, K)``): 1, 16 or 17, never more than
     needed."""
     return {1: 1, 16: 16}.get(triton_int_class(n), 17 if n > 17 else n)
 

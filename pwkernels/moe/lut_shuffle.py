@@ -2,7 +2,7 @@
 
 What it does: ``_lut`` loads the first 16 or 32 entries of R rows' LUTs as an fp32 [LE, R] tile, one entry per
 lane; ``_shfl`` fetches entry ``idx`` of each element's row from the lane that holds it with one
-``shfl.sync.idx`` (inline PTX, NVIDIA only). ``kernels.moe.decode_dot`` looks codes up this way for q <= 5 instead
+``shfl.sync.idx`` (inline PTX, NVIDIA only). ``pwkernels.moe.decode_dot`` looks codes up this way for q <= 5 instead
 of loading each weight from its LUT (SPEC section 7: the decode cost is instructions per weight).
 """
 

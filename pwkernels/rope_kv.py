@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rounding import round_to
+from pwkernels.rounding import round_to
 
 
 def rope_cos_sin_fp32(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

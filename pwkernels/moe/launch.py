@@ -1,4 +1,4 @@
-"""Typed launch configs of the MoE paths, and their JSON form in ``kernels/configs/ap_moe.json``.
+"""Typed launch configs of the MoE paths, and their JSON form in ``pwkernels/configs/ap_moe.json``.
 
 The JSON holds, per expert shape "HxI" (``by_shape``, tuned on a GPU) or ``default``, buckets by token count
 ``{"min_tokens": T, "config": {...}}``; the largest ``min_tokens`` <= T wins. A config names its ``path``

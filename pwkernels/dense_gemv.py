@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.rounding import round_to
+from pwkernels.rounding import round_to
 
 MAX_TOKENS = 16  # the kernel keeps one accumulator row per token, up to this many
 # tiles {BLOCK_N, BLOCK_K, num_warps}: "default", "small_n" (N < SMALL_N rows: routers) and "by_shape" ("NxK"),
@@ -119,7 +119,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("x, weight and bias must be on one device")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("gemv runs on a CUDA device (or in Triton's interpreter: TRITON_INTERPRET=1); "
-                         "use kernels.dense_gemv.linear, which falls back to F.linear")
+                         "use pwkernels.dense_gemv.linear, which falls back to F.linear")
     cfg = config or pick_config(n, k)
     if not all(isinstance(cfg.get(key), int) and cfg[key] > 0 and cfg[key] & (cfg[key] - 1) == 0
                for key in ("BLOCK_N", "BLOCK_K")):

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe.activation import gate_act_ref
-from kernels.moe.experts import APExperts
 from pwformat.ap import dequantize
+from pwkernels.moe.activation import gate_act_ref
+from pwkernels.moe.experts import APExperts
 
 
 def ap_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
                activation: str = "silu") -> torch.Tensor:
     """Reference MoE output y [T, H] (x's dtype) from x [T, H], topk_ids/topk_w [T, k]; ``activation`` of the gate
-    half (``kernels.moe.activation``)."""
+    half (``pwkernels.moe.activation``)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rounding import round_to
+from pwkernels.rounding import round_to
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

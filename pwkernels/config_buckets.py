@@ -1,8 +1,8 @@
-"""Launch configs bucketed by a size (tokens, sequences), as ``kernels/configs/*.json`` store them.
+"""Launch configs bucketed by a size (tokens, sequences), as ``pwkernels/configs/*.json`` store them.
 
 What it does: ``pick_bucket`` returns the config of the bucket whose lower bound is the largest one <= the size
 (the first bucket's below all bounds), for every kernel that keeps tuned configs as such buckets
-(``kernels.moe.dispatch`` by tokens, ``kernels.paged_attention`` by sequences). It does not read files or
+(``pwkernels.moe.dispatch`` by tokens, ``pwkernels.paged_attention`` by sequences). It does not read files or
 merge defaults.
 """
 

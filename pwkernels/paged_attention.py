@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.config_buckets import pick_bucket
+from pwkernels.config_buckets import pick_bucket
 
-# Launch configs as data (``kernels/configs/paged_attention.json``): "default", and per "HqxHkvxD" shape a list of
+# Launch configs as data (``pwkernels/configs/paged_attention.json``): "default", and per "HqxHkvxD" shape a list of
 # buckets by batch size (the largest ``min_seqs`` <= S wins), tuned on a GPU. Keys: BLOCK_N (key positions per
 # loop iteration), num_warps, DOT (1: q.K^T and p.V on tensor cores with the group's query heads padded to 16
 # rows; 0: fp32 broadcast products, no padding: for MHA, where 15 of the 16 rows would be padding),

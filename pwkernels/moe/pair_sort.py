@@ -3,7 +3,7 @@ routing-aware batching at decode).
 
 What it does: for the expert ids of P pairs (``topk_ids`` flattened, [P] integer), returns ``sorted_ids`` [P] (the
 ids in ascending order, ties in pair order: a stable sort), ``order`` [P] int32 (sorted position -> pair) and
-``seg`` [P] int32 (sorted position -> first position of its expert's run), what ``kernels.moe.decode`` reads.
+``seg`` [P] int32 (sorted position -> first position of its expert's run), what ``pwkernels.moe.decode`` reads.
 
 Why a kernel: ``torch.sort`` followed by ``torch.searchsorted`` is two or more launches per MoE call; at decode
 (P = 4..512) a call's routed layer takes ~20-100 us on an H200, so each launch of ~2 us counts. Here one launch

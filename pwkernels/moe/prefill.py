@@ -17,11 +17,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.moe.activation import check_activation, gate_act, gate_act_ref
-from kernels.moe.experts import APExperts
-from kernels.moe.launch import PrefillConfig
-from kernels.moe.tile import lut_rows, weight_tile
-from kernels.rounding import round_to
+from pwkernels.moe.activation import check_activation, gate_act, gate_act_ref
+from pwkernels.moe.experts import APExperts
+from pwkernels.moe.launch import PrefillConfig
+from pwkernels.moe.tile import lut_rows, weight_tile
+from pwkernels.rounding import round_to
 
 
 def silu_mul_ref(h: torch.Tensor, scale: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
@@ -177,7 +177,7 @@ def dequant_blocks(experts: APExperts, blocks: torch.Tensor, unit: str, dtype: t
 
 def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
                 cfg: PrefillConfig, activation: str = "silu") -> torch.Tensor:
-    """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``kernels.moe.dispatch``.
+    """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``pwkernels.moe.dispatch``.
 
     One grouped GEMM per unit over the expert-sorted pairs (experts without tokens get an empty group); where
     ``torch._grouped_mm`` is unavailable, a per-expert loop. A single expert with k = 1 (a shared expert) skips

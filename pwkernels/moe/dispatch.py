@@ -1,12 +1,12 @@
 """The AP MoE entry points: pick a path and its launch config by token count and expert shape, then launch.
 
-``ap_moe`` computes ``kernels.moe.ref.ap_moe_ref`` (SPEC section 7) on one of three paths, chosen per call from
-the tuned buckets of ``kernels/configs/ap_moe.json`` (``kernels.moe.launch``: by expert shape "HxI", else the
+``ap_moe`` computes ``pwkernels.moe.ref.ap_moe_ref`` (SPEC section 7) on one of three paths, chosen per call from
+the tuned buckets of ``pwkernels/configs/ap_moe.json`` (``pwkernels.moe.launch``: by expert shape "HxI", else the
 default buckets; the largest ``min_tokens`` <= T wins):
-  * ``decode`` (``kernels.moe.decode``): word-first GEMV kernels, a few tokens per expert;
-  * ``mid`` (``kernels.moe.mid``): dequantized tiles into tensor cores, tens of tokens;
-  * ``prefill`` (``kernels.moe.prefill``): dequantize used experts once, then grouped GEMMs.
-Experts are SwiGLU or GeGLU (``activation``, ``kernels.moe.activation``). ``ap_moe_block`` adds a layer's
+  * ``decode`` (``pwkernels.moe.decode``): word-first GEMV kernels, a few tokens per expert;
+  * ``mid`` (``pwkernels.moe.mid``): dequantized tiles into tensor cores, tens of tokens;
+  * ``prefill`` (``pwkernels.moe.prefill``): dequantize used experts once, then grouped GEMMs.
+Experts are SwiGLU or GeGLU (``activation``, ``pwkernels.moe.activation``). ``ap_moe_block`` adds a layer's
 shared expert as an always-selected expert; on the decode path both sets of partial outputs are summed and
 rounded once in one launch. Only this module checks inputs.
 """
@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from kernels.config_buckets import pick_bucket
-from kernels.moe.decode import decode_moe, decode_partials
-from kernels.moe.experts import APExperts
-from kernels.moe.launch import DecodeConfig, LaunchConfig, MidConfig, PrefillConfig, parse_config
-from kernels.moe.layout import combine
-from kernels.moe.mid import mid_moe
-from kernels.moe.prefill import prefill_moe
+from pwkernels.config_buckets import pick_bucket
+from pwkernels.moe.decode import decode_moe, decode_partials
+from pwkernels.moe.experts import APExperts
+from pwkernels.moe.launch import DecodeConfig, LaunchConfig, MidConfig, PrefillConfig, parse_config
+from pwkernels.moe.layout import combine
+from pwkernels.moe.mid import mid_moe
+from pwkernels.moe.prefill import prefill_moe
 
 CONFIGS = json.loads((Path(__file__).parent.parent / "configs" / "ap_moe.json").read_text())  # JSON form
 

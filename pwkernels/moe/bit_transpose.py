@@ -2,7 +2,7 @@
 
 What it does: ``_transpose4`` / ``_transpose8`` turn the 4 / 8 plane words of 32 columns (``pwformat.ap``:
 one bit of each column per plane word) into words of 4-bit / 8-bit codes, by delta swaps (Hacker's Delight 7-3).
-``kernels.moe.decode_dot`` builds its codes with them (SPEC section 7: at decode the cost is instructions per
+``pwkernels.moe.decode_dot`` builds its codes with them (SPEC section 7: at decode the cost is instructions per
 weight; 4 / 12 swaps per 32 codes instead of 2 ops per plane per 4 codes when merging plane by plane).
 """
 

@@ -2,13 +2,13 @@
 
 Two launches with no host sync: gate_up with SiLU-and-mul (or GELU-tanh), writing the intermediate word-major,
 then down with split-K and the routing weight, writing fp32 partials [SPLIT, T, k, H] that
-``kernels.moe.layout.combine`` sums and rounds once. Activations are word-major
-(``kernels.moe.layout.word_major``) and padded to whole K steps, so the lanes (one plane word each) read them
-unmasked at constant offsets; weights come from ``kernels.moe.decode_dot``.
+``pwkernels.moe.layout.combine`` sums and rounds once. Activations are word-major
+(``pwkernels.moe.layout.word_major``) and padded to whole K steps, so the lanes (one plane word each) read them
+unmasked at constant offsets; weights come from ``pwkernels.moe.decode_dot``.
 Two ways to map (token, slot) pairs to programs:
   * token slots (``SLOTS`` 0): the program of an expert's first pair does the expert's work for all its tokens
     (at most 8 per launch; more run as chunks of 8, each reading its experts again);
-  * sorted slots (``SLOTS`` = S in 1, 2, 4, 8): pairs sorted by expert on the device (``kernels.moe.pair_sort``),
+  * sorted slots (``SLOTS`` = S in 1, 2, 4, 8): pairs sorted by expert on the device (``pwkernels.moe.pair_sort``),
     S consecutive pairs of one expert per program, any number of tokens in one launch; each weight is decoded
     once per S pairs, which wins when a batch's tokens spread over many experts.
 Bitwidths are read from the tables at every call, so a runtime may change them in place between calls.
@@ -20,12 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.activation import check_activation, gate_act
-from kernels.moe.decode_dot import _dot_block
-from kernels.moe.experts import APExperts
-from kernels.moe.launch import DecodeConfig, DecodeTile
-from kernels.moe.layout import combine, padded_words, word_major
-from kernels.moe.pair_sort import _slots_of, sort_pairs
+from pwkernels.moe.activation import check_activation, gate_act
+from pwkernels.moe.decode_dot import _dot_block
+from pwkernels.moe.experts import APExperts
+from pwkernels.moe.launch import DecodeConfig, DecodeTile
+from pwkernels.moe.layout import combine, padded_words, word_major
+from pwkernels.moe.pair_sort import _slots_of, sort_pairs
 
 MAX_TOKENS = 8  # token slots: one [BKW, R] accumulator per token
 
@@ -93,7 +93,7 @@ def _decode_gate_up_kernel(
     KWX: tl.constexpr,  # words of an x row (ceil(H / 32) rounded up to a multiple of BKW)
     KWO: tl.constexpr,  # words of an inter row (down's KWX)
     PAD_O: tl.constexpr,  # power of 2 >= 32 * KWO - I: inter columns the first program of a pair zeroes
-    GELU: tl.constexpr,  # GELU-tanh gate activation instead of SiLU (``kernels.moe.activation``)
+    GELU: tl.constexpr,  # GELU-tanh gate activation instead of SiLU (``pwkernels.moe.activation``)
 ):
     if SORTED:
         e, lead, active, row, tok = _slots_of(ids_ptr, order_ptr, seg_ptr, tl.program_id(0), T * TOPK, TOPK, T_PAD)
@@ -187,18 +187,18 @@ def decode_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
                     cfg: DecodeConfig, xw: torch.Tensor | None = None, activation: str = "silu"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing-weighted partial outputs [SPLIT, T, k, H] fp32 of T tokens x [T, H] (ids/weights [T, k],
-    checked by ``kernels.moe.dispatch``), and the word-major activations [T, 32, KWX] they were computed from
+    checked by ``pwkernels.moe.dispatch``), and the word-major activations [T, 32, KWX] they were computed from
     (``xw``: reuse them, e.g. for the shared expert of the same x, when the gate_up tiles give the same KWX).
 
-    ``cfg``: the gate_up and down tiles and SLOTS (``kernels.moe.launch.DecodeConfig``). The word counts of the
+    ``cfg``: the gate_up and down tiles and SLOTS (``pwkernels.moe.launch.DecodeConfig``). The word counts of the
     padded activation rows are compile-time constants, so each (H, I) compiles its own kernels.
     More than 8 tokens run as chunks of 8 (the last one holds the rest), one launch pair each, with their partials
     concatenated along T: an expert used in several chunks is read once per chunk (``chunks``).
     ``cfg.SLOTS`` = S > 0 selects the sorted-slots mode instead, for any T in one launch pair: the (token, slot)
-    pairs are sorted by expert on the device (``kernels.moe.pair_sort``: one launch, no host sync) and each
+    pairs are sorted by expert on the device (``pwkernels.moe.pair_sort``: one launch, no host sync) and each
     program does S consecutive pairs of one expert (``_slots_of``), so an expert with c tokens is read ceil(c / S)
     times and each weight feeds S token slots, not T_PAD (most routed experts get 1-2 of a batch's tokens).
-    ``activation``: of the gate half, ``silu`` or ``gelu_tanh`` (``kernels.moe.activation``).
+    ``activation``: of the gate half, ``silu`` or ``gelu_tanh`` (``pwkernels.moe.activation``).
     """
     ex = experts
     t, k = topk_ids.shape
@@ -244,7 +244,7 @@ def chunks(num_tokens: int) -> list[tuple[int, int]]:
 
 def launches(num_tokens: int, cfg: DecodeConfig) -> list[tuple[int, int]]:
     """(T_PAD, T) of each launch pair the decode kernels of config ``cfg`` make for ``num_tokens`` tokens: T_PAD is
-    a constexpr, T the runtime token count passed (Triton specializes on it too: ``kernels.warmup``). In the
+    a constexpr, T the runtime token count passed (Triton specializes on it too: ``pwkernels.warmup``). In the
     sorted-slots mode one pair (SLOTS, T); else one per chunk of ``chunks``, its tokens padded to a power of 2."""
     if cfg.SLOTS:
         return [(cfg.SLOTS, num_tokens)]
@@ -267,5 +267,5 @@ def _chunked_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Ten
 def decode_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
                cfg: DecodeConfig, activation: str = "silu") -> torch.Tensor:
     """MoE output y [T, H] in x's dtype for tokens x [T, H] and ids / weights [T, k] (checked by
-    ``kernels.moe.dispatch``); ``cfg``, ``activation`` and errors as in ``decode_partials``."""
+    ``pwkernels.moe.dispatch``); ``cfg``, ``activation`` and errors as in ``decode_partials``."""
     return combine(decode_partials(x, topk_ids, topk_w, experts, cfg, activation=activation)[0], None, x.dtype)
