@@ -7,6 +7,9 @@ Layout (never assumed contiguous, so a runtime can place and move every plane in
     starting at element ``lut_offset[i]``.
   * ``bits`` int32 [2E]: committed q_i in 1..8. Block ids: gate_up [2I, H] of expert e = 2e, down [H, I] = 2e + 1.
     Planes q_i..7 of block i are never read.
+
+``DenseExperts`` is the 16-bit counterpart (``pwkernels.moe.dense``): ``pool`` bf16/fp16 [P] holds each block's
+row-major weight starting at element ``offset[i]`` (same block ids), again never assumed contiguous.
 """
 
 from __future__ import annotations
@@ -90,3 +93,47 @@ def random_experts(hidden: int, inter: int, n: int, q: int = 4, dtype: torch.dty
         codes.append(torch.randint(-2**31, 2**31 - 1, (8, rows, -(-k // 32)), dtype=torch.int32, device=device))
         luts.append({q: torch.randn(rows, 2**q, device=device) * 0.01})
     return build_experts(codes, luts, [q] * (2 * n), hidden, inter, dtype, device)
+
+
+@dataclass(frozen=True)
+class DenseExperts:
+    """Table-addressed 16-bit weights of E experts: block i ([2I, H] gate_up for i = 2e, [H, I] down for i = 2e + 1),
+    row-major, starts at element ``offset[i]`` of ``pool``; ``inter`` is I, ``hidden`` is H."""
+
+    pool: torch.Tensor  # bf16/fp16 [P] (any float dtype for the reference)
+    offset: torch.Tensor  # int64 [2E] element offsets
+    hidden: int
+    inter: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.offset.numel() // 2
+
+    def block(self, i: int) -> torch.Tensor:
+        """The weight [N, K] of block i, a view of the pool (host sync: reads its offset)."""
+        n, k = (2 * self.inter, self.hidden) if i % 2 == 0 else (self.hidden, self.inter)
+        o = int(self.offset[i])
+        return self.pool[o:o + n * k].view(n, k)
+
+
+def build_dense_experts(weights: list[torch.Tensor], hidden: int, inter: int, dtype: torch.dtype,
+                        device: torch.device | str = "cpu", shuffle_seed: int | None = None) -> DenseExperts:
+    """Lay out blocks ``weights`` (2 per expert: gate_up [2I, H], down [H, I]) in one pool of ``dtype``.
+
+    With ``shuffle_seed`` the blocks land in a random order with gaps (filled with NaN: a kernel that reads outside
+    its block fails the comparison), to exercise table addressing."""
+    order = list(range(len(weights)))
+    if shuffle_seed is not None:
+        g = torch.Generator().manual_seed(shuffle_seed)
+        order = torch.randperm(len(weights), generator=g).tolist()
+    gap = 5 if shuffle_seed is not None else 0
+    offset = [0] * len(weights)
+    chunks, pos = [], 0
+    for i in order:
+        chunks.append(torch.full((gap,), float("nan"), dtype=dtype, device=device))
+        pos += gap
+        offset[i] = pos
+        chunks.append(weights[i].to(device=device, dtype=dtype).flatten())
+        pos += weights[i].numel()
+    return DenseExperts(pool=torch.cat(chunks), offset=torch.tensor(offset, dtype=torch.int64, device=device),
+                        hidden=hidden, inter=inter)

@@ -4,6 +4,8 @@ The JSON holds, per expert shape "HxI" (``by_shape``, tuned on a GPU) or ``defau
 ``{"min_tokens": T, "config": {...}}``; the largest ``min_tokens`` <= T wins. A config names its ``path``
 (decode | mid | prefill) and that path's tiles; ``parse_config`` turns it into the dataclass below and refuses
 unknown paths, unknown keys and bad values, so a typo in a tuned file fails at import, not on the GPU.
+``DenseMoEConfig`` is the 16-bit experts' config (``pwkernels.moe.dense``): a GEMV tile, a grouped-GEMM tile and
+the token count where one gives way to the other.
 """
 
 from __future__ import annotations
@@ -88,6 +90,64 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         _positive(self, "BLOCK_N", "BLOCK_K", "num_warps")
         _block_k(self)
+
+
+def _powers_of_two(owner: object, *names: str) -> None:
+    for name in names:
+        v = getattr(owner, name)
+        if v & (v - 1):
+            raise ValueError(f"{type(owner).__name__}.{name} must be a power of 2, got {v}")
+
+
+@dataclass(frozen=True)
+class DenseGemvTile:
+    """16-bit experts, few tokens: one program per (pair, BLOCK_N rows), K steps of BLOCK_K columns (powers of 2)."""
+
+    BLOCK_N: int = 32
+    BLOCK_K: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        _positive(self, "BLOCK_N", "BLOCK_K", "num_warps")
+        _powers_of_two(self, "BLOCK_N", "BLOCK_K")
+
+
+@dataclass(frozen=True)
+class DenseGemmTile:
+    """16-bit experts, many tokens: BLOCK_M pairs of one expert x BLOCK_N rows per tile on tensor cores, K steps of
+    BLOCK_K (powers of 2, each >= 16 for ``tl.dot``)."""
+
+    BLOCK_M: int = 16
+    BLOCK_N: int = 64
+    BLOCK_K: int = 64
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        _positive(self, "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")
+        _powers_of_two(self, "BLOCK_M", "BLOCK_N", "BLOCK_K")
+        if min(self.BLOCK_M, self.BLOCK_N, self.BLOCK_K) < 16:
+            raise ValueError(f"DenseGemmTile sides must be >= 16 (tl.dot), got {self}")
+
+
+@dataclass(frozen=True)
+class DenseMoEConfig:
+    """The 16-bit MoE paths: ``gemv`` up to ``max_gemv_tokens`` tokens, ``gemm`` above.
+
+    Defaults, not tuned: no GPU has timed these kernels yet. They follow the AP paths' shipped defaults (decode
+    GEMV up to a handful of tokens, 16 x 64 x 64 tiles for the grouped GEMM); a tuning run should replace them
+    per expert shape, as ``configs/ap_moe.json`` does for the AP kernels."""
+
+    gemv: DenseGemvTile = DenseGemvTile()
+    gemm: DenseGemmTile = DenseGemmTile()
+    max_gemv_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        if type(self.max_gemv_tokens) is not int or self.max_gemv_tokens < 0:
+            raise ValueError(f"max_gemv_tokens must be an integer >= 0, got {self.max_gemv_tokens!r}")
+
+    def pick(self, num_tokens: int) -> DenseGemvTile | DenseGemmTile:
+        """The tile of the path that runs ``num_tokens`` tokens."""
+        return self.gemv if num_tokens <= self.max_gemv_tokens else self.gemm
 
 
 LaunchConfig = DecodeConfig | MidConfig | PrefillConfig

@@ -1,0 +1,90 @@
+"""The 16-bit MoE kernels (``pwkernels.moe.dense``) against their reference twin (``dense_moe_ref``): both paths
+(GEMV, grouped GEMM) on ragged token counts, random routings with experts that get no token, blocks laid out in
+shuffled order with NaN gaps between them, bf16 and fp16, SiLU and GELU-tanh, H and I not multiples of the tiles,
+rows of x strided; in Triton's interpreter on the CPU and natively on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pwkernels.moe.dense import dense_moe
+from pwkernels.moe.experts import DenseExperts, build_dense_experts
+from pwkernels.moe.launch import DenseGemmTile, DenseGemvTile, DenseMoEConfig
+from pwkernels.moe.ref import dense_moe_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/conftest.py sets TRITON_INTERPRET
+HIDDEN, INTER = 72, 40  # neither a multiple of the tiles below
+GEMV = DenseGemvTile(BLOCK_N=16, BLOCK_K=32)
+GEMM = DenseGemmTile(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
+
+
+def _experts(e: int, dtype: torch.dtype, seed: int) -> DenseExperts:
+    g = torch.Generator().manual_seed(seed)
+    blocks = [torch.randn(*((2 * INTER, HIDDEN) if i % 2 == 0 else (HIDDEN, INTER)), generator=g)
+              * (HIDDEN if i % 2 == 0 else INTER) ** -0.5 for i in range(2 * e)]
+    return build_dense_experts(blocks, HIDDEN, INTER, dtype, DEV, shuffle_seed=seed)
+
+
+def _check(t: int, k: int, e: int, dtype: torch.dtype, activation: str, tile: DenseGemvTile | DenseGemmTile,
+           seed: int) -> None:
+    ex = _experts(e, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    wide = torch.randn(t, HIDDEN + 8, generator=g).to(dtype).to(DEV)
+    x = wide[:, 3:3 + HIDDEN]  # rows HIDDEN + 8 apart, as a slice of a fused buffer would be
+    # experts 0..e-2 only: the last one gets no token; at few tokens most others get none either
+    ids = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)]).to(DEV)
+    w = torch.rand(t, k, generator=g).to(DEV)
+    got = dense_moe(x, ids.to(torch.int32), w, ex, tile, activation).float()
+    ref = dense_moe_ref(x, ids, w, ex, activation).float()
+    assert got.shape == (t, HIDDEN) and torch.isfinite(got).all()
+    err = (got - ref).abs().max().item()
+    scale = ref.abs().max().item() + 1e-6
+    tol = (2**-7 if dtype == torch.bfloat16 else 2**-10) * 4  # a few ulps of the output scale
+    assert err <= tol * scale, f"max err {err:.3e} vs scale {scale:.3e}"
+
+
+CASES = [(torch.bfloat16, "silu"), (torch.float16, "gelu_tanh")]
+
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize(("dtype", "activation"), CASES)
+def test_gemv_path_equals_reference(t: int, dtype: torch.dtype, activation: str) -> None:
+    _check(t, 2, 5, dtype, activation, GEMV, seed=t)
+
+
+@pytest.mark.parametrize("t", [1, 17, 70])
+@pytest.mark.parametrize(("dtype", "activation"), CASES)
+def test_grouped_gemm_path_equals_reference(t: int, dtype: torch.dtype, activation: str) -> None:
+    """At 70 tokens x top-3 of 6, most experts hold more than one 16-pair tile; expert 5 holds none."""
+    _check(t, 3, 6, dtype, activation, GEMM, seed=100 + t)
+
+
+def test_config_picks_the_path_by_token_count() -> None:
+    cfg = DenseMoEConfig(gemv=GEMV, gemm=GEMM, max_gemv_tokens=4)
+    assert cfg.pick(1) is GEMV and cfg.pick(4) is GEMV and cfg.pick(5) is GEMM
+    ex = _experts(3, torch.bfloat16, 7)
+    x = torch.randn(5, HIDDEN).to(torch.bfloat16).to(DEV)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]], device=DEV)
+    w = torch.rand(5, 2).to(DEV)
+    want = dense_moe_ref(x, ids, w, ex)
+    for n in (1, 5):  # the first n tokens: the GEMV path, then the GEMM path
+        got = dense_moe(x[:n], ids[:n], w[:n], ex, cfg)
+        assert (got.float() - want[:n].float()).abs().max() <= 2**-5 * want.float().abs().max()
+    assert dense_moe(x[:0], ids[:0], w[:0], ex).shape == (0, HIDDEN)
+
+
+def test_bad_inputs_and_configs_are_refused() -> None:
+    ex = _experts(3, torch.bfloat16, 3)
+    x = torch.randn(2, HIDDEN).to(DEV)
+    ids, w = torch.zeros(2, 1, dtype=torch.int64, device=DEV), torch.ones(2, 1, device=DEV)
+    with pytest.raises(ValueError, match="16-bit dtype"):
+        dense_moe(x, ids, w, ex)  # fp32 activations
+    with pytest.raises(ValueError, match=r"\[T, 72\]"):
+        dense_moe(x[:, :10].to(torch.bfloat16), ids, w, ex)
+    with pytest.raises(ValueError, match="activation"):
+        dense_moe(x.to(torch.bfloat16), ids, w, ex, activation="relu")
+    for bad in (lambda: DenseGemvTile(BLOCK_N=24), lambda: DenseGemmTile(BLOCK_M=8),
+                lambda: DenseMoEConfig(max_gemv_tokens=-1)):
+        with pytest.raises(ValueError):
+            bad()
