@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -40,14 +40,16 @@ from pwrun.cli_common import (
     warn_missing_tables,
 )
 from pwrun.cli_serve import serve
+from pwrun.core.arrivals import ArrivalSchedule, read_trace_arrivals
 from pwrun.core.config import CPU_MAX_BATCH, CPU_STEP_TOKENS, GPU_MAX_BATCH, GPU_STEP_TOKENS, EngineConfig
+from pwrun.core.latency import SLO
 from pwrun.core.policy import Policy
 from pwrun.core.request import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 from pwrun.data import document_prompts, read_jsonl_field, read_text
 from pwrun.engine.budget import parse_size
 from pwrun.engine.build import ServeConfig
-from pwrun.engine.report import format_summary
-from pwrun.generate import encode_prompts, serve_prompts
+from pwrun.engine.report import format_latency, format_summary
+from pwrun.generate import Generation, encode_prompts, serve_prompts
 from pwrun.generate import generate as run_generate
 from pwrun.model.loader import load_model, load_spec, load_tokenizer, resolve_device
 from pwrun.ppl import perplexity
@@ -67,6 +69,21 @@ def _read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise PagedWeightError(f"{path} holds no prompts (one JSON object with a 'prompt' field per line)")
     return prompts
+
+
+def _arrivals(prompts: Path | None, count: int, rate: float, seed: int) -> ArrivalSchedule:
+    """Request i's arrival: the ``arrival_s`` of line i of the prompts file if it has them, else Poisson at
+    ``rate`` requests/s from ``seed`` (inf: all at t=0). Raises ``PagedWeightError`` on a bad rate or time, or on
+    both a finite rate and a file with times."""
+    if math.isnan(rate) or rate <= 0:
+        raise PagedWeightError(f"--request-rate {rate} is not allowed: give requests/s > 0, or inf (all at t=0)")
+    times = None if prompts is None else read_trace_arrivals(prompts)
+    if times is None:
+        return ArrivalSchedule.poisson(count, rate, seed)
+    if not math.isinf(rate):
+        raise PagedWeightError(f"{prompts} gives each request an 'arrival_s': drop --request-rate {rate:g}, or the "
+                               "arrival times from the file")
+    return ArrivalSchedule.from_times(times)
 
 
 @contextmanager
@@ -92,10 +109,8 @@ def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | N
         yield update
 
 
-def _write_results(results: list[Any], output: Path | None) -> None:
-    lines = "".join(json.dumps({"prompt": r.prompt, "text": r.text, "prompt_tokens": r.prompt_tokens,
-                                "new_tokens": r.new_tokens, "finish_reason": r.finish_reason}) + "\n"
-                    for r in results)
+def _write_results(results: list[Generation], output: Path | None) -> None:
+    lines = "".join(json.dumps(r.record()) + "\n" for r in results)
     if output is None:
         sys.stdout.write(lines)
         return
@@ -148,6 +163,18 @@ def generate(
                                                "every step.")] = False,
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
     no_verify: NoVerifyOpt = False,
+    request_rate: Annotated[float, typer.Option(help="Requests per second arriving as a Poisson process (the first "
+                                                "at t=0, exponential gaps; seconds count from the end of the "
+                                                "warm-up); inf = every request at t=0. Instead, a prompts file may "
+                                                "give each line an 'arrival_s' (seconds from the start, >= 0).")]
+    = math.inf,
+    arrival_seed: Annotated[int, typer.Option(help="Seed of the Poisson arrival times of --request-rate.")] = 0,
+    slo_ttft_ms: Annotated[float | None, typer.Option(help="Goodput counts only requests whose time to first token "
+                                                      "(arrival -> first token) is at most this many milliseconds.")]
+    = None,
+    slo_tpot_ms: Annotated[float | None, typer.Option(help="Goodput counts only requests whose time per output "
+                                                      "token after the first is at most this many milliseconds.")]
+    = None,
 ) -> None:
     """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
     with user_errors():
@@ -169,6 +196,11 @@ def generate(
         if not 0 <= seed < 2**63:
             raise PagedWeightError(f"--seed {seed} is out of range: give an integer in [0, 2^63)")
         texts = [prompt] if prompt is not None else _read_prompts(prompts)  # type: ignore[arg-type]
+        arrivals = _arrivals(prompts, len(texts), request_rate, arrival_seed)
+        for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
+            if ms is not None and not (math.isfinite(ms) and ms > 0):
+                raise PagedWeightError(f"{flag} {ms} is not allowed: give a number of milliseconds > 0")
+        slo = SLO(slo_ttft_ms, slo_tpot_ms)
         if artifacts is None and (gpu_memory or trace or summary_json or bits is not None or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy, --bits, --trace and --summary-json need --artifacts DIR "
                                    "(from `pwcal run-all`)")
@@ -210,7 +242,7 @@ def generate(
             with _progress(len(texts), not stream) as on_progress:
                 results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
                                                  on_text=on_text if stream else None, trace=trace,
-                                                 on_progress=on_progress)
+                                                 on_progress=on_progress, arrivals=arrivals, slo=slo)
             if stream:
                 end_stream()
             # every output is attempted; failures are reported together, after (nothing is dropped for one)
@@ -245,7 +277,7 @@ def generate(
         lm = load_model(model_dir, device=device, dtype=dtype)
         with _progress(len(texts), not stream) as on_progress:
             results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None,
-                                          on_progress=on_progress)
+                                          on_progress=on_progress, arrivals=arrivals, slo=slo)
         if stream:
             end_stream()
         else:
@@ -253,6 +285,9 @@ def generate(
         console.print(f"[dim]{len(texts)} request(s) on {lm.device} ({lm.dtype}); prefill "
                       f"{stats.prefill_seconds:.2f} s; decode {stats.decode_tokens} tokens in "
                       f"{stats.decode_seconds:.2f} s = {stats.decode_tokens_per_second:.1f} tokens/s[/dim]")
+        if stats.latency is not None and not stream:
+            console.print(format_latency(stats.latency, stats.request_rate, slo), style="dim", highlight=False,
+                          soft_wrap=True)
 
 
 app.command()(serve)

@@ -3,8 +3,9 @@
 What it does: tokenizes prompts (checking each fits the model's context with its generation), builds the
 engine (``dense_engine``: the model's own 16-bit experts, every prompt in one prefill step and all decoded
 together; ``build_engine``: AP experts in a page pool under ``--gpu-memory`` with the chosen policy), runs
-it to completion, streaming each request's new text through ``on_text``, and returns one ``Generation``
-per prompt. Nothing is dropped: every request runs to EOS or ``max_new_tokens``.
+it to completion, each request arriving at its time of an ``ArrivalSchedule`` (default: all at t=0), streaming
+each request's new text through ``on_text``, and returns one ``Generation`` per prompt with its serving times.
+Nothing is dropped: every request runs to EOS or ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from pwformat.errors import PagedWeightError
+from pwrun.core.arrivals import ArrivalSchedule
+from pwrun.core.latency import SLO, LatencyStats, RequestTimes, latency_stats
 from pwrun.core.request import RequestOutput, SamplingParams
 from pwrun.engine.build import ServeConfig, build_engine, dense_engine
 from pwrun.engine.llm_engine import LLMEngine
@@ -25,13 +28,26 @@ from pwrun.model.loader import load_spec
 
 @dataclass
 class Generation:
-    """One request's result: ``text`` is the continuation only; timings in seconds."""
+    """One request's result: ``text`` is the continuation only; ``times``: its arrival, first scheduled, first token
+    and finish, seconds from the start of the run."""
 
     prompt: str
     text: str
     prompt_tokens: int
     new_tokens: int
     finish_reason: str  # "eos" or "length"
+    times: RequestTimes | None = None
+
+    def record(self) -> dict[str, object]:
+        """The JSON line of ``--output``: text, token counts, finish reason and the serving times (seconds; TPOT
+        is None below two tokens)."""
+        out: dict[str, object] = {"prompt": self.prompt, "text": self.text, "prompt_tokens": self.prompt_tokens,
+                                  "new_tokens": self.new_tokens, "finish_reason": self.finish_reason}
+        if self.times is not None:
+            t = self.times
+            out |= {"arrival_s": t.arrival, "scheduled_s": t.scheduled, "first_token_s": t.first_token,
+                    "finish_s": t.finish, "queue_s": t.queueing, "ttft_s": t.ttft, "tpot_s": t.tpot}
+        return out
 
 
 @dataclass
@@ -39,6 +55,8 @@ class GenerationStats:
     prefill_seconds: float
     decode_seconds: float
     decode_tokens: int
+    latency: LatencyStats | None = None
+    request_rate: float = float("inf")
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -97,35 +115,42 @@ def run_generation(engine: LLMEngine, tokenizer: Any, prompts: list[str],
 
     outs = engine.run_until_done(on_output)
     return [Generation(p, tokenizer.decode(list(outs[i].token_ids), skip_special_tokens=True), outs[i].prompt_tokens,
-                       len(outs[i].token_ids), outs[i].finish or "length") for i, p in enumerate(prompts)]
+                       len(outs[i].token_ids), outs[i].finish or "length", engine.times.get(i))
+            for i, p in enumerate(prompts)]
 
 
 def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: SamplingParams,
              block_size: int = 16, on_text: Callable[[int, str], None] | None = None,
-             on_progress: Callable[[int, int], None] | None = None) -> tuple[list[Generation], GenerationStats]:
-    """Generate with ``model``'s own 16-bit experts (``dense_engine``); the generations and timing stats."""
+             on_progress: Callable[[int, int], None] | None = None, arrivals: ArrivalSchedule | None = None,
+             slo: SLO | None = None) -> tuple[list[Generation], GenerationStats]:
+    """Generate with ``model``'s own 16-bit experts (``dense_engine``), request i arriving at ``arrivals.times[i]``
+    (None: all at t=0); the generations and timing stats (``slo``: what the goodput counts)."""
     ids = encode_prompts(tokenizer, prompts, model.spec.max_position_embeddings, params.max_new_tokens)
-    engine = dense_engine(model, params, ids, eos_ids(model.spec.eos_token_ids, tokenizer), block_size)
+    engine = dense_engine(model, params, ids, eos_ids(model.spec.eos_token_ids, tokenizer), block_size, arrivals)
     gens = run_generation(engine, tokenizer, prompts, on_text, on_progress)
     prefill = sum(r.seconds for r in engine.trace if r.prefill_tokens)
     decode = sum(r.seconds for r in engine.trace if not r.prefill_tokens)
-    return gens, GenerationStats(prefill, decode, engine.core.decode_tokens)
+    return gens, GenerationStats(prefill, decode, engine.core.decode_tokens,
+                                 latency_stats(list(engine.times.values()), slo), engine.request_rate)
 
 
 def serve_prompts(model_dir: Path, artifact_dir: Path, prompts: list[str], tokenizer: Any, cfg: ServeConfig,
                   params: SamplingParams, device: str = "auto", dtype: str = "auto",
                   on_text: Callable[[int, str], None] | None = None, trace: Path | None = None,
-                  on_progress: Callable[[int, int], None] | None = None) -> tuple[list[Generation], RunSummary]:
-    """Serve ``prompts`` with AP experts under ``cfg``; generations (in prompt order) and the run summary.
+                  on_progress: Callable[[int, int], None] | None = None, arrivals: ArrivalSchedule | None = None,
+                  slo: SLO | None = None) -> tuple[list[Generation], RunSummary]:
+    """Serve ``prompts`` with AP experts under ``cfg``, request i arriving at ``arrivals.times[i]`` seconds from
+    the start of the run (None: all at t=0); generations (in prompt order) and the run summary (``slo``: what its
+    goodput counts).
 
     A ``trace`` that cannot be written does not lose the generations: the summary's ``trace_error`` says why.
     """
     spec, _ = load_spec(Path(model_dir))
     ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens)
     engine = build_engine(Path(model_dir), Path(artifact_dir), cfg, params, ids,
-                          eos_ids(spec.eos_token_ids, tokenizer), device, dtype)
+                          eos_ids(spec.eos_token_ids, tokenizer), device, dtype, arrivals=arrivals)
     gens = run_generation(engine, tokenizer, prompts, on_text, on_progress)
-    summary = summarize(engine)
+    summary = summarize(engine, slo)
     if trace is not None:
         try:
             write_trace(engine, trace)

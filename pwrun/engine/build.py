@@ -27,6 +27,7 @@ from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwformat.tables import WRITTEN_BY
 from pwkernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
 from pwrun.ap.artifact import APArtifact
+from pwrun.core.arrivals import ArrivalSchedule
 from pwrun.core.config import EngineConfig
 from pwrun.core.engine_core import EngineCore
 from pwrun.core.kv_blocks import blocks_needed
@@ -195,9 +196,11 @@ def check_device_budget(budget: int, dev: torch.device) -> None:
 
 def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: SamplingParams,
                  requests: list[list[int]], eos: set[int], device: str = "auto", dtype: str = "auto",
-                 forced: list[list[int]] | None = None, max_request_tokens: int = 0) -> LLMEngine:
-    """An ``LLMEngine`` holding ``requests`` (token ids; request ids 0..n-1); raises ``PagedWeightError`` on bad
-    input or budget. ``forced``: per request, continuation tokens to feed and score (teacher forcing:
+                 forced: list[list[int]] | None = None, max_request_tokens: int = 0,
+                 arrivals: ArrivalSchedule | None = None) -> LLMEngine:
+    """An ``LLMEngine`` holding ``requests`` (token ids; request ids 0..n-1), each queued at its time of
+    ``arrivals`` once the run starts (None: all at t=0); raises ``PagedWeightError`` on bad input or budget.
+    ``forced``: per request, continuation tokens to feed and score (teacher forcing:
     ``RequestOutput.logprobs``) instead of sampling; each request then runs for exactly that many tokens.
     ``max_request_tokens``: prompt + new tokens of the longest request that may be added later (a server: the
     budget, the workspace and a static placement provision ``max_batch`` requests of that length).
@@ -218,7 +221,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     heads_df = _read(art, "residual_heads")
     return assemble_engine(model, art, table, _bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None
                            else None, _calib_features(art, table), cfg, params, requests, eos, forced,
-                           max_request_tokens)
+                           max_request_tokens, arrivals)
 
 
 def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
@@ -255,11 +258,13 @@ def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
 def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy: BucketPolicy,
                     heads: ResidualHeads | None, calib_features: np.ndarray | None, cfg: ServeConfig,
                     params: SamplingParams, requests: list[list[int]], eos: set[int],
-                    forced: list[list[int]] | None = None, max_request_tokens: int = 0) -> LLMEngine:
+                    forced: list[list[int]] | None = None, max_request_tokens: int = 0,
+                    arrivals: ArrivalSchedule | None = None) -> LLMEngine:
     """The engine from in-memory parts: ``model`` (non-expert weights on the device, see ``strip_experts``),
     ``source`` (an ``APArtifact`` or any object with ``bits`` and ``layer_tensors(layer)``), the calibration
     ``table`` (M_i^b is re-derived in whole pages), bucket ``policy``, residual ``heads`` and calibration
-    features (``forced``, ``max_request_tokens``: see ``build_engine``). Benchmarks use it with synthetic parts.
+    features (``forced``, ``max_request_tokens``, ``arrivals``: see ``build_engine``). Benchmarks use it with
+    synthetic parts.
     Raises ``PagedWeightError`` if the budget is too small.
     """
     if forced is not None and (len(forced) != len(requests) or any(not f for f in forced)):
@@ -361,17 +366,22 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     shared = table.expert == SHARED_EXPERT
     engine = LLMEngine(core, runner, info, (size * shared, size * ~shared))
     engine.warm_up(blocks_needed(longest + 1, ecfg.block_size))
-    add_requests(engine, params, requests, eos, forced)
+    add_requests(engine, params, requests, eos, forced, arrivals)
     return engine
 
 
 def add_requests(engine: LLMEngine, params: SamplingParams, requests: list[list[int]], eos: set[int],
-                 forced: list[list[int]] | None = None) -> None:
-    """Add ``requests`` (token ids) as requests 0..n-1 with ``params`` (``forced``: see ``build_engine``)."""
+                 forced: list[list[int]] | None = None, arrivals: ArrivalSchedule | None = None) -> None:
+    """Add ``requests`` (token ids) as requests 0..n-1 with ``params``, request i arriving at ``arrivals.times[i]``
+    seconds from the start of the run (None: all at t=0; ``forced``: see ``build_engine``)."""
+    if arrivals is not None and len(arrivals.times) != len(requests):
+        raise PagedWeightError(f"{len(arrivals.times)} arrival times for {len(requests)} requests")
+    engine.request_rate = math.inf if arrivals is None else arrivals.rate
     stop = frozenset(eos)
     for rid, ids in enumerate(requests):
         engine.add_request(Request(rid, tuple(ids), params, eos=stop,
-                                   forced=None if forced is None else tuple(forced[rid])))
+                                   forced=None if forced is None else tuple(forced[rid])),
+                           0.0 if arrivals is None else arrivals.times[rid])
 
 
 def dense_server_engine(model: LeanMoEModel, cfg: EngineConfig, max_request_tokens: int) -> LLMEngine:
@@ -389,9 +399,10 @@ def dense_server_engine(model: LeanMoEModel, cfg: EngineConfig, max_request_toke
 
 
 def dense_engine(model: LeanMoEModel, params: SamplingParams, requests: list[list[int]], eos: set[int],
-                 block_size: int = 16) -> LLMEngine:
+                 block_size: int = 16, arrivals: ArrivalSchedule | None = None) -> LLMEngine:
     """The engine with ``model``'s own 16-bit experts: a pool of exactly the KV blocks every request needs at
-    once, all requests in one batch and their prompts in one prefill step (no budget, no planner)."""
+    once, all requests in one batch and their prompts in one prefill step (no budget, no planner); ``arrivals``:
+    see ``build_engine``."""
     spec = model.spec
     # no CUDA graphs: the reference expert loop sizes its groups on the host, which a capture cannot hold
     cfg = EngineConfig(block_size=block_size, max_batch=max(len(requests), 1),
@@ -404,5 +415,5 @@ def dense_engine(model: LeanMoEModel, params: SamplingParams, requests: list[lis
     engine = LLMEngine(EngineCore(cfg, pool, layout), ModelRunner(model, cfg, num_pages, page_bytes),
                        {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
                         "policy": "16-bit", "bits": None})
-    add_requests(engine, params, requests, eos)
+    add_requests(engine, params, requests, eos, arrivals=arrivals)
     return engine

@@ -7,10 +7,17 @@ while the device computes, (4) feeds the live routing statistics to the core, sa
 tokens back (the core retires finished requests and applies the weight policy after sampling, whose
 moves the runner mirrors at once). It records one trace row per step (``StepTrace``) and the run totals.
 With ``debug_checks`` it asserts page conservation and q_i <= resident planes after every step.
+
+Requests may be given an arrival time (``add_request(..., arrival_s)``, seconds from the start of the run): the
+run loop (``run_until_done``) queues each in the core at its time, at a step boundary, and sleeps while nothing
+runs and the next arrival is ahead. Per request it records arrival, first scheduled, first token and finish
+times (``RequestTimes``, on the engine's ``clock``) for the summary's TTFT, TPOT, queueing time and goodput.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from pwrun.core.engine_core import EngineCore
+from pwrun.core.latency import RequestTimes
 from pwrun.core.pool import KV, WEIGHT
 from pwrun.core.request import Request, RequestOutput
 from pwrun.engine.trace import StepTrace
@@ -26,26 +34,70 @@ from pwrun.runner.model_runner import ModelRunner
 
 class LLMEngine:
     """``core`` + ``runner``; ``info`` describes the build (budget split, policy) for the summary.
-    ``bit_weights``: weights per block of the shared-expert and of the routed blocks (for the trace's bits)."""
+    ``bit_weights``: weights per block of the shared-expert and of the routed blocks (for the trace's bits).
+    ``clock`` (seconds) and ``sleep`` time the arrivals and the per-request ``times`` (tests give fake ones)."""
 
     def __init__(self, core: EngineCore, runner: ModelRunner, info: dict[str, Any] | None = None,
-                 bit_weights: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 bit_weights: tuple[np.ndarray, np.ndarray] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> None:
         self.core, self.runner = core, runner
         self.info = dict(info or {})
         self._bit_weights = bit_weights
         self.trace: list[StepTrace] = []
         self.seconds = 0.0
         self.outputs: dict[int, RequestOutput] = {}
+        self.clock, self.sleep = clock, sleep
+        self.times: dict[int, RequestTimes] = {}
+        self._t0: float | None = None  # the start of the run on ``clock``: the first call of ``now``
+        self._future: list[tuple[float, int, Request]] = []  # (arrival, rid, request): a heap of later arrivals
+        self.request_rate = math.inf  # the offered rate of the arrivals (requests/s; inf: all at t=0), for the summary
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request: Request) -> None:
-        """Queue ``request`` (any time: it joins the next step it fits)."""
+    def now(self) -> float:
+        """Seconds since the start of the run (which is the first call of this method)."""
+        if self._t0 is None:
+            self._t0 = self.clock()
+        return self.clock() - self._t0
+
+    def add_request(self, request: Request, arrival_s: float | None = None) -> None:
+        """Queue ``request``: now (``arrival_s`` None, any time: it joins the next step it fits), or once the run
+        reaches ``arrival_s`` seconds from its start (``run_until_done`` admits it then; ``ValueError`` if the
+        id is in use)."""
+        if request.rid in self.times or request.rid in self.core.requests:
+            raise ValueError(f"request id {request.rid} is already in use")
+        if arrival_s is None or (self._t0 is not None and arrival_s <= self.now()):
+            self._admit(request, self.now() if arrival_s is None else arrival_s)
+        elif self._t0 is None and arrival_s <= 0:
+            self._admit(request, 0.0)  # before the run starts: at its first step
+        else:
+            heapq.heappush(self._future, (arrival_s, request.rid, request))
+            self.times[request.rid] = RequestTimes(arrival_s)
+
+    def _admit(self, request: Request, arrival_s: float) -> None:
         self.core.add_request(request)
         self.runner.add_request(request)
         self.outputs[request.rid] = self.core.output(request.rid)
+        self.times[request.rid] = RequestTimes(arrival_s)
+
+    def _admit_due(self) -> None:
+        """Queue every held request whose arrival time has come, in arrival order."""
+        now = self.now()
+        while self._future and self._future[0][0] <= now:
+            arrival, _, request = heapq.heappop(self._future)
+            self._admit(request, arrival)
+
+    @property
+    def next_arrival(self) -> float | None:
+        """Seconds from the start of the run of the next request not queued yet (None: every one is)."""
+        return self._future[0][0] if self._future else None
 
     def abort(self, rid: int) -> RequestOutput:
         """Stop request ``rid``; its pages return to the pool. Returns its output so far (finish "abort")."""
+        if any(r == rid for _, r, _ in self._future):  # not arrived yet: it never reaches the core
+            self._future = [f for f in self._future if f[1] != rid]
+            heapq.heapify(self._future)
+            del self.times[rid]
+            return RequestOutput(rid, (), 0, "abort")
         out = self.core.abort(rid)
         self.runner.release(rid)
         self.outputs[rid] = out
@@ -56,6 +108,7 @@ class LLMEngine:
         self.core.forget(rid)
         self.runner.release(rid)
         self.outputs.pop(rid, None)
+        self.times.pop(rid, None)
 
     def warm_up(self, table_blocks: int) -> None:
         """Compile the step kernels and capture every decode graph before the first request (CUDA with the
@@ -76,7 +129,8 @@ class LLMEngine:
 
     @property
     def idle(self) -> bool:
-        return self.core.idle
+        """No request waits, runs or is still to arrive."""
+        return self.core.idle and not self._future
 
     # ------------------------------------------------------------------ steps
     def step(self) -> list[RequestOutput]:
@@ -85,9 +139,13 @@ class LLMEngine:
         core, runner = self.core, self.runner
         w = core.weights
         t_step = time.perf_counter()
+        started = self.now()
         p0 = (0.0, 0.0) if w is None else (w.planner_seconds, w.planner_overlapped_seconds)
         done = [] if core.overlapped else runner.finished_reloads()  # CPU: copies are done, commit now
         decision = core.step(done)
+        for rid in decision.admitted:  # first scheduled: the start of the first step that runs it
+            if self.times[rid].scheduled is None:
+                self.times[rid].scheduled = started
         raised = len(decision.moves.committed)
         t_model = time.perf_counter()
         logits = runner.execute(decision)
@@ -108,9 +166,15 @@ class LLMEngine:
         t_after = time.perf_counter()
         prefill_before = core.prefill_tokens
         outs = core.update(decision, tokens, logprobs)
+        ended = self.now()
         for o in outs:
             self.outputs[o.rid] = o
+            t = self.times[o.rid]
+            t.tokens = len(o.token_ids)
+            if t.first_token is None:
+                t.first_token = ended
             if o.finished:
+                t.finish = ended
                 runner.release(o.rid)
         runner.apply(core.take_moves())
         t_sync = time.perf_counter()
@@ -126,13 +190,19 @@ class LLMEngine:
         return outs
 
     def run_until_done(self, on_output: Callable[[RequestOutput], None] | None = None) -> dict[int, RequestOutput]:
-        """Step until every request has finished; ``on_output`` sees every output as it comes. Returns the final
-        output of every request by id."""
-        while not self.core.idle:
+        """Step until every request has arrived and finished, queueing each at its arrival time (at the step
+        boundary after it; while nothing runs, sleeping until the next one instead of spinning); ``on_output``
+        sees every output as it comes. Returns the final output of every request by id."""
+        while True:
+            self._admit_due()
+            if self.core.idle:
+                if not self._future:
+                    return self.outputs
+                self.sleep(max(self._future[0][0] - self.now(), 0.0))
+                continue
             for o in self.step():
                 if on_output is not None:
                     on_output(o)
-        return self.outputs
 
     def _trace(self, step_tokens: int, preempted: int, dt: float, model_s: float, reload_s: float, after_s: float,
                sync_s: float, planner_s: float, planner_overlapped_s: float, poll_s: float,

@@ -6,12 +6,15 @@ the committed-bitwidth histogram at the end and the time-averaged mean bitwidth,
 blocks, bytes moved host -> device (nothing moves back: the host mirror keeps every plane), preemptions
 and the tokens they made the engine compute again (counted in the prefill tokens, so tokens/s is tokens
 computed per second, not served), tokens/s, planner time per step and, on CUDA, the peak device memory
-against the budget. ``format_summary`` renders it for the terminal; ``write_trace`` writes the trace as
+against the budget, and the serving times of the requests (``pwrun.core.latency``: TTFT, TPOT and queueing
+time at p50 / p99, goodput under the SLOs given, the offered request rate). ``format_summary`` renders it for
+the terminal; ``write_trace`` writes the trace as
 Parquet (``trace.trace_schema``; zstd, atomic) for the notebooks.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -24,6 +27,7 @@ import pyarrow.parquet as pq
 
 from pwformat.atomic import atomic_path
 from pwformat.errors import PagedWeightError
+from pwrun.core.latency import SLO, LatencyStats, latency_stats
 from pwrun.engine.budget import dtype_label, format_size
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.trace import trace_table
@@ -37,7 +41,12 @@ class RunSummary:
     ``warm_up_seconds`` / ``graphs_captured_at_start``: the start-up warm-up (CUDA), ``graph_captures_in_run``:
     steps that captured a CUDA graph (0 after a complete warm-up); ``host_peak_rss_bytes``: the process's peak
     resident host memory so far (``peak_rss_bytes``), ``host_mirror_bytes``: the host mirror's planes and LUTs,
-    ``host_model_bytes``: what ``pwformat.cost.HostMemory.serve`` predicts above the interpreter's baseline."""
+    ``host_model_bytes``: what ``pwformat.cost.HostMemory.serve`` predicts above the interpreter's baseline.
+    Serving times (``pwrun.core.latency.LatencyStats``; seconds from the start of the run, after the warm-up):
+    ``request_rate``: the offered rate in requests/s (None: every request at t=0); ``ttft_*_s`` arrival -> first
+    token, ``tpot_*_ms`` per output token after the first, ``queue_*_s`` arrival -> first scheduled (p50 / p99;
+    None without a sample); ``duration_s``: start -> last finish; ``goodput_rps``: requests that met
+    ``slo_ttft_ms`` / ``slo_tpot_ms`` (all completed ones without SLOs) per second of ``duration_s``."""
 
     device: str
     dtype: str
@@ -90,6 +99,19 @@ class RunSummary:
     host_peak_rss_bytes: int | None = None
     host_mirror_bytes: int | None = None
     host_model_bytes: int | None = None
+    request_rate: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    tpot_p50_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    queue_p50_s: float | None = None
+    queue_p99_s: float | None = None
+    requests_completed: int | None = None
+    requests_met_slo: int | None = None
+    duration_s: float | None = None
+    goodput_rps: float | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     trace_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -132,8 +154,17 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def summarize(engine: LLMEngine) -> RunSummary:
-    """The summary of a finished run of ``engine`` (see ``RunSummary``)."""
+def latency_fields(engine: LLMEngine, slo: SLO | None = None) -> dict[str, Any]:
+    """The serving-time fields of ``RunSummary`` for ``engine``'s requests (NaN statistics as None)."""
+    stats = latency_stats(list(engine.times.values()), slo)
+    slo = slo or SLO()
+    out = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(stats).items()}
+    return {**out, "request_rate": None if math.isinf(engine.request_rate) else engine.request_rate,
+            "slo_ttft_ms": slo.ttft_ms, "slo_tpot_ms": slo.tpot_ms}
+
+
+def summarize(engine: LLMEngine, slo: SLO | None = None) -> RunSummary:
+    """The summary of a finished run of ``engine`` (see ``RunSummary``); ``slo``: what goodput counts."""
     core = engine.core
     tr = engine.trace
     pool = core.pool
@@ -166,6 +197,7 @@ def summarize(engine: LLMEngine) -> RunSummary:
         over["device_peak_bytes"] = engine.runner.peak_bytes()
     store = engine.runner.experts
     over["host_peak_rss_bytes"] = peak_rss_bytes()
+    over |= latency_fields(engine, slo)
     return RunSummary(
         **known, steps=steps, seconds=engine.seconds, prefill_tokens=core.prefill_tokens,
         decode_tokens=core.decode_tokens, tokens_per_second=(core.prefill_tokens + core.decode_tokens) / secs,
@@ -177,6 +209,35 @@ def summarize(engine: LLMEngine) -> RunSummary:
         planner_share_of_step=planner_s / secs, final_mean_bits=final_bits,
         final_bits_hist={int(b): int(hist[b]) for b in range(9) if hist[b]}, pool_pages=pool.cfg.num_pages,
         pool_peak_pages=pool.peak_used, mean_bits=mean_bits, extra=info, **over)
+
+
+def _num(x: float, unit: str, digits: int = 3) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.{digits}g} {unit}"
+
+
+def format_latency(stats: LatencyStats, rate: float | None, slo: SLO | None = None) -> str:
+    """Two terminal lines: the arrivals (offered ``rate``, requests/s; None or inf: all at t=0) with TTFT, TPOT and
+    queueing time at p50 / p99, then goodput under ``slo``."""
+    slo = slo or SLO()
+    arrivals = ("all requests at t=0" if rate is None or math.isinf(rate)
+                else f"arrivals at {rate:.3g} requests/s offered")
+    goals = [f"TTFT <= {slo.ttft_ms:g} ms" if slo.ttft_ms is not None else "",
+             f"TPOT <= {slo.tpot_ms:g} ms" if slo.tpot_ms is not None else ""]
+    met = "met " + " and ".join(g for g in goals if g) if any(goals) else "completed"
+    return (f"{arrivals}: TTFT p50 {_num(stats.ttft_p50_s, 's')}, p99 {_num(stats.ttft_p99_s, 's')}; TPOT p50 "
+            f"{_num(stats.tpot_p50_ms, 'ms')}, p99 {_num(stats.tpot_p99_ms, 'ms')}; queueing p50 "
+            f"{_num(stats.queue_p50_s, 's')}, p99 {_num(stats.queue_p99_s, 's')}\n"
+            f"goodput {stats.goodput_rps:.3g} requests/s: {stats.requests_met_slo} of {stats.requests_completed} "
+            f"requests {met} in {stats.duration_s:.2f} s")
+
+
+def _stats_of(s: RunSummary) -> LatencyStats:
+    def f(x: float | None) -> float:
+        return math.nan if x is None else x
+
+    return LatencyStats(f(s.ttft_p50_s), f(s.ttft_p99_s), f(s.tpot_p50_ms), f(s.tpot_p99_ms), f(s.queue_p50_s),
+                        f(s.queue_p99_s), s.requests_completed or 0, s.requests_met_slo or 0, f(s.duration_s),
+                        f(s.goodput_rps))
 
 
 def format_summary(s: RunSummary) -> str:
@@ -204,6 +265,8 @@ def format_summary(s: RunSummary) -> str:
         f"{s.planner_ms_per_step:.2f} ms/step ({100 * s.planner_share_of_step:.2f}% of step time; "
         f"+{s.planner_overlapped_ms_per_step:.2f} ms/step while the device computed)",
     ]
+    if s.requests_completed is not None:
+        lines.append(format_latency(_stats_of(s), s.request_rate, SLO(s.slo_ttft_ms, s.slo_tpot_ms)))
     if s.host_peak_rss_bytes is not None:
         lines.append(f"peak host RSS {format_size(s.host_peak_rss_bytes)}"
                      + (f" (host mirror {format_size(s.host_mirror_bytes)})" if s.host_mirror_bytes is not None
