@@ -193,17 +193,20 @@ def workload_table(records: list[Record]) -> str:
                                                              ("prefill", "mixed", "decode"))),
             ("TTFT p50 / p99 s", lambda rs: f"{_fmt(rs[-1].get('ttft_p50_s'))} / {_fmt(rs[-1].get('ttft_p99_s'))}"),
             ("TPOT p50 / p99 ms", lambda rs: f"{_fmt(rs[-1].get('tpot_p50_ms'))} / {_fmt(rs[-1].get('tpot_p99_ms'))}"),
-            ("start-up s", "startup_s"), ("captures / compiles in run",
+            ("queueing p50 / p99 s", lambda rs: f"{_fmt(rs[-1].get('queue_p50_s'))} / "
+                                                f"{_fmt(rs[-1].get('queue_p99_s'))}"),
+            ("goodput req/s", "goodput_rps"), ("start-up s", "startup_s"), ("captures / compiles in run",
                                           lambda rs: f"{rs[-1].get('graph_captures_in_run')} / "
                                                      f"{rs[-1].get('triton_compiles_in_run')}"),
             ("mean bits", "mean_bits"), ("peak GiB", _gib("device_peak_bytes"))]
-    rows = latest([r for r in records if r.get("workload")], ("model", "workload", "policy"))
+    rows = latest([r for r in records if r.get("workload")], ("model", "workload", "request_rate", "policy"))
     if not rows:
         return ""
-    lines = ["Real workloads (`--workload`: all requests at once; W1 C4 prompts <= 1,024 tokens, W2 QMSum windows of "
-             "2,048-4,096; the floor: prompt FLOPs at the measured matmul rate + decode bytes at the copy bandwidth):",
-             "", "| model | workload | policy | " + " | ".join(c for c, _ in cols) + " |",
-             "|" + "---|" * (3 + len(cols))]
+    lines = ["Real workloads (`--workload`: requests arriving at the rate given, requests/s, or all at once where "
+             "blank; W1 C4 prompts <= 1,024 tokens, W2 QMSum windows of 2,048-4,096; the floor: prompt FLOPs at the "
+             "measured matmul rate + decode bytes at the copy bandwidth):",
+             "", "| model | workload | rate | policy | " + " | ".join(c for c, _ in cols) + " |",
+             "|" + "---|" * (4 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)
 

@@ -11,6 +11,8 @@ Two parts, one JSON line per measurement in ``bench/results/serving.jsonl``:
   tokens/s (decode leaves out CUDA-graph capture steps; a 3-token run of the same prompts first keeps Triton's JIT
   out of the timing), the bandwidth floor (``common.decode_step_bytes`` / copy bandwidth), planner time, bytes
   reloaded, mean bits, peak memory.
+* **real workloads** (``--workload w1,w2``, ``bench.workloads``): real prompts through the engine in one budget,
+  all at once or arriving at ``--request-rate`` requests/s; throughput, TTFT / TPOT / queueing p50 and p99, goodput.
 * **HTTP** (``--http``, ``bench.serving_http``): the W1 workload (real C4 prompts, all at once) through the ``pwrun
   serve`` server against the same engine in-process: generated tokens/s of both and their ratio.
 * **user path** (``--user-path``): what a user runs, timed stage by stage: a random-weight Hugging Face checkpoint
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -257,6 +260,13 @@ def main() -> None:
     ap.add_argument("--workload-policies", default="pagedweight,uniform",
                     help="policies served per workload (uniform: 4 bits), in the same budget")
     ap.add_argument("--workload-gpu-memory", default="24GiB", help="the budget of both policies (e.g. 24GiB)")
+    ap.add_argument("--request-rate", type=float, default=math.inf,
+                    help="--workload: requests/s arriving as a Poisson process (first at t=0); inf: all at once")
+    ap.add_argument("--arrival-seed", type=int, default=0, help="seed of the --request-rate arrival times")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None,
+                    help="--workload: goodput counts requests whose time to first token is at most this (ms)")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None,
+                    help="--workload: goodput counts requests whose time per output token is at most this (ms)")
     ap.add_argument("--http", action="store_true", help="W1 through the pwrun serve server vs in-process, with the "
                     "--workload-* options (bench.serving_http)")
     ap.add_argument("--http-policy", choices=("pagedweight", "uniform"), default="pagedweight",

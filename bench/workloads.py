@@ -1,12 +1,16 @@
 """Real-workload serving runs (``python -m bench.serving --workload w1,w2``): many requests of real text, all
-arriving at once, through the engine ``pwrun generate`` builds (synthetic AP planes at the seed shape).
+arriving at once or as a Poisson process at ``--request-rate`` requests/s (``--arrival-seed``), through the engine
+``pwrun generate`` builds (synthetic AP planes at the seed shape) and its run loop, which admits each request at
+its arrival time.
 
 * W1: ``count`` C4 documents at their natural length (the bundled tokenizer's tokens, capped at 1,024), 256 new
   tokens each (``--workload-gen``);
 * W2: ``count`` windows of 2,048-4,096 tokens of QMSum meeting transcripts, 256 new tokens each.
 
-Each run reports whole-run tokens/s, prefill / mixed / decode tokens/s and seconds (a mixed step runs prompt chunks
-beside decodes), time to first token and time per output token (p50 / p99), graph captures and Triton compilations
+Each run reports whole-run tokens/s (over the wall time, idle gaps between arrivals included; ``busy_s``: the
+engine's steps), prefill / mixed / decode tokens/s and seconds (a mixed step runs prompt chunks beside decodes), the
+engine's serving times (``pwrun.core.latency``: time to first token, time per output token and queueing time at p50
+/ p99, goodput under ``--slo-ttft-ms`` / ``--slo-tpot-ms``, the offered rate), graph captures and Triton compilations
 inside the timed run, the start-up warm-up, peak device memory and the floor: the run's prompt FLOPs at the measured
 bf16 matmul rate plus its decode steps' bytes (``pwformat.cost``) at the copy bandwidth.
 """
@@ -35,9 +39,11 @@ from bench.common import (
     triton_cache_entries,
 )
 from bench.serving_runs import non_expert_bytes, reset_peak
+from pwrun.core.arrivals import ArrivalSchedule
 from pwrun.core.config import EngineConfig
+from pwrun.core.latency import SLO
 from pwrun.core.policy import Policy
-from pwrun.core.request import RequestOutput, SamplingParams
+from pwrun.core.request import SamplingParams
 from pwrun.data import artifacts_dir, default_model_dir, read_documents
 from pwrun.engine.budget import parse_size
 from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
@@ -87,36 +93,25 @@ def matmul_flops(device: str) -> float:
     return 10 * 2 * n**3 / (time.perf_counter() - t)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if xs else float("nan")
-
-
 def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str, bits: int | None, budget: int,
                  reqs: list[list[int]], gen: int, max_batch: int, max_step_tokens: int, flops: float,
-                 bandwidth: float, non_expert: int) -> dict[str, Any]:
-    """One timed run of ``reqs`` (all arriving at once, ``gen`` new tokens each, greedy, no stop token); the
-    engine's start-up (build + warm-up) is timed apart."""
+                 bandwidth: float, non_expert: int, arrivals: ArrivalSchedule | None = None,
+                 slo: SLO | None = None) -> dict[str, Any]:
+    """One timed run of ``reqs`` (each arriving at its time of ``arrivals``, None: all at once; ``gen`` new tokens
+    each, greedy, no stop token); the engine's start-up (build + warm-up) is timed apart. ``slo``: what the
+    goodput counts."""
     cfg = ServeConfig(budget, Policy.named(policy, bits),
                       EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens), BENCH_PLANNER)
     t = time.perf_counter()
     e = assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(max_new_tokens=gen), reqs,
-                        set())
+                        set(), arrivals=arrivals)
     startup = time.perf_counter() - t
     cached = triton_cache_entries()
     before = triton_cache_dirs()
-    first: dict[int, float] = {}
-    done: dict[int, float] = {}
     t0 = time.perf_counter()
-
-    def seen(o: RequestOutput) -> None:
-        now = time.perf_counter() - t0
-        first.setdefault(o.rid, now)
-        if o.finished:
-            done[o.rid] = now
-
-    outs = e.run_until_done(seen)
+    outs = e.run_until_done()
     wall = time.perf_counter() - t0
-    s = summarize(e).to_dict()
+    s = summarize(e, slo).to_dict()
     tr = [asdict(r) for r in e.trace]
     kinds = {"prefill": [r for r in tr if r["prefill_tokens"] == r["step_tokens"]],
              "mixed": [r for r in tr if 0 < r["prefill_tokens"] < r["step_tokens"]],
@@ -129,8 +124,6 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
         for ls in spec.layers if ls.moe is not None)
     dec_floor = sum(decode_step_bytes(spec, non_expert, s.get("mean_bits", 4.0), max(r["running"], 1),
                                       int(np.mean([len(q) for q in reqs])) + gen // 2) for r in kinds["decode"])
-    ttft = [first[r] for r in first]
-    tpot = [(done[r] - first[r]) / max(len(outs[r].token_ids) - 1, 1) for r in done]
     rec: dict[str, Any] = {
         "policy": policy, "bits": bits, "requests": len(reqs), "prompt_tokens": prompt_tokens,
         "generated_tokens": gen_tokens, "max_batch": max_batch, "max_step_tokens": max_step_tokens,
@@ -140,8 +133,10 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
         "triton_compiles_in_run": triton_cache_entries() - cached,
         "compiled_in_run": compiled_kernels(triton_cache_dirs() - before),
         "tokens_per_second": (prompt_tokens + gen_tokens) / wall,
-        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-        "tpot_p50_ms": 1e3 * _pct(tpot, 50), "tpot_p99_ms": 1e3 * _pct(tpot, 99),
+        **{k: s.get(k) for k in ("request_rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms",
+                                 "queue_p50_s", "queue_p99_s", "goodput_rps", "requests_met_slo", "slo_ttft_ms",
+                                 "slo_tpot_ms")},
+        "busy_s": e.seconds,
         "floor_s": prompt_tokens * active / flops + dec_floor / bandwidth,
         "device_peak_bytes": s.get("device_peak_bytes"), "mean_bits": s.get("mean_bits"),
         "demoted_blocks": s.get("demoted_blocks"), "promoted_blocks": s.get("promoted_blocks"),
@@ -163,7 +158,8 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
 
 def workload_rows(args: Any, emit: Any) -> None:
     """The rows of ``--workload``: for each workload, PagedWeight and uniform 4-bit in one budget
-    (``--workload-gpu-memory``); a failure becomes the row's error and the next row runs."""
+    (``--workload-gpu-memory``), the requests arriving at ``--request-rate`` (the same times for every policy); a
+    failure becomes the row's error and the next row runs."""
     dev = args.device
     bw = copy_bandwidth(dev)
     flops = matmul_flops(dev)
@@ -176,6 +172,8 @@ def workload_rows(args: Any, emit: Any) -> None:
         count = args.workload_requests or (256 if name == "w1" else 64)
         vocab = model.spec.vocab_size  # the bundled tokenizer's ids, folded into a smaller test vocabulary
         reqs = [[i % vocab for i in r] for r in (w1(count) if name == "w1" else w2(count))]
+        arrivals = ArrivalSchedule.poisson(len(reqs), args.request_rate, args.arrival_seed)
+        slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
         for policy in args.workload_policies.split(","):
             bits = 4 if policy == "uniform" else None
             base = {"model": args.config_dir.name, "system": f"workload {name}", "workload": name,
@@ -183,7 +181,8 @@ def workload_rows(args: Any, emit: Any) -> None:
             try:
                 emit({**base, **workload_run(model, src, table, policy, bits, budget, reqs, args.workload_gen,
                                              args.workload_max_batch,
-                                             args.workload_step_tokens, flops, bw, ne)})
+                                             args.workload_step_tokens, flops, bw, ne, arrivals, slo),
+                      "arrival_seed": args.arrival_seed})
             except Exception as exc:  # recorded; the other rows still run
                 emit({**base, "policy": policy, "bits": bits, "error": f"{type(exc).__name__}: {exc}"[:300]})
             reset_peak(dev)

@@ -95,6 +95,27 @@ def test_real_workload_rows_account_for_every_token(tmp_path: Path) -> None:
         assert r["mixed_steps"] > 0 and r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"]
 
 
+def test_real_workload_arriving_at_a_request_rate(tmp_path: Path) -> None:
+    """``--workload w1 --request-rate R``: Poisson arrivals through the engine's run loop; every request is served
+    in full, the record carries the offered rate and the serving times, the steps' seconds add up to the engine's
+    busy time, and the rendered table has a row per rate."""
+    _shrunken_qwen(tmp_path)
+    out = tmp_path / "serving.jsonl"
+    _run("bench.serving", "--device", "cpu", "--config-dir", str(tmp_path), "--skip-table", "--workload", "w1",
+         "--workload-requests", "6", "--workload-gen", "3", "--workload-max-batch", "4", "--workload-step-tokens",
+         "512", "--workload-gpu-memory", "1GiB", "--workload-policies", "uniform", "--request-rate", "40",
+         "--arrival-seed", "1", "--slo-ttft-ms", "60000", "--label", "t", "--out", str(out))
+    (r,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "error" not in r and r["requests"] == 6 and r["generated_tokens"] == 18
+    assert r["request_rate"] == 40 and r["arrival_seed"] == 1 and r["slo_ttft_ms"] == 60000
+    assert 0 <= r["queue_p50_s"] <= r["queue_p99_s"] and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["seconds"]
+    assert r["requests_met_slo"] == 6 and r["goodput_rps"] > 0 and r["busy_s"] <= r["seconds"]
+    assert abs(sum(r[f"{k}_s"] for k in ("prefill", "mixed", "decode")) - r["busy_s"]) < 1e-6 * r["busy_s"] + 1e-6
+    md = tmp_path / "performance.md"
+    _run("bench.render", "--results", str(tmp_path), "--out", str(md))
+    assert "| w1 | 40 | uniform |" in md.read_text()
+
+
 def test_serving_http_mode_serves_w1_through_the_server(tmp_path: Path) -> None:
     """``bench.serving --http`` on the shrunken config: W1 in-process and through the server, every requested token
     on both sides (no stop token), their ratio, and a table of its own in the rendered section."""
