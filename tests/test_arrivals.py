@@ -223,6 +223,17 @@ def test_rate_inf_runs_the_plain_loop_of_before(lm: LeanMoEModel, ids: list[list
     assert len({t.scheduled for t in e.times.values()}) == 1  # everything was scheduled in the first step
 
 
+def test_a_request_aborted_before_it_arrives_never_runs(lm: LeanMoEModel, ids: list[list[int]],
+                                                         at_once: list[tuple[int, ...]]) -> None:
+    e = dense_engine(lm, PARAMS, ids[:2], set(), arrivals=ArrivalSchedule.from_times([0.0, 5.0]))
+    slept: list[float] = []
+    e.sleep = slept.append
+    out = e.abort(1)
+    assert out.finish == "abort" and out.token_ids == () and out.prompt_tokens == len(ids[1])
+    outs = e.run_until_done()
+    assert not slept and list(outs) == [0] and outs[0].token_ids == at_once[0] and 1 not in e.times
+
+
 def test_latency_stats_agree_with_the_timestamps() -> None:
     """Hand-made timestamps: percentiles by sorting, goodput by counting."""
     rng = np.random.default_rng(0)

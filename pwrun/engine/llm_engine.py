@@ -93,11 +93,12 @@ class LLMEngine:
 
     def abort(self, rid: int) -> RequestOutput:
         """Stop request ``rid``; its pages return to the pool. Returns its output so far (finish "abort")."""
-        if any(r == rid for _, r, _ in self._future):  # not arrived yet: it never reaches the core
+        held = [f for f in self._future if f[1] == rid]
+        if held:  # not arrived yet: it never reaches the core
             self._future = [f for f in self._future if f[1] != rid]
             heapq.heapify(self._future)
             del self.times[rid]
-            return RequestOutput(rid, (), 0, "abort")
+            return RequestOutput(rid, (), len(held[0][2].prompt), "abort")
         out = self.core.abort(rid)
         self.runner.release(rid)
         self.outputs[rid] = out
