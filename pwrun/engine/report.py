@@ -211,8 +211,11 @@ def summarize(engine: LLMEngine, slo: SLO | None = None) -> RunSummary:
         pool_peak_pages=pool.peak_used, mean_bits=mean_bits, extra=info, **over)
 
 
-def _num(x: float, unit: str, digits: int = 3) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{x:.{digits}g} {unit}"
+def _num(x: float, unit: str) -> str:
+    """``x`` to 3 significant digits (whole numbers from 1000 on), or n/a for NaN."""
+    if math.isnan(x):
+        return "n/a"
+    return f"{x:.0f} {unit}" if abs(x) >= 1000 else f"{x:.3g} {unit}"
 
 
 def format_latency(stats: LatencyStats, rate: float | None, slo: SLO | None = None) -> str:
