@@ -119,7 +119,7 @@ def run(
             raise PagedWeightError("--policy 16-bit scores the reference model at its own footprint: no --bits, "
                                    "--gpu-memory or --trace")
         if policy != "16-bit" and policy not in POLICIES:
-            raise PagedWeightError(f"unknown --policy {policy!r}: choose one of {', '.join(POLICIES)}, 16-bit")
+            raise PagedWeightError(f"unknown --policy {policy!r}: choose one of {', '.join(POLICIES)}")
         set_threads(threads)
         open_artifact(artifacts, model or default_model(), not no_verify)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)

@@ -146,7 +146,8 @@ def generate(
     dtype: DtypeOpt = "auto",
     artifacts: Annotated[Path | None, typer.Option(help="Artifact directory from `pwcal run-all` (AP weights + "
                                                    "calibration): serve with the page pool under --gpu-memory. "
-                                                   "Without it: the 16-bit model, no budget.")] = None,
+                                                   "Without it: the 16-bit model (no budget unless --policy "
+                                                   "16-bit).")] = None,
     gpu_memory: GpuMemoryOpt = None,
     policy: PolicyOpt = "pagedweight",
     bits: BitsOpt = None,
@@ -201,9 +202,13 @@ def generate(
             if ms is not None and not (math.isfinite(ms) and ms > 0):
                 raise PagedWeightError(f"{flag} {ms} is not allowed: give a number of milliseconds > 0")
         slo = SLO(slo_ttft_ms, slo_tpot_ms)
-        if artifacts is None and (gpu_memory or trace or summary_json or bits is not None or policy != "pagedweight"):
+        dense = policy == "16-bit"
+        if dense and artifacts is not None:
+            raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: drop --artifacts")
+        if artifacts is None and not dense and (gpu_memory or trace or summary_json or bits is not None
+                                                 or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy, --bits, --trace and --summary-json need --artifacts DIR "
-                                   "(from `pwcal run-all`)")
+                                   "(from `pwcal run-all`), or --policy 16-bit for the 16-bit experts under a budget")
         if trace is not None and trace.suffix != ".parquet":
             raise PagedWeightError(f"--trace {trace} must end in .parquet")
         for flag, path in (("--output", output), ("--trace", trace), ("--summary-json", summary_json)):
@@ -231,11 +236,12 @@ def generate(
 
         for note in load_spec(model_dir)[0].notes:  # e.g. a multimodal checkpoint's towers: text model only
             console.print(f"note: {note}", style="dim", highlight=False, soft_wrap=True)
-        if artifacts is not None:
-            art = open_artifact(artifacts, model_dir, not no_verify)
+        if artifacts is not None or dense:
             serve_policy = Policy.named(policy, bits)
-            serve_policy.check_bits(art.bits)
-            warn_missing_tables(art, [policy], model_dir)
+            if artifacts is not None:
+                art = open_artifact(artifacts, model_dir, not no_verify)
+                serve_policy.check_bits(art.bits)
+                warn_missing_tables(art, [policy], model_dir)
             cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), serve_policy,
                               EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
                                            debug_checks=debug_checks))

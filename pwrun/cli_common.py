@@ -36,11 +36,13 @@ from pwrun.signals import Terminated, raise_terminated
 
 ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugging Face checkpoint directory "
                                         "(config.json, *.safetensors, tokenizer). Default: the bundled tiny MoE.")]
-GpuMemoryOpt = Annotated[str | None, typer.Option(help="With --artifacts: the device memory budget of the whole "
-                                                 "process, e.g. 10GiB, 48MiB (binary units), 1.5GB (decimal), "
-                                                 "or a bare number of bytes (default 4GiB).")]
+GpuMemoryOpt = Annotated[str | None, typer.Option(help="With --artifacts or --policy 16-bit: the device memory "
+                                                 "budget of the whole process, e.g. 10GiB, 48MiB (binary units), "
+                                                 "1.5GB (decimal), or a bare number of bytes (default 4GiB).")]
 PolicyOpt = Annotated[str, typer.Option(help="pagedweight (default), uniform (needs --bits), static, or an ablation: "
-                                        "no-routing, no-residual, no-movement, no-sensitivity.")]
+                                        "no-routing, no-residual, no-movement, no-sensitivity; 16-bit: the "
+                                        "checkpoint's own experts in the page pool under --gpu-memory (no "
+                                        "--artifacts).")]
 BitsOpt = Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, fp32 on "

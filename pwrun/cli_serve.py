@@ -40,7 +40,8 @@ console = make_console(stderr=True)
 def serve(
     model: ModelOpt = None,
     artifacts: Annotated[Path | None, typer.Option(help="Artifact directory from `pwcal run-all`: serve with the page "
-                                                   "pool under --gpu-memory. Without it: the 16-bit model.")] = None,
+                                                   "pool under --gpu-memory. Without it: the 16-bit model (under "
+                                                   "--gpu-memory with --policy 16-bit).")] = None,
     gpu_memory: GpuMemoryOpt = None,
     policy: PolicyOpt = "pagedweight",
     bits: BitsOpt = None,
@@ -80,8 +81,12 @@ def serve(
         if context > spec.max_position_embeddings:
             raise PagedWeightError(f"--max-model-len {context} is above the model's context of "
                                    f"{spec.max_position_embeddings} tokens")
-        if artifacts is None and (gpu_memory or bits is not None or policy != "pagedweight"):
-            raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`)")
+        dense = policy == "16-bit"
+        if dense and artifacts is not None:
+            raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: drop --artifacts")
+        if artifacts is None and not dense and (gpu_memory or bits is not None or policy != "pagedweight"):
+            raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`), or "
+                                   "--policy 16-bit for the 16-bit experts under a budget")
         if log_level not in LOG_LEVELS:
             raise PagedWeightError(f"--log-level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         check_listen(host, port)

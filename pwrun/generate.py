@@ -2,7 +2,8 @@
 
 What it does: tokenizes prompts (checking each fits the model's context with its generation), builds the
 engine (``dense_engine``: the model's own 16-bit experts, every prompt in one prefill step and all decoded
-together; ``build_engine``: AP experts in a page pool under ``--gpu-memory`` with the chosen policy), runs
+together; ``build_engine``: AP experts in a page pool under ``--gpu-memory`` with the chosen policy;
+``build_dense_engine``: the 16-bit experts in that pool under the budget, ``--policy 16-bit``), runs
 it to completion, each request arriving at its time of an ``ArrivalSchedule`` (default: all at t=0), streaming
 each request's new text through ``on_text``, and returns one ``Generation`` per prompt with its serving times.
 Nothing is dropped: every request runs to EOS or ``max_new_tokens``.
@@ -20,6 +21,7 @@ from pwrun.core.arrivals import ArrivalSchedule
 from pwrun.core.latency import SLO, LatencyStats, RequestTimes, latency_stats
 from pwrun.core.request import RequestOutput, SamplingParams
 from pwrun.engine.build import ServeConfig, build_engine, dense_engine
+from pwrun.engine.build_dense import build_dense_engine
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.report import RunSummary, summarize, write_trace
 from pwrun.model.lean import LeanMoEModel
@@ -134,21 +136,27 @@ def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: Sa
                                  latency_stats(list(engine.times.values()), slo), engine.request_rate)
 
 
-def serve_prompts(model_dir: Path, artifact_dir: Path, prompts: list[str], tokenizer: Any, cfg: ServeConfig,
+def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str], tokenizer: Any, cfg: ServeConfig,
                   params: SamplingParams, device: str = "auto", dtype: str = "auto",
                   on_text: Callable[[int, str], None] | None = None, trace: Path | None = None,
                   on_progress: Callable[[int, int], None] | None = None, arrivals: ArrivalSchedule | None = None,
                   slo: SLO | None = None) -> tuple[list[Generation], RunSummary]:
-    """Serve ``prompts`` with AP experts under ``cfg``, request i arriving at ``arrivals.times[i]`` seconds from
-    the start of the run (None: all at t=0); generations (in prompt order) and the run summary (``slo``: what its
-    goodput counts).
-
-    A ``trace`` that cannot be written does not lose the generations: the summary's ``trace_error`` says why.
+    """Serve ``prompts`` under ``cfg``: AP experts from ``artifact_dir``, or the 16-bit experts of ``model_dir``
+    with ``cfg.policy`` 16-bit (``artifact_dir`` is then not read), request i arriving at ``arrivals.times[i]``
+    seconds from the start of the run (None: all at t=0); generations (in prompt order) and the run summary
+    (``slo``: what its goodput counts). A ``trace`` that cannot be written does not lose the generations: the
+    summary's ``trace_error`` says why. Raises ``PagedWeightError`` for an AP policy without ``artifact_dir``.
     """
     spec, _ = load_spec(Path(model_dir))
     ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens)
-    engine = build_engine(Path(model_dir), Path(artifact_dir), cfg, params, ids,
-                          eos_ids(spec.eos_token_ids, tokenizer), device, dtype, arrivals=arrivals)
+    eos = eos_ids(spec.eos_token_ids, tokenizer)
+    if cfg.policy.dense:
+        engine = build_dense_engine(Path(model_dir), cfg, params, ids, eos, device, dtype, arrivals=arrivals)
+    elif artifact_dir is None:
+        raise PagedWeightError(f"--policy {cfg.policy.name} needs --artifacts DIR (from `pwcal run-all`)")
+    else:
+        engine = build_engine(Path(model_dir), Path(artifact_dir), cfg, params, ids, eos, device, dtype,
+                              arrivals=arrivals)
     gens = run_generation(engine, tokenizer, prompts, on_text, on_progress)
     summary = summarize(engine, slo)
     if trace is not None:

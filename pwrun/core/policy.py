@@ -6,7 +6,8 @@ statistics, one bucket and no online mass; ``no-residual``, no prompt factor, et
 demoted planes are never reloaded; ``no-sensitivity``, damage = bits dropped instead of the Hessian
 sensitivity), or once before serving (``uniform``: every block at ``bits``; ``static``: a fixed
 mixed-precision allocation chosen offline from the global sensitivity to fit the budget at the workload's
-peak KV, MxMoE-style). ``Policy.named`` turns a CLI name (and ``--bits``) into one. Control plane.
+peak KV, MxMoE-style), or not at all (``16-bit``: the checkpoint's own experts, held at 16 bits in the page pool,
+``placement="dense"``; no artifact). ``Policy.named`` turns a CLI name (and ``--bits``) into one. Control plane.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Literal
 from pwformat.errors import PagedWeightError
 from pwrun.core.planner.runtime import PlannerConfig
 
-Placement = Literal["planner", "uniform", "static"]
+Placement = Literal["planner", "uniform", "static", "dense"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class Policy:
     def __post_init__(self) -> None:
         if (self.placement == "uniform") != (self.bits is not None):
             raise ValueError("bits go with the uniform placement, and only with it")
+
+    @property
+    def dense(self) -> bool:
+        """The experts stay at 16 bits: served from the checkpoint, no artifact read."""
+        return self.placement == "dense"
 
     @property
     def dynamic(self) -> bool:
@@ -80,5 +86,6 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("no-sensitivity", use_sensitivity=False),
     Policy("uniform", "uniform", bits=8),
     Policy("static", "static"),
+    Policy("16-bit", "dense"),
 )}
 ABLATIONS = tuple(name for name, p in POLICIES.items() if p.dynamic and name != "pagedweight")

@@ -62,9 +62,10 @@ def cublas_workspace_bytes() -> int:
 
 
 def workspace_bytes(spec: ModelSpec, max_step_tokens: int, max_batch: int, max_context: int, elt: int,
-                    cuda: bool = False) -> int:
+                    cuda: bool = False, ap_experts: bool = True) -> int:
     """Upper bound of one step's activations in bytes (reference attention scores, MoE buffers, logits),
-    plus on CUDA the cuBLAS workspaces of the two streams that run GEMMs (compute, graph capture).
+    plus on CUDA the cuBLAS workspaces of the two streams that run GEMMs (compute, graph capture) and, for AP
+    experts (``ap_experts``; 16-bit experts are read in place), the prefill path's dequantized experts.
 
     ``elt``: bytes per activation element. Generous on purpose: it is measured against the real peak
     on the GPU by the serving summary.
@@ -87,4 +88,4 @@ def workspace_bytes(spec: ModelSpec, max_step_tokens: int, max_batch: int, max_c
     # pwkernels/configs/ap_moe.json)
     dequant = max((m.num_experts * 3 * h * m.expert_intermediate + 3 * h * m.shared_intermediate for m in moes),
                   default=0) * elt + max((3 * h * m.shared_intermediate for m in moes), default=0) * elt
-    return attention + moe + hidden + logits + (2 * cublas_workspace_bytes() + dequant if cuda else 0)
+    return attention + moe + hidden + logits + (2 * cublas_workspace_bytes() + dequant * ap_experts if cuda else 0)

@@ -24,6 +24,7 @@ import torch
 
 from pwformat.cost import block_pages, page_rounded_bytes
 from pwformat.errors import BudgetTooSmall, PagedWeightError
+from pwformat.kv_layout import KVLayout
 from pwformat.tables import WRITTEN_BY
 from pwkernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
 from pwrun.ap.artifact import APArtifact
@@ -255,6 +256,90 @@ def linear_shapes(model: LeanMoEModel) -> list[LinearShape]:
     return list(dict.fromkeys(out))
 
 
+def request_sizes(params: SamplingParams, requests: list[list[int]], forced: list[list[int]] | None) -> list[int]:
+    """Tokens of each request at its end: its prompt plus ``params.max_new_tokens``, or plus its forced
+    continuation. Raises ``PagedWeightError`` unless ``forced`` is one non-empty list per request."""
+    if forced is not None and (len(forced) != len(requests) or any(not f for f in forced)):
+        raise PagedWeightError("forced continuations must be one non-empty token list per request")
+    new = [len(f) for f in forced] if forced is not None else [params.max_new_tokens] * len(requests)
+    return [len(r) + n for r, n in zip(requests, new, strict=True)]
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """``--gpu-memory`` split for one engine (bytes): the non-expert weights (``fixed``), the step workspace
+    (``work``) and ``num_pages`` pool pages of ``page_bytes``; ``sizes``: prompt + new tokens of every request the
+    budget provisions (the longest: ``longest``), whose peak KV is ``min_kv_pages`` pages (SPEC section 5)."""
+
+    model: LeanMoEModel
+    cfg: ServeConfig
+    layout: KVLayout
+    sizes: list[int]
+    fixed: int
+    work: int
+    page_bytes: int
+    num_pages: int
+    min_kv_pages: int
+
+    @property
+    def longest(self) -> int:
+        return max(self.sizes)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """B_KV of Eq. 7."""
+        return self.layout.pages_per_block * self.page_bytes
+
+    def check(self, expert_bytes: int, what: str) -> None:
+        """Raise ``BudgetTooSmall`` (with the minimum budget) unless ``expert_bytes`` of experts (whole pages) and
+        the longest request's KV fit the pool; ``what`` names the expert bytes ("the 16-bit experts need")."""
+        kv = self.min_kv_pages * self.page_bytes
+        if expert_bytes + kv <= self.num_pages * self.page_bytes:
+            return
+        minimum = self.fixed + self.work + expert_bytes + kv
+        raise BudgetTooSmall(
+            f"--gpu-memory {format_size(self.cfg.gpu_memory)} is too small: {what} {format_size(expert_bytes)} and "
+            f"the longest request ({self.longest} tokens) {format_size(kv)} of KV, besides {format_size(self.fixed)} "
+            f"of non-expert weights ({dtype_label(self.model.dtype)}) and {format_size(self.work)} of step workspace "
+            f"(fewer tokens per step or fewer concurrent requests shrink it): give at least --gpu-memory "
+            f"{math.ceil(minimum / 2**20)}MiB", minimum)
+
+    def pool_and_runner(self, model: LeanMoEModel) -> tuple[PagePool, ModelRunner]:
+        """The page pool and the model runner owning its bytes; ``PagedWeightError`` if the device cannot hold it."""
+        pool = PagePool(PoolConfig(self.num_pages, self.page_bytes))
+        try:
+            return pool, ModelRunner(model, self.cfg.engine, self.num_pages, self.page_bytes)
+        except RuntimeError as exc:  # includes torch.OutOfMemoryError
+            raise PagedWeightError(f"cannot allocate a {format_size(self.num_pages * self.page_bytes)} page pool on "
+                                   f"{model.device} for --gpu-memory {format_size(self.cfg.gpu_memory)}: give a "
+                                   "budget the device has") from exc
+
+
+def split_budget(model: LeanMoEModel, cfg: ServeConfig, sizes: list[int], max_request_tokens: int,
+                 ap_experts: bool = True) -> BudgetSplit:
+    """The ``BudgetSplit`` of ``cfg.gpu_memory`` for ``model`` (non-expert weights on the device) serving requests
+    of ``sizes`` tokens (prompt + new, ``request_sizes``) and up to ``max_batch`` later ones of
+    ``max_request_tokens`` tokens; ``ap_experts``: the workspace holds the AP prefill path's dequantized experts.
+    Raises ``PagedWeightError`` if no request is provisioned or the budget exceeds the device."""
+    dev, spec, ecfg = model.device, model.spec, cfg.engine
+    check_device_budget(cfg.gpu_memory, dev)
+    elt = model.dtype.itemsize
+    layout = kv_layout(spec)
+    page_bytes = layout.page_bytes(ecfg.block_size, elt)
+    sizes = list(sizes) + [max_request_tokens] * ecfg.max_batch
+    longest = max(sizes)
+    if longest < 1:
+        raise PagedWeightError("an engine needs requests or max_request_tokens >= 1")
+    fixed = model.weights.num_bytes()
+    work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt,
+                           cuda=dev.type == "cuda", ap_experts=ap_experts)
+    # the longest request's pages at their peak (admission's rule), in whole blocks
+    min_kv_pages = -(-layout.peak_pages(longest, ecfg.block_size, ecfg.max_step_tokens) // layout.pages_per_block) \
+        * layout.pages_per_block
+    num_pages = max((cfg.gpu_memory - fixed - work) // page_bytes, 0)
+    return BudgetSplit(model, cfg, layout, sizes, fixed, work, page_bytes, int(num_pages), min_kv_pages)
+
+
 def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy: BucketPolicy,
                     heads: ResidualHeads | None, calib_features: np.ndarray | None, cfg: ServeConfig,
                     params: SamplingParams, requests: list[list[int]], eos: set[int],
@@ -267,28 +352,14 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     synthetic parts.
     Raises ``PagedWeightError`` if the budget is too small.
     """
-    if forced is not None and (len(forced) != len(requests) or any(not f for f in forced)):
-        raise PagedWeightError("forced continuations must be one non-empty token list per request")
-    new_tokens = [len(f) for f in forced] if forced is not None else [params.max_new_tokens] * len(requests)
     dev, dt = model.device, model.dtype
-    check_device_budget(cfg.gpu_memory, dev)
     spec = model.spec
     ecfg = cfg.engine
     elt = dt.itemsize
-    layout = kv_layout(spec)
-    page_bytes = layout.page_bytes(ecfg.block_size, elt)
-    sizes = [len(r) + n for r, n in zip(requests, new_tokens, strict=True)] + [max_request_tokens] * ecfg.max_batch
-    longest = max(sizes)
-    if longest < 1:
-        raise PagedWeightError("an engine needs requests or max_request_tokens >= 1")
-    fixed = model.weights.num_bytes()
-    work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt,
-                           cuda=dev.type == "cuda")
-    pool_bytes = cfg.gpu_memory - fixed - work
-    kv_block_bytes = layout.pages_per_block * page_bytes  # B_KV of Eq. 7
-    # the longest request's pages at their peak (admission's rule), in whole blocks
-    min_kv_pages = -(-layout.peak_pages(longest, ecfg.block_size, ecfg.max_step_tokens) // layout.pages_per_block) \
-        * layout.pages_per_block
+    split = split_budget(model, cfg, request_sizes(params, requests, forced), max_request_tokens)
+    layout, page_bytes, num_pages, sizes = split.layout, split.page_bytes, split.num_pages, split.sizes
+    fixed, work, longest = split.fixed, split.work, split.longest
+    min_kv_pages, kv_block_bytes = split.min_kv_pages, split.kv_block_bytes
     table = replace(table, bytes=page_rounded_bytes(table.shapes(spec), table.bits, page_bytes))
     pcfg = cfg.policy.planner_config(cfg.planner)
     if pcfg is not None and pcfg.overlapped is None:
@@ -302,26 +373,13 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     else:
         floor = floor_bits(table, policy.assign(table), policy, len(policy.floors) - 1)
     floor_bytes = table.total_bytes(floor)
-    num_pages = max(pool_bytes // page_bytes, 0)
-    if floor_bytes + min_kv_pages * page_bytes > num_pages * page_bytes:
-        minimum = fixed + work + floor_bytes + min_kv_pages * page_bytes
-        raise BudgetTooSmall(
-            f"--gpu-memory {format_size(cfg.gpu_memory)} is too small: the experts at their floors need "
-            f"{format_size(floor_bytes)} and the longest request ({longest} tokens) "
-            f"{format_size(min_kv_pages * page_bytes)} of KV, besides {format_size(fixed)} of non-expert weights "
-            f"({dtype_label(dt)}) and {format_size(work)} of step workspace (fewer tokens per step or fewer "
-            f"concurrent requests shrink it): give at least --gpu-memory {math.ceil(minimum / 2**20)}MiB", minimum)
+    split.check(floor_bytes, "the experts at their floors need")
     if dev.type == "cuda" and ecfg.precompile_workers != 0:  # before the pool takes the device's memory
         workers = None if ecfg.precompile_workers < 0 else ecfg.precompile_workers
         for msg in precompile_decode(moe_shapes(model), ecfg.max_batch, workers, ecfg.max_step_tokens) + \
                 precompile_gemv(linear_shapes(model), ecfg.max_batch, workers, ecfg.max_step_tokens):
             warnings.warn(f"decode kernels compile on first use instead: {msg}", stacklevel=2)
-    pool = PagePool(PoolConfig(int(num_pages), page_bytes))
-    try:
-        runner = ModelRunner(model, ecfg, int(num_pages), page_bytes)
-    except RuntimeError as exc:  # includes torch.OutOfMemoryError
-        raise PagedWeightError(f"cannot allocate a {format_size(num_pages * page_bytes)} page pool on {dev} for "
-                               f"--gpu-memory {format_size(cfg.gpu_memory)}: give a budget the device has") from exc
+    pool, runner = split.pool_and_runner(model)
     bit_list = [int(b) for b in table.bits]
     wpt = WeightPageTable(bit_list, *block_pages(table.shapes(spec), bit_list, page_bytes))
     assert np.array_equal(np.stack([wpt.pages_at(b) for b in bit_list], axis=1) * page_bytes, table.bytes)

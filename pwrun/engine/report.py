@@ -31,6 +31,7 @@ from pwrun.core.latency import SLO, LatencyStats, latency_stats
 from pwrun.engine.budget import dtype_label, format_size
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.trace import trace_table
+from pwrun.runner.experts.dense import DenseExpertStore
 
 
 @dataclass
@@ -176,6 +177,9 @@ def summarize(engine: LLMEngine, slo: SLO | None = None) -> RunSummary:
     steps = core.steps
     secs = max(engine.seconds, 1e-9)
     hist = np.bincount(q, minlength=9)
+    final_hist = {int(b): int(hist[b]) for b in range(9) if hist[b]}
+    if isinstance(engine.runner.experts, DenseExpertStore):  # 16-bit experts in the pool
+        final_hist = {16: len(engine.runner.experts.runs)}
     final_bits = float(q.mean()) if q.size else 16.0
     over: dict[str, Any] = {}
     mean_bits = final_bits
@@ -207,7 +211,7 @@ def summarize(engine: LLMEngine, slo: SLO | None = None) -> RunSummary:
         recomputed_tokens=core.scheduler.recomputed_tokens, planner_ms_per_step=1e3 * planner_s / max(steps, 1),
         planner_overlapped_ms_per_step=1e3 * (0.0 if w is None else w.planner_overlapped_seconds) / max(steps, 1),
         planner_share_of_step=planner_s / secs, final_mean_bits=final_bits,
-        final_bits_hist={int(b): int(hist[b]) for b in range(9) if hist[b]}, pool_pages=pool.cfg.num_pages,
+        final_bits_hist=final_hist, pool_pages=pool.cfg.num_pages,
         pool_peak_pages=pool.peak_used, mean_bits=mean_bits, extra=info, **over)
 
 

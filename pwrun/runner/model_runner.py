@@ -1,9 +1,9 @@
 """The model runner: the one owner of device memory, executing the engine core's decisions.
 
-What it does: allocates the page pool's bytes (one uint8 tensor: KV pages and, with AP experts, their
-bit-planes and LUTs), views them as the paged KV store, and holds the model (non-expert weights, or the
-whole 16-bit model when the experts are not paged), the expert store (``experts/``) and the decode CUDA
-graphs. ``execute`` maps the decision's new KV blocks, mirrors its weight moves, builds the step's
+What it does: allocates the page pool's bytes (one uint8 tensor: KV pages and, with paged experts, their
+AP bit-planes and LUTs or their 16-bit weights), views them as the paged KV store, and holds the model
+(non-expert weights, or the whole 16-bit model when the experts are not paged), the expert store (``experts/``)
+and the decode CUDA graphs. ``execute`` maps the decision's new KV blocks, mirrors its weight moves, builds the step's
 tensors and runs the forward (replaying a CUDA graph for pure decode steps); ``sample`` turns the logits
 into tokens (or the log-probability of forced ones) with one seeded generator per request. Whether the
 Triton kernels run is ``EngineConfig.use_kernels`` (default: on CUDA), not the device type, so the
@@ -28,6 +28,7 @@ from pwrun.model.inventory import kv_layout
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import MoEObserver
 from pwrun.model.step import StepTensors
+from pwrun.runner.experts.dense import DenseExpertStore, ExpertSource
 from pwrun.runner.experts.store import ExpertStore
 from pwrun.runner.graphs import DecodeGraphs
 from pwrun.runner.kv_store import PooledKVCache
@@ -51,7 +52,7 @@ class ModelRunner:
         layers = [(ls.attention.num_kv_heads, ls.attention.head_dim, ls.attention.window) for ls in spec.layers]
         self.kv = PooledKVCache(self.memory, spec.num_layers, kv_layout(spec).max_blocks(num_pages), cfg.block_size,
                                 a.num_kv_heads, a.head_dim, model.dtype, self.use_kernels, layers)
-        self.experts: ExpertStore | None = None
+        self.experts: ExpertStore | DenseExpertStore | None = None
         self.graphs: DecodeGraphs | None = None
         self.captured = False  # the last step captured a CUDA graph (one-off cost: warm-up + capture)
         self._params: dict[int, SamplingParams] = {}
@@ -67,6 +68,11 @@ class ModelRunner:
         self.experts = ExpertStore(source, self.model, table, wpt, pool, self.memory, self.use_kernels)
         self.experts.moe.observe = observe
         self.experts.place(q_bits)
+        return self.experts
+
+    def load_dense_experts(self, source: ExpertSource, pool: PagePool) -> DenseExpertStore:
+        """Place the 16-bit experts of ``source`` (one MoE layer at a time) in WEIGHT runs of the pool, for good."""
+        self.experts = DenseExpertStore(source, self.model, pool, self.memory, self.use_kernels)
         return self.experts
 
     def apply(self, moves: WeightMoves) -> None:

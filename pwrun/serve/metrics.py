@@ -53,7 +53,7 @@ class ServerMetrics:
         self.pool_pages.set(pool.cfg.num_pages)
         self.free_pages.set(pool.num_free)
         wpt = engine.core.wpt
-        self.weight_pages.set(0 if wpt is None else wpt.weight_pages())
+        self.weight_pages.set(pool.count(WEIGHT))  # AP planes and LUTs, or 16-bit experts
         self.mean_bits.set(16.0 if wpt is None or not wpt.q.size else float(wpt.q.mean()))
 
     def step(self, engine: LLMEngine) -> None:

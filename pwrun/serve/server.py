@@ -2,7 +2,8 @@
 
 What it does: ``build_serving_engine`` makes the engine for requests that arrive later: with an artifact,
 ``build_engine`` under the budget, policy and planner of ``pwrun generate`` (the budget provisions ``max_batch``
-requests of ``max_model_len`` tokens), without one the 16-bit model with a KV pool of that size. ``Server``
+requests of ``max_model_len`` tokens), with ``--policy 16-bit`` ``build_dense_engine`` under the same budget,
+without either the 16-bit reference model with a KV pool of that size. ``Server``
 joins it to the HTTP application and runs uvicorn: in the foreground (``run``: SIGTERM or Ctrl-C stop taking
 requests, let the running ones finish for up to ``drain_seconds``, abort the rest, stop the engine thread) or on a
 background thread (``start``/``stop``, for tests and benchmarks).
@@ -24,6 +25,7 @@ import uvicorn
 from pwformat.errors import PagedWeightError
 from pwrun.core.request import SamplingParams
 from pwrun.engine.build import ServeConfig, build_engine, dense_server_engine
+from pwrun.engine.build_dense import build_dense_engine
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.model.loader import load_model
 from pwrun.serve.app import ServerState, create_app
@@ -37,8 +39,11 @@ LOG_LEVELS = tuple(uvicorn.config.LOG_LEVELS)  # what --log-level accepts
 def build_serving_engine(model_dir: Path, artifacts: Path | None, cfg: ServeConfig, max_model_len: int,
                          device: str = "auto", dtype: str = "auto") -> LLMEngine:
     """The engine, holding no request yet; raises ``PagedWeightError`` on bad input or a budget too small for one
-    request of ``max_model_len`` tokens (with an artifact: ``cfg.gpu_memory``; without: the 16-bit model and
-    ``cfg.engine`` only)."""
+    request of ``max_model_len`` tokens (with an artifact or the 16-bit policy: ``cfg.gpu_memory``; without
+    either: the 16-bit reference model and ``cfg.engine`` only)."""
+    if cfg.policy.dense:
+        return build_dense_engine(model_dir, cfg, SamplingParams(), [], set(), device, dtype,
+                                  max_request_tokens=max_model_len)
     if artifacts is not None:
         return build_engine(model_dir, artifacts, cfg, SamplingParams(), [], set(), device, dtype,
                             max_request_tokens=max_model_len)

@@ -1,11 +1,12 @@
-"""The MoE block forward over AP experts in the page pool, and the live routing statistics.
+"""The MoE block forward over experts in the page pool, and the live routing statistics.
 
-What it does: ``APMoE.__call__`` is the MoE block the model calls. With the kernels: the router matmul
-(router and shared-expert gate fused in one), one routing kernel (top-k, gate, statistics) and the fused
-AP kernels for the routed and shared experts, reading the ``KernelTables``. Without (the reference): the
-model's router, then each block dequantized from its pages at its committed q (memoized until q changes,
-``invalidate``), then the same dense expert loop as the 16-bit model. It also accumulates the live
-routing statistics on the device (no host sync inside the step); ``take_stats`` reads and zeroes them.
+What it does: ``PooledMoE.__call__`` is the MoE block the model calls. With the kernels: the router matmul
+(router and shared-expert gate fused in one), one routing kernel (top-k, gate, statistics), then the experts'
+kernels (``run_experts``). Without (the reference): the model's router, then the same dense expert loop as the
+16-bit model over ``expert_weights``. It also accumulates the live routing statistics on the device (no host sync
+inside the step); ``take_stats`` reads and zeroes them. ``APMoE`` is it over AP blocks: the fused AP kernels
+reading the ``KernelTables``, or each block dequantized from its pages at its committed q (memoized until q
+changes, ``invalidate``); ``pwrun.runner.experts.dense.DenseMoE`` over 16-bit blocks.
 """
 
 from __future__ import annotations
@@ -27,18 +28,13 @@ from pwrun.model.weights import MLPWeights, MoEWeights
 from pwrun.runner.experts.tables import TABLE_ROW_ALIGN, KernelTables
 
 
-class APMoE:
-    """MoE forward of ``model``'s layers with blocks ``keys`` (shapes ``shapes``) committed in ``wpt``."""
+class PooledMoE:
+    """MoE forward of ``model``'s layers on ``device``: routing and statistics here, the experts in a subclass."""
 
-    def __init__(self, model: LeanMoEModel, keys: list[tuple[int, int, str]], shapes: list[tuple[int, int]],
-                 wpt: WeightPageTable, tables: KernelTables, use_kernel: bool) -> None:
-        self.model, self.spec, self.wpt, self.tables = model, model.spec, wpt, tables
-        self.shape = shapes
-        self.index = {k: i for i, k in enumerate(keys)}
+    def __init__(self, model: LeanMoEModel, device: torch.device, use_kernel: bool) -> None:
+        self.model, self.spec = model, model.spec
         self.use_kernel = use_kernel
-        self.page_bytes = tables.page_bytes
-        self.device = tables.device
-        self._dense: dict[int, torch.Tensor] = {}
+        self.device = device
         num_layers = self.spec.num_layers
         e_max = max((ls.moe.num_experts for ls in self.spec.layers if ls.moe is not None), default=1)
         # live routing statistics (read and zeroed every few steps), shared expert in column e_max
@@ -53,6 +49,80 @@ class APMoE:
         self.e_max = e_max
         self._shared_ids: dict[int, torch.Tensor] = {}
         self._router_gate = _fuse_router_and_gate(model) if use_kernel else {}
+
+    def expert_weights(self, layer: int, lw: MoEWeights) -> MoEWeights:
+        """``lw`` with the layer's experts as dense [N, K] tensors (or indexables of them): the reference path."""
+        raise NotImplementedError
+
+    def run_experts(self, x: torch.Tensor, layer: int, ids: torch.Tensor, w: torch.Tensor,
+                    shared_w: torch.Tensor | None, activation: str) -> torch.Tensor:
+        """Kernel path: routed experts ``ids`` / ``w`` [T, k] plus, where the layer has one, the shared expert times
+        ``shared_w`` [T, 1] fp32 (its gate applied) -> [T, H] in x's dtype, without a host sync."""
+        raise NotImplementedError
+
+    def shared_ids(self, t: int) -> torch.Tensor:
+        """[t, 1] int64 zeros: every token selects the shared expert (made once per t, reused by graph replays)."""
+        sid = self._shared_ids.get(t)
+        if sid is None:
+            sid = self._shared_ids[t] = torch.zeros(t, 1, dtype=torch.int64, device=self.device)
+        return sid
+
+    def __call__(self, x: torch.Tensor, layer: int, r: torch.Tensor | None = None) -> torch.Tensor:
+        """MoE output [T, H] for normalised hidden states x [T, H] with the pooled experts; ``r``: the router's
+        input where it is not x (``pwrun.model.moe.router_input``)."""
+        lw = self.model.weights.layers[layer].moe
+        spec = self.spec.layers[layer].moe
+        assert lw is not None and spec is not None
+        if self.use_kernel:
+            return self._kernel(x, layer, lw, spec, x if r is None else r)
+        weights, ids = route(x if r is None else r, lw.router, spec, lw.expert_scale)
+        if self.observe:
+            self._observe(layer, x, ids, weights, spec.num_experts, lw.shared is not None)
+        return experts_forward(x, self.expert_weights(layer, lw), weights, ids, spec.num_experts, layer,
+                               activation=spec.activation)
+
+    def _kernel(self, x: torch.Tensor, layer: int, lw: MoEWeights, spec: Any, r: torch.Tensor) -> torch.Tensor:
+        """Kernel path: router matmul (router and shared gate in one), one routing kernel (top-k, gate,
+        statistics), then ``run_experts``."""
+        e = spec.num_experts
+        has_gate = lw.shared_gate is not None
+        weight = self._router_gate.get(layer, lw.router)
+        logits = linear(r, weight)
+        scaled = lw.expert_scale is not None  # the statistics take the weights after the per-expert scale
+        stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max and not scaled \
+            else None
+        w, ids, shared_w = route_topk(logits, x, e, spec.top_k, spec.norm_topk_prob, has_gate, stats,
+                                      has_shared=lw.shared is not None)
+        if lw.expert_scale is not None:
+            w = (w * lw.expert_scale.float()[ids]).to(x.dtype).float()
+        if self.observe and stats is None:
+            self._observe(layer, x, ids, w, e, lw.shared is not None)
+        return self.run_experts(x, layer, ids, w, None if lw.shared is None else shared_w[:, None], spec.activation)
+
+    def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                 shared: bool) -> None:
+        accumulate_routing_stats(self.mass_acc[layer], self.norm_acc[layer], x, ids, weights,
+                                 self.mass_acc.shape[1] - 1, shared)
+
+    def take_stats(self) -> tuple[Any, Any]:
+        """The routing-weight sums [L, E+1] and norm accumulators [L, E+1, 4] (numpy) since the last call."""
+        m, a = self.mass_acc.cpu().numpy().copy(), self.norm_acc.cpu().numpy().copy()
+        self.mass_acc.zero_()
+        self.norm_acc.zero_()
+        return m, a
+
+
+class APMoE(PooledMoE):
+    """MoE forward of ``model``'s layers with AP blocks ``keys`` (shapes ``shapes``) committed in ``wpt``."""
+
+    def __init__(self, model: LeanMoEModel, keys: list[tuple[int, int, str]], shapes: list[tuple[int, int]],
+                 wpt: WeightPageTable, tables: KernelTables, use_kernel: bool) -> None:
+        super().__init__(model, tables.device, use_kernel)
+        self.wpt, self.tables = wpt, tables
+        self.shape = shapes
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.page_bytes = tables.page_bytes
+        self._dense: dict[int, torch.Tensor] = {}
 
     def invalidate(self, blocks: list[int]) -> None:
         """Forget the dense copies of ``blocks`` (their committed bits changed)."""
@@ -76,57 +146,16 @@ class APMoE:
             self._dense[i] = w
         return w
 
-    def __call__(self, x: torch.Tensor, layer: int, r: torch.Tensor | None = None) -> torch.Tensor:
-        """MoE output [T, H] for normalised hidden states x [T, H] with the committed AP experts; ``r``: the
-        router's input where it is not x (``pwrun.model.moe.router_input``)."""
-        lw = self.model.weights.layers[layer].moe
-        spec = self.spec.layers[layer].moe
-        assert lw is not None and spec is not None
-        if self.use_kernel:
-            return self._kernel(x, layer, lw, spec, x if r is None else r)
-        weights, ids = route(x if r is None else r, lw.router, spec, lw.expert_scale)
-        if self.observe:
-            self._observe(layer, x, ids, weights, spec.num_experts, lw.shared is not None)
-        view = _DenseMoE(self, layer, lw)
-        return experts_forward(x, cast(MoEWeights, view), weights, ids, spec.num_experts, layer,
-                               activation=spec.activation)
+    def expert_weights(self, layer: int, lw: MoEWeights) -> MoEWeights:
+        return cast(MoEWeights, _DenseMoE(self, layer, lw))
 
-    def _kernel(self, x: torch.Tensor, layer: int, lw: MoEWeights, spec: Any, r: torch.Tensor) -> torch.Tensor:
-        """Kernel path: router matmul (router and shared gate in one), one routing kernel (top-k, gate,
-        statistics), the fused AP kernels for the routed experts and the shared expert (``ap_moe_block``)."""
-        e = spec.num_experts
-        has_gate = lw.shared_gate is not None
-        weight = self._router_gate.get(layer, lw.router)
-        logits = linear(r, weight)
-        scaled = lw.expert_scale is not None  # the statistics take the weights after the per-expert scale
-        stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max and not scaled \
-            else None
-        w, ids, shared_w = route_topk(logits, x, e, spec.top_k, spec.norm_topk_prob, has_gate, stats,
-                                      has_shared=lw.shared is not None)
-        if lw.expert_scale is not None:
-            w = (w * lw.expert_scale.float()[ids]).to(x.dtype).float()
-        if self.observe and stats is None:
-            self._observe(layer, x, ids, w, e, lw.shared is not None)
-        if lw.shared is None:
-            return ap_moe(x, ids, w, self.tables.experts(layer), check=False, activation=spec.activation)
-        t = x.shape[0]
-        sid = self._shared_ids.get(t)
-        if sid is None:
-            sid = self._shared_ids[t] = torch.zeros(t, 1, dtype=torch.int64, device=x.device)
+    def run_experts(self, x: torch.Tensor, layer: int, ids: torch.Tensor, w: torch.Tensor,
+                    shared_w: torch.Tensor | None, activation: str) -> torch.Tensor:
+        """The fused AP kernels for the routed experts and the shared expert (``ap_moe_block``)."""
+        if shared_w is None:
+            return ap_moe(x, ids, w, self.tables.experts(layer), check=False, activation=activation)
         return ap_moe_block(x, ids, w, self.tables.experts(layer), self.tables.experts(layer, "shared"),
-                            shared_w[:, None], sid, check=False, activation=spec.activation)
-
-    def _observe(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                 shared: bool) -> None:
-        accumulate_routing_stats(self.mass_acc[layer], self.norm_acc[layer], x, ids, weights,
-                                 self.mass_acc.shape[1] - 1, shared)
-
-    def take_stats(self) -> tuple[Any, Any]:
-        """The routing-weight sums [L, E+1] and norm accumulators [L, E+1, 4] (numpy) since the last call."""
-        m, a = self.mass_acc.cpu().numpy().copy(), self.norm_acc.cpu().numpy().copy()
-        self.mass_acc.zero_()
-        self.norm_acc.zero_()
-        return m, a
+                            shared_w, self.shared_ids(x.shape[0]), check=False, activation=activation)
 
 
 def _fuse_router_and_gate(model: LeanMoEModel) -> dict[int, torch.Tensor]:
