@@ -205,7 +205,11 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     ``RequestOutput.logprobs``) instead of sampling; each request then runs for exactly that many tokens.
     ``max_request_tokens``: prompt + new tokens of the longest request that may be added later (a server: the
     budget, the workspace and a static placement provision ``max_batch`` requests of that length).
+    The 16-bit policy reads no artifact: ``pwrun.engine.build_dense.build_dense_engine`` builds its engine.
     """
+    if cfg.policy.dense:
+        raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: build it without an artifact "
+                               "(build_dense_engine)")
     art = APArtifact(artifact_dir)
     art.check_model(model_dir)
     cfg.policy.check_bits(art.bits)
