@@ -7,7 +7,7 @@ PROMPT ?= The history of the city begins
 # Whole-process memory budget of the serving demo: tight enough that the planner trades expert bits for KV.
 DEMO_BUDGET ?= 48MiB
 
-.PHONY: setup demo eval test gpu-test lint typecheck unit clean
+.PHONY: setup demo eval test test-slow gpu-test lint typecheck unit clean
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,10 @@ unit: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 test: lint typecheck unit
+
+# The whole-model quality studies that `make test` leaves out (pytest marker `slow`; about 10 minutes on 2 cores).
+test-slow: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow
 
 # On a GPU machine whose python3 already has torch, triton and the project's dependencies (no venv, no network):
 # every test with a CUDA path, natively. Refuses to run without a GPU rather than skip everything.

@@ -74,6 +74,7 @@ def test_8bit_is_within_half_a_percent_and_3bit_is_worse(artifact: Path) -> None
     assert p3 > p8 * 1.005
 
 
+@pytest.mark.slow
 def test_gptq_beats_kmeans_at_3_bits_and_8_bits_stays_lossless(artifact: Path, tmp_path: Path) -> None:
     """``--method gptq`` (error feedback, ``pwcal.quant.gptq``) against the default k-means on the same calibration.
 
