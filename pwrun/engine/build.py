@@ -2,11 +2,12 @@
 
 What it does: checks the artifact against the model and the policy against the artifact's
 stages; loads the non-expert weights onto the device (in the model's dtype; the dense experts are never read);
-splits ``--gpu-memory`` into fixed parts and the page pool; places every expert block at its
+splits ``--gpu-memory`` into fixed parts and the page pool (``split_budget``, shared with ``build_dense.py``, which
+holds the 16-bit experts in the pool for ``--policy 16-bit``); places every expert block at its
 initial bitwidth (the planner's fit of the pool, a uniform or a static allocation); refuses a
 budget below what the floors and the longest request need, stating the minimum; and returns an
 ``LLMEngine`` (engine core + model runner) holding the requests. ``dense_engine`` is the same engine
-with the model's own 16-bit experts (no artifact, no planner; the pool holds only KV).
+with the model's own 16-bit experts outside the pool (no budget, no artifact, no planner; the pool holds only KV).
 """
 
 from __future__ import annotations
