@@ -42,6 +42,7 @@ repository root (GPU machine unless noted):
 | paged attention | `python -m bench.attention` |
 | dense GEMV | `python -m bench.dense_gemv` |
 | planner host time | `python -m bench.planner` (CPU) |
+| headline | `python -m bench.headline [--figure docs/figures/headline_qwen.png]` |
 | calibration | `python -m bench.calibration` |
 """
 
@@ -95,6 +96,21 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
     "planner": ("Planner host time", "Median ms of each planner call at the model's block count "
                 "(`python -m bench.planner`, CPU).",
                 ("model", "call"), [("blocks", "blocks"), ("ms", "ms")]),
+    "headline": ("Headline experiment: one budget, KV-heavy traffic over time",
+                 "Every system in the same device budget on the same requests and Poisson arrival times: long "
+                 "QMSum windows, random weights at the model's real shape (`python -m bench.headline`). FP16 is "
+                 "the checkpoint's 16-bit experts in the page pool (static). The paper (SPEC section 8) reports "
+                 "PagedWeight at 1.94x FP16's throughput and at most 4.1% below uniform APL, FP16-level quality "
+                 "at up to 72% less memory; Qwen1.5-MoE at sequence 2048, tok/s at B=1 / B=4: FP16 67.1 / 258.0, "
+                 "APL 3.25-bit 134.5 / 429.9, PagedWeight (7.63 GB) 130.1 / 419.4. Quality at each memory "
+                 "fraction: [docs/eval/](eval/README.md).",
+                 ("model", "layers", "gpu_memory", "request_rate", "system"),
+                 [("output tok/s", "output_tokens_per_second"), ("x FP16", "x_vs_fp16"),
+                  ("x uniform 4", "x_vs_uniform4"), ("TTFT p50 s", "ttft_p50_s"), ("TTFT p99 s", "ttft_p99_s"),
+                  ("TPOT p50 ms", "tpot_p50_ms"), ("TPOT p99 ms", "tpot_p99_ms"), ("queue p50 s", "queue_p50_s"),
+                  ("preemptions", "preemptions"), ("mean bits", "mean_bits"),
+                  ("expert share", "expert_share_16bit"), ("KV GiB (mean)", _gib("kv_bytes_mean")),
+                  ("completed", "completed")]),
     "calibration": ("Calibration", "`pwcal` stages on random weights at the model's real shape "
                     "(`python -m bench.calibration`).",
                     ("model", "stage"), [("tokens", "tokens"), ("blocks", "blocks"), ("seconds", "seconds")]),

@@ -26,7 +26,7 @@ labelled REV (a directory: its name without a leading dot); ``python -m bench.re
 both side by side. On a machine without the git history,
 extract REV's code beside the tree first::
 
-    git archive <REV> pwrun pwcal kernels bench tests/fixtures/configs | (mkdir -p .base && tar -x -C .base)
+    git archive <REV> pwrun pwcal pwkernels bench tests/fixtures/configs | (mkdir -p .base && tar -x -C .base)
     export COMMIT=<HEAD> COMPARE_COMMIT=<REV>   # the commits the records name
     python -m bench.serving --batches 1,4,16 --bits 4 --skip-hf --skip-lean16 --label main
         --compare-commit .base --compare-rounds 2    # (one command line)

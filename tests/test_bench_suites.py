@@ -133,3 +133,28 @@ def test_serving_http_mode_serves_w1_through_the_server(tmp_path: Path) -> None:
     perf = (tmp_path / "perf.md").read_text()
     assert f"| {tmp_path.name} | pagedweight | 1GiB | 2 | True | 4 | 4 |" in perf
     assert f"| {tmp_path.name} | W1 over HTTP |" not in perf  # not in the decode tables
+
+
+def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None:
+    """``bench.headline`` on the shrunken config (its first 2 layers): the six systems serve the same requests in
+    full in one budget, FP16 at 16 bits and the uniform ones at theirs, the ratios are each system's throughput over
+    FP16's and uniform 4-bit's, the figure is written and the renderer gives a row per system."""
+    _shrunken_qwen(tmp_path)
+    out, png = tmp_path / "headline.jsonl", tmp_path / "memory.png"
+    _run("bench.headline", "--device", "cpu", "--config-dir", str(tmp_path), "--layers", "1", "--requests", "4",
+         "--lo", "300", "--hi", "600", "--gen", "3", "--request-rate", "20", "--max-batch", "4", "--step-tokens",
+         "256", "--gpu-memory", "40MiB", "--label", "t", "--out", str(out), "--figure", str(png))
+    rows = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert list(rows) == ["fp16", "uniform8", "uniform4", "uniform3", "static", "pagedweight"]
+    assert {r["prompt_tokens"] for r in rows.values()} == {rows["fp16"]["prompt_tokens"]}
+    for r in rows.values():
+        assert "error" not in r and r["completed"] == 4 and r["generated_tokens"] == 12 and r["layers"] == 1, r
+        assert r["x_vs_fp16"] == r["output_tokens_per_second"] / rows["fp16"]["output_tokens_per_second"]
+        assert r["x_vs_uniform4"] == r["output_tokens_per_second"] / rows["uniform4"]["output_tokens_per_second"]
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["kv_bytes_mean"] > 0
+    assert rows["fp16"]["mean_bits"] == 16 and [rows[f"uniform{b}"]["mean_bits"] for b in (8, 4, 3)] == [8, 4, 3]
+    assert png.stat().st_size > 10_000
+    md = tmp_path / "performance.md"
+    _run("bench.render", "--results", str(tmp_path), "--out", str(md))
+    text = md.read_text()
+    assert "## Headline experiment" in text and sum(f"| 20 | {s} |" in text for s in rows) == 6

@@ -1,0 +1,239 @@
+"""The paper's headline experiment (SPEC section 8) at a seed model's real size, one command.
+
+One device budget in which the 16-bit weights fit but leave little room for KV (default 40 GiB for
+Qwen1.5-MoE-A2.7B, whose weights take 28.6 GB), KV-heavy traffic arriving over time (``--requests`` windows of
+``--lo``..``--hi`` tokens of the bundled QMSum meeting transcripts, Poisson arrivals at ``--request-rate``
+requests/s, ``--gen`` new tokens each), and the systems FP16 (the checkpoint's 16-bit experts in the page pool,
+static), uniform 8 / 4 / 3 bits, static mixed precision and PagedWeight, each served by the same engine on the same
+requests and arrival times (random weights: ``bench.common``; quality comes from the bundled model's evaluation in
+``docs/eval/``). A system whose weights leave no room for the longest request records its error and the next runs.
+
+One JSON line per system in ``bench/results/headline.jsonl``: output tokens/s over the run, TTFT / TPOT / queueing
+p50 and p99, goodput, preemptions, the time-averaged committed bits and expert bytes (share of their 16-bit bytes),
+the time-averaged KV bytes, and the ratios against FP16 and uniform 4-bit of the same run. ``--figure`` draws the
+memory split (expert weights vs KV) over time of FP16 and PagedWeight.
+
+Usage (GPU machine, repository root)::
+
+    python -m bench.headline --figure docs/figures/headline_qwen.png
+    python -m bench.headline --config-dir tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1 --layers 8
+        --gpu-memory 40GiB --figure docs/figures/headline_mixtral.png    # (one command line)
+    python -m bench.render
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import (
+    BENCH_PLANNER,
+    BENCH_POLICY,
+    QWEN,
+    SyntheticAP,
+    environment,
+    random_model,
+    synthetic_table,
+    write_records,
+)
+from bench.serving_runs import reset_peak
+from bench.workloads import w2
+from pwrun.core.arrivals import ArrivalSchedule
+from pwrun.core.config import GPU_MAX_BATCH, GPU_STEP_TOKENS, EngineConfig
+from pwrun.core.policy import Policy
+from pwrun.core.request import SamplingParams
+from pwrun.engine.budget import parse_size
+from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
+from pwrun.engine.build_dense import assemble_dense_engine
+from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.report import summarize
+from pwrun.model.lean import LeanMoEModel
+from pwrun.model.weights import MLPWeights
+
+SYSTEMS = {  # name -> (policy, uniform bits); "fp16" is the 16-bit engine
+    "fp16": ("16-bit", None), "uniform8": ("uniform", 8), "uniform4": ("uniform", 4), "uniform3": ("uniform", 3),
+    "static": ("static", None), "pagedweight": ("pagedweight", None)}
+PAPER = {"fp16_throughput_x": 1.94, "uniform_overhead_pct": 4.1, "memory_saving_pct": 72.0}
+
+
+class HostExperts:
+    """The random model's experts, moved to the host by MoE layer before ``strip_experts`` drops them from the
+    device: the FP16 engine's source (``pwrun.runner.experts.dense.ExpertSource``)."""
+
+    def __init__(self, model: LeanMoEModel) -> None:
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor, MLPWeights | None]] = {}
+        for i, lw in enumerate(model.weights.layers):
+            if (m := lw.moe) is not None:
+                sh = None if m.shared is None else MLPWeights(m.shared.gate_up.cpu(), m.shared.down.cpu())
+                self._layers[i] = (m.gate_up.cpu(), m.down.cpu(), sh)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, MLPWeights | None]:
+        return self._layers[index]
+
+
+def cut_config(config_dir: Path, layers: int | None, into: Path) -> Path:
+    """``config_dir``, or a copy of its ``config.json`` in ``into`` with only the first ``layers`` layers."""
+    if not layers:
+        return config_dir
+    cfg = json.loads((config_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the cut
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:layers]
+    into.mkdir(parents=True, exist_ok=True)
+    (into / "config.json").write_text(json.dumps(cfg))
+    return into
+
+
+def memory_series(engine: LLMEngine) -> dict[str, list[float]]:
+    """Per step: the engine's busy seconds up to its end (idle gaps between arrivals left out), expert weight bytes
+    and KV bytes in the pool."""
+    page = engine.info["page_bytes"]
+    t = 0.0
+    out: dict[str, list[float]] = {"t": [], "weight_bytes": [], "kv_bytes": []}
+    for r in engine.trace:
+        t += r.seconds
+        out["t"].append(t)
+        out["weight_bytes"].append(float(r.weight_bytes or r.weight_pages * page))
+        out["kv_bytes"].append(float(r.kv_pages * page))
+    return out
+
+
+def run_system(name: str, model: LeanMoEModel, experts: HostExperts | None, src: SyntheticAP, table: Any,
+               reqs: list[list[int]], arrivals: ArrivalSchedule, args: argparse.Namespace
+               ) -> tuple[dict[str, Any], dict[str, list[float]] | None]:
+    """One system's timed run: its record and its memory series."""
+    policy, bits = SYSTEMS[name]
+    ecfg = EngineConfig(max_batch=args.max_batch, max_step_tokens=args.step_tokens)
+    params = SamplingParams(max_new_tokens=args.gen)
+    t = time.perf_counter()
+    if policy == "16-bit":
+        assert experts is not None
+        e = assemble_dense_engine(model, experts, ServeConfig(args.budget, engine=ecfg), params, reqs, set(),
+                                  arrivals=arrivals)
+    else:
+        cfg = ServeConfig(args.budget, Policy.named(policy, bits), ecfg, BENCH_PLANNER)
+        e = assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, params, reqs, set(), arrivals=arrivals)
+    startup = time.perf_counter() - t
+    t = time.perf_counter()
+    outs = e.run_until_done()
+    wall = time.perf_counter() - t
+    s = summarize(e).to_dict()
+    generated = sum(len(o.token_ids) for o in outs.values())
+    keep = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "queue_p50_s", "queue_p99_s", "goodput_rps",
+            "preemptions", "recomputed_tokens", "mean_bits", "expert_share_16bit", "weight_bytes_mean",
+            "kv_bytes_mean", "demoted_blocks", "promoted_blocks", "device_peak_bytes", "duration_s",
+            "graph_captures_in_run", "warm_up_seconds")
+    rec = {"system": name, "policy": policy, "bits": bits, "startup_s": startup, "seconds": wall,
+           "completed": sum(o.finished for o in outs.values()), "generated_tokens": generated,
+           "output_tokens_per_second": generated / wall, **{k: s.get(k) for k in keep}}
+    series = memory_series(e) if name in ("fp16", "pagedweight") else None
+    del e
+    return rec, series
+
+
+def figure(series: dict[str, dict[str, list[float]]], budget: int, title: str, out: Path) -> None:
+    """Stacked expert weights and KV (GiB) over time, one panel per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.2), sharey=True, squeeze=False)
+    for ax, (name, s) in zip(axes[0], series.items(), strict=True):
+        w = [b / 2**30 for b in s["weight_bytes"]]
+        kv = [b / 2**30 for b in s["kv_bytes"]]
+        ax.stackplot(s["t"], w, kv, labels=["expert weights", "KV cache"], step="post")
+        ax.axhline(budget / 2**30, color="k", lw=0.8, ls="--", label="budget")
+        ax.set_title(name)
+        ax.set_xlabel("busy seconds (steps only)")
+    axes[0][0].set_ylabel("GiB in the page pool")
+    axes[0][0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def with_ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each record with its throughput over FP16's and uniform 4-bit's of the same run (None where missing)."""
+    tps = {r["system"]: r.get("output_tokens_per_second") for r in records if "error" not in r}
+    for r in records:
+        for base, key in (("fp16", "x_vs_fp16"), ("uniform4", "x_vs_uniform4")):
+            own, ref = r.get("output_tokens_per_second"), tps.get(base)
+            r[key] = own / ref if own and ref else None
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config-dir", type=Path, default=QWEN, help="a seed model's config.json directory")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (a model too large)")
+    ap.add_argument("--gpu-memory", default="40GiB", help="the one device budget of every system")
+    ap.add_argument("--requests", type=int, default=64, help="requests in the workload")
+    ap.add_argument("--lo", type=int, default=2048, help="shortest prompt, tokens")
+    ap.add_argument("--hi", type=int, default=8192, help="longest prompt, tokens")
+    ap.add_argument("--gen", type=int, default=256, help="new tokens per request")
+    ap.add_argument("--request-rate", type=float, default=2.0, help="Poisson arrivals, requests/s (inf: at once)")
+    ap.add_argument("--arrival-seed", type=int, default=0)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS))
+    ap.add_argument("--max-batch", type=int, default=GPU_MAX_BATCH, help="running requests at most")
+    ap.add_argument("--step-tokens", type=int, default=GPU_STEP_TOKENS, help="tokens per step at most")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--figure", type=Path, default=None, help="PNG of the memory split over time")
+    ap.add_argument("--out", type=Path, default=None, help="JSON lines (default bench/results/headline.jsonl)")
+    ap.add_argument("--label", default=None)
+    args = ap.parse_args()
+    args.budget = parse_size(args.gpu_memory)
+    systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        ap.error(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
+    env = environment(args.label)
+    with tempfile.TemporaryDirectory() as tmp:
+        config_dir = cut_config(args.config_dir, args.layers, Path(tmp) / "config")
+        model = random_model(config_dir, getattr(torch, args.dtype), args.device)
+    experts = HostExperts(model) if "fp16" in systems else None
+    model = strip_experts(model, torch.device(args.device))
+    src, table = SyntheticAP(model.spec, model.dtype, args.device), synthetic_table(model.spec)
+    reset_peak(args.device)
+    vocab = model.spec.vocab_size
+    reqs = [[i % vocab for i in r] for r in w2(args.requests, args.lo, args.hi, seed=args.arrival_seed)]
+    arrivals = (ArrivalSchedule.at_once(len(reqs)) if math.isinf(args.request_rate)
+                else ArrivalSchedule.poisson(len(reqs), args.request_rate, args.arrival_seed))
+    base = {"model": args.config_dir.name, "layers": args.layers or model.spec.num_layers,
+            "gpu_memory": args.budget, "requests": len(reqs), "prompt_tokens": sum(map(len, reqs)),
+            "lo": args.lo, "hi": args.hi, "gen": args.gen, "request_rate": args.request_rate,
+            "arrival_seed": args.arrival_seed, "max_batch": args.max_batch, "step_tokens": args.step_tokens,
+            "paper": PAPER}
+    records, series = [], {}
+    for name in systems:
+        try:
+            rec, s = run_system(name, model, experts, src, table, reqs, arrivals, args)
+            records.append({**base, **rec})
+            if s is not None:
+                series[name] = s
+        except Exception as exc:  # recorded (e.g. FP16 weights leave no room for the longest request)
+            records.append({**base, "system": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        print(json.dumps({k: records[-1].get(k) for k in ("system", "output_tokens_per_second", "ttft_p50_s",
+                                                          "tpot_p50_ms", "preemptions", "mean_bits", "error")}),
+              flush=True)
+        reset_peak(args.device)
+    path = write_records("headline", with_ratios(records), env, args.out)
+    print(f"wrote {path}")
+    if args.figure and series:
+        figure(series, args.budget, f"{args.config_dir.name}: {len(reqs)} requests of {args.lo}-{args.hi} tokens "
+               f"at {args.request_rate:g}/s, {args.gpu_memory}", args.figure)
+        print(f"wrote {args.figure}")
+
+if __name__ == "__main__":
+    main()
