@@ -45,6 +45,8 @@ from bench.common import (
 )
 from bench.serving_runs import reset_peak
 from bench.workloads import w2
+from pweval.figures import memory_split_figure
+from pwformat.errors import PagedWeightError
 from pwrun.core.arrivals import ArrivalSchedule
 from pwrun.core.config import GPU_MAX_BATCH, GPU_STEP_TOKENS, EngineConfig
 from pwrun.core.policy import Policy
@@ -61,6 +63,10 @@ SYSTEMS = {  # name -> (policy, uniform bits); "fp16" is the 16-bit engine
     "fp16": ("16-bit", None), "uniform8": ("uniform", 8), "uniform4": ("uniform", 4), "uniform3": ("uniform", 3),
     "static": ("static", None), "pagedweight": ("pagedweight", None)}
 PAPER = {"fp16_throughput_x": 1.94, "uniform_overhead_pct": 4.1, "memory_saving_pct": 72.0}
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help: the module docstring as written, and every option's default."""
 
 
 class HostExperts:
@@ -139,30 +145,6 @@ def run_system(name: str, model: LeanMoEModel, experts: HostExperts | None, src:
     return rec, series
 
 
-def figure(series: dict[str, dict[str, list[float]]], budget: int, title: str, out: Path) -> None:
-    """Stacked expert weights and KV (GiB) over time, one panel per system."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.2), sharey=True, squeeze=False)
-    for ax, (name, s) in zip(axes[0], series.items(), strict=True):
-        w = [b / 2**30 for b in s["weight_bytes"]]
-        kv = [b / 2**30 for b in s["kv_bytes"]]
-        ax.stackplot(s["t"], w, kv, labels=["expert weights", "KV cache"], step="post")
-        ax.axhline(budget / 2**30, color="k", lw=0.8, ls="--", label="budget")
-        ax.set_title(name)
-        ax.set_xlabel("busy seconds (steps only)")
-    axes[0][0].set_ylabel("GiB in the page pool")
-    axes[0][0].legend(loc="lower right", fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
 def with_ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each record with its throughput over FP16's and uniform 4-bit's of the same run (None where missing)."""
     tps = {r["system"]: r.get("output_tokens_per_second") for r in records if "error" not in r}
@@ -174,26 +156,36 @@ def with_ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.headline", description=__doc__,
+                                 formatter_class=Formatter)
     ap.add_argument("--config-dir", type=Path, default=QWEN, help="a seed model's config.json directory")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (a model too large)")
-    ap.add_argument("--gpu-memory", default="40GiB", help="the one device budget of every system")
+    ap.add_argument("--gpu-memory", default="40GiB", help="the one device budget of every system, e.g. 40GiB, "
+                    "38.5GB or bytes")
     ap.add_argument("--requests", type=int, default=64, help="requests in the workload")
     ap.add_argument("--lo", type=int, default=2048, help="shortest prompt, tokens")
     ap.add_argument("--hi", type=int, default=8192, help="longest prompt, tokens")
     ap.add_argument("--gen", type=int, default=256, help="new tokens per request")
     ap.add_argument("--request-rate", type=float, default=2.0, help="Poisson arrivals, requests/s (inf: at once)")
-    ap.add_argument("--arrival-seed", type=int, default=0)
+    ap.add_argument("--arrival-seed", type=int, default=0, help="seed of the arrival times and prompt windows")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS))
     ap.add_argument("--max-batch", type=int, default=GPU_MAX_BATCH, help="running requests at most")
     ap.add_argument("--step-tokens", type=int, default=GPU_STEP_TOKENS, help="tokens per step at most")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (a shrunken config only)")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 or float16: weights and activations")
     ap.add_argument("--figure", type=Path, default=None, help="PNG of the memory split over time")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines (default bench/results/headline.jsonl)")
-    ap.add_argument("--label", default=None)
+    ap.add_argument("--label", default=None, help="names the build in the records (default: the commit)")
     args = ap.parse_args()
-    args.budget = parse_size(args.gpu_memory)
+    try:
+        args.budget = parse_size(args.gpu_memory)
+    except PagedWeightError as exc:
+        ap.error(str(exc))
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here; this benchmark runs at real size on a GPU "
+                 "(--device cpu only with a shrunken --config-dir)")
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers {args.layers}: give at least 1")
     systems = args.systems.split(",")
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -211,7 +203,8 @@ def main() -> None:
     arrivals = (ArrivalSchedule.at_once(len(reqs)) if math.isinf(args.request_rate)
                 else ArrivalSchedule.poisson(len(reqs), args.request_rate, args.arrival_seed))
     base = {"model": args.config_dir.name, "layers": args.layers or model.spec.num_layers,
-            "gpu_memory": args.budget, "requests": len(reqs), "prompt_tokens": sum(map(len, reqs)),
+            "gpu_memory": args.budget, "gpu_memory_gib": round(args.budget / 2**30, 2), "requests": len(reqs),
+            "prompt_tokens": sum(map(len, reqs)),
             "lo": args.lo, "hi": args.hi, "gen": args.gen, "request_rate": args.request_rate,
             "arrival_seed": args.arrival_seed, "max_batch": args.max_batch, "step_tokens": args.step_tokens,
             "paper": PAPER}
@@ -223,7 +216,7 @@ def main() -> None:
             if s is not None:
                 series[name] = s
         except Exception as exc:  # recorded (e.g. FP16 weights leave no room for the longest request)
-            records.append({**base, "system": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            records.append({**base, "system": name, "error": f"{type(exc).__name__}: {exc}"[:1000]})
         print(json.dumps({k: records[-1].get(k) for k in ("system", "output_tokens_per_second", "ttft_p50_s",
                                                           "tpot_p50_ms", "preemptions", "mean_bits", "error")}),
               flush=True)
@@ -231,9 +224,13 @@ def main() -> None:
     path = write_records("headline", with_ratios(records), env, args.out)
     print(f"wrote {path}")
     if args.figure and series:
-        figure(series, args.budget, f"{args.config_dir.name}: {len(reqs)} requests of {args.lo}-{args.hi} tokens "
-               f"at {args.request_rate:g}/s, {args.gpu_memory}", args.figure)
+        title = (f"{args.config_dir.name}: {len(reqs)} requests of {args.lo}-{args.hi} tokens at "
+                 f"{args.request_rate:g}/s, {args.gpu_memory}")
+        memory_split_figure(series, args.budget, title, args.figure)
         print(f"wrote {args.figure}")
+    if all("error" in r for r in records):
+        raise SystemExit("error: every system failed (see the records' error fields): give a larger --gpu-memory "
+                         "or fewer --requests")
 
 if __name__ == "__main__":
     main()

@@ -325,3 +325,23 @@ def write_report(results: Path, out_dir: Path) -> list[Path]:
                                                  + long_context_table(df) + "\n")
         written += [out_dir / "long_context.png", out_dir / "long_context.md"]
     return written
+
+
+def memory_split_figure(series: dict[str, dict[str, list[float]]], budget: int, title: str, out: Path) -> None:
+    """Stacked expert weights and KV (GiB) in the page pool over a run, one panel per system: ``series[system]``
+    has ``t`` (seconds), ``weight_bytes`` and ``kv_bytes`` per step (``bench.headline``); the budget as a line."""
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.2), sharey=True, squeeze=False)
+    for ax, (name, s) in zip(axes[0], series.items(), strict=True):
+        w = [b / 2**30 for b in s["weight_bytes"]]
+        kv = [b / 2**30 for b in s["kv_bytes"]]
+        ax.stackplot(s["t"], w, kv, labels=["expert weights", "KV cache"], step="post")
+        ax.axhline(budget / 2**30, color="k", lw=0.8, ls="--", label="budget")
+        ax.set_title(name)
+        ax.set_xlabel("busy seconds (steps only)")
+    axes[0][0].set_ylabel("GiB in the page pool")
+    axes[0][0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -36,6 +36,7 @@ from pwrun.cli_common import (
     default_model,
     make_console,
     open_artifact,
+    policy_dtype,
     user_errors,
     warn_missing_tables,
 )
@@ -203,6 +204,7 @@ def generate(
                 raise PagedWeightError(f"{flag} {ms} is not allowed: give a number of milliseconds > 0")
         slo = SLO(slo_ttft_ms, slo_tpot_ms)
         dense = policy == "16-bit"
+        dtype = policy_dtype(dtype, policy)
         if dense and artifacts is not None:
             raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: drop --artifacts")
         if artifacts is None and not dense and (gpu_memory or trace or summary_json or bits is not None

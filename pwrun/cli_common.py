@@ -45,8 +45,14 @@ PolicyOpt = Annotated[str, typer.Option(help="pagedweight (default), uniform (ne
                                         "--artifacts).")]
 BitsOpt = Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
-DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, fp32 on "
-                                       "CPU), float32, bfloat16 or float16.")]
+DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA and for "
+                                       "--policy 16-bit, else fp32 on CPU), float32, bfloat16 or float16.")]
+
+
+def policy_dtype(dtype: str, policy: str) -> str:
+    """``--dtype`` as served: ``auto`` under ``--policy 16-bit`` is bfloat16 on every device, so the experts in
+    the pool are 16-bit (on the CPU ``auto`` would otherwise be float32, twice the bytes the budget counts)."""
+    return "bfloat16" if dtype == "auto" and policy == "16-bit" else dtype
 NoVerifyOpt = Annotated[bool, typer.Option("--no-verify", help="Do not re-hash the artifact's files against the "
                                            "manifest's checksums (a read of every byte; sizes, layer ids and "
                                            "tables' provenance are still checked).")]

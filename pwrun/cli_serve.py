@@ -22,6 +22,7 @@ from pwrun.cli_common import (
     default_model,
     make_console,
     open_artifact,
+    policy_dtype,
     user_errors,
     warn_missing_tables,
 )
@@ -82,6 +83,7 @@ def serve(
             raise PagedWeightError(f"--max-model-len {context} is above the model's context of "
                                    f"{spec.max_position_embeddings} tokens")
         dense = policy == "16-bit"
+        dtype = policy_dtype(dtype, policy)
         if dense and artifacts is not None:
             raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: drop --artifacts")
         if artifacts is None and not dense and (gpu_memory or bits is not None or policy != "pagedweight"):

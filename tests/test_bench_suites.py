@@ -157,4 +157,4 @@ def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None
     md = tmp_path / "performance.md"
     _run("bench.render", "--results", str(tmp_path), "--out", str(md))
     text = md.read_text()
-    assert "## Headline experiment" in text and sum(f"| 20 | {s} |" in text for s in rows) == 6
+    assert "## Headline experiment" in text and sum(f"| 0.04 | 20 | {s} |" in text for s in rows) == 6
