@@ -309,3 +309,5 @@ def test_cli_summary_and_output_times_agree(tok, tmp_path: Path) -> None:  # typ
     assert s["requests_met_slo"] == met and s["goodput_rps"] == pytest.approx(met / end)
     assert s["slo_ttft_ms"] == 60000 and s["slo_tpot_ms"] == 0.001
     assert s["request_rate"] == pytest.approx((len(TEXTS) - 1) / (0.05 * (len(TEXTS) - 1)))
+    arrived = sorted(x["arrival_s"] for x in rows)
+    assert s["realised_rate"] == pytest.approx((len(arrived) - 1) / (arrived[-1] - arrived[0]))

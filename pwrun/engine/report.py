@@ -44,7 +44,8 @@ class RunSummary:
     resident host memory so far (``peak_rss_bytes``), ``host_mirror_bytes``: the host mirror's planes and LUTs,
     ``host_model_bytes``: what ``pwformat.cost.HostMemory.serve`` predicts above the interpreter's baseline.
     Serving times (``pwrun.core.latency.LatencyStats``; seconds from the start of the run, after the warm-up):
-    ``request_rate``: the offered rate in requests/s (None: every request at t=0); ``ttft_*_s`` arrival -> first
+    ``request_rate``: the offered rate in requests/s (None: every request at t=0), ``realised_rate``: (n - 1) / the
+    span of the arrival times drawn; ``ttft_*_s`` arrival -> first
     token, ``tpot_*_ms`` per output token after the first, ``queue_*_s`` arrival -> first scheduled (p50 / p99;
     None without a sample); ``duration_s``: start -> last finish; ``goodput_rps``: requests that met
     ``slo_ttft_ms`` / ``slo_tpot_ms`` (all completed ones without SLOs) per second of ``duration_s``."""
@@ -101,6 +102,7 @@ class RunSummary:
     host_mirror_bytes: int | None = None
     host_model_bytes: int | None = None
     request_rate: float | None = None
+    realised_rate: float | None = None
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
     tpot_p50_ms: float | None = None
@@ -160,7 +162,10 @@ def latency_fields(engine: LLMEngine, slo: SLO | None = None) -> dict[str, Any]:
     stats = latency_stats(list(engine.times.values()), slo)
     slo = slo or SLO()
     out = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(stats).items()}
+    arrived = sorted(t.arrival for t in engine.times.values())
+    span = arrived[-1] - arrived[0] if len(arrived) > 1 else 0.0
     return {**out, "request_rate": None if math.isinf(engine.request_rate) else engine.request_rate,
+            "realised_rate": (len(arrived) - 1) / span if span > 0 and not math.isinf(engine.request_rate) else None,
             "slo_ttft_ms": slo.ttft_ms, "slo_tpot_ms": slo.tpot_ms}
 
 
@@ -222,12 +227,15 @@ def _num(x: float, unit: str) -> str:
     return f"{x:.0f} {unit}" if abs(x) >= 1000 else f"{x:.3g} {unit}"
 
 
-def format_latency(stats: LatencyStats, rate: float | None, slo: SLO | None = None) -> str:
-    """Two terminal lines: the arrivals (offered ``rate``, requests/s; None or inf: all at t=0) with TTFT, TPOT and
-    queueing time at p50 / p99, then goodput under ``slo``."""
+def format_latency(stats: LatencyStats, rate: float | None, slo: SLO | None = None,
+                   realised: float | None = None) -> str:
+    """Two terminal lines: the arrivals (offered ``rate``, requests/s; None or inf: all at t=0; ``realised``: the
+    rate of the arrival times drawn, (n - 1) / their span, which a short Poisson run can put far from the offered
+    one) with TTFT, TPOT and queueing time at p50 / p99, then goodput under ``slo``."""
     slo = slo or SLO()
+    drawn = f" ({realised:.3g} realised)" if realised is not None else ""
     arrivals = ("all requests at t=0" if rate is None or math.isinf(rate)
-                else f"arrivals at {rate:.3g} requests/s offered")
+                else f"arrivals at {rate:.3g} requests/s offered{drawn}")
     goals = [f"TTFT <= {slo.ttft_ms:g} ms" if slo.ttft_ms is not None else "",
              f"TPOT <= {slo.tpot_ms:g} ms" if slo.tpot_ms is not None else ""]
     met = "met " + " and ".join(g for g in goals if g) if any(goals) else "completed"
@@ -273,7 +281,8 @@ def format_summary(s: RunSummary) -> str:
         f"+{s.planner_overlapped_ms_per_step:.2f} ms/step while the device computed)",
     ]
     if s.requests_completed is not None:
-        lines.append(format_latency(_stats_of(s), s.request_rate, SLO(s.slo_ttft_ms, s.slo_tpot_ms)))
+        lines.append(format_latency(_stats_of(s), s.request_rate, SLO(s.slo_ttft_ms, s.slo_tpot_ms),
+                                    s.realised_rate))
     if s.host_peak_rss_bytes is not None:
         lines.append(f"peak host RSS {format_size(s.host_peak_rss_bytes)}"
                      + (f" (host mirror {format_size(s.host_mirror_bytes)})" if s.host_mirror_bytes is not None
