@@ -33,7 +33,16 @@ def fault_point() -> None:
 def atomic_path(path: Path) -> Iterator[Path]:
     """The ``path.tmp`` to write: renamed to ``path`` when the block ends normally, removed when it raises anything
     (``OSError`` such as a full disk, Ctrl-C, or SIGTERM, which ``pwrun.cli_common.user_errors`` turns into an
-    exception), so readers never see a partial file and nothing half-written is left. Re-raises."""
+    exception), so readers never see a partial file and nothing half-written is left. Re-raises.
+
+    A symbolic link is followed (its target is replaced, the link stays); a path that exists but is not a regular
+    file (``/dev/null``, a FIFO) is yielded itself and written in place: renaming over it would replace the device.
+    """
+    if path.is_symlink():
+        path = path.resolve()
+    if path.exists() and not path.is_file():
+        yield path
+        return
     tmp = path.with_name(path.name + ".tmp")
     try:
         yield tmp
@@ -49,4 +58,5 @@ def write_atomic(path: Path, data: bytes) -> None:
     with atomic_path(path) as tmp, tmp.open("wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if tmp.is_file():  # a device written in place (``atomic_path``) cannot be fsynced
+            os.fsync(f.fileno())

@@ -72,18 +72,31 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+MAX_ARRIVAL_S = 7 * 86400  # a later arrival is a unit mistake (ms, epoch seconds), not a workload
+
+
 def _arrivals(prompts: Path | None, count: int, rate: float, seed: int) -> ArrivalSchedule:
     """Request i's arrival: the ``arrival_s`` of line i of the prompts file if it has them, else Poisson at
     ``rate`` requests/s from ``seed`` (inf: all at t=0). Raises ``PagedWeightError`` on a bad rate or time, or on
     both a finite rate and a file with times."""
     if math.isnan(rate) or rate <= 0:
         raise PagedWeightError(f"--request-rate {rate} is not allowed: give requests/s > 0, or inf (all at t=0)")
+    if seed < 0:
+        raise PagedWeightError(f"--arrival-seed {seed} is not allowed: give an integer >= 0")
     times = None if prompts is None else read_trace_arrivals(prompts)
     if times is None:
-        return ArrivalSchedule.poisson(count, rate, seed)
+        schedule = ArrivalSchedule.poisson(count, rate, seed)
+        last = max(schedule.times, default=0.0)
+        if last > MAX_ARRIVAL_S:
+            raise PagedWeightError(f"--request-rate {rate:g} puts the last of {count} requests {last:.3g} s after "
+                                   f"the start (more than {MAX_ARRIVAL_S // 86400} days): give a higher rate")
+        return schedule
     if not math.isinf(rate):
         raise PagedWeightError(f"{prompts} gives each request an 'arrival_s': drop --request-rate {rate:g}, or the "
                                "arrival times from the file")
+    if max(times, default=0.0) > MAX_ARRIVAL_S:
+        raise PagedWeightError(f"{prompts} has an 'arrival_s' of {max(times):.3g} s, more than "
+                               f"{MAX_ARRIVAL_S // 86400} days after the start: give seconds from the start of the run")
     return ArrivalSchedule.from_times(times)
 
 
@@ -213,8 +226,14 @@ def generate(
                                    "(from `pwcal run-all`), or --policy 16-bit for the 16-bit experts under a budget")
         if trace is not None and trace.suffix != ".parquet":
             raise PagedWeightError(f"--trace {trace} must end in .parquet")
-        for flag, path in (("--output", output), ("--trace", trace), ("--summary-json", summary_json)):
-            if path is not None:
+        named = [(f, p) for f, p in (("--prompts", prompts), ("--output", output), ("--trace", trace),
+                                     ("--summary-json", summary_json)) if p is not None]
+        for i, (flag, path) in enumerate(named):
+            clash = [f for f, p in named[:i] if p.resolve() == path.resolve()]
+            if clash and not (path.exists() and not path.is_file()):  # /dev/null twice is fine
+                raise PagedWeightError(f"{clash[0]} and {flag} name the same file {path}: give {flag} a path of its "
+                                       "own")
+            if flag != "--prompts":
                 check_writable_file(flag, path)
         model_dir = model or default_model()
         gpu = resolve_device(device).type == "cuda"

@@ -4,6 +4,7 @@ it checks the options, builds the engine as ``pwrun generate`` does and runs ``p
 
 from __future__ import annotations
 
+import math
 import signal
 from pathlib import Path
 from typing import Annotated
@@ -89,6 +90,8 @@ def serve(
         if artifacts is None and not dense and (gpu_memory or bits is not None or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`), or "
                                    "--policy 16-bit for the 16-bit experts under a budget")
+        if not math.isfinite(drain_seconds):
+            raise PagedWeightError(f"--drain-seconds {drain_seconds} is not allowed: give a number of seconds >= 0")
         if log_level not in LOG_LEVELS:
             raise PagedWeightError(f"--log-level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         check_listen(host, port)

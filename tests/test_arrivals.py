@@ -157,6 +157,19 @@ def test_trace_file_arrivals_are_validated(tmp_path: Path) -> None:
     one_error(runner.invoke(app, [*base, str(p), "--slo-ttft-ms", "0"]), "--slo-ttft-ms")
     p = write({"prompt": "a"})
     one_error(runner.invoke(app, [*base, str(p), "--request-rate", "0"]), "--request-rate 0", "> 0")
+    # arrivals too far away to be meant (no overflowing sleep after the first requests ran), a negative seed, and
+    # one file named by two options
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    one_error(runner.invoke(app, [*base, str(two), "--request-rate", "1e-300"]), "--request-rate 1e-300")
+    far = tmp_path / "far.jsonl"
+    far.write_text('{"prompt": "a", "arrival_s": 0}\n{"prompt": "b", "arrival_s": 1e300}\n')
+    one_error(runner.invoke(app, [*base, str(far)]), "far.jsonl", "1e+300 s")
+    one_error(runner.invoke(app, [*base, str(p), "--request-rate", "5", "--arrival-seed", "-1"]), "--arrival-seed -1")
+    same = tmp_path / "o.json"
+    one_error(runner.invoke(app, [*base, str(p), "--output", str(same), "--policy", "16-bit", "--summary-json",
+                                  str(same)]), "--output and --summary-json name the same file")
+    one_error(runner.invoke(app, [*base, str(p), "--output", str(p)]), "--prompts and --output")
     assert "Requests per second" in runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "300"}).stdout
 
 
@@ -311,3 +324,14 @@ def test_cli_summary_and_output_times_agree(tok, tmp_path: Path) -> None:  # typ
     assert s["request_rate"] == pytest.approx((len(TEXTS) - 1) / (0.05 * (len(TEXTS) - 1)))
     arrived = sorted(x["arrival_s"] for x in rows)
     assert s["realised_rate"] == pytest.approx((len(arrived) - 1) / (arrived[-1] - arrived[0]))
+
+
+def test_a_later_arrival_is_slept_towards_in_slices(lm: LeanMoEModel, ids: list[list[int]],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An arrival an hour away: the idle engine sleeps at most a minute at a time (no sleep overflows time_t)."""
+    e = dense_engine(lm, PARAMS, ids[:2], set(), arrivals=ArrivalSchedule.from_times([0.0, 3600.0]))
+    clock = _fake_time(e, monkeypatch)
+    outs = e.run_until_done()
+    assert sorted(outs) == [0, 1] and all(outs[i].finished for i in (0, 1))
+    assert clock.slept and max(clock.slept) <= 60.0 and sum(clock.slept) >= 3600.0 - 10 * STEP_S
+    assert e.times[1].scheduled is not None and e.times[1].scheduled >= 3600.0

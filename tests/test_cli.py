@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -484,3 +486,26 @@ def test_sigterm_while_a_command_starts_exits_143_with_one_line() -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, (proc.returncode, err)
     assert err.strip().splitlines()[-1].startswith("terminated (SIGTERM)") and "Traceback" not in err, err
+
+
+def test_write_atomic_keeps_devices_and_links(tmp_path: Path) -> None:
+    """A FIFO (like /dev/null, not a regular file) is written through, not replaced by a renamed file; a symbolic
+    link keeps pointing where it did, and its target gets the bytes."""
+    import threading
+
+    from pwformat.atomic import write_atomic
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    write_atomic(fifo, b"through")
+    reader.join(10)
+    assert got == [b"through"] and stat.S_ISFIFO(fifo.lstat().st_mode)
+    target, link = tmp_path / "real.txt", tmp_path / "link.jsonl"
+    target.write_text("keep")
+    link.symlink_to(target.name)
+    write_atomic(link, b"new")
+    assert link.is_symlink() and target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["fifo", "link.jsonl", "real.txt"]

@@ -199,7 +199,8 @@ class LLMEngine:
             if self.core.idle:
                 if not self._future:
                     return self.outputs
-                self.sleep(max(self._future[0][0] - self.now(), 0.0))
+                # in slices of at most a minute: the loop re-checks, and no sleep overflows the platform's time_t
+                self.sleep(min(max(self._future[0][0] - self.now(), 0.0), 60.0))
                 continue
             for o in self.step():
                 if on_output is not None:
