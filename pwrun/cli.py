@@ -192,7 +192,8 @@ def generate(
     = None,
 ) -> None:
     """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
-    with user_errors():
+    with user_errors("--output, --trace and --summary-json are written once every request has finished: rerun; "
+                     "greedy text is the same"):
         if (prompt is None) == (prompts is None):
             raise PagedWeightError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
         if not (math.isfinite(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):

@@ -78,11 +78,12 @@ def default_model() -> Path:
 
 
 @contextmanager
-def user_errors() -> Iterator[None]:
+def user_errors(kept: str = "completed pwcal stages are; rerun to resume") -> Iterator[None]:
     """Print ``PagedWeightError`` and failures of the file system (disk full, read-only, no permission: OSError and
     safetensors' write errors) as one ``error:`` line and exit 2, Ctrl-C as one line and exit 130, SIGTERM as one
-    line and exit 143, instead of a traceback. Every writer here writes ``.tmp`` then renames, so none of these
-    leaves a half-written file; SIGTERM is turned into an exception first so that cleanup code runs."""
+    line and exit 143 (``kept``: what survives a stop, for that line), instead of a traceback. Every writer here
+    writes ``.tmp`` then renames, so none of these leaves a half-written file; SIGTERM is turned into an exception
+    first so that cleanup code runs."""
     previous = None
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
         previous = signal.signal(signal.SIGTERM, raise_terminated)
@@ -101,12 +102,10 @@ def user_errors() -> Iterator[None]:
         sys.exit(2)
     except Terminated:
         previous = None  # keep ignoring SIGTERM until the process has exited with 143
-        typer.echo("terminated (SIGTERM): nothing half-written was kept (completed pwcal stages are; rerun to resume)",
-                   err=True)
+        typer.echo(f"terminated (SIGTERM): nothing half-written was kept ({kept})", err=True)
         sys.exit(143)
     except KeyboardInterrupt:
-        typer.echo("interrupted: nothing half-written was kept (completed pwcal stages are; rerun to resume)",
-                   err=True)
+        typer.echo(f"interrupted: nothing half-written was kept ({kept})", err=True)
         sys.exit(130)
     finally:
         if previous is not None:
