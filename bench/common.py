@@ -49,6 +49,7 @@ from pwrun.model.families import spec_from_config
 from pwrun.model.inventory import expert_blocks, kv_layout, moe_layer_shapes
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import read_config
+from pwrun.model.weights import MLPWeights
 
 RESULTS = Path("bench/results")
 QWEN = Path("tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B")
@@ -367,3 +368,18 @@ def write_random_checkpoint(config_dir: Path, out: Path, device: str) -> None:
         shutil.copy(tok / name, out / name)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+
+
+class HostExperts:
+    """The random model's experts, moved to the host by MoE layer before ``strip_experts`` drops them from the
+    device: the FP16 engine's source (``pwrun.runner.experts.dense.ExpertSource``)."""
+
+    def __init__(self, model: LeanMoEModel) -> None:
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor, MLPWeights | None]] = {}
+        for i, lw in enumerate(model.weights.layers):
+            if (m := lw.moe) is not None:
+                sh = None if m.shared is None else MLPWeights(m.shared.gate_up.cpu(), m.shared.down.cpu())
+                self._layers[i] = (m.gate_up.cpu(), m.down.cpu(), sh)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, MLPWeights | None]:
+        return self._layers[index]

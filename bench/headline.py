@@ -37,6 +37,7 @@ from bench.common import (
     BENCH_PLANNER,
     BENCH_POLICY,
     QWEN,
+    HostExperts,
     SyntheticAP,
     environment,
     random_model,
@@ -57,7 +58,6 @@ from pwrun.engine.build_dense import assemble_dense_engine
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.report import summarize
 from pwrun.model.lean import LeanMoEModel
-from pwrun.model.weights import MLPWeights
 
 SYSTEMS = {  # name -> (policy, uniform bits); "fp16" is the 16-bit engine
     "fp16": ("16-bit", None), "uniform8": ("uniform", 8), "uniform4": ("uniform", 4), "uniform3": ("uniform", 3),
@@ -67,21 +67,6 @@ PAPER = {"fp16_throughput_x": 1.94, "uniform_overhead_pct": 4.1, "memory_saving_
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help: the module docstring as written, and every option's default."""
-
-
-class HostExperts:
-    """The random model's experts, moved to the host by MoE layer before ``strip_experts`` drops them from the
-    device: the FP16 engine's source (``pwrun.runner.experts.dense.ExpertSource``)."""
-
-    def __init__(self, model: LeanMoEModel) -> None:
-        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor, MLPWeights | None]] = {}
-        for i, lw in enumerate(model.weights.layers):
-            if (m := lw.moe) is not None:
-                sh = None if m.shared is None else MLPWeights(m.shared.gate_up.cpu(), m.shared.down.cpu())
-                self._layers[i] = (m.gate_up.cpu(), m.down.cpu(), sh)
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, MLPWeights | None]:
-        return self._layers[index]
 
 
 def cut_config(config_dir: Path, layers: int | None, into: Path) -> Path:
@@ -176,6 +161,8 @@ def main() -> None:
     ap.add_argument("--figure", type=Path, default=None, help="PNG of the memory split over time")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines (default bench/results/headline.jsonl)")
     ap.add_argument("--label", default=None, help="names the build in the records (default: the commit)")
+    ap.add_argument("--time-limit", type=float, default=math.inf,
+                    help="seconds; systems not started by then are left out (each finished one is recorded)")
     args = ap.parse_args()
     try:
         args.budget = parse_size(args.gpu_memory)
@@ -230,7 +217,11 @@ def main() -> None:
         pass
     reset_peak(args.device)
     records, series = [], {}
+    t_start = time.perf_counter()
     for name in systems:
+        if time.perf_counter() - t_start > args.time_limit:
+            print(f"left out {name}: past --time-limit {args.time_limit:g} s", flush=True)
+            continue
         try:
             rec, s = run_system(name, model, experts, src, table, reqs, arrivals, args)
             records.append({**base, **rec})

@@ -88,6 +88,15 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                   ("shape", "S", "ctx"),
                   [("heads", "heads"), ("default us", "default_us"), ("% of floor", "default_pct_of_floor"),
                    ("best us", "best_us"), ("best % of floor", "best_pct_of_floor")]),
+    "dense_moe": ("16-bit MoE kernels", "The 16-bit experts of `--policy 16-bit` read from the page pool "
+                  "(`python -m bench.dense_moe`): the shipped default, the best GEMV and grouped-GEMM tiles of a grid, "
+                  "torch's grouped GEMM, and the floor (bytes of the distinct experts routed to / copy bandwidth); "
+                  "CUDA-graph replay up to 64 tokens.",
+                  ("shape", "T"),
+                  [("experts used", "experts_used"), ("default ms", "default_ms"),
+                   ("% of floor", "pct_of_floor_default"), ("best ms", "best_ms"), ("best % of floor",
+                   "pct_of_floor_best"), ("best GEMV", "best_gemv"), ("best GEMM", "best_gemm"),
+                   ("torch grouped ms", "torch_grouped_mm_ms"), ("floor ms", "floor_ms")]),
     "dense_gemv": ("Dense decode GEMV", "The 16-bit linears of a decode step (`python -m bench.dense_gemv`): "
                    "cuBLAS `F.linear` against `pwkernels/dense_gemv.py`, % of the copy bandwidth.",
                    ("shape", "t"),

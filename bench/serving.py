@@ -2,15 +2,16 @@
 
 Two parts, one JSON line per measurement in ``bench/results/serving.jsonl``:
 
-* **decode table** (default): the lean model of the config with random bf16 weights, random AP planes and LUTs
-  and a synthetic calibration table (``bench.common``), served in this process at each batch of ``--batches``:
-  our 16-bit lean reference; uniform ``--bits`` with a budget larger than everything (no page moves), serving the
-  PagedWeight run's requests; PagedWeight under a budget that makes the planner demote during the first ``b``
-  long requests and reload while the ``b`` short ones decode; uniform at the highest of 4 / 3 bits that serves in
-  that same budget (equal total memory); transformers' eager bf16 ``generate``. Each row: prefill and decode
-  tokens/s (decode leaves out CUDA-graph capture steps; a 3-token run of the same prompts first keeps Triton's JIT
-  out of the timing), the bandwidth floor (``common.decode_step_bytes`` / copy bandwidth), planner time, bytes
-  reloaded, mean bits, peak memory.
+* **decode table** (default): the lean model of the config with random bf16 weights, random AP planes and LUTs and a
+  synthetic calibration table (``bench.common``), served in this process at each batch of ``--batches``: our 16-bit
+  lean reference (reference expert loop, eager); the 16-bit engine (``--policy 16-bit``: the model's own experts in
+  the page pool, 16-bit MoE kernels, CUDA graphs); uniform ``--bits`` with a budget larger than everything (no page
+  moves), serving the PagedWeight run's requests; PagedWeight under a budget that makes the planner demote during the
+  first ``b`` long requests and reload while the ``b`` short ones decode; uniform at the highest of 4 / 3 bits that
+  serves in that same budget (equal total memory); transformers' eager bf16 ``generate``. Each row: prefill and decode
+  tokens/s (decode leaves out CUDA-graph capture steps; a 3-token run of the same prompts first keeps Triton's JIT out
+  of the timing), the bandwidth floor (``common.decode_step_bytes`` / copy bandwidth), planner time, bytes reloaded,
+  mean bits, peak memory.
 * **real workloads** (``--workload w1,w2``, ``bench.workloads``): real prompts through the engine in one budget,
   all at once or arriving at ``--request-rate`` requests/s; throughput, TTFT / TPOT / queueing p50 and p99, goodput.
 * **HTTP** (``--http``, ``bench.serving_http``): the W1 workload (real C4 prompts, all at once) through the ``pwrun
@@ -57,6 +58,7 @@ from bench.common import (
     GEMMA4,
     MIXTRAL,
     QWEN,
+    HostExperts,
     SyntheticAP,
     copy_bandwidth,
     decode_step_bytes,
@@ -73,7 +75,7 @@ from bench.common import (
 from bench.compare import EQUAL_MEMORY, compare_commit
 from bench.render import serving_table
 from bench.serving_http import http_vs_in_process
-from bench.serving_runs import engine_run, hf_run, lean16_run, non_expert_bytes, reset_peak
+from bench.serving_runs import dense_run, engine_run, hf_run, lean16_run, non_expert_bytes, reset_peak
 from bench.workloads import workload_rows
 from pwformat.errors import BudgetTooSmall
 from pwrun.engine.budget import workspace_bytes
@@ -146,8 +148,20 @@ def decode_table(args: argparse.Namespace, emit: Any) -> None:
     if not (args.only_pressure or args.skip_lean16):
         for b in batches:
             row("ours 16-bit (lean reference)", b, 0, lean16, b)
+    experts = HostExperts(model) if not (args.only_pressure or args.skip_dense16) else None
     stripped = strip_experts(model, torch.device(dev))  # the 16-bit experts leave the device
     reset_peak(dev)
+
+    def dense16(b: int) -> dict[str, Any]:
+        assert experts is not None
+        reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
+        s = dense_run(stripped, experts, int(args.big_budget_gib * 2**30), reqs, args.gen, b, dev)
+        return {"policy": "16-bit", "requests": len(reqs), **s, "floor_tps": floor(None, b)}
+
+    if experts is not None:
+        for b in batches:
+            row("ours 16-bit", b, 0, dense16, b)
+        del experts
 
     def uniform(b: int, q: int) -> dict[str, Any]:
         reqs = (pressure_setup(spec, stripped, table, b, args.prompt_len, args.gen, dev)[0]
@@ -167,7 +181,7 @@ def decode_table(args: argparse.Namespace, emit: Any) -> None:
                                                                          reqs, args.gen, b, dev))
         return {"policy": "uniform", "bits": q, "requests": len(reqs), **s, "floor_tps": floor(q, b)}
 
-    for rep in range(max(args.interleave, 1)):
+    for rep in range(0 if args.skip_ap else max(args.interleave, 1)):
         for b in batches:
             for q in [] if args.only_pressure else bit_list:
                 row(f"ours uniform {q}-bit", b, rep, uniform, b, q)
@@ -227,6 +241,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=520.0, help="seconds; later rows are skipped past it")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-lean16", action="store_true", help="no 16-bit lean reference rows")
+    ap.add_argument("--skip-dense16", action="store_true", help="no rows of the 16-bit engine (--policy 16-bit)")
+    ap.add_argument("--skip-ap", action="store_true", help="no rows of AP policies (uniform, PagedWeight)")
     ap.add_argument("--skip-table", action="store_true", help="no decode table (with --user-path: only that)")
     ap.add_argument("--uniform-workload", choices=("same", "long"), default="same",
                     help="requests of the uniform runs: the PagedWeight run's ('same') or only its b long prompts")

@@ -1,12 +1,14 @@
-"""The serving suite's timed runs (``bench.serving``), one function per system: our engine under a policy and budget
-(``engine_run``), our 16-bit lean reference (``lean16_run``) and transformers' eager ``generate`` (``hf_run``). Each
-returns the figures of one row (tokens/s, step-time medians and breakdowns, planner time, peak device memory)."""
+"""The serving suite's timed runs (``bench.serving``), one function per system: our engine under an AP policy and
+budget (``engine_run``), the 16-bit engine (``dense_run``), our 16-bit lean reference (``lean16_run``) and
+transformers' eager ``generate`` (``hf_run``). Each returns the figures of one row (tokens/s, step-time medians
+and breakdowns, planner time, peak device memory)."""
 
 from __future__ import annotations
 
 import gc
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,11 +17,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bench.common import BENCH_PLANNER, BENCH_POLICY, SyntheticAP, sync, triton_cache_entries
+from bench.common import BENCH_PLANNER, BENCH_POLICY, HostExperts, SyntheticAP, sync, triton_cache_entries
 from pwrun.core.config import EngineConfig
 from pwrun.core.policy import Policy
 from pwrun.core.request import SamplingParams
 from pwrun.engine.build import ServeConfig, assemble_engine, dense_engine
+from pwrun.engine.build_dense import assemble_dense_engine
+from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.report import summarize
 from pwrun.model.lean import LeanMoEModel
 
@@ -63,8 +67,7 @@ def _median_ms(rows: list[dict[str, Any]], key: str) -> float:
 
 def engine_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str, bits: int | None, budget: int,
                reqs: list[list[int]], gen: int, max_batch: int, device: str) -> dict[str, Any]:
-    """One timed serving run, after a 3-token throw-away run of the same prompts (Triton's JIT is not timed); the
-    steps that capture a CUDA graph are left out of the decode figures (``decode_tps_incl_capture`` keeps them)."""
+    """One timed serving run of an AP policy (``timed_run``)."""
     cfg = ServeConfig(budget, Policy.named(policy, bits), EngineConfig(max_batch=max_batch, max_step_tokens=2048),
                       BENCH_PLANNER)
 
@@ -72,6 +75,25 @@ def engine_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str, b
         return assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(max_new_tokens=n),
                                reqs, set())
 
+    return timed_run(build, gen, device)
+
+
+def dense_run(model: LeanMoEModel, experts: HostExperts, budget: int, reqs: list[list[int]], gen: int,
+              max_batch: int, device: str) -> dict[str, Any]:
+    """``engine_run`` for the 16-bit engine (``--policy 16-bit``): ``model`` without its experts (``strip_experts``),
+    its experts in the page pool from ``experts``, the 16-bit MoE kernels and CUDA graphs."""
+    cfg = ServeConfig(budget, engine=EngineConfig(max_batch=max_batch, max_step_tokens=2048))
+
+    def build(n: int) -> Any:
+        return assemble_dense_engine(model, experts, cfg, SamplingParams(max_new_tokens=n), reqs, set())
+
+    return timed_run(build, gen, device)
+
+
+def timed_run(build: Callable[[int], LLMEngine], gen: int, device: str) -> dict[str, Any]:
+    """Serve ``build(3)`` (an engine generating 3 tokens per request) untimed, then time ``build(gen)``'s run: the
+    JIT is not timed; the steps that capture a CUDA graph are left out of the decode figures
+    (``decode_tps_incl_capture`` keeps them)."""
     build(3).run_until_done()
     reset_peak(device)
     e = build(gen)

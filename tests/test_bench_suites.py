@@ -63,7 +63,12 @@ def test_serving_suite_on_a_shrunken_config(tmp_path: Path) -> None:
          "--batches", "2", "--bits", "4", "--prompt-len", "64", "--gen", "4", "--big-budget-gib", "1",
          "--label", "t", "--out", str(out))
     rows = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {"ours uniform 4-bit", "PagedWeight under pressure", "uniform, PagedWeight's budget"}
+    assert set(rows) == {"ours 16-bit", "ours uniform 4-bit", "PagedWeight under pressure",
+                         "uniform, PagedWeight's budget"}
+    d16 = rows.pop("ours 16-bit")  # the 16-bit engine: its own requests (b prompts of --prompt-len)
+    assert "error" not in d16 and d16["policy"] == "16-bit" and d16["requests"] == 2 and d16["mean_bits"] == 16
+    assert abs(d16["served_tokens_per_second"] * d16["seconds"] - (2 * 64 + 2 * 4)) < 1e-6
+    assert d16["decode_tps_measured"] > 0 and d16["preemptions"] == 0
     pw, eq = rows["PagedWeight under pressure"], rows["uniform, PagedWeight's budget"]
     assert "error" not in eq and eq["bits"] == 4 and eq["gpu_memory"] == pw["gpu_memory"]
     assert rows["ours uniform 4-bit"]["requests"] == pw["requests"] == eq["requests"] == 4
