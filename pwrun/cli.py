@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -50,7 +50,7 @@ from pwrun.data import document_prompts, read_jsonl_field, read_text
 from pwrun.engine.budget import parse_size
 from pwrun.engine.build import ServeConfig
 from pwrun.engine.report import format_latency, format_summary
-from pwrun.generate import Generation, encode_prompts, serve_prompts
+from pwrun.generate import Generation, GenerationStopped, encode_prompts, serve_prompts
 from pwrun.generate import generate as run_generate
 from pwrun.model.loader import load_model, load_spec, load_tokenizer, resolve_device
 from pwrun.ppl import perplexity
@@ -135,6 +135,36 @@ def _write_results(results: list[Generation], output: Path | None) -> None:
         raise PagedWeightError(f"{exc} (the results were printed on stdout instead)") from exc
 
 
+def _stopped(stop: GenerationStopped, total: int, output: Path | None, stream: bool,
+             failed: list[str]) -> KeyboardInterrupt:
+    """The interrupt that ends a stopped run once its finished requests are written, of ``stop.cause``'s kind (its
+    exit code) with the stop line: how many of the ``total`` requests were written where, and that the rest were
+    not run to completion (left out of the results); ``failed``: outputs that could not be written."""
+    if stream:
+        line = "the request was not run to completion (its text so far is above)"
+    else:
+        written = len(stop.finished)
+        where = "printed on stdout" if output is None or failed else f"written to {output}"
+        line = (f"{written} of {total} requests finished and were {where}; the rest ({total - written}) were not run "
+                "to completion and are left out")
+    return type(stop.cause)("; ".join([line, *failed]))
+
+
+def _stop_plain(stop: GenerationStopped, total: int, output: Path | None, stream: bool,
+                end_stream: Callable[[], None]) -> NoReturn:
+    """A stopped run of the 16-bit model: end the streamed text, or write the finished requests' results, then
+    raise ``_stopped``'s interrupt."""
+    failed: list[str] = []
+    if stream:
+        end_stream()
+    else:
+        try:
+            _write_results(stop.finished, output)
+        except PagedWeightError as exc:
+            failed.append(str(exc))
+    raise _stopped(stop, total, output, stream, failed)
+
+
 def _write_file(flag: str, path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all (``pwformat.atomic.write_atomic``); ``PagedWeightError`` naming
     ``flag`` on failure."""
@@ -192,8 +222,7 @@ def generate(
     = None,
 ) -> None:
     """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
-    with user_errors("--output, --trace and --summary-json are written once every request has finished: rerun; "
-                     "greedy text is the same"):
+    with user_errors("a stop before the engine runs writes nothing: rerun; greedy text is the same"):
         if (prompt is None) == (prompts is None):
             raise PagedWeightError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
         if not (math.isfinite(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
@@ -258,6 +287,7 @@ def generate(
 
         for note in load_spec(model_dir)[0].notes:  # e.g. a multimodal checkpoint's towers: text model only
             console.print(f"note: {note}", style="dim", highlight=False, soft_wrap=True)
+        stop: GenerationStopped | None = None
         if artifacts is not None or dense:
             serve_policy = Policy.named(policy, bits)
             if artifacts is not None:
@@ -268,9 +298,13 @@ def generate(
                               EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
                                            debug_checks=debug_checks))
             with _progress(len(texts), not stream) as on_progress:
-                results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
-                                                 on_text=on_text if stream else None, trace=trace,
-                                                 on_progress=on_progress, arrivals=arrivals, slo=slo)
+                try:
+                    results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
+                                                     on_text=on_text if stream else None, trace=trace,
+                                                     on_progress=on_progress, arrivals=arrivals, slo=slo)
+                except GenerationStopped as exc:  # the finished requests are written below, then the stop ends
+                    assert exc.summary is not None  # serve_prompts sums up a stopped run
+                    stop, results, summary = exc, exc.finished, exc.summary
             if stream:
                 end_stream()
             # every output is attempted; failures are reported together, after (nothing is dropped for one)
@@ -296,6 +330,8 @@ def generate(
                     failed.append(str(exc))
             if summary.trace_error:
                 failed.append(summary.trace_error)
+            if stop is not None:
+                raise _stopped(stop, len(texts), output, stream, failed)
             if failed:
                 where = "printed above" if printed else f"in {output}"
                 raise PagedWeightError("; ".join(failed) + f" (the results are {where})")
@@ -304,8 +340,13 @@ def generate(
         encode_prompts(tok, texts, spec.max_position_embeddings, max_new_tokens)  # too long: refused before loading
         lm = load_model(model_dir, device=device, dtype=dtype)
         with _progress(len(texts), not stream) as on_progress:
-            results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None,
-                                          on_progress=on_progress, arrivals=arrivals, slo=slo)
+            try:
+                results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None,
+                                              on_progress=on_progress, arrivals=arrivals, slo=slo)
+            except GenerationStopped as exc:
+                stop = exc
+        if stop is not None:
+            _stop_plain(stop, len(texts), output, stream, end_stream)
         if stream:
             end_stream()
         else:

@@ -81,7 +81,8 @@ def default_model() -> Path:
 def user_errors(kept: str = "completed pwcal stages are; rerun to resume") -> Iterator[None]:
     """Print ``PagedWeightError`` and failures of the file system (disk full, read-only, no permission: OSError and
     safetensors' write errors) as one ``error:`` line and exit 2, Ctrl-C as one line and exit 130, SIGTERM as one
-    line and exit 143 (``kept``: what survives a stop, for that line), instead of a traceback. Every writer here
+    line and exit 143 (``kept``: what survives a stop, for that line; an interrupt raised with a message, e.g.
+    ``KeyboardInterrupt("3 of 5 requests written")``, says that instead), instead of a traceback. Every writer here
     writes ``.tmp`` then renames, so none of these leaves a half-written file; SIGTERM is turned into an exception
     first so that cleanup code runs."""
     previous = None
@@ -100,12 +101,12 @@ def user_errors(kept: str = "completed pwcal stages are; rerun to resume") -> It
     except SafetensorError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
-    except Terminated:
+    except Terminated as exc:
         previous = None  # keep ignoring SIGTERM until the process has exited with 143
-        typer.echo(f"terminated (SIGTERM): nothing half-written was kept ({kept})", err=True)
+        typer.echo(f"terminated (SIGTERM): {str(exc) or f'nothing half-written was kept ({kept})'}", err=True)
         sys.exit(143)
-    except KeyboardInterrupt:
-        typer.echo(f"interrupted: nothing half-written was kept ({kept})", err=True)
+    except KeyboardInterrupt as exc:
+        typer.echo(f"interrupted: {str(exc) or f'nothing half-written was kept ({kept})'}", err=True)
         sys.exit(130)
     finally:
         if previous is not None:

@@ -6,7 +6,8 @@ together; ``build_engine``: AP experts in a page pool under ``--gpu-memory`` wit
 ``build_dense_engine``: the 16-bit experts in that pool under the budget, ``--policy 16-bit``), runs
 it to completion, each request arriving at its time of an ``ArrivalSchedule`` (default: all at t=0), streaming
 each request's new text through ``on_text``, and returns one ``Generation`` per prompt with its serving times.
-Nothing is dropped: every request runs to EOS or ``max_new_tokens``.
+Nothing is dropped: every request runs to EOS or ``max_new_tokens``. A stop (Ctrl-C, SIGTERM) raises
+``GenerationStopped`` with the requests that had finished, so that a caller can keep them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,23 @@ class Generation:
             out |= {"arrival_s": t.arrival, "scheduled_s": t.scheduled, "first_token_s": t.first_token,
                     "finish_s": t.finish, "queue_s": t.queueing, "ttft_s": t.ttft, "tpot_s": t.tpot}
         return out
+
+
+class GenerationStopped(KeyboardInterrupt):
+    """A run stopped by ``cause`` (Ctrl-C's ``KeyboardInterrupt`` or SIGTERM's ``Terminated``) before every request
+    finished: ``generations`` in prompt order, None for a request not run to completion; ``summary``: the run's
+    summary so far (``serve_prompts`` only). An interrupt itself, so that a caller that does not keep the finished
+    requests still stops."""
+
+    def __init__(self, cause: KeyboardInterrupt, generations: list[Generation | None],
+                 summary: RunSummary | None = None) -> None:
+        super().__init__()
+        self.cause, self.generations, self.summary = cause, generations, summary
+
+    @property
+    def finished(self) -> list[Generation]:
+        """The generations of the requests that finished, in prompt order."""
+        return [g for g in self.generations if g is not None]
 
 
 @dataclass
@@ -115,10 +133,27 @@ def run_generation(engine: LLMEngine, tokenizer: Any, prompts: list[str],
             seen[o.rid] = len(o.token_ids)
             on_progress(counts[0], counts[1])
 
-    outs = engine.run_until_done(on_output)
-    return [Generation(p, tokenizer.decode(list(outs[i].token_ids), skip_special_tokens=True), outs[i].prompt_tokens,
-                       len(outs[i].token_ids), outs[i].finish or "length", engine.times.get(i))
-            for i, p in enumerate(prompts)]
+    try:
+        engine.run_until_done(on_output)
+    except KeyboardInterrupt as exc:
+        raise GenerationStopped(exc, [_finished(engine, tokenizer, i, p) for i, p in enumerate(prompts)]) from exc
+    return [_generation(engine, tokenizer, i, p) for i, p in enumerate(prompts)]
+
+
+def _generation(engine: LLMEngine, tokenizer: Any, rid: int, prompt: str) -> Generation:
+    """Request ``rid``'s result as the engine holds it."""
+    out = engine.outputs[rid]
+    return Generation(prompt, tokenizer.decode(list(out.token_ids), skip_special_tokens=True), out.prompt_tokens,
+                      len(out.token_ids), out.finish or "length", engine.times.get(rid))
+
+
+def _finished(engine: LLMEngine, tokenizer: Any, rid: int, prompt: str) -> Generation | None:
+    """Request ``rid``'s result if it ran to completion (its output finished and its finish time recorded: a stop
+    can fall between the two), else None."""
+    out, times = engine.outputs.get(rid), engine.times.get(rid)
+    if out is None or not out.finished or times is None or times.finish is None:
+        return None
+    return _generation(engine, tokenizer, rid, prompt)
 
 
 def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: SamplingParams,
@@ -145,7 +180,8 @@ def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str]
     with ``cfg.policy`` 16-bit (``artifact_dir`` is then not read), request i arriving at ``arrivals.times[i]``
     seconds from the start of the run (None: all at t=0); generations (in prompt order) and the run summary
     (``slo``: what its goodput counts). A ``trace`` that cannot be written does not lose the generations: the
-    summary's ``trace_error`` says why. Raises ``PagedWeightError`` for an AP policy without ``artifact_dir``.
+    summary's ``trace_error`` says why. Raises ``PagedWeightError`` for an AP policy without ``artifact_dir``, and
+    ``GenerationStopped`` with the summary so far (the trace written) on a stop.
     """
     spec, _ = load_spec(Path(model_dir))
     ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens)
@@ -157,11 +193,22 @@ def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str]
     else:
         engine = build_engine(Path(model_dir), Path(artifact_dir), cfg, params, ids, eos, device, dtype,
                               arrivals=arrivals)
-    gens = run_generation(engine, tokenizer, prompts, on_text, on_progress)
+    try:
+        gens = run_generation(engine, tokenizer, prompts, on_text, on_progress)
+    except GenerationStopped as stop:
+        stop.summary = _summary(engine, slo, trace)
+        stop.summary.requests_unfinished = len(prompts) - len(stop.finished)
+        raise
+    return gens, _summary(engine, slo, trace)
+
+
+def _summary(engine: LLMEngine, slo: SLO | None, trace: Path | None) -> RunSummary:
+    """``engine``'s run summary, its trace written to ``trace`` if given. A trace that cannot be written does not
+    lose the generations: the summary's ``trace_error`` says why, for the caller to report after writing them."""
     summary = summarize(engine, slo)
     if trace is not None:
         try:
             write_trace(engine, trace)
-        except PagedWeightError as exc:  # the generations are still returned: the caller writes them, then reports
+        except PagedWeightError as exc:
             summary.trace_error = str(exc)
-    return gens, summary
+    return summary

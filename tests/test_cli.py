@@ -509,3 +509,62 @@ def test_write_atomic_keeps_devices_and_links(tmp_path: Path) -> None:
     write_atomic(link, b"new")
     assert link.is_symlink() and target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == \
         ["fifo", "link.jsonl", "real.txt"]
+
+
+# A child ``pwrun`` whose engine, once idle before the request an hour away, is sent a real signal (by then every
+# request at t=0 has finished): its time.sleep is wrapped before pwrun binds it.
+_STOP_CHILD = """
+import os, signal, sys, time
+sleep = time.sleep
+def stop_when_idle(s):
+    if s >= 30:
+        os.kill(os.getpid(), signal.{sig})
+    sleep(s)
+time.sleep = stop_when_idle
+from pweval.main import main
+main()
+"""
+
+
+@pytest.mark.parametrize("sig, code, extra", [
+    ("SIGINT", 130, []),
+    ("SIGTERM", 143, ["--policy", "16-bit", "--gpu-memory", "120MiB", "--trace", "{tmp}/t.parquet",
+                      "--summary-json", "{tmp}/s.json"]),
+])
+def test_a_stop_writes_the_finished_requests(tmp_path: Path, sig: str, code: int, extra: list[str]) -> None:
+    """Ctrl-C / SIGTERM after some requests finished: --output holds exactly those, with the text of an
+    uninterrupted run of the same prompts; the stop line says how many of N were written; the summary and trace
+    (when asked) are written too; the exit code is the interrupt's."""
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    prompts = ["The war ended", "Music", "A small village in the north of England is known for its"]
+    timed = tmp_path / "p.jsonl"
+    arrivals = zip(prompts, (0, 3600, 0), strict=True)  # the second an hour away: the stop comes before it
+    timed.write_text("".join(json.dumps({"prompt": p, "arrival_s": t}) + "\n" for p, t in arrivals))
+    ref_in = tmp_path / "ref.jsonl"
+    ref_in.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (prompts[0], prompts[2])))
+    opts = ["--max-new-tokens", "6", "--device", "cpu", *[x.format(tmp=tmp_path) for x in extra]]
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-c", _STOP_CHILD.format(sig=sig), "generate", "--prompts", str(timed),
+                           "--output", str(out), *opts], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == code, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("terminated (SIGTERM): " if sig == "SIGTERM" else "interrupted: "), proc.stderr
+    assert f"2 of 3 requests finished and were written to {out}; the rest (1) were not run to completion" in last
+    assert "Traceback" not in proc.stderr
+    ref = tmp_path / "ref_out.jsonl"
+    r = runner.invoke(app, ["generate", "--prompts", str(ref_in), "--output", str(ref), *[
+        x for x in opts if not x.startswith(("--trace", "--summary", str(tmp_path)))]])
+    assert r.exit_code == 0, r.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    want = [json.loads(x) for x in ref.read_text().splitlines()]
+    assert [(x["prompt"], x["text"], x["new_tokens"]) for x in rows] == [
+        (x["prompt"], x["text"], x["new_tokens"]) for x in want]
+    assert all(x["finish_s"] is not None for x in rows)
+    if "--summary-json" in extra:
+        s = json.loads((tmp_path / "s.json").read_text())
+        assert s["requests_completed"] == 2 and s["requests_unfinished"] == 1
+        assert pq.read_table(tmp_path / "t.parquet").num_rows == s["steps"] > 0

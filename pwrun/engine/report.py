@@ -48,7 +48,8 @@ class RunSummary:
     span of the arrival times drawn; ``ttft_*_s`` arrival -> first
     token, ``tpot_*_ms`` per output token after the first, ``queue_*_s`` arrival -> first scheduled (p50 / p99;
     None without a sample); ``duration_s``: start -> last finish; ``goodput_rps``: requests that met
-    ``slo_ttft_ms`` / ``slo_tpot_ms`` (all completed ones without SLOs) per second of ``duration_s``."""
+    ``slo_ttft_ms`` / ``slo_tpot_ms`` (all completed ones without SLOs) per second of ``duration_s``;
+    ``requests_unfinished``: requests a stop (Ctrl-C, SIGTERM) left not run to completion (None: not stopped)."""
 
     device: str
     dtype: str
@@ -111,6 +112,7 @@ class RunSummary:
     queue_p99_s: float | None = None
     requests_completed: int | None = None
     requests_met_slo: int | None = None
+    requests_unfinished: int | None = None
     duration_s: float | None = None
     goodput_rps: float | None = None
     slo_ttft_ms: float | None = None
