@@ -8,6 +8,7 @@
   arriving when the KV pool is full waits and completes, never dropped or truncated; a rate of inf runs exactly
   the steps of the plain loop of before.
 - The reported TTFT, TPOT, queueing and goodput agree with the per-request timestamps, recomputed here.
+- The trace's wall clock (``t_s``) never goes back and covers the idle gaps between arrivals.
 A fake clock (advanced by each step and by the engine's sleeps) keeps the engine runs fast and deterministic.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from _artifacts import one_error, quantize_fast
 from typer.testing import CliRunner
@@ -36,6 +38,7 @@ from pwrun.core.request import SamplingParams
 from pwrun.data import default_model_dir
 from pwrun.engine.build import add_requests, dense_engine
 from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.trace import trace_table
 from pwrun.model.inventory import kv_layout
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, load_tokenizer
@@ -335,3 +338,21 @@ def test_a_later_arrival_is_slept_towards_in_slices(lm: LeanMoEModel, ids: list[
     assert sorted(outs) == [0, 1] and all(outs[i].finished for i in (0, 1))
     assert clock.slept and max(clock.slept) <= 60.0 and sum(clock.slept) >= 3600.0 - 10 * STEP_S
     assert e.times[1].scheduled is not None and e.times[1].scheduled >= 3600.0
+
+
+def test_trace_wall_clock_covers_idle_gaps(lm: LeanMoEModel, ids: list[list[int]],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trace's ``t_s`` (the run's clock at each step's end) never goes back, jumps by the idle gap before a
+    later arrival, ends at the last finish, and is a float column of the trace's Arrow table."""
+    gap = 2.0
+    e = dense_engine(lm, PARAMS, ids[:2], set(), arrivals=ArrivalSchedule.from_times([0.0, gap]))
+    _fake_time(e, monkeypatch)
+    e.run_until_done()
+    t = [r.t_s for r in e.trace]
+    assert t == sorted(t) and t[0] >= STEP_S
+    jump = int(np.argmax(np.diff(t)))  # the idle wait: request 0 done, request 1 not arrived
+    assert t[jump] <= (PARAMS.max_new_tokens + 1) * STEP_S and t[jump + 1] - t[jump] >= gap - t[jump]
+    assert t[jump + 1] >= gap + STEP_S and e.times[1].scheduled is not None and e.times[1].scheduled >= gap
+    assert t[-1] == pytest.approx(max(x.finish for x in e.times.values() if x.finish is not None))
+    table = trace_table(e.trace)
+    assert table.schema.field("t_s").type == pa.float64() and table.column("t_s").to_pylist() == t

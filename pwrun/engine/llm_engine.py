@@ -185,9 +185,9 @@ class LLMEngine:
         dt = time.perf_counter() - t_step
         self.seconds += dt
         p1 = (0.0, 0.0) if w is None else (w.planner_seconds, w.planner_overlapped_seconds)
-        self.trace.append(self._trace(decision.num_tokens, len(decision.preempted), dt, model_s, reload_s,
-                                      t_sync - t_after, time.perf_counter() - t_sync, p1[0] - p0[0], p1[1] - p0[1],
-                                      poll_s, raised, core.prefill_tokens - prefill_before))
+        self.trace.append(self._trace(decision.num_tokens, len(decision.preempted), dt, self.now(), model_s,
+                                      reload_s, t_sync - t_after, time.perf_counter() - t_sync, p1[0] - p0[0],
+                                      p1[1] - p0[1], poll_s, raised, core.prefill_tokens - prefill_before))
         return outs
 
     def run_until_done(self, on_output: Callable[[RequestOutput], None] | None = None) -> dict[int, RequestOutput]:
@@ -206,8 +206,8 @@ class LLMEngine:
                 if on_output is not None:
                     on_output(o)
 
-    def _trace(self, step_tokens: int, preempted: int, dt: float, model_s: float, reload_s: float, after_s: float,
-               sync_s: float, planner_s: float, planner_overlapped_s: float, poll_s: float,
+    def _trace(self, step_tokens: int, preempted: int, dt: float, t_s: float, model_s: float, reload_s: float,
+               after_s: float, sync_s: float, planner_s: float, planner_overlapped_s: float, poll_s: float,
                raised: int, prefill_tokens: int) -> StepTrace:
         core, pool = self.core, self.core.pool
         a = core.step_actions
@@ -220,7 +220,7 @@ class LLMEngine:
             shared = float(np.dot(q, s) / s.sum()) if s.any() else float("nan")
             routed = float(np.dot(q, r) / r.sum()) if r.any() else float("nan")
         return StepTrace(
-            step=core.steps - 1, seconds=dt, model_seconds=model_s, graph_captured=self.runner.captured,
+            step=core.steps - 1, seconds=dt, t_s=t_s, model_seconds=model_s, graph_captured=self.runner.captured,
             after_seconds=after_s, sync_seconds=sync_s, reload_seconds=reload_s,
             planner_seconds=planner_s, planner_overlapped_seconds=planner_overlapped_s,
             poll_seconds=poll_s, refresh_seconds=a.refresh_seconds, raise_plan_seconds=a.raise_plan_seconds,

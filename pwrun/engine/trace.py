@@ -2,8 +2,10 @@
 
 Columns and units (seconds are host wall-clock; blocks are expert linear blocks unless said KV):
 
-- ``step``: 0-based step index; ``seconds``: the whole step; ``model_seconds``: from launching the forward to
-  the device finishing it; ``graph_captured``: this step captured a CUDA graph (one-off warm-up + capture).
+- ``step``: 0-based step index; ``seconds``: the whole step; ``t_s``: seconds from the start of the run to the
+  step's end, on the clock of the requests' arrival and finish times (idle time waiting for an arrival included,
+  so steps line up with arrivals); ``model_seconds``: from launching the forward to the device finishing it;
+  ``graph_captured``: this step captured a CUDA graph (one-off warm-up + capture).
 - ``after_seconds``: host time after sampling (retiring requests, the weight policy: demotion / reload / plan
   preparation when not overlapped); ``sync_seconds``: waiting for the device at the end of the step;
   ``reload_seconds``: committing + planning + starting reloads while the device computed (overlapped; 0 on CPU).
@@ -39,6 +41,7 @@ class StepTrace:
 
     step: int
     seconds: float
+    t_s: float
     model_seconds: float
     graph_captured: bool
     after_seconds: float
