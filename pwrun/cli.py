@@ -353,7 +353,9 @@ def generate(
             _write_results(results, output)
         console.print(f"[dim]{len(texts)} request(s) on {lm.device} ({lm.dtype}); prefill "
                       f"{stats.prefill_seconds:.2f} s; decode {stats.decode_tokens} tokens in "
-                      f"{stats.decode_seconds:.2f} s = {stats.decode_tokens_per_second:.1f} tokens/s[/dim]")
+                      f"{stats.decode_seconds:.2f} s = {stats.decode_tokens_per_second:.1f} tokens/s busy; "
+                      f"{stats.wall_seconds:.2f} s wall (idle waits for arrivals included) = "
+                      f"{stats.wall_decode_tokens_per_second:.1f} decode tokens/s wall[/dim]")
         if stats.latency is not None and not stream:
             console.print(format_latency(stats.latency, stats.request_rate, slo), style="dim", highlight=False,
                           soft_wrap=True)

@@ -72,15 +72,25 @@ class GenerationStopped(KeyboardInterrupt):
 
 @dataclass
 class GenerationStats:
+    """A run of the 16-bit model: seconds of its prefill and of its decode steps (busy time), decode tokens,
+    ``wall_seconds`` from the start of the run to the end of its last step (idle waits for arrivals included)."""
+
     prefill_seconds: float
     decode_seconds: float
     decode_tokens: int
     latency: LatencyStats | None = None
     request_rate: float = float("inf")
+    wall_seconds: float = 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
+        """Decode tokens per second of decode steps (busy)."""
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def wall_decode_tokens_per_second(self) -> float:
+        """Decode tokens per second of ``wall_seconds``."""
+        return self.decode_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new_tokens: int) -> list[list[int]]:
@@ -168,7 +178,8 @@ def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: Sa
     prefill = sum(r.seconds for r in engine.trace if r.prefill_tokens)
     decode = sum(r.seconds for r in engine.trace if not r.prefill_tokens)
     return gens, GenerationStats(prefill, decode, engine.core.decode_tokens,
-                                 latency_stats(list(engine.times.values()), slo), engine.request_rate)
+                                 latency_stats(list(engine.times.values()), slo), engine.request_rate,
+                                 engine.trace[-1].t_s if engine.trace else 0.0)
 
 
 def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str], tokenizer: Any, cfg: ServeConfig,

@@ -356,3 +356,33 @@ def test_trace_wall_clock_covers_idle_gaps(lm: LeanMoEModel, ids: list[list[int]
     assert t[-1] == pytest.approx(max(x.finish for x in e.times.values() if x.finish is not None))
     table = trace_table(e.trace)
     assert table.schema.field("t_s").type == pa.float64() and table.column("t_s").to_pylist() == t
+
+
+def test_printed_tokens_per_second_says_busy_and_wall(tmp_path: Path) -> None:
+    """With an idle second between arrivals, the printed rates say which time they divide by: busy (summed step
+    time, the summary's ``seconds`` and ``tokens_per_second``) and wall (idle waits included, ``wall_seconds`` and
+    ``wall_tokens_per_second``); the wall rate is the lower one. Also the 16-bit model's own line."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"prompt": p, "arrival_s": t}) + "\n" for p, t in zip(TEXTS[:2], (0.0, 1.0),
+                                                                                                strict=True)))
+    common = ["generate", "--device", "cpu", "--max-new-tokens", "4", "--prompts", str(trace), "--output",
+              str(tmp_path / "o.jsonl")]
+    s_json = tmp_path / "s.json"
+    r = runner.invoke(app, [*common, "--policy", "16-bit", "--gpu-memory", "120MiB", "--summary-json", str(s_json)])
+    assert r.exit_code == 0, r.stderr
+    s = json.loads(s_json.read_text())
+    m = re.search(r"steps in ([\d.]+) s busy \(([\d.]+) s wall, idle waits for arrivals included\): .* = "
+                  r"([\d.]+) tokens/s busy, ([\d.]+) tokens/s wall;", r.stderr)
+    assert m is not None, r.stderr
+    busy_s, wall_s, busy, wall = map(float, m.groups())
+    assert (busy_s, wall_s) == (round(s["seconds"], 2), round(s["wall_seconds"], 2))
+    assert (busy, wall) == (round(s["tokens_per_second"], 1), round(s["wall_tokens_per_second"], 1))
+    assert s["wall_seconds"] >= 1.0 and s["wall_seconds"] > s["seconds"] and wall < busy
+    assert s["wall_tokens_per_second"] == pytest.approx((s["prefill_tokens"] + s["decode_tokens"]) / s["wall_seconds"])
+    r = runner.invoke(app, common)
+    assert r.exit_code == 0, r.stderr
+    m = re.search(r"decode (\d+) tokens in [\d.]+ s = ([\d.]+) tokens/s busy; ([\d.]+) s wall \(idle waits for "
+                  r"arrivals included\) = ([\d.]+) decode tokens/s wall", r.stderr)
+    assert m is not None, r.stderr
+    tokens, busy, wall_s, wall = map(float, m.groups())
+    assert wall_s >= 1.0 and wall < busy and wall == pytest.approx(tokens / wall_s, rel=0.05, abs=0.1)

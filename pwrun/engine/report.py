@@ -49,7 +49,10 @@ class RunSummary:
     token, ``tpot_*_ms`` per output token after the first, ``queue_*_s`` arrival -> first scheduled (p50 / p99;
     None without a sample); ``duration_s``: start -> last finish; ``goodput_rps``: requests that met
     ``slo_ttft_ms`` / ``slo_tpot_ms`` (all completed ones without SLOs) per second of ``duration_s``;
-    ``requests_unfinished``: requests a stop (Ctrl-C, SIGTERM) left not run to completion (None: not stopped)."""
+    ``requests_unfinished``: requests a stop (Ctrl-C, SIGTERM) left not run to completion (None: not stopped).
+    Busy and wall time: ``seconds`` sums the steps' time, and ``tokens_per_second`` / ``decode_tokens_per_second``
+    divide by it (busy); ``wall_seconds``: the start of the run to the end of its last step, idle waits for
+    arrivals included, and ``wall_tokens_per_second``: (prefill + decode) tokens per second of it."""
 
     device: str
     dtype: str
@@ -113,6 +116,8 @@ class RunSummary:
     requests_completed: int | None = None
     requests_met_slo: int | None = None
     requests_unfinished: int | None = None
+    wall_seconds: float | None = None
+    wall_tokens_per_second: float | None = None
     duration_s: float | None = None
     goodput_rps: float | None = None
     slo_ttft_ms: float | None = None
@@ -171,6 +176,16 @@ def latency_fields(engine: LLMEngine, slo: SLO | None = None) -> dict[str, Any]:
             "slo_ttft_ms": slo.ttft_ms, "slo_tpot_ms": slo.tpot_ms}
 
 
+def wall_fields(engine: LLMEngine) -> dict[str, float]:
+    """``wall_seconds`` (the start of the run to the end of its last step: the trace's last ``t_s``) and the
+    tokens computed per second of it; nothing before the first step."""
+    if not engine.trace:
+        return {}
+    wall = engine.trace[-1].t_s
+    tokens = engine.core.prefill_tokens + engine.core.decode_tokens
+    return {"wall_seconds": wall, "wall_tokens_per_second": tokens / wall if wall > 0 else 0.0}
+
+
 def summarize(engine: LLMEngine, slo: SLO | None = None) -> RunSummary:
     """The summary of a finished run of ``engine`` (see ``RunSummary``); ``slo``: what goodput counts."""
     core = engine.core
@@ -209,6 +224,7 @@ def summarize(engine: LLMEngine, slo: SLO | None = None) -> RunSummary:
     store = engine.runner.experts
     over["host_peak_rss_bytes"] = peak_rss_bytes()
     over |= latency_fields(engine, slo)
+    over |= wall_fields(engine)
     return RunSummary(
         **known, steps=steps, seconds=engine.seconds, prefill_tokens=core.prefill_tokens,
         decode_tokens=core.decode_tokens, tokens_per_second=(core.prefill_tokens + core.decode_tokens) / secs,
@@ -257,6 +273,11 @@ def _stats_of(s: RunSummary) -> LatencyStats:
                         f(s.goodput_rps))
 
 
+def _wall(wall_seconds: float | None) -> str:
+    """`` (X s wall, idle waits included)`` for a run's ``wall_seconds``, or nothing without it."""
+    return "" if wall_seconds is None else f" ({wall_seconds:.2f} s wall, idle waits for arrivals included)"
+
+
 def format_summary(s: RunSummary) -> str:
     """A few terminal lines from a ``RunSummary``."""
     lines = [
@@ -276,9 +297,11 @@ def format_summary(s: RunSummary) -> str:
         f"committed bits at the end: {hist} (mean {s.final_mean_bits:.2f}; time-averaged {s.mean_bits:.2f})",
         f"{s.demoted_blocks} demoted blocks, {s.promoted_blocks} promoted blocks, "
         f"{format_size(s.bytes_host_to_device)} host->device, {s.preemptions} preemptions",
-        f"{s.steps} steps in {s.seconds:.2f} s: {s.prefill_tokens} prefill "
+        f"{s.steps} steps in {s.seconds:.2f} s busy{_wall(s.wall_seconds)}: {s.prefill_tokens} prefill "
         + (f"({s.recomputed_tokens} of them recomputed after preemptions) " if s.recomputed_tokens else "")
-        + f"+ {s.decode_tokens} decode tokens = {s.tokens_per_second:.1f} tokens/s; planner "
+        + f"+ {s.decode_tokens} decode tokens = {s.tokens_per_second:.1f} tokens/s busy"
+        + (f", {s.wall_tokens_per_second:.1f} tokens/s wall" if s.wall_tokens_per_second is not None else "")
+        + "; planner "
         f"{s.planner_ms_per_step:.2f} ms/step ({100 * s.planner_share_of_step:.2f}% of step time; "
         f"+{s.planner_overlapped_ms_per_step:.2f} ms/step while the device computed)",
     ]
