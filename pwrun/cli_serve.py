@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -29,7 +29,7 @@ from pwrun.cli_common import (
 )
 from pwrun.core.config import CPU_MAX_BATCH, CPU_STEP_TOKENS, GPU_MAX_BATCH, GPU_STEP_TOKENS, EngineConfig
 from pwrun.core.policy import Policy
-from pwrun.engine.budget import parse_size
+from pwrun.engine.budget import format_budget, parse_size
 from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
 from pwrun.model.loader import load_spec, load_tokenizer, resolve_device
@@ -37,6 +37,17 @@ from pwrun.serve.generation import ServeLimits
 from pwrun.serve.server import LOG_LEVELS, Server, build_serving_engine, check_listen
 
 console = make_console(stderr=True)
+
+
+def _start_line(info: dict[str, Any], name: str, url: str, context: int, max_batch: int, max_queue: int) -> str:
+    """The start-up line: where the model is served, its policy and device, the request limits and, when the
+    engine runs under a budget (``info`` from the build), the budget's split as ``pwrun generate`` prints it."""
+    line = (f"serving {name} on {url}/v1 ({info.get('policy')}, {info.get('device')}, context {context} tokens, "
+            f"{max_batch} running + {max_queue} queued at most)")
+    if "gpu_memory" not in info:
+        return line
+    return line + "; " + format_budget(info["gpu_memory"], info["dtype"], info["fixed_bytes"],
+                                       info["workspace_bytes"], info["pool_bytes"])
 
 
 def serve(
@@ -117,10 +128,8 @@ def serve(
         name = served_model_name or Path(model_dir).resolve().name
         server = Server(engine, tok, name, ServeLimits(context, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),
                         host, port, max_batch + max_queue, drain_seconds, log_level)
-        info = engine.info
-        console.print(f"serving {name} on {server.url}/v1 ({info.get('policy')}, {info.get('device')}, "
-                      f"context {context} tokens, {max_batch} running + {max_queue} queued at most)",
-                      style="dim", highlight=False, soft_wrap=True)
+        console.print(_start_line(engine.info, name, server.url, context, max_batch, max_queue), style="dim",
+                      highlight=False, soft_wrap=True)
         caught: list[int] = []
         previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
                     for s in (signal.SIGTERM, signal.SIGINT)}  # uvicorn re-raises the signal it stopped on

@@ -5,12 +5,14 @@ MoE, CPU).
   what serving loses and the ``pwcal`` command that makes it; a policy that does not read it: none.
   ``pwrun eval run`` gives the same lines as ``generate``; ``pwrun eval sweep`` (every policy) each once.
 - The same table gone although the manifest records its stage complete: a one-line error (``--force``).
-- Budget messages name the real dtype of the non-expert weights.
+- Budget messages name the real dtype of the non-expert weights; ``pwrun serve``'s start-up line shows the
+  budget's split.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -176,3 +178,23 @@ def test_an_output_that_cannot_be_written_prints_the_results(calibrated_artifact
     assert "printed on stdout instead" in lines[-1] and "(the results are printed above)" in lines[-1]
     assert [json.loads(x)["prompt"] for x in r.stdout.splitlines() if x.startswith("{")] == ["The river", "A cat"]
     assert summary.is_file() and not (tmp_path / "o.jsonl").exists()
+
+
+def test_serve_start_line_shows_the_budget_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pwrun serve`` under a budget says how it splits, as ``generate`` does (each budget its own numbers); the
+    16-bit model without a budget says none."""
+    from pwrun.serve.server import Server
+
+    monkeypatch.setattr(Server, "run", lambda self: None)  # the start-up only
+    base = ["serve", "--device", "cpu", "--port", "0", "--max-model-len", "128", "--max-batch", "2"]
+    lines = {}
+    for budget in ("96MiB", "128MiB"):
+        r = runner.invoke(app, [*base, "--policy", "16-bit", "--gpu-memory", budget])
+        assert r.exit_code == 0, r.stderr
+        lines[budget] = next(x for x in r.stderr.splitlines() if x.startswith("serving "))
+        assert re.search(rf"; budget {budget[:-3]}\.00 MiB = non-expert weights \(bf16\) [\d.]+ [KM]iB \+ workspace "
+                         r"[\d.]+ [KM]iB \+ page pool [\d.]+ MiB$", lines[budget]), lines[budget]
+    assert lines["96MiB"].split("page pool")[1] != lines["128MiB"].split("page pool")[1]
+    r = runner.invoke(app, base)
+    assert r.exit_code == 0, r.stderr
+    assert "budget" not in next(x for x in r.stderr.splitlines() if x.startswith("serving ")), r.stderr

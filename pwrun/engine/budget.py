@@ -54,6 +54,13 @@ def format_size(n: float) -> str:
     return f"{n / 2**10:.2f} KiB" if abs(n) >= 2**10 else f"{int(n)} B"
 
 
+def format_budget(gpu_memory: int, dtype: str, fixed: int, workspace: int, pool: int) -> str:
+    """The split of a device budget for messages (bytes in): ``budget B = non-expert weights (dtype) F + workspace W
+    + page pool P``, as a run's summary and ``pwrun serve``'s start-up line print it."""
+    return (f"budget {format_size(gpu_memory)} = non-expert weights ({dtype_label(dtype)}) {format_size(fixed)} + "
+            f"workspace {format_size(workspace)} + page pool {format_size(pool)}")
+
+
 def cublas_workspace_bytes() -> int:
     """Bytes of one cuBLAS workspace as ``CUBLAS_WORKSPACE_CONFIG`` (``:KiB:count[:KiB:count]``) sets it."""
     cfg = os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from pwformat.atomic import atomic_path
 from pwformat.errors import PagedWeightError
 from pwrun.core.latency import SLO, LatencyStats, latency_stats
-from pwrun.engine.budget import dtype_label, format_size
+from pwrun.engine.budget import format_budget, format_size
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.trace import trace_table
 from pwrun.runner.experts.dense import DenseExpertStore
@@ -282,9 +282,7 @@ def format_summary(s: RunSummary) -> str:
     """A few terminal lines from a ``RunSummary``."""
     lines = [
         f"policy {s.policy}{' ' + str(s.bits) + ' bits' if s.bits else ''} on {s.device} "
-        f"({s.dtype}); budget {format_size(s.gpu_memory)} = non-expert weights ({dtype_label(s.dtype)}) "
-        f"{format_size(s.fixed_bytes)}"
-        f" + workspace {format_size(s.workspace_bytes)} + page pool {format_size(s.pool_bytes)}",
+        f"({s.dtype}); {format_budget(s.gpu_memory, s.dtype, s.fixed_bytes, s.workspace_bytes, s.pool_bytes)}",
     ]
     if s.weight_bytes_mean is not None and s.expert_share_16bit is not None:
         lines.append(
