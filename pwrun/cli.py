@@ -32,6 +32,7 @@ from pwrun.cli_common import (
     ModelOpt,
     NoVerifyOpt,
     PolicyOpt,
+    budget_bytes,
     check_writable_file,
     default_model,
     make_console,
@@ -47,7 +48,6 @@ from pwrun.core.latency import SLO
 from pwrun.core.policy import Policy
 from pwrun.core.request import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 from pwrun.data import document_prompts, read_jsonl_field, read_text
-from pwrun.engine.budget import parse_size
 from pwrun.engine.build import ServeConfig
 from pwrun.engine.report import format_latency, format_summary
 from pwrun.generate import Generation, GenerationStopped, encode_prompts, serve_prompts
@@ -250,7 +250,8 @@ def generate(
         dtype = policy_dtype(dtype, policy)
         if dense and artifacts is not None:
             raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: drop --artifacts")
-        if artifacts is None and not dense and (gpu_memory or trace or summary_json or bits is not None
+        budget = budget_bytes(gpu_memory)
+        if artifacts is None and not dense and (gpu_memory is not None or trace or summary_json or bits is not None
                                                  or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy, --bits, --trace and --summary-json need --artifacts DIR "
                                    "(from `pwcal run-all`), or --policy 16-bit for the 16-bit experts under a budget")
@@ -294,7 +295,7 @@ def generate(
                 art = open_artifact(artifacts, model_dir, not no_verify)
                 serve_policy.check_bits(art.bits)
                 warn_missing_tables(art, [policy], model_dir)
-            cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), serve_policy,
+            cfg = ServeConfig(budget, serve_policy,
                               EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
                                            debug_checks=debug_checks))
             with _progress(len(texts), not stream) as on_progress:

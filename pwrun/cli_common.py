@@ -30,6 +30,7 @@ from pwformat.errors import PagedWeightError
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.policy import POLICIES
 from pwrun.data import default_model_dir
+from pwrun.engine.budget import parse_size
 from pwrun.engine.build import missing_tables
 from pwrun.progress import progress
 from pwrun.signals import Terminated, raise_terminated
@@ -47,6 +48,20 @@ BitsOpt = Annotated[int | None, typer.Option(help="With --policy uniform: every 
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA and for "
                                        "--policy 16-bit, else fp32 on CPU), float32, bfloat16 or float16.")]
+
+
+DEFAULT_GPU_MEMORY = "4GiB"
+
+
+def budget_bytes(gpu_memory: str | None) -> int:
+    """Bytes of ``--gpu-memory`` (None: the option left out, ``DEFAULT_GPU_MEMORY``). Raises ``PagedWeightError`` for
+    an empty value (e.g. an unset shell variable), which must not fall back to the default, or an unreadable one."""
+    if gpu_memory is None:
+        return parse_size(DEFAULT_GPU_MEMORY)
+    if not gpu_memory.strip():
+        raise PagedWeightError(f"--gpu-memory is empty: give a size, e.g. 10GiB or 512MiB, or leave the option out "
+                               f"for the default {DEFAULT_GPU_MEMORY}")
+    return parse_size(gpu_memory)
 
 
 def policy_dtype(dtype: str, policy: str) -> str:

@@ -20,6 +20,7 @@ from pwrun.cli_common import (
     ModelOpt,
     NoVerifyOpt,
     PolicyOpt,
+    budget_bytes,
     default_model,
     make_console,
     open_artifact,
@@ -29,7 +30,7 @@ from pwrun.cli_common import (
 )
 from pwrun.core.config import CPU_MAX_BATCH, CPU_STEP_TOKENS, GPU_MAX_BATCH, GPU_STEP_TOKENS, EngineConfig
 from pwrun.core.policy import Policy
-from pwrun.engine.budget import format_budget, parse_size
+from pwrun.engine.budget import format_budget
 from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
 from pwrun.model.loader import load_spec, load_tokenizer, resolve_device
@@ -98,7 +99,9 @@ def serve(
         dtype = policy_dtype(dtype, policy)
         if dense and artifacts is not None:
             raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: drop --artifacts")
-        if artifacts is None and not dense and (gpu_memory or bits is not None or policy != "pagedweight"):
+        budget = budget_bytes(gpu_memory)
+        if artifacts is None and not dense and (gpu_memory is not None or bits is not None
+                                                 or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`), or "
                                    "--policy 16-bit for the 16-bit experts under a budget")
         if not math.isfinite(drain_seconds):
@@ -119,7 +122,7 @@ def serve(
             art = open_artifact(artifacts, model_dir, not no_verify)
             serve_policy.check_bits(art.bits)
             warn_missing_tables(art, [policy], model_dir)
-        cfg = ServeConfig(parse_size(gpu_memory or "4GiB"), serve_policy,
+        cfg = ServeConfig(budget, serve_policy,
                           EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens, debug_checks=debug_checks))
         try:
             engine = build_serving_engine(model_dir, artifacts, cfg, context, device, dtype)

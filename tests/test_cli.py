@@ -160,6 +160,8 @@ NO_MODEL = ["--model", "/nonexistent/model"]  # an error about the model would m
         (["--prompt", "caf\udce9 river"], "--prompt is not valid UTF-8"),  # what Python makes of a latin-1 argv byte
         (["--prompt", "x", "--seed", "99999999999999999999"], "--seed 99999999999999999999 is out of range"),
         (["--prompt", "x", "--seed", "-1"], "--seed -1 is out of range"),
+        (["--prompt", "x", "--policy", "16-bit", "--gpu-memory", ""], "--gpu-memory is empty"),  # an unset variable
+        (["--prompt", "x", "--gpu-memory", " "], "--gpu-memory is empty"),
     ],
 )
 def test_bad_generate_options_are_refused_before_loading(args: list[str], message: str) -> None:

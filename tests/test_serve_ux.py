@@ -182,7 +182,7 @@ def test_an_output_that_cannot_be_written_prints_the_results(calibrated_artifact
 
 def test_serve_start_line_shows_the_budget_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """``pwrun serve`` under a budget says how it splits, as ``generate`` does (each budget its own numbers); the
-    16-bit model without a budget says none."""
+    16-bit model without a budget says none; an empty --gpu-memory is refused, not served at the default."""
     from pwrun.serve.server import Server
 
     monkeypatch.setattr(Server, "run", lambda self: None)  # the start-up only
@@ -198,3 +198,7 @@ def test_serve_start_line_shows_the_budget_split(monkeypatch: pytest.MonkeyPatch
     r = runner.invoke(app, base)
     assert r.exit_code == 0, r.stderr
     assert "budget" not in next(x for x in r.stderr.splitlines() if x.startswith("serving ")), r.stderr
+    r = runner.invoke(app, [*base, "--policy", "16-bit", "--gpu-memory", ""])  # not the 4 GiB default
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [
+        "error: --gpu-memory is empty: give a size, e.g. 10GiB or 512MiB, or leave the option out for the default "
+        "4GiB"], r.stderr
