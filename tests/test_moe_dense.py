@@ -61,14 +61,16 @@ def test_grouped_gemm_path_equals_reference(t: int, dtype: torch.dtype, activati
 
 
 def test_config_picks_the_path_by_token_count() -> None:
-    cfg = DenseMoEConfig(gemv=GEMV, gemm=GEMM, max_gemv_tokens=4)
-    assert cfg.pick(1) is GEMV and cfg.pick(4) is GEMV and cfg.pick(5) is GEMM
+    large = DenseGemmTile(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16)
+    cfg = DenseMoEConfig(gemv=GEMV, gemm=GEMM, gemm_large=large, max_gemv_tokens=4, min_large_tokens=5)
+    assert cfg.pick(1) is GEMV and cfg.pick(4) is GEMV and cfg.pick(5) is large
+    assert DenseMoEConfig(gemv=GEMV, gemm=GEMM, max_gemv_tokens=4).pick(5) is GEMM
     ex = _experts(3, torch.bfloat16, 7)
     x = torch.randn(5, HIDDEN).to(torch.bfloat16).to(DEV)
     ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]], device=DEV)
     w = torch.rand(5, 2).to(DEV)
     want = dense_moe_ref(x, ids, w, ex)
-    for n in (1, 5):  # the first n tokens: the GEMV path, then the GEMM path
+    for n in (1, 5):  # the first n tokens: the GEMV path, then the large-tile GEMM path
         got = dense_moe(x[:n], ids[:n], w[:n], ex, cfg)
         assert (got.float() - want[:n].float()).abs().max() <= 2**-5 * want.float().abs().max()
     assert dense_moe(x[:0], ids[:0], w[:0], ex).shape == (0, HIDDEN)
@@ -85,6 +87,6 @@ def test_bad_inputs_and_configs_are_refused() -> None:
     with pytest.raises(ValueError, match="activation"):
         dense_moe(x.to(torch.bfloat16), ids, w, ex, activation="relu")
     for bad in (lambda: DenseGemvTile(BLOCK_N=24), lambda: DenseGemmTile(BLOCK_M=8),
-                lambda: DenseMoEConfig(max_gemv_tokens=-1)):
+                lambda: DenseMoEConfig(max_gemv_tokens=-1), lambda: DenseMoEConfig(min_large_tokens=1.5)):
         with pytest.raises(ValueError):
             bad()

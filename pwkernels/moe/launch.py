@@ -4,8 +4,8 @@ The JSON holds, per expert shape "HxI" (``by_shape``, tuned on a GPU) or ``defau
 ``{"min_tokens": T, "config": {...}}``; the largest ``min_tokens`` <= T wins. A config names its ``path``
 (decode | mid | prefill) and that path's tiles; ``parse_config`` turns it into the dataclass below and refuses
 unknown paths, unknown keys and bad values, so a typo in a tuned file fails at import, not on the GPU.
-``DenseMoEConfig`` is the 16-bit experts' config (``pwkernels.moe.dense``): a GEMV tile, a grouped-GEMM tile and
-the token count where one gives way to the other.
+``DenseMoEConfig`` is the 16-bit experts' config (``pwkernels.moe.dense``): a GEMV tile, two grouped-GEMM tiles and
+the token counts where one gives way to the next.
 """
 
 from __future__ import annotations
@@ -131,23 +131,30 @@ class DenseGemmTile:
 
 @dataclass(frozen=True)
 class DenseMoEConfig:
-    """The 16-bit MoE paths: ``gemv`` up to ``max_gemv_tokens`` tokens, ``gemm`` above.
+    """The 16-bit MoE paths: ``gemv`` up to ``max_gemv_tokens`` tokens, ``gemm`` above, ``gemm_large`` from
+    ``min_large_tokens``.
 
-    Defaults, not tuned: no GPU has timed these kernels yet. They follow the AP paths' shipped defaults (decode
-    GEMV up to a handful of tokens, 16 x 64 x 64 tiles for the grouped GEMM); a tuning run should replace them
-    per expert shape, as ``configs/ap_moe.json`` does for the AP kernels."""
+    Defaults from ``python -m bench.dense_moe`` on an H200 (Qwen1.5-MoE, Mixtral-8x7B and Gemma-4 expert shapes,
+    CUDA-graph replay): the GEMV with 16-row programs and 512-column K steps is fastest up to 4 tokens (it re-reads
+    an expert per pair, so it loses from 8), 16-pair tiles up to 64 tokens and 64-pair tiles from 128."""
 
-    gemv: DenseGemvTile = DenseGemvTile()
+    gemv: DenseGemvTile = DenseGemvTile(BLOCK_N=16, BLOCK_K=512)
     gemm: DenseGemmTile = DenseGemmTile()
-    max_gemv_tokens: int = 8
+    gemm_large: DenseGemmTile = DenseGemmTile(BLOCK_M=64)
+    max_gemv_tokens: int = 4
+    min_large_tokens: int = 128
 
     def __post_init__(self) -> None:
-        if type(self.max_gemv_tokens) is not int or self.max_gemv_tokens < 0:
-            raise ValueError(f"max_gemv_tokens must be an integer >= 0, got {self.max_gemv_tokens!r}")
+        for name in ("max_gemv_tokens", "min_large_tokens"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
 
     def pick(self, num_tokens: int) -> DenseGemvTile | DenseGemmTile:
         """The tile of the path that runs ``num_tokens`` tokens."""
-        return self.gemv if num_tokens <= self.max_gemv_tokens else self.gemm
+        if num_tokens <= self.max_gemv_tokens:
+            return self.gemv
+        return self.gemm_large if num_tokens >= self.min_large_tokens else self.gemm
 
 
 LaunchConfig = DecodeConfig | MidConfig | PrefillConfig
