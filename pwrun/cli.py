@@ -123,6 +123,13 @@ def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | N
         yield update
 
 
+def _say_wait(arrival: float, wait: float) -> None:
+    """One line when the idle engine waits long for the next arrival (seconds from the start of the run), so that a
+    quiet terminal is not taken for a hang."""
+    console.print(f"idle: the next request arrives at t={arrival:.0f} s; the engine waits {wait:.0f} s until then",
+                  style="dim", highlight=False, soft_wrap=True)
+
+
 def _write_results(results: list[Generation], output: Path | None) -> None:
     lines = "".join(json.dumps(r.record()) + "\n" for r in results)
     if output is None:
@@ -302,7 +309,8 @@ def generate(
                 try:
                     results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
                                                      on_text=on_text if stream else None, trace=trace,
-                                                     on_progress=on_progress, arrivals=arrivals, slo=slo)
+                                                     on_progress=on_progress, arrivals=arrivals, slo=slo,
+                                                     on_wait=_say_wait)
                 except GenerationStopped as exc:  # the finished requests are written below, then the stop ends
                     assert exc.summary is not None  # serve_prompts sums up a stopped run
                     stop, results, summary = exc, exc.finished, exc.summary
@@ -343,7 +351,8 @@ def generate(
         with _progress(len(texts), not stream) as on_progress:
             try:
                 results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None,
-                                              on_progress=on_progress, arrivals=arrivals, slo=slo)
+                                              on_progress=on_progress, arrivals=arrivals, slo=slo,
+                                              on_wait=_say_wait)
             except GenerationStopped as exc:
                 stop = exc
         if stop is not None:

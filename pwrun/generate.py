@@ -121,11 +121,13 @@ def eos_ids(spec_eos: tuple[int, ...], tokenizer: Any) -> set[int]:
 
 def run_generation(engine: LLMEngine, tokenizer: Any, prompts: list[str],
                    on_text: Callable[[int, str], None] | None = None,
-                   on_progress: Callable[[int, int], None] | None = None) -> list[Generation]:
+                   on_progress: Callable[[int, int], None] | None = None,
+                   on_wait: Callable[[float, float], None] | None = None) -> list[Generation]:
     """Run ``engine`` (holding requests 0..n-1 for ``prompts``) to completion; generations in prompt order.
 
     ``on_text(i, new text)`` streams request i's text (whole characters only); ``on_progress(finished requests,
-    generated tokens)`` is called after every sampled token.
+    generated tokens)`` is called after every sampled token; ``on_wait(arrival, seconds to it)`` once per long idle
+    wait for an arrival (``LLMEngine.run_until_done``).
     """
     printed = [""] * len(prompts)
     counts = [0, 0]  # finished requests, generated tokens
@@ -144,7 +146,7 @@ def run_generation(engine: LLMEngine, tokenizer: Any, prompts: list[str],
             on_progress(counts[0], counts[1])
 
     try:
-        engine.run_until_done(on_output)
+        engine.run_until_done(on_output, on_wait)
     except KeyboardInterrupt as exc:
         raise GenerationStopped(exc, [_finished(engine, tokenizer, i, p) for i, p in enumerate(prompts)]) from exc
     return [_generation(engine, tokenizer, i, p) for i, p in enumerate(prompts)]
@@ -169,12 +171,14 @@ def _finished(engine: LLMEngine, tokenizer: Any, rid: int, prompt: str) -> Gener
 def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: SamplingParams,
              block_size: int = 16, on_text: Callable[[int, str], None] | None = None,
              on_progress: Callable[[int, int], None] | None = None, arrivals: ArrivalSchedule | None = None,
-             slo: SLO | None = None) -> tuple[list[Generation], GenerationStats]:
+             slo: SLO | None = None,
+             on_wait: Callable[[float, float], None] | None = None) -> tuple[list[Generation], GenerationStats]:
     """Generate with ``model``'s own 16-bit experts (``dense_engine``), request i arriving at ``arrivals.times[i]``
-    (None: all at t=0); the generations and timing stats (``slo``: what the goodput counts)."""
+    (None: all at t=0); the generations and timing stats (``slo``: what the goodput counts; ``on_wait``: see
+    ``run_generation``)."""
     ids = encode_prompts(tokenizer, prompts, model.spec.max_position_embeddings, params.max_new_tokens)
     engine = dense_engine(model, params, ids, eos_ids(model.spec.eos_token_ids, tokenizer), block_size, arrivals)
-    gens = run_generation(engine, tokenizer, prompts, on_text, on_progress)
+    gens = run_generation(engine, tokenizer, prompts, on_text, on_progress, on_wait)
     prefill = sum(r.seconds for r in engine.trace if r.prefill_tokens)
     decode = sum(r.seconds for r in engine.trace if not r.prefill_tokens)
     return gens, GenerationStats(prefill, decode, engine.core.decode_tokens,
@@ -186,13 +190,14 @@ def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str]
                   params: SamplingParams, device: str = "auto", dtype: str = "auto",
                   on_text: Callable[[int, str], None] | None = None, trace: Path | None = None,
                   on_progress: Callable[[int, int], None] | None = None, arrivals: ArrivalSchedule | None = None,
-                  slo: SLO | None = None) -> tuple[list[Generation], RunSummary]:
+                  slo: SLO | None = None,
+                  on_wait: Callable[[float, float], None] | None = None) -> tuple[list[Generation], RunSummary]:
     """Serve ``prompts`` under ``cfg``: AP experts from ``artifact_dir``, or the 16-bit experts of ``model_dir``
     with ``cfg.policy`` 16-bit (``artifact_dir`` is then not read), request i arriving at ``arrivals.times[i]``
     seconds from the start of the run (None: all at t=0); generations (in prompt order) and the run summary
-    (``slo``: what its goodput counts). A ``trace`` that cannot be written does not lose the generations: the
-    summary's ``trace_error`` says why. Raises ``PagedWeightError`` for an AP policy without ``artifact_dir``, and
-    ``GenerationStopped`` with the summary so far (the trace written) on a stop.
+    (``slo``: what its goodput counts; ``on_wait``: see ``run_generation``). A ``trace`` that cannot be written
+    does not lose the generations: the summary's ``trace_error`` says why. Raises ``PagedWeightError`` for an AP
+    policy without ``artifact_dir``, and ``GenerationStopped`` with the summary so far (the trace written) on a stop.
     """
     spec, _ = load_spec(Path(model_dir))
     ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens)
@@ -205,7 +210,7 @@ def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str]
         engine = build_engine(Path(model_dir), Path(artifact_dir), cfg, params, ids, eos, device, dtype,
                               arrivals=arrivals)
     try:
-        gens = run_generation(engine, tokenizer, prompts, on_text, on_progress)
+        gens = run_generation(engine, tokenizer, prompts, on_text, on_progress, on_wait)
     except GenerationStopped as stop:
         stop.summary = _summary(engine, slo, trace)
         stop.summary.requests_unfinished = len(prompts) - len(stop.finished)

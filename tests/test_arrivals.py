@@ -331,12 +331,17 @@ def test_cli_summary_and_output_times_agree(tok, tmp_path: Path) -> None:  # typ
 
 def test_a_later_arrival_is_slept_towards_in_slices(lm: LeanMoEModel, ids: list[list[int]],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """An arrival an hour away: the idle engine sleeps at most a minute at a time (no sleep overflows time_t)."""
-    e = dense_engine(lm, PARAMS, ids[:2], set(), arrivals=ArrivalSchedule.from_times([0.0, 3600.0]))
+    """An arrival an hour away: the idle engine sleeps at most a minute at a time (no sleep overflows time_t), and
+    says once (not per slice) that it waits, with the arrival time and the wait; a wait under a minute is not
+    announced."""
+    e = dense_engine(lm, PARAMS, ids[:3], set(), arrivals=ArrivalSchedule.from_times([0.0, 3600.0, 3630.0]))
     clock = _fake_time(e, monkeypatch)
-    outs = e.run_until_done()
-    assert sorted(outs) == [0, 1] and all(outs[i].finished for i in (0, 1))
-    assert clock.slept and max(clock.slept) <= 60.0 and sum(clock.slept) >= 3600.0 - 10 * STEP_S
+    waits: list[tuple[float, float]] = []
+    outs = e.run_until_done(on_wait=lambda arrival, wait: waits.append((arrival, wait)))
+    assert sorted(outs) == [0, 1, 2] and all(outs[i].finished for i in (0, 1, 2))
+    assert clock.slept and max(clock.slept) <= 60.0 and sum(clock.slept) >= 3630.0 - 20 * STEP_S
+    assert len(clock.slept) > 60 and len(waits) == 1 and waits[0][0] == 3600.0
+    assert waits[0][1] == pytest.approx(3600.0 - e.trace[PARAMS.max_new_tokens - 1].t_s)
     assert e.times[1].scheduled is not None and e.times[1].scheduled >= 3600.0
 
 

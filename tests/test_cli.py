@@ -557,6 +557,9 @@ def test_a_stop_writes_the_finished_requests(tmp_path: Path, sig: str, code: int
     assert last.startswith("terminated (SIGTERM): " if sig == "SIGTERM" else "interrupted: "), proc.stderr
     assert f"2 of 3 requests finished and were written to {out}; the rest (1) were not run to completion" in last
     assert "Traceback" not in proc.stderr
+    waits = [x for x in proc.stderr.splitlines() if x.startswith("idle: ")]
+    assert len(waits) == 1 and re.fullmatch(r"idle: the next request arrives at t=3600 s; the engine waits 3[56]\d\d "
+                                            r"s until then", waits[0]), proc.stderr
     ref = tmp_path / "ref_out.jsonl"
     r = runner.invoke(app, ["generate", "--prompts", str(ref_in), "--output", str(ref), *[
         x for x in opts if not x.startswith(("--trace", "--summary", str(tmp_path)))]])

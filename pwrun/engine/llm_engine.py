@@ -31,6 +31,8 @@ from pwrun.core.request import Request, RequestOutput
 from pwrun.engine.trace import StepTrace
 from pwrun.runner.model_runner import ModelRunner
 
+LONG_WAIT_S = 60.0  # an idle wait for an arrival longer than this is announced (``run_until_done``'s ``on_wait``)
+
 
 class LLMEngine:
     """``core`` + ``runner``; ``info`` describes the build (budget split, policy) for the summary.
@@ -190,17 +192,26 @@ class LLMEngine:
                                       p1[1] - p0[1], poll_s, raised, core.prefill_tokens - prefill_before))
         return outs
 
-    def run_until_done(self, on_output: Callable[[RequestOutput], None] | None = None) -> dict[int, RequestOutput]:
+    def run_until_done(self, on_output: Callable[[RequestOutput], None] | None = None,
+                       on_wait: Callable[[float, float], None] | None = None) -> dict[int, RequestOutput]:
         """Step until every request has arrived and finished, queueing each at its arrival time (at the step
         boundary after it; while nothing runs, sleeping until the next one instead of spinning); ``on_output``
-        sees every output as it comes. Returns the final output of every request by id."""
+        sees every output as it comes; ``on_wait(arrival, seconds to it)`` is called once per idle wait longer than
+        ``LONG_WAIT_S`` (not per sleep slice), so that a caller can say why nothing happens. Returns the final output
+        of every request by id."""
+        announced = None  # the arrival whose wait was announced
         while True:
             self._admit_due()
             if self.core.idle:
                 if not self._future:
                     return self.outputs
+                arrival = self._future[0][0]
+                wait = max(arrival - self.now(), 0.0)
+                if on_wait is not None and wait > LONG_WAIT_S and arrival != announced:
+                    on_wait(arrival, wait)
+                    announced = arrival
                 # in slices of at most a minute: the loop re-checks, and no sleep overflows the platform's time_t
-                self.sleep(min(max(self._future[0][0] - self.now(), 0.0), 60.0))
+                self.sleep(min(wait, 60.0))
                 continue
             for o in self.step():
                 if on_output is not None:
