@@ -120,6 +120,8 @@ def run(
                                    "--gpu-memory or --trace")
         if policy != "16-bit" and policy not in POLICIES:
             raise PagedWeightError(f"unknown --policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if gpu_memory is not None and not gpu_memory.replace(",", "").strip():
+            raise PagedWeightError("--gpu-memory needs at least one budget (e.g. U4 or 2GiB)")
         set_threads(threads)
         open_artifact(artifacts, model or default_model(), not no_verify)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
@@ -148,9 +150,9 @@ def run(
             append_rows(out, [row], ev.scores(row))
             show(row)
             return
-        specs = [x.strip() for x in (gpu_memory or "U4").split(",") if x.strip()]
+        specs = [x.strip() for x in (gpu_memory if gpu_memory is not None else "U4").split(",") if x.strip()]
         if not specs:
-            raise PagedWeightError("--gpu-memory needs at least one budget")
+            raise PagedWeightError("--gpu-memory needs at least one budget (e.g. U4 or 2GiB)")
         sizes = {x: parse_size(x) for x in specs if not is_label(x)}
         labels = tuple(x for x in specs if is_label(x))
         budgets(ev, s, tuple(x for x in labels if x != "min"))  # check the labels before the peak-KV run

@@ -182,6 +182,7 @@ def _eval(*args: str) -> tuple[int, str]:
     (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", "lots"], "cannot read the size"),
     (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", "U9"], "unknown budget"),
     (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", "1MiB"], "give at least --gpu-memory"),
+    (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", " , "], "needs at least one budget"),
     (["run", "--out", "{tmp}/r.parquet", "--policy", "16-bit", "--bits", "4"], "no --bits"),
     (["run", "--out", "{tmp}/r.parquet", "--policy", "16-bit", "--gpu-memory", "1MiB"], "--gpu-memory or --trace"),
     (["run", "--out", "{tmp}/r.parquet", "--policy", "bogus"], "uniform, static, 16-bit"),
