@@ -30,6 +30,7 @@ from pwrun.engine.report import summarize
 from pwrun.model.inventory import expert_blocks, kv_layout
 from pwrun.model.loader import load_model, load_spec
 from pwrun.model.streamed import StreamedExperts
+from pwrun.runner.experts.dense import DenseExpertStore
 from pwrun.serve.server import build_serving_engine
 from tests._tiny_gemma4 import save_tiny_gemma4
 
@@ -131,9 +132,11 @@ def test_cli_refuses_a_small_budget_in_one_line_and_serves_at_a_larger_one(tmp_p
     assert r.exit_code == 2 and "drop --artifacts" in r.stderr
 
 
-def test_kernel_path_scores_what_the_reference_path_scores(tmp_path: Path) -> None:
+@pytest.mark.parametrize("step_tokens", [6, 16])
+def test_kernel_path_scores_what_the_reference_path_scores(tmp_path: Path, step_tokens: int) -> None:
     """bf16, a shared expert with its gate, mixed steps (chunks beside decodes): the 16-bit MoE kernels and the
-    routing kernel against the reference expert loop over the same pool pages."""
+    routing kernel against the reference expert loop over the same pool pages; steps of up to 6 tokens take the
+    GEMV and the Triton grouped GEMM, of up to 16 also cuBLAS' grouped GEMM over the stacked views."""
     _save_tiny(tmp_path)  # the kernels' smallest shapes, a shared expert with its gate
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     prompts = [list(range(3, 12)), [12, 13, 14], list(range(30, 37))]
@@ -144,10 +147,12 @@ def test_kernel_path_scores_what_the_reference_path_scores(tmp_path: Path) -> No
         spec, names = load_spec(tmp_path)
         source = StreamedExperts(tmp_path, spec, names, torch.bfloat16, torch.device("cpu"))
         cfg = ServeConfig(2**28, DENSE, EngineConfig(use_kernels=kernels, cuda_graphs=False, precompile_workers=0,
-                                                     debug_checks=True, max_step_tokens=4))
+                                                     debug_checks=True, max_step_tokens=step_tokens))
         e = assemble_dense_engine(strip_experts(model, torch.device(dev)), source, cfg,
                                   SamplingParams(max_new_tokens=1), prompts, set(), forced)
         assert e.runner.use_kernels is kernels
+        store = e.runner.experts
+        assert isinstance(store, DenseExpertStore) and store.experts(0).stacked is not None  # expert order
         lps[kernels] = np.concatenate([o.logprobs for o in e.run_until_done().values()])
         assert lps[kernels].size == 6 and np.isfinite(lps[kernels]).all()
     np.testing.assert_allclose(lps[True], lps[False], atol=0.05)
@@ -169,8 +174,8 @@ def test_server_engine_serves_requests_that_arrive_later() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_replay_what_eager_steps_compute(tmp_path: Path) -> None:
-    """Decode steps of 1..10 sequences (both MoE paths: GEMV up to 8 tokens, grouped GEMM above) replayed from the
-    graphs the warm-up captured give the tokens eager steps give."""
+    """Decode steps of 1..10 sequences (every MoE path: GEMV up to 4 tokens, the Triton grouped GEMM to 7, cuBLAS'
+    grouped GEMM from 8) replayed from the graphs the warm-up captured give the tokens eager steps give."""
     _save_tiny(tmp_path)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in range(3, 13)]

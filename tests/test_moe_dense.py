@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pwkernels.moe.dense import dense_moe
-from pwkernels.moe.experts import DenseExperts, build_dense_experts
+from pwkernels.moe.experts import DenseExperts, build_dense_experts, stacked_views
 from pwkernels.moe.launch import DenseGemmTile, DenseGemvTile, DenseMoEConfig
 from pwkernels.moe.ref import dense_moe_ref
 
@@ -19,16 +19,17 @@ GEMV = DenseGemvTile(BLOCK_N=16, BLOCK_K=32)
 GEMM = DenseGemmTile(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
 
 
-def _experts(e: int, dtype: torch.dtype, seed: int) -> DenseExperts:
+def _experts(e: int, dtype: torch.dtype, seed: int, shuffle: bool = True) -> DenseExperts:
     g = torch.Generator().manual_seed(seed)
     blocks = [torch.randn(*((2 * INTER, HIDDEN) if i % 2 == 0 else (HIDDEN, INTER)), generator=g)
               * (HIDDEN if i % 2 == 0 else INTER) ** -0.5 for i in range(2 * e)]
-    return build_dense_experts(blocks, HIDDEN, INTER, dtype, DEV, shuffle_seed=seed)
+    return build_dense_experts(blocks, HIDDEN, INTER, dtype, DEV, shuffle_seed=seed if shuffle else None)
 
 
-def _check(t: int, k: int, e: int, dtype: torch.dtype, activation: str, tile: DenseGemvTile | DenseGemmTile,
-           seed: int) -> None:
-    ex = _experts(e, dtype, seed)
+def _check(t: int, k: int, e: int, dtype: torch.dtype, activation: str,
+           tile: DenseGemvTile | DenseGemmTile | DenseMoEConfig, seed: int, shuffle: bool = True) -> None:
+    ex = _experts(e, dtype, seed, shuffle)
+    assert (ex.stacked is None) == shuffle  # shuffled blocks with gaps: no common stride
     g = torch.Generator().manual_seed(seed + 1)
     wide = torch.randn(t, HIDDEN + 8, generator=g).to(dtype).to(DEV)
     x = wide[:, 3:3 + HIDDEN]  # rows HIDDEN + 8 apart, as a slice of a fused buffer would be
@@ -58,6 +59,24 @@ def test_gemv_path_equals_reference(t: int, dtype: torch.dtype, activation: str)
 def test_grouped_gemm_path_equals_reference(t: int, dtype: torch.dtype, activation: str) -> None:
     """At 70 tokens x top-3 of 6, most experts hold more than one 16-pair tile; expert 5 holds none."""
     _check(t, 3, 6, dtype, activation, GEMM, seed=100 + t)
+
+
+@pytest.mark.parametrize("t", [8, 17, 70])
+@pytest.mark.parametrize(("dtype", "activation"), CASES)
+def test_grouped_mm_path_equals_reference(t: int, dtype: torch.dtype, activation: str) -> None:
+    """Blocks at one stride (placement in expert order): from ``min_grouped_mm_tokens`` the config takes cuBLAS'
+    grouped GEMM over the stacked views; experts without tokens are empty groups."""
+    _check(t, 3, 6, dtype, activation, DenseMoEConfig(gemv=GEMV, gemm=GEMM), seed=200 + t, shuffle=False)
+
+
+def test_stacked_views_only_for_one_aligned_stride() -> None:
+    pool = torch.arange(4096, dtype=torch.bfloat16)
+    g, d = stacked_views(pool, [0, 64, 128, 192], 8, 2)  # E = 2, I = 2, H = 8: gate_up 32, down 16 elements
+    assert g.shape == (2, 4, 8) and d.shape == (2, 8, 2)
+    assert torch.equal(g[1].flatten(), pool[128:160]) and torch.equal(d[1].flatten(), pool[192:208])
+    assert stacked_views(pool, [0, 64, 128, 200], 8, 2) is None  # down of expert 1 elsewhere
+    assert stacked_views(pool, [4, 68, 132, 196], 8, 2) is None  # 8-byte aligned starts
+    assert stacked_views(pool, [0, 64], 8, 2) is not None  # one expert (a shared expert)
 
 
 def test_config_picks_the_path_by_token_count() -> None:

@@ -7,8 +7,10 @@ chosen per call by token count (``DenseMoEConfig``):
   * GEMV (few tokens): one program per (pair, BLOCK_N rows) reads its expert's rows in K steps and reduces them
     against the pair's activations (no ``tl.dot``); the down kernel sums the k pairs of a token itself.
   * grouped GEMM (more tokens): pairs sorted by expert and padded to BLOCK_M per expert (``align_by_expert``, as
-    ``pwkernels.moe.mid``), weight tiles straight from the pool into ``tl.dot``.
-Neither syncs with the host, so CUDA graphs can capture both. It does not route or add a shared expert (the
+    ``pwkernels.moe.mid``), weight tiles straight from the pool into ``tl.dot``;
+  * from ``min_grouped_mm_tokens`` tokens, where the experts lie in the pool at one stride
+    (``DenseExperts.stacked``): cuBLAS' grouped GEMM (``pwkernels.moe.dense_grouped``).
+None syncs with the host, so CUDA graphs can capture both. It does not route or add a shared expert (the
 caller runs the shared expert as one more ``DenseExperts`` with every token's weight).
 """
 
@@ -21,6 +23,7 @@ import triton
 import triton.language as tl
 
 from pwkernels.moe.activation import check_activation, gate_act
+from pwkernels.moe.dense_grouped import grouped_mm_moe
 from pwkernels.moe.experts import DenseExperts
 from pwkernels.moe.launch import DenseGemmTile, DenseGemvTile, DenseMoEConfig
 from pwkernels.moe.mid import align_by_expert
@@ -239,6 +242,8 @@ def dense_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
         return y
     if not isinstance(tile, DenseGemmTile):
         raise ValueError(f"config must be a DenseMoEConfig, DenseGemvTile or DenseGemmTile, got {config!r}")
+    if isinstance(cfg, DenseMoEConfig) and t >= cfg.min_grouped_mm_tokens and ex.stacked is not None:
+        return grouped_mm_moe(x, topk_ids, topk_w, *ex.stacked, activation)
     bm, bn, bk = tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K
     sorted_pairs, tile_expert = align_by_expert(topk_ids, ex.num_experts, bm)
     out_pairs = torch.empty(t * k, ex.hidden, dtype=torch.float32, device=x.device)

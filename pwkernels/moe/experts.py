@@ -104,6 +104,9 @@ class DenseExperts:
     offset: torch.Tensor  # int64 [2E] element offsets
     hidden: int
     inter: int
+    # gate_up [E, 2I, H] and down [E, H, I] as strided views of the pool, where the blocks of expert e sit at
+    # base + e * stride (``stacked_views``): the grouped-GEMM path of ``pwkernels.moe.dense_grouped`` reads them
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -135,5 +138,24 @@ def build_dense_experts(weights: list[torch.Tensor], hidden: int, inter: int, dt
         offset[i] = pos
         chunks.append(weights[i].to(device=device, dtype=dtype).flatten())
         pos += weights[i].numel()
-    return DenseExperts(pool=torch.cat(chunks), offset=torch.tensor(offset, dtype=torch.int64, device=device),
-                        hidden=hidden, inter=inter)
+    pool = torch.cat(chunks)
+    return DenseExperts(pool=pool, offset=torch.tensor(offset, dtype=torch.int64, device=device), hidden=hidden,
+                        inter=inter, stacked=stacked_views(pool, offset, hidden, inter))
+
+
+def stacked_views(pool: torch.Tensor, offsets: list[int], hidden: int, inter: int
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """gate_up [E, 2I, H] and down [E, H, I] as views of ``pool`` when block 2e starts at g + e * S and block
+    2e + 1 at d + e * S for one stride S (every expert's pair laid out alike, as placement in expert order gives)
+    and every start is 16-byte aligned (cuBLAS' grouped GEMM); None otherwise."""
+    g, d = offsets[0::2], offsets[1::2]
+    n = len(g)
+    stride = g[1] - g[0] if n > 1 else 2 * inter * hidden + hidden * inter
+    if any(g[e] != g[0] + e * stride or d[e] != d[0] + e * stride for e in range(n)):
+        return None
+    elt = pool.element_size()
+    if any((v * elt) % 16 for v in (g[0], d[0], stride)):
+        return None
+    gate_up = pool.as_strided((n, 2 * inter, hidden), (stride, hidden, 1), g[0])
+    down = pool.as_strided((n, hidden, inter), (stride, inter, 1), d[0])
+    return gate_up, down

@@ -136,16 +136,19 @@ class DenseMoEConfig:
 
     Defaults from ``python -m bench.dense_moe`` on an H200 (Qwen1.5-MoE, Mixtral-8x7B and Gemma-4 expert shapes,
     CUDA-graph replay): the GEMV with 16-row programs and 512-column K steps is fastest up to 4 tokens (it re-reads
-    an expert per pair, so it loses from 8), 16-pair tiles up to 64 tokens and 64-pair tiles from 128."""
+    an expert per pair, so it loses from 8), 16-pair tiles up to 64 tokens and 64-pair tiles from 128; cuBLAS'
+    grouped GEMM beats both tiles from 8 tokens (``pwkernels.moe.dense_grouped``), where the pool's layout allows
+    it (``DenseExperts.stacked``)."""
 
     gemv: DenseGemvTile = DenseGemvTile(BLOCK_N=16, BLOCK_K=512)
     gemm: DenseGemmTile = DenseGemmTile()
     gemm_large: DenseGemmTile = DenseGemmTile(BLOCK_M=64)
     max_gemv_tokens: int = 4
     min_large_tokens: int = 128
+    min_grouped_mm_tokens: int = 8  # cuBLAS' grouped GEMM from here where the experts lie at one stride
 
     def __post_init__(self) -> None:
-        for name in ("max_gemv_tokens", "min_large_tokens"):
+        for name in ("max_gemv_tokens", "min_large_tokens", "min_grouped_mm_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")

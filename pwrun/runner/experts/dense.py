@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pwkernels.moe.dense import dense_moe
-from pwkernels.moe.experts import DenseExperts
+from pwkernels.moe.experts import DenseExperts, stacked_views
 from pwkernels.moe.launch import DenseMoEConfig
 from pwrun.core.decision import WeightMoves
 from pwrun.core.pool import WEIGHT, PagePool
@@ -81,7 +81,7 @@ class DenseExpertStore:
             self.bytes_h2d += w.numel() * elt
             offsets.append(at)
         return DenseExperts(self.view, torch.tensor(offsets, dtype=torch.int64, device=self.memory.device),
-                            hidden, inter)
+                            hidden, inter, stacked_views(self.view, offsets, hidden, inter))
 
     def experts(self, layer: int, kind: str = "routed") -> DenseExperts:
         """The kernels' ``DenseExperts`` of one layer's routed (or shared) experts."""
