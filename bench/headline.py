@@ -59,9 +59,9 @@ from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.report import summarize
 from pwrun.model.lean import LeanMoEModel
 
-SYSTEMS = {  # name -> (policy, uniform bits); "fp16" is the 16-bit engine
-    "fp16": ("16-bit", None), "uniform8": ("uniform", 8), "uniform4": ("uniform", 4), "uniform3": ("uniform", 3),
-    "static": ("static", None), "pagedweight": ("pagedweight", None)}
+SYSTEMS = {  # name -> (policy, uniform bits); "fp16" is the 16-bit engine; the ratios' bases first
+    "fp16": ("16-bit", None), "uniform4": ("uniform", 4), "pagedweight": ("pagedweight", None),
+    "uniform3": ("uniform", 3), "uniform8": ("uniform", 8), "static": ("static", None)}
 PAPER = {"fp16_throughput_x": 1.94, "uniform_overhead_pct": 4.1, "memory_saving_pct": 72.0}
 
 
@@ -130,14 +130,14 @@ def run_system(name: str, model: LeanMoEModel, experts: HostExperts | None, src:
     return rec, series
 
 
-def with_ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each record with its throughput over FP16's and uniform 4-bit's of the same run (None where missing)."""
-    tps = {r["system"]: r.get("output_tokens_per_second") for r in records if "error" not in r}
-    for r in records:
-        for base, key in (("fp16", "x_vs_fp16"), ("uniform4", "x_vs_uniform4")):
-            own, ref = r.get("output_tokens_per_second"), tps.get(base)
-            r[key] = own / ref if own and ref else None
-    return records
+def with_ratios(record: dict[str, Any], earlier: list[dict[str, Any]]) -> dict[str, Any]:
+    """``record`` with its throughput over FP16's and uniform 4-bit's among ``earlier`` records of the same run
+    and itself (None where that system has not run or failed)."""
+    tps = {r["system"]: r.get("output_tokens_per_second") for r in [*earlier, record] if "error" not in r}
+    for base, key in (("fp16", "x_vs_fp16"), ("uniform4", "x_vs_uniform4")):
+        own, ref = record.get("output_tokens_per_second"), tps.get(base)
+        record[key] = own / ref if own and ref else None
+    return record
 
 
 def main() -> None:
@@ -216,7 +216,9 @@ def main() -> None:
     except Exception:  # that system's own timed run records why it fails
         pass
     reset_peak(args.device)
-    records, series = [], {}
+    records: list[dict[str, Any]] = []
+    series: dict[str, dict[str, list[float]]] = {}
+    path = None
     t_start = time.perf_counter()
     for name in systems:
         if time.perf_counter() - t_start > args.time_limit:
@@ -224,17 +226,18 @@ def main() -> None:
             continue
         try:
             rec, s = run_system(name, model, experts, src, table, reqs, arrivals, args)
-            records.append({**base, **rec})
+            records.append(with_ratios({**base, **rec}, records))
             if s is not None:
                 series[name] = s
         except Exception as exc:  # recorded (e.g. FP16 weights leave no room for the longest request)
             records.append({**base, "system": name, "error": f"{type(exc).__name__}: {exc}"[:1000]})
-        print(json.dumps({k: records[-1].get(k) for k in ("system", "output_tokens_per_second", "ttft_p50_s",
-                                                          "tpot_p50_ms", "preemptions", "mean_bits", "error")}),
-              flush=True)
+        path = write_records("headline", records[-1:], env, args.out)  # each system as it ends: none lost to a kill
+        print(json.dumps({k: records[-1].get(k) for k in ("system", "output_tokens_per_second", "x_vs_fp16",
+                                                          "x_vs_uniform4", "ttft_p50_s", "tpot_p50_ms",
+                                                          "preemptions", "mean_bits", "error")}), flush=True)
         reset_peak(args.device)
-    path = write_records("headline", with_ratios(records), env, args.out)
-    print(f"wrote {path}")
+    if path is not None:
+        print(f"wrote {path}")
     if args.figure and series:
         title = (f"{args.config_dir.name}: {len(reqs)} requests of {args.lo}-{args.hi} tokens at "
                  f"{args.request_rate:g}/s, {args.gpu_memory}")

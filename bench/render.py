@@ -89,9 +89,9 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                   [("heads", "heads"), ("default us", "default_us"), ("% of floor", "default_pct_of_floor"),
                    ("best us", "best_us"), ("best % of floor", "best_pct_of_floor")]),
     "dense_moe": ("16-bit MoE kernels", "The 16-bit experts of `--policy 16-bit` read from the page pool "
-                  "(`python -m bench.dense_moe`): the shipped default, the best GEMV and grouped-GEMM tiles of a grid, "
-                  "torch's grouped GEMM, and the floor (bytes of the distinct experts routed to / copy bandwidth); "
-                  "CUDA-graph replay up to 64 tokens.",
+                  "(`python -m bench.dense_moe`): the default of the measured commit, the best GEMV and "
+                  "grouped-GEMM tiles of a grid, torch's grouped GEMM, and the floor (bytes of the distinct "
+                  "experts routed to / copy bandwidth); CUDA-graph replay up to 64 tokens.",
                   ("shape", "T"),
                   [("experts used", "experts_used"), ("default ms", "default_ms"),
                    ("% of floor", "pct_of_floor_default"), ("best ms", "best_ms"), ("best % of floor",

@@ -74,7 +74,6 @@ from bench.common import (
 )
 from bench.compare import EQUAL_MEMORY, compare_commit
 from bench.render import serving_table
-from bench.serving_http import http_vs_in_process
 from bench.serving_runs import dense_run, engine_run, hf_run, lean16_run, non_expert_bytes, reset_peak
 from bench.workloads import workload_rows
 from pwformat.errors import BudgetTooSmall
@@ -309,6 +308,8 @@ def main() -> None:
     if args.workload:
         workload_rows(args, emit)
     if args.http:
+        from bench.serving_http import http_vs_in_process  # the openai client and the server stack: only here
+
         http_vs_in_process(args, emit)
     if args.out_md:
         args.out_md.write_text(serving_table(read_records(out), env["date"]) + "\n")

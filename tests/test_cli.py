@@ -517,6 +517,9 @@ def test_write_atomic_keeps_devices_and_links(tmp_path: Path) -> None:
 # request at t=0 has finished): its time.sleep is wrapped before pwrun binds it.
 _STOP_CHILD = """
 import os, signal, sys, time
+# a shell that starts a job in the background (CI's runner, nohup ... &) hands it SIGINT ignored; a terminal's
+# Ctrl-C reaches a foreground process with Python's own handler, which this restores
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sleep = time.sleep
 def stop_when_idle(s):
     if s >= 30:
@@ -551,7 +554,7 @@ def test_a_stop_writes_the_finished_requests(tmp_path: Path, sig: str, code: int
     opts = ["--max-new-tokens", "6", "--device", "cpu", *[x.format(tmp=tmp_path) for x in extra]]
     out = tmp_path / "out.jsonl"
     proc = subprocess.run([sys.executable, "-c", _STOP_CHILD.format(sig=sig), "generate", "--prompts", str(timed),
-                           "--output", str(out), *opts], capture_output=True, text=True, timeout=600)
+                           "--output", str(out), *opts], capture_output=True, text=True, timeout=300)
     assert proc.returncode == code, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("terminated (SIGTERM): " if sig == "SIGTERM" else "interrupted: "), proc.stderr
