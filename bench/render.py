@@ -39,6 +39,7 @@ repository root (GPU machine unless noted):
 -> pwrun generate; `--compare-commit REV --label NAME`: two builds in one session, then \
 `python -m bench.render --compare REV NAME`; `--http --skip-table`: W1 through `pwrun serve` vs in-process) |
 | MoE kernel | `python -m bench.moe_kernel [--cold-l2]` |
+| 16-bit MoE kernels | `python -m bench.dense_moe [--shapes qwen1.5-moe] [--ts 1,4,512]` |
 | paged attention | `python -m bench.attention` |
 | dense GEMV | `python -m bench.dense_gemv` |
 | planner host time | `python -m bench.planner` (CPU) |
