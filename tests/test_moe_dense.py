@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import pwkernels.moe.dense as dense_mod
 from pwkernels.moe.dense import dense_moe
 from pwkernels.moe.experts import DenseExperts, build_dense_experts, stacked_views
 from pwkernels.moe.launch import DenseGemmTile, DenseGemvTile, DenseMoEConfig
@@ -61,12 +62,27 @@ def test_grouped_gemm_path_equals_reference(t: int, dtype: torch.dtype, activati
     _check(t, 3, 6, dtype, activation, GEMM, seed=100 + t)
 
 
-@pytest.mark.parametrize("t", [8, 17, 70])
+@pytest.mark.parametrize("t", [3, 17, 70])
 @pytest.mark.parametrize(("dtype", "activation"), CASES)
 def test_grouped_mm_path_equals_reference(t: int, dtype: torch.dtype, activation: str) -> None:
     """Blocks at one stride (placement in expert order): from ``min_grouped_mm_tokens`` the config takes cuBLAS'
     grouped GEMM over the stacked views; experts without tokens are empty groups."""
     _check(t, 3, 6, dtype, activation, DenseMoEConfig(gemv=GEMV, gemm=GEMM), seed=200 + t, shuffle=False)
+
+
+def test_grouped_mm_takes_the_tokens_the_config_gives_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From ``min_grouped_mm_tokens`` tokens, and from 1 token for experts at least ``wide_inter`` wide, stacked
+    experts go through cuBLAS' grouped GEMM; shuffled ones never do."""
+    calls = []
+    real = dense_mod.grouped_mm_moe
+    monkeypatch.setattr(dense_mod, "grouped_mm_moe", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for cfg, t, shuffle, taken in ((DenseMoEConfig(gemv=GEMV, gemm=GEMM), 2, False, False),
+                                   (DenseMoEConfig(gemv=GEMV, gemm=GEMM), 3, False, True),
+                                   (DenseMoEConfig(gemv=GEMV, gemm=GEMM, wide_inter=INTER), 1, False, True),
+                                   (DenseMoEConfig(gemv=GEMV, gemm=GEMM), 9, True, False)):
+        calls.clear()
+        _check(t, 2, 5, torch.bfloat16, "silu", cfg, seed=300 + t, shuffle=shuffle)
+        assert bool(calls) == taken, (cfg, t, shuffle)
 
 
 def test_stacked_views_only_for_one_aligned_stride() -> None:

@@ -2,15 +2,15 @@
 
 What it computes: ``y[t] = sum_j w_tj * down_e(act(gate_e(x_t)) * up_e(x_t))``, e = ids[t, j], reading each block
 of ``DenseExperts`` at its table offset (SPEC section 7's path for experts held at 16 bits in the page pool).
-Accumulation in fp32, the intermediate [T*k, I] stored in x's dtype, the sum over k rounded once. Two paths,
+Accumulation in fp32, the intermediate [T*k, I] stored in x's dtype, the sum over k rounded once. Three paths,
 chosen per call by token count (``DenseMoEConfig``):
   * GEMV (few tokens): one program per (pair, BLOCK_N rows) reads its expert's rows in K steps and reduces them
     against the pair's activations (no ``tl.dot``); the down kernel sums the k pairs of a token itself.
   * grouped GEMM (more tokens): pairs sorted by expert and padded to BLOCK_M per expert (``align_by_expert``, as
     ``pwkernels.moe.mid``), weight tiles straight from the pool into ``tl.dot``;
-  * from ``min_grouped_mm_tokens`` tokens, where the experts lie in the pool at one stride
-    (``DenseExperts.stacked``): cuBLAS' grouped GEMM (``pwkernels.moe.dense_grouped``).
-None syncs with the host, so CUDA graphs can capture both. It does not route or add a shared expert (the
+  * where the experts lie in the pool at one stride (``DenseExperts.stacked``), from
+    ``DenseMoEConfig.grouped_mm_from(I)`` tokens: cuBLAS' grouped GEMM (``pwkernels.moe.dense_grouped``).
+None syncs with the host, so CUDA graphs can capture each. It does not route or add a shared expert (the
 caller runs the shared expert as one more ``DenseExperts`` with every token's weight).
 """
 
@@ -230,6 +230,8 @@ def dense_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
     ids = topk_ids.reshape(-1)
     w = topk_w.reshape(-1).float().contiguous()
     inter = torch.empty(t * k, ex.inter, dtype=x.dtype, device=x.device)
+    if isinstance(cfg, DenseMoEConfig) and ex.stacked is not None and t >= cfg.grouped_mm_from(ex.inter):
+        return grouped_mm_moe(x, topk_ids, topk_w, *ex.stacked, activation)
     if isinstance(tile, DenseGemvTile):
         bn, bk = tile.BLOCK_N, min(tile.BLOCK_K, triton.next_power_of_2(max(ex.hidden, ex.inter)))
         _gemv_gate_up_kernel[(t * k, triton.cdiv(ex.inter, bn))](
@@ -242,8 +244,6 @@ def dense_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
         return y
     if not isinstance(tile, DenseGemmTile):
         raise ValueError(f"config must be a DenseMoEConfig, DenseGemvTile or DenseGemmTile, got {config!r}")
-    if isinstance(cfg, DenseMoEConfig) and t >= cfg.min_grouped_mm_tokens and ex.stacked is not None:
-        return grouped_mm_moe(x, topk_ids, topk_w, *ex.stacked, activation)
     bm, bn, bk = tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K
     sorted_pairs, tile_expert = align_by_expert(topk_ids, ex.num_experts, bm)
     out_pairs = torch.empty(t * k, ex.hidden, dtype=torch.float32, device=x.device)

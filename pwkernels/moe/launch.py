@@ -136,22 +136,28 @@ class DenseMoEConfig:
 
     Defaults from ``python -m bench.dense_moe`` on an H200 (Qwen1.5-MoE, Mixtral-8x7B and Gemma-4 expert shapes,
     CUDA-graph replay): the GEMV with 16-row programs and 512-column K steps is fastest up to 4 tokens (it re-reads
-    an expert per pair, so it loses from 8), 16-pair tiles up to 64 tokens and 64-pair tiles from 128; cuBLAS'
-    grouped GEMM beats both tiles from 8 tokens (``pwkernels.moe.dense_grouped``), where the pool's layout allows
-    it (``DenseExperts.stacked``)."""
+    an expert per pair, so it loses from 8), 16-pair tiles up to 64 tokens and 64-pair tiles from 128. Where the
+    pool's layout allows it (``DenseExperts.stacked``) cuBLAS' grouped GEMM (``pwkernels.moe.dense_grouped``)
+    takes over from 3 tokens (at 4: 0.18 vs 0.19 ms Qwen1.5-MoE, 0.76 vs 1.27 Mixtral, 0.20 vs 0.23 Gemma-4;
+    the GEMV wins at 1-2 tokens except on Mixtral's 14336-wide experts: 0.36 vs 0.39 ms at 1 token)."""
 
     gemv: DenseGemvTile = DenseGemvTile(BLOCK_N=16, BLOCK_K=512)
     gemm: DenseGemmTile = DenseGemmTile()
     gemm_large: DenseGemmTile = DenseGemmTile(BLOCK_M=64)
     max_gemv_tokens: int = 4
     min_large_tokens: int = 128
-    min_grouped_mm_tokens: int = 8  # cuBLAS' grouped GEMM from here where the experts lie at one stride
+    min_grouped_mm_tokens: int = 3  # cuBLAS' grouped GEMM from here where the experts lie at one stride ...
+    wide_inter: int = 8192  # ... and from 1 token for experts at least this wide (I), where the GEMV loses
 
     def __post_init__(self) -> None:
-        for name in ("max_gemv_tokens", "min_large_tokens", "min_grouped_mm_tokens"):
+        for name in ("max_gemv_tokens", "min_large_tokens", "min_grouped_mm_tokens", "wide_inter"):
             v = getattr(self, name)
             if type(v) is not int or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+
+    def grouped_mm_from(self, inter: int) -> int:
+        """Tokens from which experts of width ``inter`` at one stride take cuBLAS' grouped GEMM."""
+        return 1 if inter >= self.wide_inter else self.min_grouped_mm_tokens
 
     def pick(self, num_tokens: int) -> DenseGemvTile | DenseGemmTile:
         """The tile of the path that runs ``num_tokens`` tokens."""
