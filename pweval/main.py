@@ -1,16 +1,20 @@
 """The ``pwrun`` console script: the runtime's commands (``pwrun.cli``) plus ``pwrun eval`` (``pweval.cli``).
 
-It installs the SIGTERM handler before importing the CLI: the CLI modules import torch and the model code (~2 s),
-and a SIGTERM in that time must still exit with 143 and one line. That is why the CLI import sits inside ``main``.
+It installs the SIGTERM handler (and, until the CLI is imported, the Ctrl-C one) before importing the CLI: the CLI
+modules import torch and the model code (~2 s), and a SIGTERM or Ctrl-C in that time must still exit with one line
+(143 / 130). That is why the CLI import sits inside ``main``.
 """
 
 from __future__ import annotations
 
-from pwrun.signals import exit_quietly_on_sigterm
+from pwrun.signals import exit_quietly_on_sigterm, quiet_interrupt_while_starting
 
 
 def main() -> None:
     exit_quietly_on_sigterm()
-    from pweval.cli import runtime_cli  # after the handler (module docstring); mounts `eval` on the runtime CLI
+    started = quiet_interrupt_while_starting()
+    from pweval.cli import runtime_cli  # after the handlers (module docstring); mounts `eval` on the runtime CLI
+
+    started()
 
     runtime_cli.app()

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 
 class Terminated(KeyboardInterrupt):
@@ -40,3 +41,27 @@ def exit_quietly_on_sigterm() -> None:
     it while a command works."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_terminated)
+
+
+def _exit_interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C while a command line imports torch (before any work): one line, exit 130 (see ``_exit_terminated``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stderr.write("interrupted (Ctrl-C) while starting: nothing was run or written\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+def quiet_interrupt_while_starting() -> Callable[[], None]:
+    """Ctrl-C during the command line's imports exits with one line and code 130 instead of a traceback from
+    inside an import; returns the function that restores the previous SIGINT handler (call it once the CLI is
+    imported, so that commands see ``KeyboardInterrupt`` as before). A SIGINT that the shell set to be ignored
+    (a background job) stays ignored."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return lambda: None
+    signal.signal(signal.SIGINT, _exit_interrupted)
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    return restore

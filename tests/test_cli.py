@@ -490,6 +490,44 @@ def test_sigterm_while_a_command_starts_exits_143_with_one_line() -> None:
     assert err.strip().splitlines()[-1].startswith("terminated (SIGTERM)") and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("entry", ["from pweval.main import main", "from pwcal.main import main"])
+def test_ctrl_c_while_a_command_starts_exits_130_with_one_line(entry: str) -> None:
+    """Ctrl-C while the console script imports torch and the CLI exits with 130 and one line, not a traceback from
+    inside an import (the child restores Python's SIGINT handler, as a terminal's foreground process has it)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler); {entry}; main()"
+    proc = subprocess.Popen([sys.executable, "-c", child, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(0.5)  # inside the CLI's imports (torch alone takes longer)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.strip().splitlines() == ["interrupted (Ctrl-C) while starting: nothing was run or written"], err
+
+
+def test_ctrl_c_after_start_is_a_keyboard_interrupt_again() -> None:
+    import signal
+
+    from pwrun.signals import quiet_interrupt_while_starting
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        started = quiet_interrupt_while_starting()
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        started()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's SIGINT stays ignored
+        quiet_interrupt_while_starting()()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_write_atomic_keeps_devices_and_links(tmp_path: Path) -> None:
     """A FIFO (like /dev/null, not a regular file) is written through, not replaced by a renamed file; a symbolic
     link keeps pointing where it did, and its target gets the bytes."""
