@@ -613,4 +613,5 @@ def test_a_stop_writes_the_finished_requests(tmp_path: Path, sig: str, code: int
     if "--summary-json" in extra:
         s = json.loads((tmp_path / "s.json").read_text())
         assert s["requests_completed"] == 2 and s["requests_unfinished"] == 1
+        assert "; 1 more not run to completion (stopped)" in proc.stderr, proc.stderr
         assert pq.read_table(tmp_path / "t.parquet").num_rows == s["steps"] > 0

@@ -246,10 +246,11 @@ def _num(x: float, unit: str) -> str:
 
 
 def format_latency(stats: LatencyStats, rate: float | None, slo: SLO | None = None,
-                   realised: float | None = None) -> str:
+                   realised: float | None = None, unfinished: int | None = None) -> str:
     """Two terminal lines: the arrivals (offered ``rate``, requests/s; None or inf: all at t=0; ``realised``: the
     rate of the arrival times drawn, (n - 1) / their span, which a short Poisson run can put far from the offered
-    one) with TTFT, TPOT and queueing time at p50 / p99, then goodput under ``slo``."""
+    one) with TTFT, TPOT and queueing time at p50 / p99, then goodput under ``slo`` (and the ``unfinished``
+    requests a stop left, which it does not count)."""
     slo = slo or SLO()
     drawn = f" ({realised:.3g} realised)" if realised is not None else ""
     arrivals = ("all requests at t=0" if rate is None or math.isinf(rate)
@@ -261,7 +262,8 @@ def format_latency(stats: LatencyStats, rate: float | None, slo: SLO | None = No
             f"{_num(stats.tpot_p50_ms, 'ms')}, p99 {_num(stats.tpot_p99_ms, 'ms')}; queueing p50 "
             f"{_num(stats.queue_p50_s, 's')}, p99 {_num(stats.queue_p99_s, 's')}\n"
             f"goodput {stats.goodput_rps:.3g} requests/s: {stats.requests_met_slo} of {stats.requests_completed} "
-            f"requests {met} in {stats.duration_s:.2f} s")
+            f"requests {met} in {stats.duration_s:.2f} s"
+            + (f"; {unfinished} more not run to completion (stopped)" if unfinished else ""))
 
 
 def _stats_of(s: RunSummary) -> LatencyStats:
@@ -305,7 +307,7 @@ def format_summary(s: RunSummary) -> str:
     ]
     if s.requests_completed is not None:
         lines.append(format_latency(_stats_of(s), s.request_rate, SLO(s.slo_ttft_ms, s.slo_tpot_ms),
-                                    s.realised_rate))
+                                    s.realised_rate, s.requests_unfinished))
     if s.host_peak_rss_bytes is not None:
         lines.append(f"peak host RSS {format_size(s.host_peak_rss_bytes)}"
                      + (f" (host mirror {format_size(s.host_mirror_bytes)})" if s.host_mirror_bytes is not None
