@@ -10,6 +10,7 @@ import torch
 
 import pwkernels.moe.dense as dense_mod
 from pwkernels.moe.dense import dense_moe
+from pwkernels.moe.dense_grouped import grouped_mm_runs_without_sync
 from pwkernels.moe.experts import DenseExperts, build_dense_experts, stacked_views
 from pwkernels.moe.launch import DenseGemmTile, DenseGemvTile, DenseMoEConfig
 from pwkernels.moe.ref import dense_moe_ref
@@ -83,6 +84,16 @@ def test_grouped_mm_takes_the_tokens_the_config_gives_it(monkeypatch: pytest.Mon
         calls.clear()
         _check(t, 2, 5, torch.bfloat16, "silu", cfg, seed=300 + t, shuffle=shuffle)
         assert bool(calls) == taken, (cfg, t, shuffle)
+
+
+def test_grouped_mm_only_where_it_runs_in_one_launch() -> None:
+    """On CUDA, torch's grouped GEMM syncs with the host (and breaks graph capture) except for bf16 on sm90 /
+    sm100: fp16 (Gemma-4's kernel wiring) and older GPUs keep the Triton paths."""
+    assert grouped_mm_runs_without_sync(torch.bfloat16, "cuda", (9, 0))
+    assert grouped_mm_runs_without_sync(torch.bfloat16, "cuda", (10, 0))
+    assert not grouped_mm_runs_without_sync(torch.float16, "cuda", (9, 0))
+    assert not grouped_mm_runs_without_sync(torch.bfloat16, "cuda", (8, 0))
+    assert grouped_mm_runs_without_sync(torch.float16, "cpu", None)
 
 
 def test_stacked_views_only_for_one_aligned_stride() -> None:

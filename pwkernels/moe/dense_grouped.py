@@ -16,6 +16,21 @@ import torch
 from pwkernels.moe.activation import gate_act_ref
 
 
+def grouped_mm_runs_without_sync(dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None) -> bool:
+    """Whether ``torch._grouped_mm`` takes its one-launch path: on CUDA only bf16 on sm90 / sm100 does; any
+    other dtype or GPU falls back to a loop over groups that reads the group ends on the host (slow, and a CUDA
+    graph cannot hold it). On the CPU it is a reference loop, used by the tests."""
+    if device_type == "cpu":
+        return True
+    return device_type == "cuda" and dtype == torch.bfloat16 and capability is not None and capability[0] in (9, 10)
+
+
+def grouped_mm_fits(x: torch.Tensor) -> bool:
+    """``grouped_mm_runs_without_sync`` for ``x``'s dtype and device."""
+    cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
+    return grouped_mm_runs_without_sync(x.dtype, x.device.type, cap)
+
+
 def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """MoE output y [T, H] in x's dtype from x [T, H], topk_ids / topk_w [T, k], gate_up [E, 2I, H] and down
