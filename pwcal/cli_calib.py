@@ -102,7 +102,8 @@ def search_buckets(
     candidates: Annotated[int | None, typer.Option(help="Grid settings scored besides the neutral one (a seeded "
                                                         "sample; default: the whole grid).")] = None,
     heldout_windows: Annotated[int, typer.Option(help="Held-out calibration windows the settings are selected "
-                                                      "on.")] = 12,
+                                                      "on (each as long as the sensitivity stage's --seq-len, 512 "
+                                                      "tokens by default).")] = 12,
     confirm_windows: Annotated[int, typer.Option(help="Later held-out windows on which the winner must beat the "
                                                       "neutral policy to be used at a budget.")] = 24,
     seed: Annotated[int, typer.Option(help="Seed of the candidate sample.")] = 0,

@@ -184,8 +184,9 @@ def _write_file(flag: str, path: Path, text: str) -> None:
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Option(help="One prompt; its continuation is streamed to stdout.")] = None,
-    prompts: Annotated[Path | None, typer.Option(help="JSONL file, one {\"prompt\": ...} per line; all run "
-                                                 "concurrently.")] = None,
+    prompts: Annotated[Path | None, typer.Option(help="JSONL file, one {\"prompt\": ...} per line; all arrive "
+                                                 "at t=0 unless --request-rate or a line's 'arrival_s' says "
+                                                 "otherwise; up to --max-batch run at once.")] = None,
     output: Annotated[Path | None, typer.Option(help="Write results as JSONL here (default: stdout).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy; 0.001..1000 samples (1 = the model's "
