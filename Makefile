@@ -57,12 +57,13 @@ test-slow: setup
 
 # On a GPU machine whose python3 already has torch, triton and the project's dependencies (no venv, no network):
 # every test with a CUDA path, natively. Refuses to run without a GPU rather than skip everything.
-# Every CUDA test, natively on a GPU machine; GPU_TEST_WORKERS pytest-xdist workers share the GPU (300 tests in ~6 min
-# on one H200 with 12; most of it is Triton compiling the odd test shapes).
+# Every CUDA test, natively on a GPU machine; GPU_TEST_WORKERS pytest-xdist workers share the GPU (most of the time is
+# Triton compiling the odd test shapes). One line per test as it ends (-vv beats addopts' -q), so a failure or a test
+# that hangs is named even when a time limit cuts the session before its summary.
 GPU_TEST_WORKERS ?= 12
 gpu-test:
 	$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-test needs a CUDA GPU')"
-	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m gpu -rs -n $(GPU_TEST_WORKERS) $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m gpu -vv -rfEs -n $(GPU_TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
