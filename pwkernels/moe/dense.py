@@ -10,7 +10,7 @@ chosen per call by token count (``DenseMoEConfig``):
     ``pwkernels.moe.mid``), weight tiles straight from the pool into ``tl.dot``;
   * where the experts lie in the pool at one stride (``DenseExperts.stacked``), from
     ``DenseMoEConfig.grouped_mm_from(I)`` tokens: cuBLAS' grouped GEMM (``pwkernels.moe.dense_grouped``), where
-    it runs in one launch (bf16 on sm90 / sm100; ``grouped_mm_runs_without_sync``).
+    it runs in one launch (bf16 on sm90 / sm100: ``stacked_views`` gives no views elsewhere).
 None syncs with the host, so CUDA graphs can capture each. It does not route or add a shared expert (the
 caller runs the shared expert as one more ``DenseExperts`` with every token's weight).
 """
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from pwkernels.moe.activation import check_activation, gate_act
-from pwkernels.moe.dense_grouped import grouped_mm_fits, grouped_mm_moe
+from pwkernels.moe.dense_grouped import grouped_mm_moe
 from pwkernels.moe.experts import DenseExperts
 from pwkernels.moe.launch import DenseGemmTile, DenseGemvTile, DenseMoEConfig
 from pwkernels.moe.mid import align_by_expert
@@ -231,8 +231,7 @@ def dense_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
     ids = topk_ids.reshape(-1)
     w = topk_w.reshape(-1).float().contiguous()
     inter = torch.empty(t * k, ex.inter, dtype=x.dtype, device=x.device)
-    if (isinstance(cfg, DenseMoEConfig) and ex.stacked is not None and t >= cfg.grouped_mm_from(ex.inter)
-            and grouped_mm_fits(x)):
+    if isinstance(cfg, DenseMoEConfig) and ex.stacked is not None and t >= cfg.grouped_mm_from(ex.inter):
         return grouped_mm_moe(x, topk_ids, topk_w, *ex.stacked, activation)
     if isinstance(tile, DenseGemvTile):
         bn, bk = tile.BLOCK_N, min(tile.BLOCK_K, triton.next_power_of_2(max(ex.hidden, ex.inter)))

@@ -26,7 +26,7 @@ def grouped_mm_runs_without_sync(dtype: torch.dtype, device_type: str, capabilit
 
 
 def grouped_mm_fits(x: torch.Tensor) -> bool:
-    """``grouped_mm_runs_without_sync`` for ``x``'s dtype and device."""
+    """``grouped_mm_runs_without_sync`` for ``x``'s dtype and device (asked once, when the pool's views are made)."""
     cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
     return grouped_mm_runs_without_sync(x.dtype, x.device.type, cap)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pwformat.ap import pack_planes
+from pwkernels.moe.dense_grouped import grouped_mm_fits
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,10 @@ def stacked_views(pool: torch.Tensor, offsets: list[int], hidden: int, inter: in
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """gate_up [E, 2I, H] and down [E, H, I] as views of ``pool`` when block 2e starts at g + e * S and block
     2e + 1 at d + e * S for one stride S (every expert's pair laid out alike, as placement in expert order gives)
-    and every start is 16-byte aligned (cuBLAS' grouped GEMM); None otherwise."""
+    and every start is 16-byte aligned (cuBLAS' grouped GEMM); None otherwise, and None where torch's grouped GEMM
+    would not run in one launch for the pool's dtype and device (``grouped_mm_runs_without_sync``)."""
+    if not grouped_mm_fits(pool):
+        return None
     g, d = offsets[0::2], offsets[1::2]
     n = len(g)
     stride = g[1] - g[0] if n > 1 else 2 * inter * hidden + hidden * inter
