@@ -38,8 +38,8 @@ def test_gelu_reference_is_not_silu() -> None:
 @pytest.mark.parametrize("scaled", [False, True])
 def test_gelu_mul_kernel(scaled: bool) -> None:
     g = torch.Generator().manual_seed(5)
-    h = (torch.randn(7, 2 * 33, generator=g) * 4).to(BF)
-    scale = torch.rand(7, generator=g) if scaled else None
+    h = (torch.randn(7, 2 * 33, generator=g) * 4).to(BF).to(DEV)
+    scale = torch.rand(7, generator=g).to(DEV) if scaled else None
     got, want = silu_mul(h, scale, "gelu_tanh").float(), silu_mul_ref(h, scale, "gelu_tanh").float()
     assert (got - want).abs().max() <= 2**-7 * 2 * want.abs().max()
 

@@ -116,7 +116,7 @@ def test_window_never_reads_pages_before_it() -> None:
     for s, (c, n) in enumerate(chunks):
         for j in range(max(c - n - window + 1, 0) // bs):
             kp[kt[s, j].long()], vp[vt[s, j].long()] = float("nan"), float("nan")
-    out = varlen_paged_attention(q, kp, vp, kt, vt, torch.tensor(qs, dtype=torch.int32),
-                                 torch.tensor(ctx, dtype=torch.int32), max(n for _, n in chunks), d ** -0.5, window)
+    out = varlen_paged_attention(q, kp, vp, kt, vt, _i32(qs), _i32(ctx), max(n for _, n in chunks), d ** -0.5,
+                                 window)
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
