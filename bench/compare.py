@@ -18,7 +18,7 @@ from bench.common import environment, write_records
 
 EQUAL_MEMORY = ", PagedWeight's budget"  # suffix of the equal-memory rows' system name (as bench.serving names them)
 
-OURS_ONLY = ("--skip-table", "--user-path")  # flags the older serve_speed.py does not take
+OURS_ONLY = ("--skip-table", "--user-path", "--skip-dense16")  # flags the older serve_speed.py does not take
 OURS_ONLY_VALUES = ("--label", "--compare-commit", "--compare-rounds", "--out", "--out-md", "--user-samples",
                     "--user-seq-len", "--user-requests", "--user-max-batch", "--user-gpu-memory", "--user-policy",
                     "--workdir")
