@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 
 from pweval.results import append_rows, read_table
-from pweval.runs import Evaluator, LongSpec, TextSpec, set_threads
+from pweval.runs import Evaluator, LongSpec, TextSpec
 from pweval.sweep import QUICK, SweepSpec, budgets, is_label, run_sweep
 from pwformat.errors import PagedWeightError
 from pwrun import cli as runtime_cli
@@ -29,10 +29,12 @@ from pwrun.cli_common import (
     DtypeOpt,
     ModelOpt,
     NoVerifyOpt,
+    ThreadsOpt,
     check_writable_file,
     default_model,
     make_console,
     open_artifact,
+    set_threads,
     user_errors,
     warn_missing_tables,
 )
@@ -46,8 +48,6 @@ app = typer.Typer(help="Serving-time evaluation: quality of teacher-forced conti
 console = make_console(stderr=True)
 
 ArtifactsOpt = Annotated[Path, typer.Option(help="Artifact directory from `pwcal run-all`.")]
-ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's choice; 1 avoids "
-                                                "oversubscription when other jobs share the cores).")]
 DEMO_ARTIFACTS = Path("artifacts/runs/tiny-ap")
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import torch
 
 from pweval.meetings import qmsum_workload
 from pweval.memory import Footprint, non_expert_bytes, static_footprint
@@ -223,13 +222,4 @@ class Evaluator:
             row["retrieval_questions"] = len(suite.items)
             row["retrieval_candidates"] = len(suite.items[0].candidates)
         return row
-
-
-def set_threads(threads: int | None) -> None:
-    """Use ``threads`` CPU threads for torch (None: torch's default). One thread avoids oversubscription
-    when other jobs share the cores."""
-    if threads is not None:
-        if threads < 1:
-            raise PagedWeightError("--threads must be >= 1")
-        torch.set_num_threads(threads)
 

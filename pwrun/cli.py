@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from pwformat.atomic import write_atomic
 from pwformat.errors import PagedWeightError
@@ -32,72 +32,35 @@ from pwrun.cli_common import (
     ModelOpt,
     NoVerifyOpt,
     PolicyOpt,
+    ThreadsOpt,
     budget_bytes,
     check_writable_file,
     default_model,
     make_console,
     open_artifact,
     policy_dtype,
+    set_threads,
     user_errors,
     warn_missing_tables,
 )
 from pwrun.cli_serve import serve
-from pwrun.core.arrivals import ArrivalSchedule, read_trace_arrivals
 from pwrun.core.config import CPU_MAX_BATCH, CPU_STEP_TOKENS, GPU_MAX_BATCH, GPU_STEP_TOKENS, EngineConfig
 from pwrun.core.latency import SLO
 from pwrun.core.policy import Policy
 from pwrun.core.request import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
-from pwrun.data import document_prompts, read_jsonl_field, read_text
+from pwrun.data import document_prompts, read_text
 from pwrun.engine.build import ServeConfig
-from pwrun.engine.report import format_latency, format_summary
-from pwrun.generate import Generation, GenerationStopped, encode_prompts, serve_prompts
-from pwrun.generate import generate as run_generate
+from pwrun.engine.report import format_summary
+from pwrun.generate import Generation, GenerationStopped, serve_prompts
 from pwrun.model.loader import load_model, load_spec, load_tokenizer, resolve_device
 from pwrun.ppl import perplexity
 from pwrun.progress import progress
+from pwrun.prompt_file import prompt_arrivals, read_prompts
 from pwrun.signals import exit_quietly_on_sigterm
 
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
                   add_completion=False)
 console = make_console(stderr=True)
-
-
-def _read_prompts(path: Path) -> list[str]:
-    """The prompts of a JSONL file; raises ``PagedWeightError`` naming file:line of an empty or bad one."""
-    if not path.is_file():
-        raise PagedWeightError(f"prompts file {path} does not exist")
-    prompts = read_jsonl_field(path, "prompt", nonempty=True)
-    if not prompts:
-        raise PagedWeightError(f"{path} holds no prompts (one JSON object with a 'prompt' field per line)")
-    return prompts
-
-
-MAX_ARRIVAL_S = 7 * 86400  # a later arrival is a unit mistake (ms, epoch seconds), not a workload
-
-
-def _arrivals(prompts: Path | None, count: int, rate: float, seed: int) -> ArrivalSchedule:
-    """Request i's arrival: the ``arrival_s`` of line i of the prompts file if it has them, else Poisson at
-    ``rate`` requests/s from ``seed`` (inf: all at t=0). Raises ``PagedWeightError`` on a bad rate or time, or on
-    both a finite rate and a file with times."""
-    if math.isnan(rate) or rate <= 0:
-        raise PagedWeightError(f"--request-rate {rate} is not allowed: give requests/s > 0, or inf (all at t=0)")
-    if seed < 0:
-        raise PagedWeightError(f"--arrival-seed {seed} is not allowed: give an integer >= 0")
-    times = None if prompts is None else read_trace_arrivals(prompts)
-    if times is None:
-        schedule = ArrivalSchedule.poisson(count, rate, seed)
-        last = max(schedule.times, default=0.0)
-        if last > MAX_ARRIVAL_S:
-            raise PagedWeightError(f"--request-rate {rate:g} puts the last of {count} requests {last:.3g} s after "
-                                   f"the start (more than {MAX_ARRIVAL_S // 86400} days): give a higher rate")
-        return schedule
-    if not math.isinf(rate):
-        raise PagedWeightError(f"{prompts} gives each request an 'arrival_s': drop --request-rate {rate:g}, or the "
-                               "arrival times from the file")
-    if max(times, default=0.0) > MAX_ARRIVAL_S:
-        raise PagedWeightError(f"{prompts} has an 'arrival_s' of {max(times):.3g} s, more than "
-                               f"{MAX_ARRIVAL_S // 86400} days after the start: give seconds from the start of the run")
-    return ArrivalSchedule.from_times(times)
 
 
 @contextmanager
@@ -110,15 +73,17 @@ def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | N
     columns = (TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
     with progress(console, *columns, transient=True) as bar:
-        task = bar.add_task("serving requests", total=total, rate="")
-        first: list[tuple[float, int]] = []  # the rate counts from the first token (after loading and placement)
+        # the task, its clock and its rate start at the first token (after loading, placement and warm-up), near the
+        # run summary's start, not at process start
+        first: list[tuple[TaskID, float, int]] = []
 
         def update(done: int, tokens: int) -> None:
             now = time.perf_counter()
             if not first:
-                first.append((now, tokens))
-            dt = now - first[0][0]
-            bar.update(task, completed=done, rate=f"{(tokens - first[0][1]) / dt:.1f} tokens/s" if dt > 0 else "")
+                first.append((bar.add_task("serving requests", total=total, rate=""), now, tokens))
+            task, t0, n0 = first[0]
+            dt = now - t0
+            bar.update(task, completed=done, rate=f"{(tokens - n0) / dt:.1f} tokens/s" if dt > 0 else "")
 
         yield update
 
@@ -157,21 +122,6 @@ def _stopped(stop: GenerationStopped, total: int, output: Path | None, stream: b
     return type(stop.cause)("; ".join([line, *failed]))
 
 
-def _stop_plain(stop: GenerationStopped, total: int, output: Path | None, stream: bool,
-                end_stream: Callable[[], None]) -> NoReturn:
-    """A stopped run of the 16-bit model: end the streamed text, or write the finished requests' results, then
-    raise ``_stopped``'s interrupt."""
-    failed: list[str] = []
-    if stream:
-        end_stream()
-    else:
-        try:
-            _write_results(stop.finished, output)
-        except PagedWeightError as exc:
-            failed.append(str(exc))
-    raise _stopped(stop, total, output, stream, failed)
-
-
 def _write_file(flag: str, path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all (``pwformat.atomic.write_atomic``); ``PagedWeightError`` naming
     ``flag`` on failure."""
@@ -198,8 +148,9 @@ def generate(
     dtype: DtypeOpt = "auto",
     artifacts: Annotated[Path | None, typer.Option(help="Artifact directory from `pwcal run-all` (AP weights + "
                                                    "calibration): serve with the page pool under --gpu-memory. "
-                                                   "Without it: the 16-bit model (no budget unless --policy "
-                                                   "16-bit).")] = None,
+                                                   "Without it: the checkpoint's own experts in the same engine, "
+                                                   "with the memory the run needs (--policy 16-bit: under "
+                                                   "--gpu-memory).")] = None,
     gpu_memory: GpuMemoryOpt = None,
     policy: PolicyOpt = "pagedweight",
     bits: BitsOpt = None,
@@ -216,6 +167,7 @@ def generate(
                                                "every step.")] = False,
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
     no_verify: NoVerifyOpt = False,
+    threads: ThreadsOpt = None,
     request_rate: Annotated[float, typer.Option(help="Requests per second arriving as a Poisson process (the first "
                                                 "at t=0, exponential gaps; seconds count from the end of the "
                                                 "warm-up); inf = every request at t=0. Instead, a prompts file may "
@@ -231,6 +183,7 @@ def generate(
 ) -> None:
     """Generate text: the 16-bit model, or (with --artifacts) the PagedWeight runtime under a memory budget."""
     with user_errors("a stop before the engine runs writes nothing: rerun; greedy text is the same"):
+        set_threads(threads)
         if (prompt is None) == (prompts is None):
             raise PagedWeightError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
         if not (math.isfinite(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
@@ -248,8 +201,8 @@ def generate(
                                        "or pass it in a UTF-8 --prompts file") from exc
         if not 0 <= seed < 2**63:
             raise PagedWeightError(f"--seed {seed} is out of range: give an integer in [0, 2^63)")
-        texts = [prompt] if prompt is not None else _read_prompts(prompts)  # type: ignore[arg-type]
-        arrivals = _arrivals(prompts, len(texts), request_rate, arrival_seed)
+        texts = [prompt] if prompt is not None else read_prompts(prompts)  # type: ignore[arg-type]
+        arrivals = prompt_arrivals(prompts, len(texts), request_rate, arrival_seed)
         for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
             if ms is not None and not (math.isfinite(ms) and ms > 0):
                 raise PagedWeightError(f"{flag} {ms} is not allowed: give a number of milliseconds > 0")
@@ -258,11 +211,12 @@ def generate(
         dtype = policy_dtype(dtype, policy)
         if dense and artifacts is not None:
             raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: drop --artifacts")
-        budget = budget_bytes(gpu_memory)
-        if artifacts is None and not dense and (gpu_memory is not None or trace or summary_json or bits is not None
-                                                 or policy != "pagedweight"):
-            raise PagedWeightError("--gpu-memory, --policy, --bits, --trace and --summary-json need --artifacts DIR "
-                                   "(from `pwcal run-all`), or --policy 16-bit for the 16-bit experts under a budget")
+        budget = budget_bytes(gpu_memory)  # an empty or unreadable value is refused first
+        plain = artifacts is None and not dense  # the 16-bit model with the budget the run needs
+        if plain and (gpu_memory is not None or bits is not None or policy != "pagedweight"):
+            raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`), or "
+                                   "--policy 16-bit for the 16-bit experts under a budget")
+        budget = 0 if plain else budget
         if trace is not None and trace.suffix != ".parquet":
             raise PagedWeightError(f"--trace {trace} must end in .parquet")
         named = [(f, p) for f, p in (("--prompts", prompts), ("--output", output), ("--trace", trace),
@@ -297,79 +251,54 @@ def generate(
         for note in load_spec(model_dir)[0].notes:  # e.g. a multimodal checkpoint's towers: text model only
             console.print(f"note: {note}", style="dim", highlight=False, soft_wrap=True)
         stop: GenerationStopped | None = None
-        if artifacts is not None or dense:
-            serve_policy = Policy.named(policy, bits)
-            if artifacts is not None:
-                art = open_artifact(artifacts, model_dir, not no_verify)
-                serve_policy.check_bits(art.bits)
-                warn_missing_tables(art, [policy], model_dir)
-            cfg = ServeConfig(budget, serve_policy,
-                              EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
-                                           debug_checks=debug_checks))
-            with _progress(len(texts), not stream) as on_progress:
-                try:
-                    results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
-                                                     on_text=on_text if stream else None, trace=trace,
-                                                     on_progress=on_progress, arrivals=arrivals, slo=slo,
-                                                     on_wait=_say_wait)
-                except GenerationStopped as exc:  # the finished requests are written below, then the stop ends
-                    assert exc.summary is not None  # serve_prompts sums up a stopped run
-                    stop, results, summary = exc, exc.finished, exc.summary
-            if stream:
-                end_stream()
-            # every output is attempted; failures are reported together, after (nothing is dropped for one)
-            failed: list[str] = []
-            printed = output is None  # where the results are, for the error line
-            if not stream:
-                try:
-                    _write_results(results, output)
-                except PagedWeightError as exc:
-                    failed.append(str(exc))
-                    printed = True
-                reasons = collections.Counter(r.finish_reason for r in results)
-                console.print(f"{len(results)} of {len(texts)} requests completed ("
-                              + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())) + ")"
-                              + (f" -> {output}" if output is not None and not failed else ""),
-                              style="dim", highlight=False, soft_wrap=True)
-            console.print(format_summary(summary), style="dim", highlight=False, soft_wrap=True)
-            if summary_json is not None:
-                try:
-                    _write_file("--summary-json", summary_json,
-                                json.dumps(summary.to_dict(), indent=1, default=str) + "\n")
-                except PagedWeightError as exc:
-                    failed.append(str(exc))
-            if summary.trace_error:
-                failed.append(summary.trace_error)
-            if stop is not None:
-                raise _stopped(stop, len(texts), output, stream, failed)
-            if failed:
-                where = "printed above" if printed else f"in {output}"
-                raise PagedWeightError("; ".join(failed) + f" (the results are {where})")
-            return
-        spec, _ = load_spec(model_dir)
-        encode_prompts(tok, texts, spec.max_position_embeddings, max_new_tokens)  # too long: refused before loading
-        lm = load_model(model_dir, device=device, dtype=dtype)
+        serve_policy = Policy.named("16-bit" if plain else policy, bits)
+        if artifacts is not None:
+            art = open_artifact(artifacts, model_dir, not no_verify)
+            serve_policy.check_bits(art.bits)
+            warn_missing_tables(art, [policy], model_dir)
+        cfg = ServeConfig(budget, serve_policy,
+                          EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
+                                       debug_checks=debug_checks))
         with _progress(len(texts), not stream) as on_progress:
             try:
-                results, stats = run_generate(lm, tok, texts, params, on_text=on_text if stream else None,
-                                              on_progress=on_progress, arrivals=arrivals, slo=slo,
-                                              on_wait=_say_wait)
-            except GenerationStopped as exc:
-                stop = exc
-        if stop is not None:
-            _stop_plain(stop, len(texts), output, stream, end_stream)
+                results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
+                                                 on_text=on_text if stream else None, trace=trace,
+                                                 on_progress=on_progress, arrivals=arrivals, slo=slo,
+                                                 on_wait=_say_wait)
+            except GenerationStopped as exc:  # the finished requests are written below, then the stop ends
+                assert exc.summary is not None  # serve_prompts sums up a stopped run
+                stop, results, summary = exc, exc.finished, exc.summary
         if stream:
             end_stream()
-        else:
-            _write_results(results, output)
-        console.print(f"[dim]{len(texts)} request(s) on {lm.device} ({lm.dtype}); prefill "
-                      f"{stats.prefill_seconds:.2f} s; decode {stats.decode_tokens} tokens in "
-                      f"{stats.decode_seconds:.2f} s = {stats.decode_tokens_per_second:.1f} tokens/s busy; "
-                      f"{stats.wall_seconds:.2f} s wall (idle waits for arrivals included) = "
-                      f"{stats.wall_decode_tokens_per_second:.1f} decode tokens/s wall[/dim]")
-        if stats.latency is not None and not stream:
-            console.print(format_latency(stats.latency, stats.request_rate, slo), style="dim", highlight=False,
-                          soft_wrap=True)
+        # every output is attempted; failures are reported together, after (nothing is dropped for one)
+        failed: list[str] = []
+        printed = output is None  # where the results are, for the error line
+        if not stream:
+            try:
+                _write_results(results, output)
+            except PagedWeightError as exc:
+                failed.append(str(exc))
+                printed = True
+            reasons = collections.Counter(r.finish_reason for r in results)
+            console.print(f"{len(results)} of {len(texts)} requests completed ("
+                          + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())) + ")"
+                          + (f" -> {output}" if output is not None and not failed else ""),
+                          style="dim", highlight=False, soft_wrap=True)
+        console.print(format_summary(summary), style="dim", highlight=False, soft_wrap=True)
+        if summary_json is not None:
+            try:
+                _write_file("--summary-json", summary_json,
+                            json.dumps(summary.to_dict(), indent=1, default=str) + "\n")
+            except PagedWeightError as exc:
+                failed.append(str(exc))
+        if summary.trace_error:
+            failed.append(summary.trace_error)
+        if stop is not None:
+            raise _stopped(stop, len(texts), output, stream, failed)
+        if failed:
+            where = "printed above" if printed else f"in {output}"
+            raise PagedWeightError("; ".join(failed) + f" (the results are {where})")
+        return
 
 
 app.command()(serve)
@@ -391,9 +320,11 @@ def ppl(
     uniform_bits: Annotated[int | None, typer.Option(help="With --artifacts: every expert block at this many "
                                                      "bits (seed..8).")] = None,
     no_verify: NoVerifyOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Perplexity (teacher-forced, exp of mean NLL per token) on real text, at 16-bit or uniform AP bits."""
     with user_errors():
+        set_threads(threads)
         if seq_len < 2 or (max_windows is not None and max_windows < 1):
             raise PagedWeightError("--seq-len must be >= 2 and --max-windows >= 1")
         model_dir = model or default_model()

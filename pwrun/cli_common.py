@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
@@ -31,7 +32,7 @@ from pwrun.ap.artifact import APArtifact
 from pwrun.core.policy import POLICIES
 from pwrun.data import default_model_dir
 from pwrun.engine.budget import parse_size
-from pwrun.engine.build import missing_tables
+from pwrun.engine.tables import missing_tables
 from pwrun.progress import progress
 from pwrun.signals import Terminated, raise_terminated
 
@@ -177,3 +178,16 @@ def warn_missing_tables(art: APArtifact, policies: Iterable[str], model_dir: Pat
             if warning not in shown:
                 shown.append(warning)
                 typer.echo(f"warning: {warning}", err=True)
+
+
+ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="CPU threads for torch (default: one per core; 1 or 2 "
+                                                "avoid oversubscription when other jobs share the cores).")]
+
+
+def set_threads(threads: int | None) -> None:
+    """Use ``threads`` CPU threads for torch (None: torch's default). Fewer threads than cores keep a run steady when
+    other jobs share the cores (oversubscribed, torch's threads wait on each other)."""
+    if threads is not None:
+        if threads < 1:
+            raise PagedWeightError("--threads must be >= 1")
+        torch.set_num_threads(threads)

@@ -20,11 +20,13 @@ from pwrun.cli_common import (
     ModelOpt,
     NoVerifyOpt,
     PolicyOpt,
+    ThreadsOpt,
     budget_bytes,
     default_model,
     make_console,
     open_artifact,
     policy_dtype,
+    set_threads,
     user_errors,
     warn_missing_tables,
 )
@@ -85,10 +87,12 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), "
                                            "debug.")] = "info",
     no_verify: NoVerifyOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics (Prometheus)."""
     with user_errors():
+        set_threads(threads)
         model_dir = model or default_model()
         spec, _ = load_spec(model_dir)
         context = max_model_len or spec.max_position_embeddings

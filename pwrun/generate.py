@@ -1,9 +1,10 @@
 """Text generation: the one loop over the engine, for the 16-bit model and for AP artifacts under a budget.
 
 What it does: tokenizes prompts (checking each fits the model's context with its generation), builds the
-engine (``dense_engine``: the model's own 16-bit experts, every prompt in one prefill step and all decoded
-together; ``build_engine``: AP experts in a page pool under ``--gpu-memory`` with the chosen policy;
-``build_dense_engine``: the 16-bit experts in that pool under the budget, ``--policy 16-bit``), runs
+engine (``build_engine``: AP experts in a page pool under ``--gpu-memory`` with the chosen policy;
+``build_dense_engine``: the checkpoint's 16-bit experts in that pool, under ``--gpu-memory`` with ``--policy
+16-bit`` or, without a budget, with the memory the run needs; ``generate``: the reference twin, a loaded model's
+own experts through the reference MoE, every prompt in one prefill step), runs
 it to completion, each request arriving at its time of an ``ArrivalSchedule`` (default: all at t=0), streaming
 each request's new text through ``on_text``, and returns one ``Generation`` per prompt with its serving times.
 Nothing is dropped: every request runs to EOS or ``max_new_tokens``. A stop (Ctrl-C, SIGTERM) raises

@@ -38,6 +38,7 @@ from pwrun.core.request import SamplingParams
 from pwrun.data import default_model_dir
 from pwrun.engine.build import add_requests, dense_engine
 from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.report import wall_fields
 from pwrun.engine.trace import trace_table
 from pwrun.model.inventory import kv_layout
 from pwrun.model.lean import LeanMoEModel
@@ -366,7 +367,7 @@ def test_trace_wall_clock_covers_idle_gaps(lm: LeanMoEModel, ids: list[list[int]
 def test_printed_tokens_per_second_says_busy_and_wall(tmp_path: Path) -> None:
     """With an idle second between arrivals, the printed rates say which time they divide by: busy (summed step
     time, the summary's ``seconds`` and ``tokens_per_second``) and wall (idle waits included, ``wall_seconds`` and
-    ``wall_tokens_per_second``); the wall rate is the lower one. Also the 16-bit model's own line."""
+    ``wall_tokens_per_second``); the wall rate is the lower one. Also without an artifact or a budget."""
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"prompt": p, "arrival_s": t}) + "\n" for p, t in zip(TEXTS[:2], (0.0, 1.0),
                                                                                                 strict=True)))
@@ -384,10 +385,44 @@ def test_printed_tokens_per_second_says_busy_and_wall(tmp_path: Path) -> None:
     assert (busy, wall) == (round(s["tokens_per_second"], 1), round(s["wall_tokens_per_second"], 1))
     assert s["wall_seconds"] >= 1.0 and s["wall_seconds"] > s["seconds"] and wall < busy
     assert s["wall_tokens_per_second"] == pytest.approx((s["prefill_tokens"] + s["decode_tokens"]) / s["wall_seconds"])
-    r = runner.invoke(app, common)
+    r = runner.invoke(app, common)  # no artifact, no budget: the same engine and summary, sized to the run
     assert r.exit_code == 0, r.stderr
-    m = re.search(r"decode (\d+) tokens in [\d.]+ s = ([\d.]+) tokens/s busy; ([\d.]+) s wall \(idle waits for "
-                  r"arrivals included\) = ([\d.]+) decode tokens/s wall", r.stderr)
-    assert m is not None, r.stderr
-    tokens, busy, wall_s, wall = map(float, m.groups())
-    assert wall_s >= 1.0 and wall < busy and wall == pytest.approx(tokens / wall_s, rel=0.05, abs=0.1)
+    m = re.search(r"steps in ([\d.]+) s busy \(([\d.]+) s wall, idle waits for arrivals included\): .* = "
+                  r"([\d.]+) tokens/s busy, ([\d.]+) tokens/s wall;", r.stderr)
+    assert m is not None and "what this run needs" in r.stderr, r.stderr
+    busy_s, wall_s, busy, wall = map(float, m.groups())
+    assert wall_s >= 1.0 and wall < busy and busy_s < wall_s
+
+
+def test_trace_counts_each_arrival_once_at_the_step_after_it(lm: LeanMoEModel, ids: list[list[int]],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``arrived``: requests queued since the previous step; each request counted once, in the first step that
+    starts at or after its arrival time (t=0 ones in step 0)."""
+    arrivals = ArrivalSchedule.from_times([0.0, 0.0, 0.025, 0.5])
+    e = dense_engine(lm, PARAMS, ids, set(), arrivals=arrivals)
+    _fake_time(e, monkeypatch)
+    e.run_until_done()
+    got = [r.arrived for r in e.trace]
+    starts = [r.t_s - STEP_S for r in e.trace]  # on the fake clock only the model's steps and the sleeps take time
+    want = [0] * len(starts)
+    for at in arrivals.times:
+        want[next(i for i, t in enumerate(starts) if t >= at - 1e-9)] += 1
+    assert got == want and sum(got) == len(ids) and got[0] == 2 and max(got[1:]) == 1
+    assert trace_table(e.trace).column("arrived").to_pylist() == got
+
+
+def test_a_stopped_run_counts_wall_seconds_to_the_stop(lm: LeanMoEModel, ids: list[list[int]],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during an idle wait for a later arrival: ``wall_seconds`` runs to the stop, not to the last step."""
+    e = dense_engine(lm, PARAMS, ids[:2], set(), arrivals=ArrivalSchedule.from_times([0.0, 50.0]))
+    clock = _fake_time(e, monkeypatch)
+
+    def sleep(s: float) -> None:
+        clock.t += 7.0  # seven seconds into the wait, the user stops the run
+        raise KeyboardInterrupt
+
+    e.sleep = sleep
+    with pytest.raises(KeyboardInterrupt):
+        e.run_until_done()
+    wall = wall_fields(e)["wall_seconds"]
+    assert e.stopped_s is not None and wall == pytest.approx(e.stopped_s) == pytest.approx(e.trace[-1].t_s + 7.0)

@@ -220,7 +220,8 @@ def test_piped_output_is_not_wrapped_at_80_columns() -> None:
     assert r.exit_code == 0 and any("family qwen2_moe" in line and "context 2048" in line
                                     for line in r.stdout.splitlines()), r.stdout
     code, _, err = run("generate", "--prompt", "The river", "--max-new-tokens", "3")
-    assert code == 0 and any("request(s) on cpu" in line and "tokens/s" in line for line in err.splitlines()), err
+    assert code == 0 and any("policy 16-bit on cpu" in line and "what this run needs" in line
+                            for line in err.splitlines()), err
 
 
 def test_user_errors_turn_file_system_failures_and_ctrl_c_into_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -615,3 +616,18 @@ def test_a_stop_writes_the_finished_requests(tmp_path: Path, sig: str, code: int
         assert s["requests_completed"] == 2 and s["requests_unfinished"] == 1
         assert "; 1 more not run to completion (stopped)" in proc.stderr, proc.stderr
         assert pq.read_table(tmp_path / "t.parquet").num_rows == s["steps"] > 0
+
+
+def test_threads_option_sets_torch_threads_and_refuses_zero() -> None:
+    """``--threads N`` (generate, ppl, serve): torch runs on N CPU threads; 0 is refused before anything loads."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        code, _, err = run("generate", "--prompt", "The river", "--max-new-tokens", "2", "--threads", "1")
+        assert code == 0 and torch.get_num_threads() == 1, err
+    finally:
+        torch.set_num_threads(before)
+    for cmd in (["generate", "--prompt", "x"], ["ppl"]):
+        code, _, err = run(*cmd, "--threads", "0", *NO_MODEL)
+        assert code == 2 and "--threads" in err and "/nonexistent" not in err, err

@@ -132,6 +132,30 @@ def test_cli_refuses_a_small_budget_in_one_line_and_serves_at_a_larger_one(tmp_p
     assert r.exit_code == 2 and "drop --artifacts" in r.stderr
 
 
+def test_no_budget_fits_the_run_and_equals_the_reference_generation() -> None:
+    """``pwrun generate`` without --artifacts: the 16-bit engine under the budget the run needs (``gpu_memory`` 0),
+    every request's KV at once (no preemption), greedy tokens equal to the reference twin (``pwrun.generate.generate``:
+    the loaded model's own experts, every prompt in one prefill step) on ragged prompts, and no page to spare."""
+    from pwrun.generate import generate
+    from pwrun.model.loader import load_tokenizer
+
+    path = default_model_dir()
+    tok = load_tokenizer(path)
+    texts = ["The river", "In 1905 the city council of", "Music is", "A long time ago, in a kingdom by the sea, there"]
+    ids = [tok(t).input_ids for t in texts]
+    ecfg = EngineConfig(block_size=4, max_batch=len(texts), max_step_tokens=16, debug_checks=True)
+    e = build_dense_engine(path, ServeConfig(0, DENSE, ecfg), SamplingParams(max_new_tokens=9), ids, set(), "cpu",
+                           "float32")
+    assert e.info["budget_fitted"] and e.info["gpu_memory"] > 0
+    layout, ppb = e.core.layout, e.core.layout.pages_per_block
+    kv = sum(-(-layout.peak_pages(len(p) + 9, 4, 16) // ppb) * ppb for p in ids)
+    assert e.core.pool.num_free == kv  # the experts and every request's KV, nothing more
+    got = [list(o.token_ids) for o in e.run_until_done().values()]
+    assert e.core.scheduler.preemptions == 0
+    want, _ = generate(load_model(path, device="cpu", dtype="float32"), tok, texts, SamplingParams(max_new_tokens=9))
+    assert [tok.decode(g, skip_special_tokens=True) for g in got] == [w.text for w in want]
+
+
 @pytest.mark.parametrize("step_tokens", [2, 16])
 def test_kernel_path_scores_what_the_reference_path_scores(tmp_path: Path, step_tokens: int) -> None:
     """bf16, a shared expert with its gate, mixed steps (chunks beside decodes): the 16-bit MoE kernels and the

@@ -75,7 +75,7 @@ def test_tables_of_an_incomplete_stage_warn_and_are_not_used(calibrated_artifact
     """sensitivity re-ran (or was interrupted): fit-residual and search-buckets are recorded incomplete, so their
     files are from an older run: one warning each, and serving goes on as without them."""
     from pwrun.ap.artifact import APArtifact
-    from pwrun.engine.build import _read
+    from pwrun.engine.tables import read_table as _read
 
     stale = tmp_path / "stale"
     shutil.copytree(calibrated_artifacts, stale)

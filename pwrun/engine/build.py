@@ -20,13 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 
 from pwformat.cost import block_pages, page_rounded_bytes
 from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwformat.kv_layout import KVLayout
-from pwformat.tables import WRITTEN_BY
 from pwkernels.warmup import LinearShape, MoEShape, precompile_decode, precompile_gemv
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.arrivals import ArrivalSchedule
@@ -35,15 +33,16 @@ from pwrun.core.engine_core import EngineCore
 from pwrun.core.kv_blocks import blocks_needed
 from pwrun.core.planner.buckets import BucketPolicy
 from pwrun.core.planner.greedy import fit_budget, floor_bits
-from pwrun.core.planner.online import FEATURES, OnlineStats, ResidualHeads
+from pwrun.core.planner.online import OnlineStats, ResidualHeads
 from pwrun.core.planner.runtime import Planner, PlannerConfig
-from pwrun.core.planner.tables import UNITS, BlockTable
+from pwrun.core.planner.tables import BlockTable
 from pwrun.core.policy import Policy
 from pwrun.core.pool import WEIGHT, PagePool, PoolConfig
 from pwrun.core.request import Request, SamplingParams
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.engine.budget import dtype_label, format_size, workspace_bytes
 from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.tables import block_table, bucket_policy, calib_features, missing_tables, read_table
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks, host_memory, kv_layout
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, resolve_device, resolve_dtype
@@ -59,75 +58,6 @@ class ServeConfig:
     policy: Policy = field(default_factory=Policy)
     engine: EngineConfig = field(default_factory=EngineConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
-
-
-# Tables a policy can serve without, with the pwcal stage that writes each and what serving loses without it.
-OPTIONAL_TABLES = {
-    "residual_heads": ("fit-residual", "without prompt-residual heads (the planner's prompt factor eta is 1)"),
-    "buckets": ("search-buckets", "with one neutral routing bucket (mu 1, floors at the seed bits)"),
-    "block_features": ("sensitivity", "without the calibration input norms of the prompt-residual heads"),
-}
-
-
-TABLE_STAGE = WRITTEN_BY  # table -> the pwcal stage writing it
-
-
-def _stale(art: APArtifact, name: str) -> str | None:
-    """Why the table ``name`` of ``art`` must not be used although its file exists, or None: its pwcal stage is
-    recorded in the manifest as not complete (an upstream stage re-ran with --force, or the stage itself was
-    interrupted), so the file is from an earlier, inconsistent run."""
-    st = art.manifest.stages.get(TABLE_STAGE[name])
-    if st is None or st.get("complete", True):
-        return None
-    return str(st.get("stale_because") or f"stage '{TABLE_STAGE[name]}' did not complete")
-
-
-def missing_tables(art: APArtifact, policy: Policy, model_dir: Path | str = "MODEL") -> list[str]:
-    """One warning line per optional table that ``policy`` would use but whose pwcal stage has not run.
-
-    Raises ``PagedWeightError`` if the manifest records that stage complete but the file is gone (a damaged
-    artifact: serving without it would silently change the method).
-    """
-    stages = art.manifest.stages
-    out = []
-    for name, (stage, loss) in OPTIONAL_TABLES.items():
-        path = art.path / f"{name}.parquet"
-        if not policy.reads(name):
-            continue
-        fix = f"`pwcal {stage} {model_dir} --artifacts {art.path}"
-        if path.is_file():
-            why = _stale(art, name)
-            if why is not None:
-                out.append(f"{path.name} in {art.path} is out of date ({why}): serving {loss}; remake it with "
-                           f"{fix} --force`")
-            continue
-        done = stages.get(stage, {})
-        if done.get("complete") and path.name in done.get("files", []):
-            raise PagedWeightError(f"{path} is missing, though the manifest records stage '{stage}' as complete: "
-                                   f"remake it with {fix} --force`")
-        out.append(f"{art.path} has no {path.name}: serving {loss}; make it with {fix}`")
-    return out
-
-
-def _read(art: APArtifact, name: str) -> pd.DataFrame | None:
-    path = art.path / f"{name}.parquet"
-    return art.table(name) if path.is_file() and _stale(art, name) is None else None
-
-
-def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) -> BlockTable:
-    """Calibration tables as a ``BlockTable``; for a uniform policy without calibration, a neutral one."""
-    sens, routing = _read(art, "sensitivity"), _read(art, "routing")
-    if sens is not None and routing is not None:
-        return BlockTable.from_frames(sens, routing)
-    if need_calibration:
-        raise PagedWeightError(f"{art.path} has no complete calibration tables (sensitivity/routing): run "
-                               f"`pwcal run-all MODEL --out {art.path}` first, or use --policy uniform --bits B")
-    blocks = sorted(expert_blocks(model.spec), key=lambda b: (b.layer, b.expert, b.unit))
-    bits = np.asarray(art.bits)
-    return BlockTable(bits=bits, layer=np.array([b.layer for b in blocks]), expert=np.array([b.expert for b in blocks]),
-                      unit=np.array([UNITS.index(b.unit) for b in blocks]),
-                      sens=np.zeros((len(blocks), bits.size)), bytes=np.zeros((len(blocks), bits.size), np.int64),
-                      tokens=np.zeros(len(blocks), np.int64), mass=np.ones(len(blocks)))
 
 
 def strip_experts(model: LeanMoEModel, device: torch.device) -> LeanMoEModel:
@@ -162,26 +92,6 @@ def strip_experts(model: LeanMoEModel, device: torch.device) -> LeanMoEModel:
             if lw.moe.shared_gate is not None:
                 lw.moe.shared_gate = lw.moe.shared_gate.to(device)
     return model
-
-
-def _bucket_policy(art: APArtifact) -> BucketPolicy:
-    df = _read(art, "buckets")
-    if df is None:
-        return BucketPolicy.neutral(art.seed_bits)
-    return BucketPolicy.from_frame(df)
-
-
-def _calib_features(art: APArtifact, table: BlockTable) -> np.ndarray | None:
-    """[n, 3] calibration input-norm features; a down block takes its expert's gate_up ones (see online.py)."""
-    df = _read(art, "block_features")
-    if df is None:
-        return None
-    gu = df[df.unit == "gate_up"].set_index(["layer", "expert"])
-    out = np.zeros((table.n, 3))
-    for i, (la, e) in enumerate(zip(table.layer.tolist(), table.expert.tolist(), strict=True)):
-        if (la, e) in gu.index:
-            out[i] = gu.loc[(la, e), list(FEATURES)].to_numpy(np.float64)
-    return out
 
 
 def check_device_budget(budget: int, dev: torch.device) -> None:
@@ -224,9 +134,9 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     model = strip_experts(load_model(model_dir, device=str(dev), dtype=str(dt).removeprefix("torch."),
                                      experts="skip"), dev)
     table = block_table(art, model, need_calibration=cfg.policy.placement != "uniform")
-    heads_df = _read(art, "residual_heads")
-    return assemble_engine(model, art, table, _bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None
-                           else None, _calib_features(art, table), cfg, params, requests, eos, forced,
+    heads_df = read_table(art, "residual_heads")
+    return assemble_engine(model, art, table, bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None
+                           else None, calib_features(art, table), cfg, params, requests, eos, forced,
                            max_request_tokens, arrivals)
 
 

@@ -12,6 +12,7 @@ served by the same engine under the same budget as the AP policies.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from pwrun.core.engine_core import EngineCore
 from pwrun.core.kv_blocks import blocks_needed
 from pwrun.core.pool import WEIGHT
 from pwrun.core.request import SamplingParams
+from pwrun.engine.budget import format_size
 from pwrun.engine.build import (
     ServeConfig,
     add_requests,
@@ -88,6 +90,24 @@ def dense_expert_bytes(model: LeanMoEModel, page_bytes: int) -> int:
     return sum(dense_block_pages(b.n, b.k, elt, page_bytes) for b in expert_blocks(model.spec)) * page_bytes
 
 
+def fitted_budget(model: LeanMoEModel, cfg: ServeConfig, sizes: list[int], max_request_tokens: int) -> int:
+    """The budget (bytes) a run needs when none is given: the non-expert weights, the step workspace, the 16-bit
+    experts and every request's KV at its peak at once (whole blocks), so no request waits for pages. Raises
+    ``PagedWeightError`` if the device does not have that much memory."""
+    probe = split_budget(model, replace(cfg, gpu_memory=0), sizes, max_request_tokens, ap_experts=False)
+    layout, bs, chunk = probe.layout, cfg.engine.block_size, cfg.engine.max_step_tokens
+    kv_pages = sum(-(-layout.peak_pages(n, bs, chunk) // layout.pages_per_block) * layout.pages_per_block
+                   for n in probe.sizes if n > 0)
+    need = probe.fixed + probe.work + dense_expert_bytes(model, probe.page_bytes) + kv_pages * probe.page_bytes
+    try:
+        check_device_budget(need, model.device)
+    except PagedWeightError as exc:
+        raise PagedWeightError(f"the 16-bit model and every request's KV need {format_size(need)}, more than "
+                               f"{model.device} has: give fewer or shorter prompts, or serve an artifact "
+                               "(--artifacts) under --gpu-memory") from exc
+    return need
+
+
 def assemble_dense_engine(model: LeanMoEModel, source: ExpertSource, cfg: ServeConfig, params: SamplingParams,
                           requests: list[list[int]], eos: set[int], forced: list[list[int]] | None = None,
                           max_request_tokens: int = 0, arrivals: ArrivalSchedule | None = None) -> LLMEngine:
@@ -100,7 +120,11 @@ def assemble_dense_engine(model: LeanMoEModel, source: ExpertSource, cfg: ServeC
     if kernels and model.dtype not in (torch.bfloat16, torch.float16):
         raise PagedWeightError(f"the 16-bit MoE kernels take bfloat16 or float16 weights, not {model.dtype}: give "
                                "--dtype bfloat16 (or float16)")
-    split = split_budget(model, cfg, request_sizes(params, requests, forced), max_request_tokens, ap_experts=False)
+    sizes = request_sizes(params, requests, forced)
+    fitted = cfg.gpu_memory <= 0
+    if fitted:
+        cfg = replace(cfg, gpu_memory=fitted_budget(model, cfg, sizes, max_request_tokens))
+    split = split_budget(model, cfg, sizes, max_request_tokens, ap_experts=False)
     expert_bytes = dense_expert_bytes(model, split.page_bytes)
     split.check(expert_bytes, "the 16-bit experts need")
     if dev.type == "cuda" and ecfg.precompile_workers != 0:  # the MoE kernels compile in the warm-up
@@ -118,7 +142,7 @@ def assemble_dense_engine(model: LeanMoEModel, source: ExpertSource, cfg: ServeC
             "kv_block_bytes": split.kv_block_bytes, "expert_bytes_16bit": sum(b.n * b.k * 2 for b in blocks),
             "initial_expert_bytes": placed, "initial_weight_pages": pool.count(WEIGHT), "initial_mean_bits": 16.0,
             "floor_expert_bytes": expert_bytes, "shared_expert": any(b.expert == SHARED_EXPERT for b in blocks),
-            "host_mirror_bytes": 0}
+            "host_mirror_bytes": 0, "budget_fitted": fitted}
     engine = LLMEngine(EngineCore(ecfg, pool, split.layout), runner, info)
     engine.warm_up(blocks_needed(split.longest + 1, ecfg.block_size))
     add_requests(engine, params, requests, eos, forced, arrivals)

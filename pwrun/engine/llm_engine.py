@@ -51,6 +51,8 @@ class LLMEngine:
         self.clock, self.sleep = clock, sleep
         self.times: dict[int, RequestTimes] = {}
         self._t0: float | None = None  # the start of the run on ``clock``: the first call of ``now``
+        self._arrived = 0  # requests queued since the last step's trace row
+        self.stopped_s: float | None = None  # when a stop (Ctrl-C, SIGTERM) ended ``run_until_done``, seconds from t0
         self._future: list[tuple[float, int, Request]] = []  # (arrival, rid, request): a heap of later arrivals
         self.request_rate = math.inf  # the offered rate of the arrivals (requests/s; inf: all at t=0), for the summary
 
@@ -80,6 +82,12 @@ class LLMEngine:
         self.runner.add_request(request)
         self.outputs[request.rid] = self.core.output(request.rid)
         self.times[request.rid] = RequestTimes(arrival_s)
+        self._arrived += 1
+
+    def _take_arrived(self) -> int:
+        """Requests queued since the last call (the trace's ``arrived``)."""
+        n, self._arrived = self._arrived, 0
+        return n
 
     def _admit_due(self) -> None:
         """Queue every held request whose arrival time has come, in arrival order."""
@@ -198,7 +206,15 @@ class LLMEngine:
         boundary after it; while nothing runs, sleeping until the next one instead of spinning); ``on_output``
         sees every output as it comes; ``on_wait(arrival, seconds to it)`` is called once per idle wait longer than
         ``LONG_WAIT_S`` (not per sleep slice), so that a caller can say why nothing happens. Returns the final output
-        of every request by id."""
+        of every request by id; a stop records its time in ``stopped_s`` and propagates."""
+        try:
+            return self._run(on_output, on_wait)
+        except KeyboardInterrupt:
+            self.stopped_s = self.now()
+            raise
+
+    def _run(self, on_output: Callable[[RequestOutput], None] | None,
+             on_wait: Callable[[float, float], None] | None) -> dict[int, RequestOutput]:
         announced = None  # the arrival whose wait was announced
         while True:
             self._admit_due()
@@ -247,4 +263,5 @@ class LLMEngine:
             step_tokens=step_tokens, prefill_tokens=prefill_tokens, bits_hist=np.bincount(q, minlength=9).tolist(),
             shared_bits=shared, routed_bits=routed, device_peak_bytes=self.runner.peak_bytes(),
             kv_pages_global=core.alloc.kv_pages - core.alloc.sliding_kv_pages,
-            kv_pages_sliding=core.alloc.sliding_kv_pages, trimmed_blocks=core.trimmed_blocks)
+            kv_pages_sliding=core.alloc.sliding_kv_pages, trimmed_blocks=core.trimmed_blocks,
+            arrived=self._take_arrived())

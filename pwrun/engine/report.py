@@ -177,11 +177,11 @@ def latency_fields(engine: LLMEngine, slo: SLO | None = None) -> dict[str, Any]:
 
 
 def wall_fields(engine: LLMEngine) -> dict[str, float]:
-    """``wall_seconds`` (the start of the run to the end of its last step: the trace's last ``t_s``) and the
-    tokens computed per second of it; nothing before the first step."""
-    if not engine.trace:
+    """``wall_seconds`` (the start of the run to the end of its last step, the trace's last ``t_s``, or of a stopped
+    run to the stop) and the tokens computed per second of it; nothing before the first step."""
+    if not engine.trace and engine.stopped_s is None:
         return {}
-    wall = engine.trace[-1].t_s
+    wall = engine.stopped_s if engine.stopped_s is not None else engine.trace[-1].t_s
     tokens = engine.core.prefill_tokens + engine.core.decode_tokens
     return {"wall_seconds": wall, "wall_tokens_per_second": tokens / wall if wall > 0 else 0.0}
 
@@ -284,7 +284,8 @@ def format_summary(s: RunSummary) -> str:
     """A few terminal lines from a ``RunSummary``."""
     lines = [
         f"policy {s.policy}{' ' + str(s.bits) + ' bits' if s.bits else ''} on {s.device} "
-        f"({s.dtype}); {format_budget(s.gpu_memory, s.dtype, s.fixed_bytes, s.workspace_bytes, s.pool_bytes)}",
+        f"({s.dtype}); {format_budget(s.gpu_memory, s.dtype, s.fixed_bytes, s.workspace_bytes, s.pool_bytes)}"
+        + (" (no --gpu-memory: what this run needs)" if s.extra.get("budget_fitted") else ""),
     ]
     if s.weight_bytes_mean is not None and s.expert_share_16bit is not None:
         lines.append(

@@ -23,7 +23,9 @@ Columns and units (seconds are host wall-clock; blocks are expert linear blocks 
   ``bits_hist``: blocks at 0..8 committed bits.
 - ``weight_bytes``: pool bytes of expert objects (committed + in transfer); ``committed_weight_bytes``: bytes of
   the committed bitwidths; ``bytes_in_flight``: bytes of reloads in flight.
-- ``running``, ``waiting``: requests; ``preempted``: requests preempted this step; ``step_tokens``: tokens run;
+- ``running``, ``waiting``: requests at the step's end; ``arrived``: requests queued since the previous step (their
+  arrival time came, or a server added them), counted once each; ``preempted``: requests preempted this step;
+  ``step_tokens``: tokens run;
   ``prefill_tokens``: those of them not decoding (prompt chunks, recomputation after preemption).
 - ``device_peak_bytes``: peak device memory allocated so far (CUDA; 0 elsewhere).
 """
@@ -78,6 +80,7 @@ class StepTrace:
     kv_pages_global: int = 0
     kv_pages_sliding: int = 0
     trimmed_blocks: int = 0
+    arrived: int = 0
 
 
 def trace_schema() -> pa.Schema:

@@ -1,0 +1,49 @@
+"""The prompts file of ``pwrun generate --prompts``: its prompts (one JSON object with a ``prompt`` per line) and
+when each request arrives (each line's ``arrival_s``, or Poisson arrivals at ``--request-rate``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pwformat.errors import PagedWeightError
+from pwrun.core.arrivals import ArrivalSchedule, read_trace_arrivals
+from pwrun.data import read_jsonl_field
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The prompts of a JSONL file; raises ``PagedWeightError`` naming file:line of an empty or bad one."""
+    if not path.is_file():
+        raise PagedWeightError(f"prompts file {path} does not exist")
+    prompts = read_jsonl_field(path, "prompt", nonempty=True)
+    if not prompts:
+        raise PagedWeightError(f"{path} holds no prompts (one JSON object with a 'prompt' field per line)")
+    return prompts
+
+
+MAX_ARRIVAL_S = 7 * 86400  # a later arrival is a unit mistake (ms, epoch seconds), not a workload
+
+
+def prompt_arrivals(prompts: Path | None, count: int, rate: float, seed: int) -> ArrivalSchedule:
+    """Request i's arrival: the ``arrival_s`` of line i of the prompts file if it has them, else Poisson at
+    ``rate`` requests/s from ``seed`` (inf: all at t=0). Raises ``PagedWeightError`` on a bad rate or time, or on
+    both a finite rate and a file with times."""
+    if math.isnan(rate) or rate <= 0:
+        raise PagedWeightError(f"--request-rate {rate} is not allowed: give requests/s > 0, or inf (all at t=0)")
+    if seed < 0:
+        raise PagedWeightError(f"--arrival-seed {seed} is not allowed: give an integer >= 0")
+    times = None if prompts is None else read_trace_arrivals(prompts)
+    if times is None:
+        schedule = ArrivalSchedule.poisson(count, rate, seed)
+        last = max(schedule.times, default=0.0)
+        if last > MAX_ARRIVAL_S:
+            raise PagedWeightError(f"--request-rate {rate:g} puts the last of {count} requests {last:.3g} s after "
+                                   f"the start (more than {MAX_ARRIVAL_S // 86400} days): give a higher rate")
+        return schedule
+    if not math.isinf(rate):
+        raise PagedWeightError(f"{prompts} gives each request an 'arrival_s': drop --request-rate {rate:g}, or the "
+                               "arrival times from the file")
+    if max(times, default=0.0) > MAX_ARRIVAL_S:
+        raise PagedWeightError(f"{prompts} has an 'arrival_s' of {max(times):.3g} s, more than "
+                               f"{MAX_ARRIVAL_S // 86400} days after the start: give seconds from the start of the run")
+    return ArrivalSchedule.from_times(times)
