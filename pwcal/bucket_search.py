@@ -52,6 +52,10 @@ from pwrun.core.planner.greedy import fit_budget
 from pwrun.core.planner.tables import BlockTable
 from pwrun.model.loader import load_model, load_tokenizer
 
+# progress labels: the stage, its phase of two, and what is counted (scored allocation x window sequences)
+PHASES = {"select": "search-buckets 1/2 select: allocation x window scores",
+          "confirm": "search-buckets 2/2 confirm (winner vs neutral): allocation x window scores"}
+
 
 @dataclass(frozen=True)
 class SearchConfig:
@@ -136,7 +140,8 @@ def policy_from_frame(df: pd.DataFrame) -> BucketPolicy:
 def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, device: str = "auto",
                        force: bool = False, progress: Callable[[str, int, int], None] | None = None
                        ) -> dict[str, Any]:
-    """The whole stage; returns its manifest entry (``{"skipped": True}`` if already complete)."""
+    """The whole stage; returns its manifest entry (``{"skipped": True}`` if already complete). ``progress(label,
+    done, total)``: sequences scored in each phase (``PHASES``), from 0 before the phase's first pass."""
     if not begin_stage(artifact_dir, model_dir, "search-buckets", asdict(cfg), force):
         return {"skipped": True}
     t0 = time.time()
@@ -164,7 +169,10 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
         """Window NLLs of the allocations (budget index, bits) not yet in ``cache``, in batched passes."""
         new = {(split, k, q.tobytes()): q for k, q in todo if (split, k, q.tobytes()) not in cache}
         unique = {q.tobytes(): q for q in new.values()}  # an allocation that fits two budgets is scored once
-        tick = None if progress is None else (lambda d, t: progress(f"{split} allocation windows", d, t))
+        label = PHASES[split]
+        tick = None if progress is None else (lambda d, t: progress(label, d, t))
+        if tick is not None:
+            tick(0, len(unique) * len(text))  # the bar (and its clock, for the ETA) starts before the first pass
         nll = score_allocations(art, base, table, list(unique.values()), text, progress=tick) if unique else None
         by_bits = {} if nll is None else dict(zip(unique, nll, strict=True))
         cache.update((key, by_bits[key[2]]) for key in new)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from pwcal import cli_quant
 from pwcal.bucket_search import SearchConfig, run_search_buckets
@@ -22,10 +22,11 @@ ForceOpt = Annotated[bool, typer.Option(help="Redo the stage even if it is compl
 
 
 class Bars:
-    """One rich progress bar per stage label."""
+    """One progress bar (lines with an ETA when not on a terminal) per stage label."""
 
     def __init__(self) -> None:
-        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("ETA"), TimeRemainingColumn())
         self.progress = progress(console, *cols)
         self.tasks: dict[str, TaskID] = {}
 

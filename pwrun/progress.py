@@ -2,8 +2,9 @@
 
 What it does: ``progress`` gives a rich ``Progress`` (live bars) when the console is a terminal, and otherwise a
 ``LineProgress`` with the same calls (``add_task``, ``update``, ``advance``) that prints one plain line per task
-every ``every`` seconds and when the task completes, so a log or a pipe shows that long work (calibration windows,
-a bucket search, serving) is moving. It does no work of its own.
+every ``every`` seconds and when the task completes, with the time left at the task's mean rate so far, so a log
+or a pipe shows that long work (calibration windows, a bucket search, serving) is moving and when it will end. It
+does no work of its own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class _Task:
 
 
 class LineProgress:
-    """``rich.progress.Progress``'s task calls, printed as ``description: completed/total (elapsed s)`` lines."""
+    """``rich.progress.Progress``'s task calls, printed as ``description: completed/total (elapsed s, ETA s)`` lines
+    (no ETA before a unit has completed and time has passed, without a total, and at completion)."""
 
     def __init__(self, console: Console, every: float = LINE_SECONDS) -> None:
         self.console, self.every = console, every
@@ -83,8 +85,12 @@ class LineProgress:
         t = self.tasks[task]
         t.printed, t.shown = time.monotonic(), t.completed
         total = "" if t.total is None else f"/{t.total:g}"
+        elapsed = t.printed - t.started
+        eta = ""
+        if t.total is not None and 0 < t.completed < t.total and elapsed > 0:  # the mean rate since add_task
+            eta = f", ETA {elapsed * (t.total - t.completed) / t.completed:.0f} s"
         extra = " ".join(str(v) for v in t.fields.values() if v not in ("", None))
-        self.console.print(f"{t.description}: {t.completed:g}{total} ({t.printed - t.started:.0f} s)"
+        self.console.print(f"{t.description}: {t.completed:g}{total} ({elapsed:.0f} s{eta})"
                            + (f" {extra}" if extra else ""), highlight=False, markup=False)
 
 

@@ -64,6 +64,40 @@ def test_batched_scores_equal_one_model_per_allocation(parts) -> None:  # type: 
     assert ticks[-1] == (18, 18) and len(ticks) == 1 + 9
 
 
+def _tree(art: APArtifact, table: BlockTable, rng: np.random.Generator) -> list[np.ndarray]:
+    """Allocations that split at every depth: one random allocation, siblings that each change one block of the
+    last layer (several children of one parent with equal bits for most experts), a branch that changes a block of
+    layer 1 and then one of layer 2, and a child that changes only a shared-expert block of the last layer."""
+    last, root = int(table.layer.max()), rng.choice(art.bits, size=len(table.layer))
+
+    def change(q: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        q = q.copy()
+        i = int(rng.choice(rows))
+        q[i] = int(rng.choice([b for b in art.bits if b != q[i]]))
+        return q
+
+    late = np.flatnonzero((table.layer == last) & (table.expert >= 0))
+    siblings = [change(root, late) for _ in range(3)]
+    mid = change(root, np.flatnonzero(table.layer == 1))
+    deeper = change(mid, np.flatnonzero(table.layer == 2))
+    shared = change(siblings[0], np.flatnonzero((table.layer == last) & (table.expert == -1)))
+    return [root, *siblings, mid, deeper, shared]
+
+
+def test_ragged_windows_and_passes_equal_one_model_per_allocation(parts) -> None:  # type: ignore[no-untyped-def]
+    art, base, table = parts
+    rng = np.random.default_rng(3)
+    qs = [*_tree(art, table, rng), rng.choice(art.bits, size=len(table.layer))]
+    g = torch.Generator().manual_seed(2)
+    windows = [torch.randint(0, base.spec.vocab_size, (37,), generator=g).tolist() for _ in range(3)]
+    ref = np.stack([_reference(art, base, table, q, windows) for q in qs])
+    # one pass of every sequence, and passes of 5 sequences (allocation groups that cut the tree)
+    for step_tokens in (1 << 16, 5 * 37):
+        got = score_allocations(art, base, table, qs, windows, max_step_tokens=step_tokens)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5)
+    assert not np.allclose(ref[0], ref[1], rtol=0, atol=1e-6)  # the changed blocks change the scores
+
+
 def test_prefix_classes_follow_the_earlier_layers(parts) -> None:  # type: ignore[no-untyped-def]
     art, _, table = parts
     qs = _allocations(art, table)

@@ -31,8 +31,9 @@ def test_lines_are_throttled_and_the_last_one_is_printed(monkeypatch: pytest.Mon
             now[0] += 1.5  # a step every 1.5 s: lines at 1.5 s (first), 7.5 s, 13.5 s and the completion at 15 s
             bar.update(task, completed=i, rate=f"{i} tok/s")
     lines = buf.getvalue().splitlines()
-    assert lines == ["search: 1/10 (2 s) 1 tok/s", "search: 5/10 (8 s) 5 tok/s", "search: 9/10 (14 s) 9 tok/s",
-                     "search: 10/10 (15 s) 10 tok/s"]
+    # ETA: the time left at the mean rate so far (1.5 s per step)
+    assert lines == ["search: 1/10 (2 s, ETA 14 s) 1 tok/s", "search: 5/10 (8 s, ETA 8 s) 5 tok/s",
+                     "search: 9/10 (14 s, ETA 2 s) 9 tok/s", "search: 10/10 (15 s) 10 tok/s"]
 
 
 def test_advance_and_an_unfinished_task_report_at_exit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,4 +47,6 @@ def test_advance_and_an_unfinished_task_report_at_exit(monkeypatch: pytest.Monke
         bar.advance(a, 1)  # throttled
         bar.advance(b, 3)  # first line of ``b``
     # at exit: the unfinished task whose count moved since its last line; not the one whose last line is current
-    assert buf.getvalue().splitlines() == ["windows: 1/4 (0 s)", "no total: 3 (2 s)", "windows: 2/4 (2 s)"]
+    # no ETA before time has passed or without a total
+    assert buf.getvalue().splitlines() == ["windows: 1/4 (0 s)", "no total: 3 (2 s)",
+                                           "windows: 2/4 (2 s, ETA 2 s)"]

@@ -69,49 +69,70 @@ class LeanMoEModel:
 
     def _step(self, step: StepTensors, cache: PagedKVCache, logits_for: str, observer: MoEObserver | None,
               moe: MoEFn | None, fused: bool) -> torch.Tensor:
-        spec, w = self.spec, self.weights
-        h = F.embedding(step.tokens, w.embed)
-        if spec.embed_scale != 1.0:  # the scale rounded to the weights' dtype first, as transformers does
-            h = h * torch.tensor(spec.embed_scale, dtype=h.dtype).item()
-        norm = add_rms_norm if fused else add_rms_norm_ref
-        eps = spec.rms_norm_eps
+        h = self.embed(step.tokens)
         begin = getattr(cache, "begin_step", None)
         if begin is not None:
             begin(step)
         delta: torch.Tensor | None = None  # the last block's output, added to h by the next norm
-        for ls, lw in zip(spec.layers, w.layers, strict=True):
-            h, x = norm(h, delta, lw.attn_norm, spec.rms_norm_eps)
-            a = attention_forward(x, lw.attn, ls.attention, spec.rms_norm_eps, ls.index, step, cache, fused)
-            if lw.sandwich is not None:
-                sw = lw.sandwich
-                h, x = norm(h, rms_norm_ref(a, sw.post_attn, eps), lw.ffn_norm, eps)
-                f = self._sandwich_ffn(h, x, ls, lw, observer, moe, fused)
-                h, delta = (h + rms_norm_ref(f, sw.post_ffn, eps)) * sw.scalar, None
-                continue
-            h, x = norm(h, a, lw.ffn_norm, spec.rms_norm_eps)
-            if lw.moe is not None:
-                assert ls.moe is not None
-                if moe is not None:
-                    delta = moe(x, ls.index)
-                else:
-                    mw = lw.moe if self.experts is None else self.experts.moe(ls.index, lw.moe)
-                    delta = moe_forward(x, mw, ls.moe, ls.index, observer)
-            else:
-                assert lw.mlp is not None
-                delta = mlp_forward(x, lw.mlp, spec.mlp_activation)
+        for ls, lw in zip(self.spec.layers, self.weights.layers, strict=True):
+            h, delta = self.layer(h, delta, ls, lw, step, cache, observer, moe, fused)
         if logits_for == "last":
             h = h.index_select(0, step.last_token_index)
             delta = None if delta is None else delta.index_select(0, step.last_token_index)
         elif logits_for != "all":
             raise ValueError(f"logits_for must be 'last' or 'all', got {logits_for!r}")
-        _, h = norm(h, delta, w.final_norm, spec.rms_norm_eps)
-        logits = linear(h, w.lm_head) if fused else F.linear(h, w.lm_head)
-        return softcap(logits.float(), spec.logit_softcap)
+        return self.head(h, delta, fused)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, H] of token ids [T] (scaled where the family scales its embeddings)."""
+        h = F.embedding(tokens, self.weights.embed)
+        if self.spec.embed_scale != 1.0:  # the scale rounded to the weights' dtype first, as transformers does
+            h = h * torch.tensor(self.spec.embed_scale, dtype=h.dtype).item()
+        return h
+
+    def layer(self, h: torch.Tensor, delta: torch.Tensor | None, ls: LayerSpec, lw: LayerWeights,
+              step: StepTensors, cache: PagedKVCache, observer: MoEObserver | None = None, moe: MoEFn | None = None,
+              fused: bool = False, split: Callable[[torch.Tensor], torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoder layer: residual stream h [T, H] plus the previous block's output ``delta`` (added by this
+        layer's first norm) -> (h, delta) after it. ``split``: where ``moe`` returns other rows than it was given
+        (offline scoring runs a layer's attention once for sequences that differ only from its MoE block on), it
+        maps a tensor of the block's input rows to its output rows, and h leaves the layer with those rows."""
+        eps = self.spec.rms_norm_eps
+        norm = add_rms_norm if fused else add_rms_norm_ref
+        h, x = norm(h, delta, lw.attn_norm, eps)
+        a = attention_forward(x, lw.attn, ls.attention, eps, ls.index, step, cache, fused)
+        if lw.sandwich is not None:
+            sw = lw.sandwich
+            h, x = norm(h, rms_norm_ref(a, sw.post_attn, eps), lw.ffn_norm, eps)
+            f = self._sandwich_ffn(h, x, ls, lw, observer, moe, fused, split)
+            if split is not None and lw.moe is not None and moe is not None:
+                h = split(h)
+            return (h + rms_norm_ref(f, sw.post_ffn, eps)) * sw.scalar, None
+        h, x = norm(h, a, lw.ffn_norm, eps)
+        if lw.moe is None:
+            assert lw.mlp is not None
+            return h, mlp_forward(x, lw.mlp, self.spec.mlp_activation)
+        assert ls.moe is not None
+        if moe is not None:
+            delta = moe(x, ls.index)
+            return (h if split is None else split(h)), delta
+        mw = lw.moe if self.experts is None else self.experts.moe(ls.index, lw.moe)
+        return h, moe_forward(x, mw, ls.moe, ls.index, observer)
+
+    def head(self, h: torch.Tensor, delta: torch.Tensor | None, fused: bool = False) -> torch.Tensor:
+        """fp32 logits [T, V] of the last layer's h [T, H] and output ``delta`` (final norm, LM head, soft cap)."""
+        norm = add_rms_norm if fused else add_rms_norm_ref
+        _, h = norm(h, delta, self.weights.final_norm, self.spec.rms_norm_eps)
+        logits = linear(h, self.weights.lm_head) if fused else F.linear(h, self.weights.lm_head)
+        return softcap(logits.float(), self.spec.logit_softcap)
 
     def _sandwich_ffn(self, h: torch.Tensor, x: torch.Tensor, ls: LayerSpec, lw: LayerWeights,
-                      observer: MoEObserver | None, moe: MoEFn | None, fused: bool) -> torch.Tensor:
+                      observer: MoEObserver | None, moe: MoEFn | None, fused: bool,
+                      split: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """The feed-forward of a sandwich layer, before its post-norm: the dense MLP of x (after its own norm)
-        plus the MoE block of the residual stream h (normalised by its pre-norm; the router reads h itself)."""
+        plus the MoE block of the residual stream h (normalised by its pre-norm; the router reads h itself), in
+        the MoE block's output rows (``split``, as in ``layer``)."""
         eps = self.spec.rms_norm_eps
         sw = lw.sandwich
         assert sw is not None and lw.mlp is not None
@@ -123,6 +144,7 @@ class LeanMoEModel:
         r = router_input(h, lw.moe, ls.moe, eps) if ls.moe.router == "gemma4" else None
         if moe is not None:
             e = moe(x2, ls.index, r=r)
+            f = f if split is None else split(f)
         else:
             mw = lw.moe if self.experts is None else self.experts.moe(ls.index, lw.moe)
             e = moe_forward(x2, mw, ls.moe, ls.index, observer, r)
