@@ -34,7 +34,7 @@ from pwrun.data import default_model_dir
 from pwrun.engine.budget import parse_size
 from pwrun.engine.tables import missing_tables
 from pwrun.progress import progress
-from pwrun.signals import Terminated, raise_terminated
+from pwrun.signals import Terminated, raise_terminated, reset_terminated, terminated
 
 ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugging Face checkpoint directory "
                                         "(config.json, *.safetensors, tokenizer). Default: the bundled tiny MoE.")]
@@ -102,6 +102,7 @@ def user_errors(kept: str = "completed pwcal stages are; rerun to resume") -> It
     writes ``.tmp`` then renames, so none of these leaves a half-written file; SIGTERM is turned into an exception
     first so that cleanup code runs."""
     previous = None
+    reset_terminated()
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
         previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
@@ -124,6 +125,12 @@ def user_errors(kept: str = "completed pwcal stages are; rerun to resume") -> It
     except KeyboardInterrupt as exc:
         typer.echo(f"interrupted: {str(exc) or f'nothing half-written was kept ({kept})'}", err=True)
         sys.exit(130)
+    except Exception:
+        if not terminated():  # a real failure: its traceback
+            raise
+        previous = None  # SIGTERM arrived inside native code, which raised its own error instead of Terminated
+        typer.echo(f"terminated (SIGTERM): nothing half-written was kept ({kept})", err=True)
+        sys.exit(143)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -20,9 +20,24 @@ class Terminated(KeyboardInterrupt):
     a stage's cleanup (e.g. quantize removing its ``OUT.partial``) never ran."""
 
 
+_terminated = threading.Event()  # set once SIGTERM was turned into ``Terminated``
+
+
 def raise_terminated(signum: int, frame: object) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup it starts
+    _terminated.set()
     raise Terminated()
+
+
+def reset_terminated() -> None:
+    """Forget an earlier SIGTERM (a new command starts; in-process callers such as tests run several)."""
+    _terminated.clear()
+
+
+def terminated() -> bool:
+    """Whether ``raise_terminated`` ran in this process: native code (e.g. safetensors reading a tensor) can turn
+    the ``Terminated`` raised inside it into another exception, which is then the stop all the same."""
+    return _terminated.is_set()
 
 
 def _exit_terminated(signum: int, frame: object) -> None:

@@ -631,3 +631,27 @@ def test_threads_option_sets_torch_threads_and_refuses_zero() -> None:
     for cmd in (["generate", "--prompt", "x"], ["ppl"]):
         code, _, err = run(*cmd, "--threads", "0", *NO_MODEL)
         assert code == 2 and "--threads" in err and "/nonexistent" not in err, err
+
+
+def test_sigterm_inside_native_code_still_ends_with_143(capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGTERM while safetensors reads a tensor: the ``Terminated`` its handler raises comes back out of the native
+    code as another exception (seen: ValueError "could not determine the shape ..."); it is still the stop (one
+    line, exit 143), while the same error without a SIGTERM keeps its traceback."""
+    import signal as sig
+
+    from pwrun.cli_common import user_errors
+    from pwrun.signals import Terminated, raise_terminated
+
+    before = sig.getsignal(sig.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stop, user_errors():
+            try:
+                raise_terminated(sig.SIGTERM, None)
+            except Terminated:
+                raise ValueError("could not determine the shape of object type") from None
+        assert stop.value.code == 143
+        assert capsys.readouterr().err.startswith("terminated (SIGTERM): nothing half-written was kept")
+        with pytest.raises(ValueError, match="could not determine"), user_errors():
+            raise ValueError("could not determine the shape of object type")
+    finally:
+        sig.signal(sig.SIGTERM, before)
