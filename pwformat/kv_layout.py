@@ -106,6 +106,10 @@ class KVLayout:
         kept = self.pages_per_block - len(self.sliding_pages)
         return whole * self.pages_per_block + (total - whole) * kept
 
+    def peak_blocks(self, num_tokens: int, block_size: int, chunk_tokens: int) -> int:
+        """``peak_pages`` in whole blocks (rounded up): what admission reserves and a budget holds per sequence."""
+        return -(-self.peak_pages(num_tokens, block_size, chunk_tokens) // self.pages_per_block)
+
     def units(self, layer: int, pages: Sequence[int]) -> tuple[int, int]:
         """Layer ``layer``'s K and V sub-page ids (in its view of ``sub`` sub-pages per page) within a block whose
         page list is ``pages``."""

@@ -79,5 +79,6 @@ def test_a_prompt_longer_than_whole_blocks_fit_is_admitted() -> None:
     in 64 pages."""
     assert LAYOUT.peak_pages(60, BS, 8) == 5 * 8 + 10 * 2 and LAYOUT.peak_pages(9, BS, 8) == 3 * 8
     assert KVLayout.uniform(2).peak_pages(60, BS, 8) == 15 * 4
+    assert LAYOUT.peak_blocks(60, BS, 8) == 8 and LAYOUT.peak_blocks(9, BS, 8) == 3  # 60 pages: 7.5 blocks of 8
     core, trims = _run(pages=64, prompts=[60], new=5)
     assert trims > 0 and len(core.output(0).token_ids) == 5

@@ -8,6 +8,7 @@ import torch
 
 from pwrun.core.decision import ScheduledChunk
 from pwrun.model.step import StepTensors
+from pwrun.runner.decode_inputs import DecodeInputs
 from pwrun.runner.kv_store import PooledKVCache
 
 
@@ -58,3 +59,27 @@ def test_each_layers_kv_tables_start_aligned() -> None:
         bt = st.padded_tables.long()
         assert torch.equal(kt.long(), cache.unit[2 * layer][bt])
         assert torch.equal(vt.long(), cache.unit[2 * layer + 1][bt])
+
+
+def test_decode_inputs_equal_the_built_step_on_ragged_tables() -> None:
+    """A captured graph's static inputs (``DecodeInputs.load``, one copy) hold what ``StepTensors.build`` gives for
+    the same decode chunks, with the block tables zero-padded to the graph's width; a later load with shorter
+    tables leaves no column of the earlier one behind."""
+    width = 6
+    inputs = DecodeInputs(3, width, torch.device("cpu"))
+    assert not DecodeInputs.fits(_chunks([(0, 2), (5, 1), (1, 1)]), width)  # a prefill chunk
+    assert not DecodeInputs.fits(_chunks([(30, 1), (5, 1), (1, 1)]), width)  # 8 blocks > 6 columns
+    for lengths in ([(17, 1), (3, 1), (9, 1)], [(0, 1), (22, 1), (4, 1)], [(1, 1), (2, 1), (3, 1)]):
+        chunks = _chunks(lengths)
+        assert DecodeInputs.fits(chunks, width)
+        got, ref = inputs.load(chunks), StepTensors.build(chunks, "cpu")
+        for a, b in ((got.tokens, ref.tokens), (got.positions, ref.positions), (got.slots, ref.slots),
+                     (got.context_lens_t, ref.context_lens_t)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert ref.padded_tables is not None and got.padded_tables is not None
+        padded = torch.zeros(3, width, dtype=torch.int32)
+        padded[:, : ref.padded_tables.shape[1]] = ref.padded_tables
+        assert torch.equal(got.padded_tables, padded)
+        assert got.last_token_index.tolist() == ref.last_token_index.tolist() == [0, 1, 2]
+        for t in (got.tokens, got.positions, got.slots, got.padded_tables, got.context_lens_t):
+            assert t.data_ptr() % 16 == 0

@@ -100,8 +100,7 @@ class EngineCore:
         """Whole blocks' worth of the pages ``rid`` will hold at most while its ``num_tokens`` tokens are computed
         (``KVLayout.peak_pages``: with sliding-window layers, blocks behind the window hold only global pages)."""
         need = self.tables.extra_blocks(rid, num_tokens)
-        peak = self.layout.peak_pages(num_tokens, self.cfg.block_size, self.cfg.max_step_tokens)
-        return min(need, -(-peak // self.alloc.block_pages))
+        return min(need, self.layout.peak_blocks(num_tokens, self.cfg.block_size, self.cfg.max_step_tokens))
 
     def make_room(self, blocks: int) -> bool:
         if self.weights is None:

@@ -249,8 +249,7 @@ def split_budget(model: LeanMoEModel, cfg: ServeConfig, sizes: list[int], max_re
     work = workspace_bytes(spec, ecfg.max_step_tokens, ecfg.max_batch, min(longest, spec.max_position_embeddings), elt,
                            cuda=dev.type == "cuda", ap_experts=ap_experts)
     # the longest request's pages at their peak (admission's rule), in whole blocks
-    min_kv_pages = -(-layout.peak_pages(longest, ecfg.block_size, ecfg.max_step_tokens) // layout.pages_per_block) \
-        * layout.pages_per_block
+    min_kv_pages = layout.peak_blocks(longest, ecfg.block_size, ecfg.max_step_tokens) * layout.pages_per_block
     num_pages = max((cfg.gpu_memory - fixed - work) // page_bytes, 0)
     return BudgetSplit(model, cfg, layout, sizes, fixed, work, page_bytes, int(num_pages), min_kv_pages)
 

@@ -96,8 +96,7 @@ def fitted_budget(model: LeanMoEModel, cfg: ServeConfig, sizes: list[int], max_r
     ``PagedWeightError`` if the device does not have that much memory."""
     probe = split_budget(model, replace(cfg, gpu_memory=0), sizes, max_request_tokens, ap_experts=False)
     layout, bs, chunk = probe.layout, cfg.engine.block_size, cfg.engine.max_step_tokens
-    kv_pages = sum(-(-layout.peak_pages(n, bs, chunk) // layout.pages_per_block) * layout.pages_per_block
-                   for n in probe.sizes if n > 0)
+    kv_pages = sum(layout.peak_blocks(n, bs, chunk) for n in probe.sizes if n > 0) * layout.pages_per_block
     need = probe.fixed + probe.work + dense_expert_bytes(model, probe.page_bytes) + kv_pages * probe.page_bytes
     try:
         check_device_budget(need, model.device)

@@ -110,22 +110,22 @@ class ModelRunner:
         the runner's experts (``LeanMoEModel.forward``'s argument; offline scoring of many expert allocations)."""
         self.kv.map_blocks(decision.new_kv_blocks)
         self.apply(decision.moves)
-        step = StepTensors.build(decision.chunks, self.device)
-        if with_grad:
-            return self.model.forward_with_grad(step, self.kv, logits_for=logits_for)
-        if moe is None and self.experts is not None:
+        if moe is None and self.experts is not None and not with_grad:
             moe = self.experts.moe
         self.captured = False
-        if (logits_for == "last" and self.cfg.cuda_graphs and self.device.type == "cuda" and step.decode_only
+        if (logits_for == "last" and not with_grad and self.cfg.cuda_graphs and self.device.type == "cuda"
                 and moe is not None):  # the 16-bit reference experts sync with the host: not capturable
             if self.graphs is None:
                 keep = [] if self.experts is None else [self.experts.moe.mass_acc, self.experts.moe.norm_acc]
                 self.graphs = DecodeGraphs(self.model, self.kv, moe, decision.max_table_blocks, keep)
-            if self.graphs.fits(step):
+            if self.graphs.fits(decision.chunks):
                 before = len(self.graphs.sizes)
-                out = self.graphs.run(step)
+                out = self.graphs.run(decision.chunks)
                 self.captured = len(self.graphs.sizes) > before
                 return out
+        step = StepTensors.build(decision.chunks, self.device)
+        if with_grad:
+            return self.model.forward_with_grad(step, self.kv, logits_for=logits_for)
         return self.model.forward(step, self.kv, logits_for=logits_for, observer=observer, moe=moe)
 
     @property
@@ -160,9 +160,9 @@ class ModelRunner:
             if self.graphs is None:
                 self.graphs = DecodeGraphs(self.model, self.kv, moe, width, keep)
             for s in range(1, max_batch + 1):
-                step = StepTensors.build([chunk(1, 1)] * s, self.device)
-                if self.graphs.fits(step):
-                    self.graphs.capture(step)
+                chunks = [chunk(1, 1)] * s
+                if self.graphs.fits(chunks):
+                    self.graphs.capture(chunks)
                     captured += 1
         for t, v in zip(keep, saved, strict=True):
             t.copy_(v)
