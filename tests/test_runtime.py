@@ -116,7 +116,22 @@ def test_pressure_completes_every_request_within_the_pool(calibrated_artifacts: 
               + 60 * probe["kv_block_bytes"])
     cfg = ServeConfig(budget, engine=EngineConfig(debug_checks=True, max_batch=12, max_step_tokens=256))
     e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu")
+    # every trace row's weight figures (cached between changes of the page table) equal ones derived afresh
+    checked = []
+    trace_row = e._trace
+
+    def fresh_trace(*args):  # type: ignore[no-untyped-def]
+        row, wpt, page = trace_row(*args), e.core.wpt, e.core.pool.cfg.page_bytes
+        assert wpt is not None
+        assert row.mean_bits == wpt.q.mean() and row.bits_hist == np.bincount(wpt.q, minlength=9).tolist()
+        assert row.weight_bytes == wpt.weight_pages() * page
+        assert row.committed_weight_bytes == wpt.pages_at(wpt.q).sum() * page
+        checked.append(row.mean_bits)
+        return row
+
+    e._trace = fresh_trace  # type: ignore[method-assign]
     outs = e.run_until_done()  # debug_checks: pool conservation and q <= resident planes asserted after every step
+    assert len(checked) == len(e.trace) and len(set(checked)) > 2  # the bits changed during the run
     assert all(len(o.token_ids) == 24 and o.finish == "length" for o in outs.values())
     s = summarize(e)  # every demotion plan was taken, ready-made or made on the critical path
     c, w = e.core, e.core.weights

@@ -60,6 +60,7 @@ class WeightPageTable:
         self.lut_bits = np.zeros(self.n, dtype=np.int64)
         self.pending = np.zeros(self.n, dtype=np.int64)  # target bits of an in-flight raise, 0 = none
         self._new_lut = np.full(self.n, -1, dtype=np.int64)
+        self.version = 0  # counts the changes of q, state, pending and lut_bits (readers cache what they derive)
 
     def pages_at(self, b: int | np.ndarray) -> np.ndarray:
         """[n] pool pages of every block at bitwidth(s) b (b planes + the b-bit LUT)."""
@@ -95,6 +96,7 @@ class WeightPageTable:
             orders.append(CopyOrder(i, "plane", p, taken[p][0]))
         self.lut_start[i], self.lut_bits[i] = taken[b][0], b
         self.q[i] = b
+        self.version += 1
         return [*orders, CopyOrder(i, "lut", b, taken[b][0])]
 
     def lower(self, pool: PagePool, i: int, b: int) -> list[CopyOrder]:
@@ -111,6 +113,7 @@ class WeightPageTable:
             pool.release_run(int(self.lut_start[i]) + keep, have - keep, WEIGHT)
         self.lut_bits[i] = b
         self.q[i] = b
+        self.version += 1
         return [CopyOrder(i, "lut", b, int(self.lut_start[i]))]
 
     def lower_many(self, pool: PagePool, blocks: np.ndarray, to_bits: np.ndarray) -> list[CopyOrder]:
@@ -147,6 +150,7 @@ class WeightPageTable:
         self.state[i[rows], planes] = CPU
         self.lut_bits[i] = b
         self.q[i] = b
+        self.version += 1
         return [CopyOrder(blk, "lut", bits, start)
                 for blk, bits, start in zip(i.tolist(), b.tolist(), self.lut_start[i].tolist(), strict=True)]
 
@@ -171,6 +175,7 @@ class WeightPageTable:
             orders.append(CopyOrder(i, "plane", p, taken[j][0]))
         self._new_lut[i] = taken[-1][0]
         self.pending[i] = b
+        self.version += 1
         return [*orders, CopyOrder(i, "lut", b, taken[-1][0])]
 
     def finish_raise(self, pool: PagePool, i: int) -> None:
@@ -184,6 +189,7 @@ class WeightPageTable:
         self.q[i] = b
         self.pending[i] = 0
         self._new_lut[i] = -1
+        self.version += 1
 
     def weight_pages(self) -> int:
         """Pages the weight objects hold now (committed + in transfer)."""

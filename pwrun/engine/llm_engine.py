@@ -54,6 +54,8 @@ class LLMEngine:
         self._arrived = 0  # requests queued since the last step's trace row
         self.stopped_s: float | None = None  # when a stop (Ctrl-C, SIGTERM) ended ``run_until_done``, seconds from t0
         self._future: list[tuple[float, int, Request]] = []  # (arrival, rid, request): a heap of later arrivals
+        # (WeightPageTable.version, its figures) of the last trace row (``_weight_figures``)
+        self._weights_key: tuple[int, tuple[float, tuple[int, ...], float, float, int, int]] | None = None
         self.request_rate = math.inf  # the offered rate of the arrivals (requests/s; inf: all at t=0), for the summary
 
     # ------------------------------------------------------------------ requests
@@ -238,14 +240,8 @@ class LLMEngine:
                raised: int, prefill_tokens: int) -> StepTrace:
         core, pool = self.core, self.core.pool
         a = core.step_actions
-        wpt = core.wpt
-        q = np.zeros(0, np.int64) if wpt is None else wpt.q
+        mean_bits, hist, shared, routed, weight_pages, committed_pages = self._weight_figures()
         page = pool.cfg.page_bytes
-        shared = routed = float("nan")
-        if self._bit_weights is not None:
-            s, r = self._bit_weights
-            shared = float(np.dot(q, s) / s.sum()) if s.any() else float("nan")
-            routed = float(np.dot(q, r) / r.sum()) if r.any() else float("nan")
         return StepTrace(
             step=core.steps - 1, seconds=dt, t_s=t_s, model_seconds=model_s, graph_captured=self.runner.captured,
             after_seconds=after_s, sync_seconds=sync_s, reload_seconds=reload_s,
@@ -255,13 +251,31 @@ class LLMEngine:
             free_blocks=core.alloc.num_free, kv_pages=pool.count(KV), weight_pages=pool.count(WEIGHT),
             free_pages=pool.num_free, pressure_bytes=int(a.pressure_bytes), demoted_blocks=a.demoted_blocks,
             reload_started_blocks=a.reload_started_blocks, promoted_blocks=raised,
-            mean_bits=float(q.mean()) if q.size else 16.0,
-            weight_bytes=int((pool.count(WEIGHT) if wpt is None else wpt.weight_pages()) * page),
-            committed_weight_bytes=int((pool.count(WEIGHT) if wpt is None else wpt.pages_at(wpt.q).sum()) * page),
+            mean_bits=mean_bits, weight_bytes=weight_pages * page, committed_weight_bytes=committed_pages * page,
             bytes_in_flight=0 if core.weights is None else core.weights.in_flight_bytes(),
             running=len(core.scheduler.running), waiting=len(core.scheduler.waiting), preempted=preempted,
-            step_tokens=step_tokens, prefill_tokens=prefill_tokens, bits_hist=np.bincount(q, minlength=9).tolist(),
+            step_tokens=step_tokens, prefill_tokens=prefill_tokens, bits_hist=list(hist),
             shared_bits=shared, routed_bits=routed, device_peak_bytes=self.runner.peak_bytes(),
             kv_pages_global=core.alloc.kv_pages - core.alloc.sliding_kv_pages,
             kv_pages_sliding=core.alloc.sliding_kv_pages, trimmed_blocks=core.trimmed_blocks,
             arrived=self._take_arrived())
+
+    def _weight_figures(self) -> tuple[float, tuple[int, ...], float, float, int, int]:
+        """Mean bits, bits histogram, shared and routed mean bits, weight pages held and committed: derived from
+        the weight page table once per change of it (``WeightPageTable.version``), not once per step."""
+        wpt = self.core.wpt
+        if wpt is None:  # 16-bit experts: no bitwidths, every weight page committed
+            held = self.core.pool.count(WEIGHT)
+            return 16.0, (0,) * 9, math.nan, math.nan, held, held
+        if self._weights_key is not None and self._weights_key[0] == wpt.version:
+            return self._weights_key[1]
+        q = wpt.q
+        shared = routed = math.nan
+        if self._bit_weights is not None:
+            s, r = self._bit_weights
+            shared = float(np.dot(q, s) / s.sum()) if s.any() else math.nan
+            routed = float(np.dot(q, r) / r.sum()) if r.any() else math.nan
+        figures = (float(q.mean()) if q.size else 16.0, tuple(np.bincount(q, minlength=9).tolist()), shared, routed,
+                   wpt.weight_pages(), int(wpt.pages_at(q).sum()))
+        self._weights_key = (wpt.version, figures)
+        return figures
