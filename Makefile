@@ -55,15 +55,15 @@ test: lint typecheck unit
 test-slow: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow
 
-# On a GPU machine whose python3 already has torch, triton and the project's dependencies (no venv, no network):
-# every test with a CUDA path, natively. Refuses to run without a GPU rather than skip everything.
-# Every CUDA test, natively on a GPU machine; GPU_TEST_WORKERS pytest-xdist workers share the GPU (most of the time is
-# Triton compiling the odd test shapes). One line per test as it ends (-vv beats addopts' -q), so a failure or a test
-# that hangs is named even when a time limit cuts the session before its summary.
+# On a GPU machine whose python3 already has torch, triton and the project's dependencies (no venv, no network;
+# an existing PYTHONPATH, e.g. a folder of extra wheels, is kept): every test with a CUDA path, natively, on
+# GPU_TEST_WORKERS pytest-xdist workers sharing the GPU (most of the time is Triton compiling the odd test shapes).
+# Refuses to run without a GPU rather than skip everything. One line per test as it ends (-vv beats addopts' -q), so
+# a failure or a test that hangs is named even when a time limit cuts the session before its summary.
 GPU_TEST_WORKERS ?= 12
 gpu-test:
 	$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-test needs a CUDA GPU')"
-	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m gpu -vv -rfEs -n $(GPU_TEST_WORKERS) $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PYTHON) -m pytest -m gpu -vv -rfEs -n $(GPU_TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

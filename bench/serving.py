@@ -202,7 +202,9 @@ def _cli(*argv: str) -> float:
 
 
 def user_path(args: argparse.Namespace, emit: Any) -> None:
-    """Checkpoint -> pwcal quantize -> pwcal sensitivity -> pwrun generate, as a user runs them; one record."""
+    """Checkpoint -> pwcal quantize -> pwcal sensitivity -> pwrun generate, as a user runs them; one record. ``pwrun
+    generate`` runs twice, with ``--no-verify`` and then as a user runs it (the artifact re-hashed at start-up), to
+    give verification's share of the start-up; ``pwcal verify`` alone is timed too."""
     dev = args.device
     with tempfile.TemporaryDirectory(dir=args.workdir) as d:
         ckpt, art, p = Path(d) / "ckpt", Path(d) / "art", Path(d) / "prompts.jsonl"
@@ -212,16 +214,32 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
                                "checkpoint_s": round(time.perf_counter() - t, 1)}
         cal = ["--samples", str(args.user_samples), "--seq-len", str(args.user_seq_len), "--device", dev]
         rec["quantize_s"] = round(_cli("pwcal", "quantize", str(ckpt), "--out", str(art), *cal), 1)
-        rec["sensitivity_s"] = round(_cli("pwcal", "sensitivity", str(ckpt), "--artifacts", str(art), *cal), 1)
+        print(f"user path: checkpoint {rec['checkpoint_s']} s, quantize {rec['quantize_s']} s", flush=True)
+        if args.user_policy != "uniform":  # uniform bits read no calibration table
+            rec["sensitivity_s"] = round(_cli("pwcal", "sensitivity", str(ckpt), "--artifacts", str(art), *cal), 1)
         text = "The paged weights of a mixture of experts are moved between host and device memory. " * 40
         p.write_text("".join(json.dumps({"prompt": text[: 400 + 37 * i]}) + "\n" for i in range(args.user_requests)))
         summary = Path(d) / "summary.json"
         policy = ["--policy", "uniform", "--bits", "4"] if args.user_policy == "uniform" else []
-        rec["generate_s"] = round(_cli(
-            "pwrun", "generate", "--model", str(ckpt), "--artifacts", str(art), "--prompts", str(p),
-            "--output", str(Path(d) / "out.jsonl"), "--gpu-memory", args.user_gpu_memory, "--max-new-tokens",
-            str(args.gen), "--max-batch", str(args.user_max_batch), "--device", dev, "--summary-json", str(summary),
-            *policy), 1)
+
+        def generate(*extra: str) -> tuple[float, float]:
+            """Wall seconds of ``pwrun generate`` and its start-up (everything before the run's first step)."""
+            wall = _cli("pwrun", "generate", "--model", str(ckpt), "--artifacts", str(art), "--prompts", str(p),
+                        "--output", str(Path(d) / "out.jsonl"), "--gpu-memory", args.user_gpu_memory,
+                        "--max-new-tokens", str(args.gen), "--max-batch", str(args.user_max_batch), "--device", dev,
+                        "--summary-json", str(summary), *policy, *extra)
+            return wall, wall - float(json.loads(summary.read_text())["wall_seconds"])
+
+        rec["verify_s"] = round(_cli("pwcal", "verify", str(art)), 1)
+        # the artifact's checksums are re-hashed at every start unless --no-verify: its share of the start-up
+        bare, bare_start = generate("--no-verify")
+        print(f"user path: pwcal verify {rec['verify_s']} s; generate --no-verify {bare:.1f} s "
+              f"(start-up {bare_start:.1f} s)", flush=True)
+        wall, start = generate()
+        rec |= {"generate_s": round(wall, 1), "startup_s": round(start, 1),
+                "startup_no_verify_s": round(bare_start, 1), "generate_no_verify_s": round(bare, 1),
+                "verify_share_of_startup": round((start - bare_start) / bare_start, 3),
+                "artifact_bytes": sum(f.stat().st_size for f in art.rglob("*") if f.is_file())}
         s = json.loads(summary.read_text())
         rec |= {"requests": args.user_requests, "max_batch": args.user_max_batch, "gpu_memory": args.user_gpu_memory,
                 **{k: s[k] for k in ("tokens_per_second", "decode_tokens_per_second", "prefill_tokens_per_second",
