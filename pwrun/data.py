@@ -9,14 +9,13 @@ calibration stage's business.
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from pwformat.errors import PagedWeightError
+from pwformat.jsonl import jsonl_rows, not_utf8
 
 
 def artifacts_dir() -> Path:
@@ -67,50 +66,19 @@ def resolve_dataset(name_or_path: str) -> Path:
     return p
 
 
-def not_utf8(path: Path) -> PagedWeightError:
-    """The error for a file that is not UTF-8 text: names the file, the line of the first bad byte, and the fix."""
-    where = ""
-    try:
-        data = gzip.open(path).read() if path.name.lower().endswith(".gz") else path.read_bytes()
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        where = f":{line} (byte 0x{data[exc.start:exc.start + 1].hex()})"
-    except (OSError, EOFError):
-        pass
-    out = path.with_name(f"{path.name.split('.')[0]}.utf8{''.join(path.suffixes)}")
-    cmd = (f"zcat {path} | iconv -f latin1 -t utf-8 | gzip > {out}" if path.name.lower().endswith(".gz")
-           else f"iconv -f latin1 -t utf-8 {path} > {out}")
-    return PagedWeightError(f"{path}{where} is not UTF-8 text: re-encode it as UTF-8, e.g. `{cmd}`")
-
-
 def read_jsonl_field(path: Path, field: str, nonempty: bool = False) -> list[str]:
     """The string ``field`` of every non-empty line of a JSON Lines file (``.gz`` ok).
 
     Raises ``PagedWeightError`` naming the file and line of the first bad row: not JSON, no string
     ``field``, ``field`` blank (with ``nonempty``), or not UTF-8.
     """
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
     out = []
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PagedWeightError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
-                if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                    raise PagedWeightError(f"{path}:{lineno} needs a string field '{field}'")
-                if nonempty and not row[field].strip():
-                    raise PagedWeightError(f"{path}:{lineno} has an empty '{field}': give it some text or delete "
-                                           "the line")
-                out.append(row[field])
-    except UnicodeDecodeError as exc:  # decoding runs ahead of the lines read: not_utf8 finds the line
-        raise not_utf8(path) from exc
-    except (OSError, EOFError) as exc:
-        raise PagedWeightError(f"cannot read {path}: {exc}") from exc
+    for lineno, row in jsonl_rows(path):
+        if not isinstance(row, dict) or not isinstance(row.get(field), str):
+            raise PagedWeightError(f"{path}:{lineno} needs a string field '{field}'")
+        if nonempty and not row[field].strip():
+            raise PagedWeightError(f"{path}:{lineno} has an empty '{field}': give it some text or delete the line")
+        out.append(row[field])
     return out
 
 

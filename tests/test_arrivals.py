@@ -14,6 +14,7 @@ A fake clock (advanced by each step and by the engine's sleeps) keeps the engine
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -35,7 +36,7 @@ from pwrun.core.kv_blocks import blocks_needed
 from pwrun.core.latency import SLO, RequestTimes, latency_stats
 from pwrun.core.pool import PagePool, PoolConfig
 from pwrun.core.request import SamplingParams
-from pwrun.data import default_model_dir
+from pwrun.data import default_model_dir, read_jsonl_field
 from pwrun.engine.build import add_requests, dense_engine
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.report import wall_fields
@@ -152,6 +153,14 @@ def test_trace_file_arrivals_are_validated(tmp_path: Path) -> None:
         read_trace_arrivals(write({"prompt": "a", "arrival_s": 0}, '{"prompt": "b", "arrival_s": Infinity}'))
     with pytest.raises(PagedWeightError, match=re.escape("t.jsonl:2 has no 'arrival_s' but line 1 has one")):
         read_trace_arrivals(write({"prompt": "a", "arrival_s": 0}, {"prompt": "b"}))
+    # a gzipped prompts file (which the prompt reader takes) gives its times too; a latin-1 one names its line
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(b'{"prompt": "a", "arrival_s": 0.5}\n\n{"prompt": "b", "arrival_s": 2}\n'))
+    assert read_trace_arrivals(gz) == [0.5, 2.0] and read_jsonl_field(gz, "prompt") == ["a", "b"]
+    latin = tmp_path / "l.jsonl"
+    latin.write_bytes(b'{"prompt": "a", "arrival_s": 0}\n{"prompt": "caf\xe9", "arrival_s": 1}\n')
+    with pytest.raises(PagedWeightError, match=re.escape("l.jsonl:2 (byte 0xe9) is not UTF-8 text")):
+        read_trace_arrivals(latin)
     # the CLI: one error line, before any model is loaded
     base = ["generate", "--device", "cpu", "--max-new-tokens", "2", "--prompts"]
     p = write({"prompt": "a", "arrival_s": 0}, {"prompt": "b", "arrival_s": -2})

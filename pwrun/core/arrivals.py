@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pwformat.errors import PagedWeightError
+from pwformat.jsonl import jsonl_rows
 
 ARRIVAL_FIELD = "arrival_s"  # the optional per-line field of a prompts / trace JSONL file (seconds from the start)
 
@@ -80,29 +81,17 @@ def read_trace_arrivals(path: Path) -> list[float] | None:
     out: list[float | None] = []
     first_with: int | None = None
     first_without: int | None = None
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PagedWeightError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
-                if not isinstance(row, dict) or ARRIVAL_FIELD not in row:
-                    first_without = first_without or lineno
-                    out.append(None)
-                    continue
-                v = row[ARRIVAL_FIELD]
-                if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                    raise PagedWeightError(f"{path}:{lineno} has '{ARRIVAL_FIELD}': {json.dumps(v)}; give a finite "
-                                           "number of seconds >= 0 from the start of the run")
-                first_with = first_with or lineno
-                out.append(float(v))
-    except UnicodeDecodeError as exc:
-        raise PagedWeightError(f"{path} is not UTF-8 text") from exc
-    except OSError as exc:
-        raise PagedWeightError(f"cannot read {path}: {exc}") from exc
+    for lineno, row in jsonl_rows(path):
+        if not isinstance(row, dict) or ARRIVAL_FIELD not in row:
+            first_without = first_without or lineno
+            out.append(None)
+            continue
+        v = row[ARRIVAL_FIELD]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise PagedWeightError(f"{path}:{lineno} has '{ARRIVAL_FIELD}': {json.dumps(v)}; give a finite number "
+                                   "of seconds >= 0 from the start of the run")
+        first_with = first_with or lineno
+        out.append(float(v))
     if first_with is None:
         return None
     if first_without is not None:

@@ -1,0 +1,57 @@
+"""Reading JSON Lines files (prompts, traces, datasets; ``.gz`` ok) with errors that name the file and line.
+
+What it does: ``jsonl_rows`` yields the parsed value of every non-empty line with its line number, and turns a line
+that is not JSON, a file that cannot be read and text that is not UTF-8 into one ``PagedWeightError`` each
+(``not_utf8`` finds the line of the first bad byte and gives the re-encoding command). Callers check the fields.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pwformat.errors import PagedWeightError
+
+
+def _gz(path: Path) -> bool:
+    return path.name.lower().endswith(".gz")
+
+
+def not_utf8(path: Path) -> PagedWeightError:
+    """The error for a file that is not UTF-8 text: names the file, the line of the first bad byte, and the fix."""
+    where = ""
+    try:
+        data = gzip.open(path).read() if _gz(path) else path.read_bytes()
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        where = f":{line} (byte 0x{data[exc.start:exc.start + 1].hex()})"
+    except (OSError, EOFError):
+        pass
+    out = path.with_name(f"{path.name.split('.')[0]}.utf8{''.join(path.suffixes)}")
+    cmd = (f"zcat {path} | iconv -f latin1 -t utf-8 | gzip > {out}" if _gz(path)
+           else f"iconv -f latin1 -t utf-8 {path} > {out}")
+    return PagedWeightError(f"{path}{where} is not UTF-8 text: re-encode it as UTF-8, e.g. `{cmd}`")
+
+
+def jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of every non-empty line of ``path``; raises ``PagedWeightError`` naming
+    ``path:line`` for a line that is not JSON, or the file for one that cannot be read or is not UTF-8."""
+    opener = gzip.open if _gz(path) else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise PagedWeightError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
+                yield lineno, row
+    except UnicodeDecodeError as exc:  # decoding runs ahead of the lines read: not_utf8 finds the line
+        raise not_utf8(path) from exc
+    except (OSError, EOFError) as exc:
+        raise PagedWeightError(f"cannot read {path}: {exc}") from exc
