@@ -195,11 +195,21 @@ def decode_pivot(records: list[Record]) -> str:
     return "Decode tokens/s:\n\n" + "\n".join(lines)
 
 
+def _gb(n: Any) -> float | None:
+    return n / 1e9 if isinstance(n, int | float) else None
+
+
 def user_path_table(records: list[Record]) -> str:
-    """Wall seconds of each stage a user runs (``bench.serving --user-path``), latest run per model."""
-    cols = [("checkpoint s", "checkpoint_s"), ("pwcal quantize s", "quantize_s"),
-            ("pwcal sensitivity s", "sensitivity_s"), ("pwrun generate s", "generate_s"), ("requests", "requests"),
-            ("tokens/s", "tokens_per_second"), ("decode tokens/s", "decode_tokens_per_second")]
+    """Wall seconds of each stage a user runs (``bench.serving --user-path``), latest run per model; start-up:
+    ``pwrun generate``'s wall time before its run, as a user runs it (the artifact re-hashed) and with
+    ``--no-verify``."""
+    cols: list[Column] = [("checkpoint s", "checkpoint_s"), ("pwcal quantize s", "quantize_s"),
+            ("pwcal sensitivity s", "sensitivity_s"), ("pwrun generate s", "generate_s"),
+            ("start-up s (--no-verify)", lambda rs: f"{_fmt(rs[-1].get('startup_s'))} "
+                                                    f"({_fmt(rs[-1].get('startup_no_verify_s'))})"),
+            ("pwcal verify s", "verify_s"), ("artifact GB", lambda rs: _fmt(_gb(rs[-1].get("artifact_bytes")))),
+            ("requests", "requests"), ("tokens/s", "tokens_per_second"),
+            ("decode tokens/s", "decode_tokens_per_second")]
     rows = latest([r for r in records if r.get("system") == USER_PATH], ("model", "policy", "gpu_memory"))
     if not rows:
         return ""
