@@ -176,9 +176,25 @@ def table(suite: str, records: list[Record]) -> str:
         cells = [_fmt(_cell(rs, f)) for _, f in cols]
         lines.append("| " + " | ".join([*map(_fmt, k), *cells]) + " |")
         r = rs[-1]
-        sources[f"commit {r.get('commit')}, {r.get('gpu')}, {str(r.get('date'))[:10]}: `{r.get('command')}`"] = None
+        sources[f"commit {r.get('commit')}, {r.get('gpu')}, {str(r.get('date'))[:10]}: {_command(r, suite)}"] = None
     lines += ["", "Runs: " + "; ".join(sources) if sources else "No records yet."]
     return "\n".join(lines)
+
+
+OUTPUT_OPTIONS = ("--out", "--out-md", "--write-configs")  # where a run wrote: paths of the machine it ran on
+
+
+def _command(r: Record, suite: str) -> str:
+    """A record's command as a user would repeat it: without the options naming where that run wrote, and, where it
+    ran a script that the suite module has since replaced, with the module that measures it today."""
+    words = str(r.get("command")).split()
+    kept = [w for i, w in enumerate(words)
+            if w not in OUTPUT_OPTIONS and (i == 0 or words[i - 1] not in OUTPUT_OPTIONS)]
+    shown = f"`{' '.join(kept)}`"
+    script = next((w for w in kept if w.startswith("bench/") and w.endswith(".py")), None)
+    if script is not None and not (Path(__file__).parent.parent / script).exists():
+        shown += f" (now `python -m bench.{suite}`)"
+    return shown
 
 
 def decode_pivot(records: list[Record]) -> str:
