@@ -44,7 +44,7 @@ def _root() -> None:
 @app.command()
 def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]) -> None:
     """Describe a checkpoint: family, MoE layers, expert linear blocks, parameters by kind (16-bit bytes) and the
-    peak host memory that calibration and serving are expected to take (``pwformat.cost.HostMemory``)."""
+    peak host memory that calibration and serving are expected to take."""
     with user_errors():
         spec, _ = load_spec(model)
         counts = parameter_counts(spec)
