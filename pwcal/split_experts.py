@@ -22,7 +22,7 @@ from pwrun.ap.dense import dense_block
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.moe import route
-from pwrun.model.ops import act
+from pwrun.model.ops import act, add_rows
 from pwrun.model.step import StepTensors
 
 
@@ -110,17 +110,17 @@ class SplitExperts:
                     rows, wr = idx[sel], w[sel]
                 y = self._expert(x.index_select(0, rows), layer, e, b, spec.activation) * wr
                 if self.identity:
-                    out.index_add_(0, rows, y)
+                    add_rows(out, rows, y)
                     continue
                 for kid_round in _rounds(self.parent, kids):  # each parent at most once per round
                     child = torch.full((P,), -1, dtype=torch.int64, device=dev)
                     child[torch.as_tensor(self.parent[kid_round], device=dev)] = torch.as_tensor(kid_round, device=dev)
                     to = child[rows // L]
                     if len(kid_round) == len(pars):
-                        out.index_add_(0, to * L + rows % L, y)
+                        add_rows(out, to * L + rows % L, y)
                     else:
                         m = to >= 0
-                        out.index_add_(0, to[m] * L + rows[m] % L, y[m])
+                        add_rows(out, to[m] * L + rows[m] % L, y[m])
         if lw.shared is None:
             return out
         gate = None if lw.shared_gate is None else torch.sigmoid(F.linear(x, lw.shared_gate))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from pwkernels.dense_gemv import linear
 from pwrun.model.inventory import SHARED_EXPERT
-from pwrun.model.ops import act, rms_unit
+from pwrun.model.ops import act, add_rows, rms_unit
 from pwrun.model.spec import MoESpec
 from pwrun.model.weights import MLPWeights, MoEWeights
 
@@ -98,7 +98,7 @@ def experts_forward(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: 
         if observer is not None:
             observer.expert_inputs(layer, e, xe, h, flat_w[start:start + n])
         y = F.linear(h, w.down[e]) * flat_w[start:start + n, None]
-        out.index_add_(0, idx, y)
+        add_rows(out, idx, y)
         start += n
     if w.shared is not None:
         gate, up = F.linear(x, w.shared.gate_up).chunk(2, dim=-1)
