@@ -290,19 +290,21 @@ def compare(records: list[Record], a: str, b: str) -> str:
 
 
 def http_table(records: list[Record]) -> str:
-    """W1 through ``pwrun serve`` against the same engine in-process (``bench.serving --http``), latest run."""
+    """W1 through ``pwrun serve`` against the same engine in-process (``bench.serving --http``), latest run of each
+    way the server runs its engine (records before the engine process: "thread")."""
     cols = [("requests", "requests"), ("gen", "gen"), ("in-process tok/s", "in_process_tps"),
             ("HTTP tok/s", "http_tps"), ("HTTP / in-process", "http_over_in_process"), ("TTFT p50 s", "ttft_p50_s"),
             ("TTFT p99 s", "ttft_p99_s"), ("TPOT p50 ms", "tpot_p50_ms"), ("TPOT p99 ms", "tpot_p99_ms"),
             ("preemptions", "preemptions")]
-    rows = latest([r for r in records if r.get("system") == HTTP],
-                  ("model", "policy", "gpu_memory", "max_batch", "stream"))
+    rows = latest([r | {"engine": r.get("engine", "thread")} for r in records if r.get("system") == HTTP],
+                  ("model", "policy", "gpu_memory", "max_batch", "stream", "engine"))
     if not rows:
         return ""
     lines = ["W1 (real C4 prompts, all at once) through `pwrun serve` against the same engine in-process "
-             "(generated tokens/s):", "",
-             "| model | policy | budget | max batch | stream | " + " | ".join(c for c, _ in cols) + " |",
-             "|" + "---|" * (5 + len(cols))]
+             "(generated tokens/s; engine: in a process of its own, as `pwrun serve` runs it, or on a thread of the "
+             "server's process):", "",
+             "| model | policy | budget | max batch | stream | engine | " + " | ".join(c for c, _ in cols) + " |",
+             "|" + "---|" * (6 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)
 

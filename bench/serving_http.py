@@ -1,25 +1,27 @@
 """The serving suite's HTTP mode (``python -m bench.serving --http``): W1 through the ``pwrun serve`` server against
-the same engine in-process, one record.
+the same engine in-process; one record per way the server runs its engine.
 
 W1 is ``bench.workloads.w1``: ``--workload-requests`` C4 documents (default 256) at their natural length capped at
 1,024 tokens, ``--workload-gen`` greedy tokens each with no stop token, all arriving at once (a saturating rate: the
-queue never runs dry), on the random-weight model and synthetic AP planes of ``--workload``. One engine build for
-requests that arrive later (``assemble_engine`` with ``max_request_tokens``: what ``pwrun serve`` builds, under
-``--workload-gpu-memory``, ``--workload-max-batch`` and ``--workload-step-tokens``) serves them twice, each after a
-3-token run of the same prompts (JIT and graphs out of the timing): in this process (every request added, then
-stepped to the end), and through HTTP (``pwrun.serve.server.Server``, the uvicorn server and engine thread that
-``pwrun serve`` runs, here on a background thread; the client is a separate process, this module's ``main``, with
-one streaming ``openai.AsyncOpenAI`` request per prompt; ``--http-whole``: whole responses). Generated tokens/s of
-both and their ratio (the target: HTTP at least 95% of in-process), client-side time to first token and per output
-token (p50 / p99), the server's demotions and preemptions, and the engine steps and their summed seconds on both
-sides (HTTP slower with as many steps: the steps themselves slowed, e.g. by the event loop's share of the
-interpreter; more steps: requests arrived spread out).
+queue never runs dry), on the random-weight model and synthetic AP planes of ``--workload``. An engine built for
+requests that arrive later (``w1_engine``: ``assemble_engine`` with ``max_request_tokens``, what ``pwrun serve``
+builds, under ``--workload-gpu-memory``, ``--workload-max-batch`` and ``--workload-step-tokens``) serves them, each
+time after a 3-token run of the same prompts (JIT and graphs out of the timing): in this process (every request
+added, then stepped to the end), and through HTTP (``pwrun.serve.server.Server``, on a background thread) with the
+engine in a child process (``engine`` "process": what ``pwrun serve`` runs) and on a thread of the server's process
+("thread"). The client is a separate process (this module's ``main``) with one streaming ``openai.AsyncOpenAI``
+request per prompt (``--http-whole``: whole responses). Generated tokens/s of both and their ratio (the target: HTTP
+at least 95% of in-process), client-side time to first token and per output token (p50 / p99), the server's
+demotions and preemptions, and the engine steps and their summed seconds on both sides (HTTP slower with as many
+steps: the steps themselves slowed, e.g. by the event loop's share of the interpreter; more steps: requests arrived
+spread out).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import re
@@ -45,7 +47,7 @@ from pwrun.data import default_model_dir
 from pwrun.engine.budget import parse_size
 from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.model.loader import load_tokenizer
+from pwrun.model.loader import load_spec, load_tokenizer
 from pwrun.serve.generation import ServeLimits
 from pwrun.serve.server import Server, free_port
 
@@ -95,9 +97,19 @@ def _client(url: str, prompts: Path, gen: int, stream: bool) -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def over_http(engine: LLMEngine, vocab: int, context: int, prompts: list[list[int]], gen: int,
-              stream: bool) -> dict[str, Any]:
-    """The engine behind ``Server`` on 127.0.0.1, driven by the client process (``_client``)."""
+def w1_engine(config_dir: Path, device: str, cfg: ServeConfig, context: int) -> LLMEngine:
+    """The served engine: the random-weight model of ``config_dir`` with synthetic AP planes, for requests of up to
+    ``context`` tokens that arrive later (module level: an engine process builds it)."""
+    model = strip_experts(random_model(config_dir, torch.bfloat16, device), torch.device(device))
+    src, table = SyntheticAP(model.spec, torch.bfloat16, device), synthetic_table(model.spec)
+    return assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(), [], set(),
+                           max_request_tokens=context)
+
+
+def over_http(engine: LLMEngine | functools.partial[LLMEngine], vocab: int, context: int, prompts: list[list[int]],
+              gen: int, stream: bool) -> dict[str, Any]:
+    """``engine`` (built, on a thread; or its builder, in a process) behind ``Server`` on 127.0.0.1, driven by the
+    client process (``_client``)."""
     server = Server(engine, _Folded(load_tokenizer(default_model_dir())), "w1", ServeLimits(context, vocab), set(),
                     port=free_port(), max_pending=2 * len(prompts), drain_seconds=0)
     server.start()
@@ -125,23 +137,18 @@ def over_http(engine: LLMEngine, vocab: int, context: int, prompts: list[list[in
 
 
 def http_vs_in_process(args: argparse.Namespace, emit: Any) -> None:
-    """One record: W1 in-process and over HTTP, each on a fresh engine of the same build."""
+    """Two records: W1 in-process, then over HTTP with the engine in a process and on a thread (fresh builds)."""
     dev = args.device
-    model = strip_experts(random_model(args.config_dir, torch.bfloat16, dev), torch.device(dev))
-    src, table = SyntheticAP(model.spec, torch.bfloat16, dev), synthetic_table(model.spec)
-    vocab = model.spec.vocab_size  # the bundled tokenizer's ids, folded into a smaller test vocabulary
+    spec, _ = load_spec(args.config_dir)
+    vocab = spec.vocab_size  # the bundled tokenizer's ids, folded into a smaller test vocabulary
     prompts = [[i % vocab for i in r] for r in w1(args.workload_requests or 256)]
     gen = args.workload_gen
-    context = min(max(map(len, prompts)) + gen, model.spec.max_position_embeddings)
+    context = min(max(map(len, prompts)) + gen, spec.max_position_embeddings)
     bits = 4 if args.http_policy == "uniform" else None
     cfg = ServeConfig(parse_size(args.workload_gpu_memory), Policy.named(args.http_policy, bits),
                       EngineConfig(max_batch=args.workload_max_batch, max_step_tokens=args.workload_step_tokens),
                       BENCH_PLANNER)
-
-    def build() -> LLMEngine:
-        return assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(), [], set(),
-                               max_request_tokens=context)
-
+    build = functools.partial(w1_engine, args.config_dir, dev, cfg, context)
     rec: dict[str, Any] = {"model": args.config_dir.name, "system": HTTP, "policy": args.http_policy, "bits": bits,
                            "gpu_memory": args.workload_gpu_memory, "requests": len(prompts),
                            "prompt_tokens": sum(map(len, prompts)), "gen": gen, "max_batch": args.workload_max_batch,
@@ -149,10 +156,12 @@ def http_vs_in_process(args: argparse.Namespace, emit: Any) -> None:
                            "stream": not args.http_whole}
     rec |= in_process(build(), prompts, gen)
     reset_peak(dev)
-    rec |= over_http(build(), vocab, context, prompts, gen, not args.http_whole)
-    reset_peak(dev)
-    rec["http_over_in_process"] = rec["http_tps"] / rec["in_process_tps"]
-    emit(rec)
+    for mode in ("process", "thread"):
+        run = rec | {"engine": mode}
+        run |= over_http(build if mode == "process" else build(), vocab, context, prompts, gen, not args.http_whole)
+        reset_peak(dev)
+        run["http_over_in_process"] = run["http_tps"] / run["in_process_tps"]
+        emit(run)
 
 
 async def _burst(url: str, prompts: list[list[int]], gen: int, stream: bool = True) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """``pwrun serve``: the OpenAI-compatible HTTP server (Typer command; ``pwrun.cli`` registers it). Wiring only:
-it checks the options, builds the engine as ``pwrun generate`` does and runs ``pwrun.serve.server.Server``.
+it checks the options and runs ``pwrun.serve.server.Server``, whose engine process builds the engine as ``pwrun
+generate`` does.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 from pathlib import Path
@@ -128,14 +130,15 @@ def serve(
             warn_missing_tables(art, [policy], model_dir)
         cfg = ServeConfig(budget, serve_policy,
                           EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens, debug_checks=debug_checks))
+        name = served_model_name or Path(model_dir).resolve().name
+        build = functools.partial(build_serving_engine, model_dir, artifacts, cfg, context, device, dtype)
+        server = Server(build, tok, name, ServeLimits(context, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),
+                        host, port, max_batch + max_queue, drain_seconds, log_level)
         try:
-            engine = build_serving_engine(model_dir, artifacts, cfg, context, device, dtype)
+            server.open()
         except BudgetTooSmall as exc:
             raise PagedWeightError(f"{exc} (or lower --max-model-len {context} or --max-batch {max_batch})") from exc
-        name = served_model_name or Path(model_dir).resolve().name
-        server = Server(engine, tok, name, ServeLimits(context, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),
-                        host, port, max_batch + max_queue, drain_seconds, log_level)
-        console.print(_start_line(engine.info, name, server.url, context, max_batch, max_queue), style="dim",
+        console.print(_start_line(server.loop.info, name, server.url, context, max_batch, max_queue), style="dim",
                       highlight=False, soft_wrap=True)
         caught: list[int] = []
         previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))

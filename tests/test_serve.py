@@ -11,10 +11,13 @@
 - A client that disconnects mid-stream: its request is aborted and its KV pages return to the pool.
 - SIGTERM to ``pwrun serve``: the running request finishes (drain), or is aborted (``--drain-seconds 0``), and the
   process exits 0.
+The ``big`` server steps its engine on a thread (``EngineLoop``); the ``tight`` one, like ``pwrun serve``, in a
+child process (``EngineProcess``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -34,11 +37,12 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
+from _serve_state import held_state
 from typer.testing import CliRunner
 
 from pwrun.cli import app
 from pwrun.core.config import EngineConfig
-from pwrun.core.pool import KV, WEIGHT
+from pwrun.core.pool import KV
 from pwrun.core.request import SamplingParams
 from pwrun.data import default_model_dir, document_prompts, read_text
 from pwrun.engine.build import ServeConfig, dense_server_engine
@@ -80,13 +84,15 @@ def big(calibrated_artifacts: Path, tok: Any) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def tight(calibrated_artifacts: Path, tok: Any) -> Iterator[Server]:
     """A budget with the experts a little above their floors and KV room for ~10 short requests: running 16 makes
-    the planner demote and the scheduler preempt. Page conservation is asserted after every step."""
+    the planner demote and the scheduler preempt. Page conservation is asserted after every step. The engine is
+    built and stepped in a child process, as ``pwrun serve`` does."""
     ecfg = EngineConfig(max_batch=16, max_step_tokens=256, debug_checks=True)
     probe = build_serving_engine(MODEL, calibrated_artifacts, ServeConfig(2**30, engine=ecfg), 96, "cpu").info
     budget = (probe["fixed_bytes"] + probe["workspace_bytes"] + probe["floor_expert_bytes"] + 2 * 10**6
               + 10 * probe["kv_block_bytes"])
-    engine = build_serving_engine(MODEL, calibrated_artifacts, ServeConfig(budget, engine=ecfg), 96, "cpu")
-    server = _server(engine, tok, 96, max_pending=512)
+    build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, ServeConfig(budget, engine=ecfg),
+                              96, "cpu")
+    server = _server(build, tok, 96, max_pending=512)
     yield server
     server.stop()
 
@@ -105,14 +111,8 @@ def _metrics(server: Server) -> dict[str, float]:
 
 
 def _engine_state(server: Server) -> dict[str, int]:
-    """Checked at a step boundary on the engine thread: page conservation (``EngineCore.check``) and what is held."""
-    def state(e: Any) -> dict[str, int]:
-        e.core.check()
-        pool = e.core.pool
-        return {"kv": pool.count(KV), "weight": pool.count(WEIGHT), "free": pool.num_free, "pages": pool.cfg.num_pages,
-                "requests": len(e.core.requests), "outputs": len(e.outputs), "running": len(e.core.scheduler.running)}
-
-    return server.loop.call(state).result(timeout=30)
+    """``held_state`` at a step boundary, where the engine runs (its thread or its process)."""
+    return server.loop.call(held_state).result(timeout=30)
 
 
 def _generate_cli(tmp_path: Path, artifacts: Path, prompts: list[str], *extra: str) -> list[dict[str, Any]]:

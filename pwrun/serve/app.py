@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pwrun.core.request import SamplingParams
-from pwrun.serve.engine_loop import EngineLoop
+from pwrun.serve.engine_process import AnyLoop
 from pwrun.serve.generation import Generation, Mailbox, ServeLimits, encode
 from pwrun.serve.metrics import ServerMetrics
 from pwrun.serve.protocol import ApiError, ChatBody, CompletionBody, parse
@@ -33,7 +33,7 @@ class ServerState:
     """What the routes share: the engine thread, the tokenizer, the served name and limits, EOS ids, metrics;
     ``shutting_down``: True once the server stops taking requests (503)."""
 
-    loop: EngineLoop
+    loop: AnyLoop
     tokenizer: Any
     model_name: str
     limits: ServeLimits

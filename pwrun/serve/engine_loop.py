@@ -4,8 +4,9 @@ What it does: a dedicated thread owns the engine and is the only one that touche
 commands through a thread-safe queue (``submit`` requests, ``abort`` one, ``call`` a function on the engine);
 the thread applies them at step boundaries (``LLMEngine.add_request`` / ``abort``, SPEC 5: requests join and
 leave the running batch between steps), runs one step, and hands each output to its request's sink (a callable
-that must only post it, e.g. ``loop.call_soon_threadsafe``). Finished requests are forgotten (their records do
-not pile up) and the step's trace row goes to the metrics. ``max_pending`` bounds the requests held (waiting and
+that must only post it, e.g. ``loop.call_soon_threadsafe``), then calls ``flush`` once (a batch boundary for
+sinks that collect). Finished requests are forgotten (their records do not pile up) and the step's trace row goes
+to the metrics. ``max_pending`` bounds the requests held (waiting and
 running): ``submit`` past it raises ``QueueFull`` (the server answers 503). ``stop`` finishes the requests held
 for up to ``drain_seconds``, aborts the rest and joins the thread.
 """
@@ -19,15 +20,25 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from pwrun.core.request import Request, RequestOutput
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.serve.metrics import ServerMetrics
+from pwrun.engine.trace import StepTrace
+from pwrun.serve.metrics import PoolState, pool_state
 
 Sink = Callable[[RequestOutput | BaseException], None]
+
+
+class Metrics(Protocol):
+    """What the engine loop reports (``ServerMetrics``, or a relay to it from another process)."""
+
+    def step(self, t: StepTrace) -> None: ...
+    def pool(self, p: PoolState) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def finished(self, out: RequestOutput, latency: float, per_token: float | None) -> None: ...
 
 
 class QueueFull(Exception):
@@ -48,8 +59,9 @@ class _Held:
 class EngineLoop:
     """Steps ``engine`` on its own thread; ``max_pending``: most requests held at once."""
 
-    def __init__(self, engine: LLMEngine, max_pending: int, metrics: ServerMetrics | None = None) -> None:
-        self.engine, self.max_pending, self.metrics = engine, max_pending, metrics
+    def __init__(self, engine: LLMEngine, max_pending: int, metrics: Metrics | None = None,
+                 flush: Callable[[], None] | None = None) -> None:
+        self.engine, self.max_pending, self.metrics, self.flush = engine, max_pending, metrics, flush
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending = 0
@@ -62,7 +74,14 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="pwrun-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
+    @property
+    def info(self) -> dict[str, Any]:
+        """The engine's build figures (``LLMEngine.info``)."""
+        return self.engine.info
+
     def start(self) -> None:
+        if self.metrics is not None:
+            self.metrics.pool(pool_state(self.engine))
         self._thread.start()
 
     def next_rid(self) -> int:
@@ -76,16 +95,17 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def submit(self, requests: list[Request], sink: Sink) -> None:
-        """Queue ``requests`` (added together, before the next step); ``sink`` gets every output of each.
-        Raises ``QueueFull`` past ``max_pending`` and ``EngineStopped`` once stopping or failed."""
+    def submit(self, requests: list[Request], sink: Sink, arrival: float | None = None) -> None:
+        """Queue ``requests`` (added together, before the next step); ``sink`` gets every output of each;
+        ``arrival``: their ``time.perf_counter()`` arrival (default now). Raises ``QueueFull`` past ``max_pending``
+        and ``EngineStopped`` once stopping or failed."""
         with self._lock:
             if not self._accepting or self.error is not None:
                 raise EngineStopped(self.error or "the server is shutting down")
             if self._pending + len(requests) > self.max_pending:
                 raise QueueFull(f"{self._pending} requests are queued or running (at most {self.max_pending})")
             self._pending += len(requests)
-            self._inbox.put(("add", (requests, sink, time.perf_counter())))
+            self._inbox.put(("add", (requests, sink, time.perf_counter() if arrival is None else arrival)))
 
     def abort(self, rid: int) -> None:
         """Abort request ``rid`` at the next step boundary (nothing if it has finished)."""
@@ -120,15 +140,22 @@ class EngineLoop:
                     self._commands(block=False)  # answer calls queued meanwhile
                     self.error = "the server has shut down"
                     self._fail_inbox()
+                    self._flush()
                     return
                 if not self.engine.idle:
                     self._step()
+                self._flush()
         except BaseException as exc:  # the engine is in an unknown state: fail every request and stop
             self.error = f"the engine failed: {type(exc).__name__}: {exc}"
             for held in self._held.values():
                 held.sink(EngineStopped(self.error))
             self._held.clear()
             self._fail_inbox()
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.flush is not None:
+            self.flush()
 
     def _commands(self, block: bool) -> None:
         while True:
@@ -157,7 +184,7 @@ class EngineLoop:
     def _abort(self, rid: int) -> None:
         self._deliver(self.engine.abort(rid))
         if self.metrics is not None:
-            self.metrics.pool_state(self.engine)
+            self.metrics.pool(pool_state(self.engine))
 
     def _step(self) -> None:
         outs = self.engine.step()
@@ -169,8 +196,8 @@ class EngineLoop:
                 if self.metrics is not None:
                     self.metrics.first_token(now - held.arrival)
             self._deliver(o, now)
-        if self.metrics is not None:
-            self.metrics.step(self.engine)
+        if self.metrics is not None and self.engine.trace:
+            self.metrics.step(self.engine.trace[-1])
         self.engine.trace.clear()  # rows go to the metrics; a server runs too long to keep them
 
     def _deliver(self, out: RequestOutput, now: float | None = None) -> None:

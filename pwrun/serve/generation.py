@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pwrun.core.request import Request, RequestOutput, SamplingParams
-from pwrun.serve.engine_loop import EngineLoop, EngineStopped, QueueFull
+from pwrun.serve.engine_loop import EngineStopped, QueueFull
+from pwrun.serve.engine_process import AnyLoop
 from pwrun.serve.protocol import ApiError
 from pwrun.serve.text import ChoiceText
 
@@ -96,7 +97,7 @@ class Generation:
     """The choices of one HTTP request (``prompts``: token ids, one choice each), run by ``loop``; ``incremental``:
     decode the text as it comes (a stream) rather than once at the end."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Any, prompts: list[list[int]], params: SamplingParams,
+    def __init__(self, loop: AnyLoop, tokenizer: Any, prompts: list[list[int]], params: SamplingParams,
                  eos: frozenset[int], stop: list[str], seed: int | None, incremental: bool = True) -> None:
         self.loop = loop
         base = secrets.randbelow(2**62) if seed is None else seed

@@ -1,29 +1,52 @@
 """The server's Prometheus metrics (``/metrics``, text exposition format, through ``prometheus_client``).
 
-What it does: one registry per server. After every engine step (``step``, on the engine thread) the gauges take
-the step's trace row (``pwrun.engine.trace.StepTrace``): requests running and waiting, KV, weight and free pool
-pages, the mean committed bits of the expert blocks; the counters add its demoted and promoted blocks and
-preemptions. Per request: time to first token (arrival to first token), time per output token (first to last
-token over the tokens after the first) and end-to-end latency as histograms, finished requests by reason,
-prompt and generated tokens. Requests refused (400, 503) are counted by status.
+What it does: one registry per server. After every engine step (``step``) the gauges take the step's trace row
+(``pwrun.engine.trace.StepTrace``): requests running and waiting, KV, weight and free pool pages, the mean committed
+bits of the expert blocks; the counters add its demoted and promoted blocks and preemptions. Between steps
+(``pool``) they take a ``PoolState`` (``pool_state(engine)``). Per request: time to first token (arrival to first
+token), time per output token (first to last token over the tokens after the first) and end-to-end latency as
+histograms, finished requests by reason, prompt and generated tokens. Requests refused (400, 503) are counted by
+status. Every input is a plain value: the events may come from an engine in another process.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pwrun.core.pool import KV, WEIGHT
 from pwrun.core.request import RequestOutput
 from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.trace import StepTrace
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 
 
+@dataclass(frozen=True)
+class PoolState:
+    """The page pool and the requests of an engine at a step boundary (pages; bits)."""
+
+    pages: int
+    kv: int
+    weight: int
+    free: int
+    running: int
+    waiting: int
+    mean_bits: float
+
+
+def pool_state(engine: LLMEngine) -> PoolState:
+    pool, wpt, sched = engine.core.pool, engine.core.wpt, engine.core.scheduler
+    return PoolState(pool.cfg.num_pages, pool.count(KV), pool.count(WEIGHT), pool.num_free, len(sched.running),
+                     len(sched.waiting), 16.0 if wpt is None or not wpt.q.size else float(wpt.q.mean()))
+
+
 class ServerMetrics:
     """Gauges, counters and histograms of one server (names prefixed ``pwrun_``; seconds, pages, bits)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.running = Gauge("pwrun_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("pwrun_requests_waiting", "Requests waiting to start (or preempted)", registry=r)
@@ -49,18 +72,9 @@ class ServerMetrics:
         self.tpot = Histogram("pwrun_time_per_output_token_seconds", "Mean time per output token after the first",
                               buckets=_PER_TOKEN, registry=r)
         self.e2e = Histogram("pwrun_request_latency_seconds", "Arrival to last token", buckets=_LATENCY, registry=r)
-        pool = engine.core.pool
-        self.pool_pages.set(pool.cfg.num_pages)
-        self.free_pages.set(pool.num_free)
-        wpt = engine.core.wpt
-        self.weight_pages.set(pool.count(WEIGHT))  # AP planes and LUTs, or 16-bit experts
-        self.mean_bits.set(16.0 if wpt is None or not wpt.q.size else float(wpt.q.mean()))
 
-    def step(self, engine: LLMEngine) -> None:
-        """The engine's last step (its last trace row)."""
-        if not engine.trace:
-            return
-        t = engine.trace[-1]
+    def step(self, t: StepTrace) -> None:
+        """An engine step's trace row."""
         self.running.set(t.running)
         self.waiting.set(t.waiting)
         self.kv_pages.set(t.kv_pages)
@@ -72,14 +86,15 @@ class ServerMetrics:
         self.preemptions.inc(t.preempted)
         self.steps.observe(t.seconds)
 
-    def pool_state(self, engine: LLMEngine) -> None:
-        """Pages and requests now (after aborts between steps, which leave no trace row)."""
-        pool = engine.core.pool
-        self.kv_pages.set(pool.count(KV))
-        self.weight_pages.set(pool.count(WEIGHT))
-        self.free_pages.set(pool.num_free)
-        self.running.set(len(engine.core.scheduler.running))
-        self.waiting.set(len(engine.core.scheduler.waiting))
+    def pool(self, p: PoolState) -> None:
+        """Pages and requests now (at the start, and after aborts between steps, which leave no trace row)."""
+        self.pool_pages.set(p.pages)
+        self.kv_pages.set(p.kv)
+        self.weight_pages.set(p.weight)  # AP planes and LUTs, or 16-bit experts
+        self.free_pages.set(p.free)
+        self.running.set(p.running)
+        self.waiting.set(p.waiting)
+        self.mean_bits.set(p.mean_bits)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

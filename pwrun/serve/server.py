@@ -1,12 +1,14 @@
-"""``pwrun serve``'s process: the engine built as ``pwrun generate`` builds it, its thread, and uvicorn.
+"""``pwrun serve``: the engine built as ``pwrun generate`` builds it, in its own process or thread, and uvicorn.
 
 What it does: ``build_serving_engine`` makes the engine for requests that arrive later: with an artifact,
 ``build_engine`` under the budget, policy and planner of ``pwrun generate`` (the budget provisions ``max_batch``
 requests of ``max_model_len`` tokens), with ``--policy 16-bit`` ``build_dense_engine`` under the same budget,
-without either the 16-bit reference model with a KV pool of that size. ``Server``
-joins it to the HTTP application and runs uvicorn: in the foreground (``run``: SIGTERM or Ctrl-C stop taking
-requests, let the running ones finish for up to ``drain_seconds``, abort the rest, stop the engine thread) or on a
-background thread (``start``/``stop``, for tests and benchmarks).
+without either the 16-bit reference model with a KV pool of that size. ``Server`` joins an engine to the HTTP
+application: given a builder (a picklable callable, e.g. ``functools.partial`` of ``build_serving_engine``) it
+builds and steps the engine in a child process (``EngineProcess``: what ``pwrun serve`` does); given an
+``LLMEngine`` it steps it on a thread of this process (``EngineLoop``). It runs uvicorn in the foreground
+(``run``: SIGTERM or Ctrl-C stop taking requests, let the running ones finish for up to ``drain_seconds``, abort
+the rest, stop the engine) or on a background thread (``start``/``stop``, for tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pwrun.engine.llm_engine import LLMEngine
 from pwrun.model.loader import load_model
 from pwrun.serve.app import ServerState, create_app
 from pwrun.serve.engine_loop import EngineLoop
+from pwrun.serve.engine_process import Builder, EngineProcess
 from pwrun.serve.generation import ServeLimits
 from pwrun.serve.metrics import ServerMetrics
 
@@ -53,11 +56,13 @@ def build_serving_engine(model_dir: Path, artifacts: Path | None, cfg: ServeConf
 class Server:
     """``engine`` served over HTTP on ``host``:``port`` as ``model_name`` (see the module docstring)."""
 
-    def __init__(self, engine: LLMEngine, tokenizer: Any, model_name: str, limits: ServeLimits, eos: set[int],
-                 host: str = "127.0.0.1", port: int = 8000, max_pending: int = 256, drain_seconds: float = 30.0,
-                 log_level: str = "warning") -> None:
-        self.metrics = ServerMetrics(engine)
-        self.loop = EngineLoop(engine, max_pending, self.metrics)
+    def __init__(self, engine: LLMEngine | Builder, tokenizer: Any, model_name: str, limits: ServeLimits,
+                 eos: set[int], host: str = "127.0.0.1", port: int = 8000, max_pending: int = 256,
+                 drain_seconds: float = 30.0, log_level: str = "warning") -> None:
+        self.metrics = ServerMetrics()
+        self.loop: EngineLoop | EngineProcess = (EngineLoop(engine, max_pending, self.metrics)
+                                                 if isinstance(engine, LLMEngine)
+                                                 else EngineProcess(engine, max_pending, self.metrics))
         self.state = ServerState(self.loop, tokenizer, model_name, limits, frozenset(eos), self.metrics,
                                  shutting_down=lambda: self._uvicorn.should_exit)
         self.app = create_app(self.state)
@@ -72,9 +77,17 @@ class Server:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def open(self) -> None:
+        """Start the engine (a builder: spawn its process and wait for the build; raises ``PagedWeightError`` with
+        the build's message). ``run`` and ``start`` do it if it has not been done."""
+        if isinstance(self.loop, EngineProcess):
+            self.loop.start()
+
     def run(self) -> None:
-        """Serve in the foreground until SIGTERM or Ctrl-C; the engine thread is stopped on return."""
-        self.loop.start()
+        """Serve in the foreground until SIGTERM or Ctrl-C; the engine is stopped on return."""
+        self.open()
+        if isinstance(self.loop, EngineLoop):
+            self.loop.start()
         try:
             self._uvicorn.run()
         finally:
@@ -82,7 +95,9 @@ class Server:
 
     def start(self, timeout: float = 30.0) -> None:
         """Serve on a background thread; returns once the socket accepts connections."""
-        self.loop.start()
+        self.open()
+        if isinstance(self.loop, EngineLoop):
+            self.loop.start()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._uvicorn.serve()), name="pwrun-http",
                                         daemon=True)
         self._thread.start()

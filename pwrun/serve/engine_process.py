@@ -1,0 +1,299 @@
+"""The engine in its own process (``pwrun serve``'s default): the HTTP side's Python work (parsing requests,
+detokenizing, server-sent events) then never holds the interpreter lock between the engine's kernel launches.
+
+What it does: ``EngineProcess`` spawns a child (a fresh interpreter: CUDA cannot be forked) that builds the engine
+with ``build`` (a picklable callable: a module-level function or a ``functools.partial`` of one) and runs an
+``EngineLoop`` on it. Requests, aborts, calls and the stop go down one pipe; each loop iteration's outputs, call
+results and metric events come back up another in one message, which a reader thread hands to the requests' sinks
+and the parent's ``ServerMetrics``. It has ``EngineLoop``'s interface, so the HTTP side cannot tell them apart.
+The bound on held requests is kept here; the child's stderr is the parent's (its build progress and warnings show).
+If the child dies, every held request gets ``EngineStopped`` and ``alive`` turns false; if the parent dies, the
+child sees its pipe close and stops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from pwformat.errors import BudgetTooSmall, PagedWeightError
+from pwrun.core.request import Request, RequestOutput
+from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.trace import StepTrace
+from pwrun.serve.engine_loop import EngineLoop, EngineStopped, Metrics, QueueFull, Sink
+from pwrun.serve.metrics import PoolState
+
+Builder = Callable[[], LLMEngine]
+
+
+class _Relay:
+    """The child's ``Metrics``: records each call as an event for the parent's ``ServerMetrics``."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, tuple[Any, ...]]] = []
+
+    def step(self, t: StepTrace) -> None:
+        self.events.append(("step", (t,)))
+
+    def pool(self, p: PoolState) -> None:
+        self.events.append(("pool", (p,)))
+
+    def first_token(self, seconds: float) -> None:
+        self.events.append(("first_token", (seconds,)))
+
+    def finished(self, out: RequestOutput, latency: float, per_token: float | None) -> None:
+        self.events.append(("finished", (out, latency, per_token)))
+
+
+def _take(items: list[Any]) -> list[Any]:
+    """Everything in ``items`` now, removed (appends from another thread meanwhile stay for the next take)."""
+    batch = items[:]
+    del items[:len(batch)]
+    return batch
+
+
+def _child(build: Builder, threads: int, commands: Connection, events: Connection) -> None:
+    """The child's main: build, report ``ready`` (or ``failed``), then apply commands until ``stop``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    torch.set_num_threads(threads)
+    try:
+        engine = build()
+    except BudgetTooSmall as exc:
+        events.send(("failed", str(exc), exc.minimum))
+        return
+    except PagedWeightError as exc:
+        events.send(("failed", str(exc), None))
+        return
+    except BaseException as exc:
+        traceback.print_exc()
+        events.send(("failed", f"the engine could not be built: {type(exc).__name__}: {exc}", None))
+        return
+    relay = _Relay()
+    outs: list[tuple[Any, ...]] = []  # ("out", RequestOutput) | ("fail", rids, message) | ("call", cid, ok, value)
+
+    def flush() -> None:
+        batch, evs = _take(outs), _take(relay.events)
+        if batch or evs:
+            events.send(("batch", batch, evs))
+
+    loop = EngineLoop(engine, sys.maxsize, relay, flush)
+    events.send(("ready", engine.info))
+    loop.start()
+    while True:
+        try:
+            kind, *args = commands.recv()
+        except (EOFError, OSError):  # the parent is gone: nobody reads the outputs
+            kind, args = "stop", [0.0]
+        if kind == "add":
+            requests, arrival = args
+            rids = [r.rid for r in requests]
+
+            def sink(item: RequestOutput | BaseException, rids: list[int] = rids) -> None:
+                outs.append(("out", item) if isinstance(item, RequestOutput) else ("fail", rids, str(item)))
+            try:
+                loop.submit(requests, sink, arrival)
+            except EngineStopped as exc:
+                outs.append(("fail", rids, str(exc)))
+                flush()
+        elif kind == "abort":
+            loop.abort(args[0])
+        elif kind == "call":
+            cid, fn = args
+
+            def done(f: Future[Any], cid: int = cid) -> None:
+                exc = f.exception()
+                outs.append(("call", cid, exc is None, f.result() if exc is None else exc))
+            loop.call(fn).add_done_callback(done)
+        elif kind == "stop":
+            loop.stop(args[0])
+            flush()
+            events.send(("stopped", loop.error))
+            return
+
+
+class EngineProcess:
+    """``EngineLoop``'s interface over an engine built by ``build`` in a child process (see the module docstring);
+    ``max_pending``: most requests held at once; ``metrics``: the parent's ``ServerMetrics``."""
+
+    def __init__(self, build: Builder, max_pending: int, metrics: Metrics | None = None) -> None:
+        self.build, self.max_pending, self.metrics = build, max_pending, metrics
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._ids = itertools.count()
+        self._cids = itertools.count()
+        self._sinks: dict[int, Sink] = {}
+        self._calls: dict[int, Future[Any]] = {}
+        self._proc: Any = None
+        self._commands: Connection | None = None
+        self._reader: threading.Thread | None = None
+        self._accepting = True
+        self.error: str | None = None
+        self.info: dict[str, Any] = {}
+        self.finished = {"eos": 0, "length": 0, "abort": 0}
+
+    def start(self, timeout: float | None = None) -> None:
+        """Spawn the child and wait until its engine is built (``timeout`` seconds at most; None: no limit).
+        Raises ``PagedWeightError`` (``BudgetTooSmall``) with the child's message if the build fails."""
+        if self._proc is not None:
+            return
+        ctx = mp.get_context("spawn")
+        cmd_read, cmd_write = ctx.Pipe(duplex=False)
+        ev_read, ev_write = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_child, args=(self.build, torch.get_num_threads(), cmd_read, ev_write),
+                                 name="pwrun-engine", daemon=True)
+        self._proc.start()
+        cmd_read.close()
+        ev_write.close()
+        self._commands = cmd_write
+        try:
+            if not ev_read.poll(timeout):
+                raise PagedWeightError(f"the engine process was not ready within {timeout:g} s")
+            msg = ev_read.recv()
+        except EOFError:
+            msg = ("failed", self._exit_reason().replace("; see", " before its engine was built; see"), None)
+        if msg[0] == "failed":
+            self._proc.join(30)
+            self._proc = None
+            raise PagedWeightError(msg[1]) if msg[2] is None else BudgetTooSmall(msg[1], msg[2])
+        self.info = msg[1]
+        self._reader = threading.Thread(target=self._read, args=(ev_read,), name="pwrun-engine-reader", daemon=True)
+        self._reader.start()
+
+    def next_rid(self) -> int:
+        return next(self._ids)
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive() and self.error is None
+
+    def submit(self, requests: list[Request], sink: Sink, arrival: float | None = None) -> None:
+        """As ``EngineLoop.submit``: ``QueueFull`` past ``max_pending``, ``EngineStopped`` once stopping or failed."""
+        with self._lock:
+            if not self._accepting or self.error is not None or self._commands is None:
+                raise EngineStopped(self.error or "the server is shutting down")
+            if self._pending + len(requests) > self.max_pending:
+                raise QueueFull(f"{self._pending} requests are queued or running (at most {self.max_pending})")
+            self._pending += len(requests)
+            for r in requests:
+                self._sinks[r.rid] = sink
+            self._send("add", requests, time.perf_counter() if arrival is None else arrival)
+
+    def abort(self, rid: int) -> None:
+        with self._lock:
+            self._send("abort", rid)
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future[Any]:
+        """Run ``fn(engine)`` in the child at a step boundary (``fn`` and its result must pickle)."""
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self.error is not None or self._commands is None:
+                fut.set_exception(EngineStopped(self.error or "the engine process is not running"))
+                return fut
+            cid = next(self._cids)
+            self._calls[cid] = fut
+            self._send("call", cid, fn)
+        return fut
+
+    def stop(self, drain_seconds: float = 0.0, timeout: float = 120.0) -> None:
+        """Take no more requests; the child finishes the held ones for up to ``drain_seconds``, aborts the rest and
+        exits (killed if it has not after ``drain_seconds + timeout``)."""
+        with self._lock:
+            self._accepting = False
+            self._send("stop", drain_seconds)
+        if self._reader is not None:
+            self._reader.join(drain_seconds + timeout)
+        if self._proc is not None:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+
+    def _send(self, *msg: Any) -> None:  # under self._lock
+        if self._commands is None:
+            return
+        try:
+            self._commands.send(msg)
+        except (BrokenPipeError, OSError):  # the child is gone: the reader fails what it held
+            pass
+
+    def _read(self, events: Connection) -> None:
+        """The reader thread: hand each message's outputs to their sinks and its events to the metrics."""
+        why = "the engine process stopped"
+        try:
+            while True:
+                msg = events.recv()
+                if msg[0] == "stopped":
+                    why = msg[1] or "the server has shut down"
+                    break
+                _, batch, evs = msg
+                for item in batch:
+                    self._dispatch(item)
+                if self.metrics is not None:
+                    for name, args in evs:
+                        getattr(self.metrics, name)(*args)
+        except (EOFError, OSError):
+            why = self._exit_reason()
+        with self._lock:
+            self.error = self.error or why
+            sinks, calls = list(self._sinks.values()), list(self._calls.values())
+            self._sinks.clear()
+            self._calls.clear()
+            self._pending = 0
+            self._commands = None
+        for sink in dict.fromkeys(sinks):  # once per submit, as the thread loop's failure path
+            sink(EngineStopped(self.error))
+        for fut in calls:
+            fut.set_exception(EngineStopped(self.error))
+
+    def _exit_reason(self) -> str:
+        if self._proc is None:
+            return "the engine process stopped"
+        self._proc.join(5)  # its pipe closed: it has exited or is about to
+        code = self._proc.exitcode
+        if code is None or code == 0:
+            return "the engine process stopped"
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return f"the engine process exited ({how}); see the server's log, then restart it"
+
+    def _dispatch(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if kind == "out":
+            out: RequestOutput = item[1]
+            sink = self._sinks.get(out.rid)
+            if sink is None:
+                return
+            if out.finish is not None:
+                self.finished[out.finish] += 1
+                with self._lock:
+                    del self._sinks[out.rid]
+                    self._pending -= 1
+            sink(out)
+        elif kind == "fail":
+            with self._lock:
+                sinks = [s for s in (self._sinks.pop(r, None) for r in item[1]) if s is not None]
+                self._pending -= len(sinks)
+            for sink in dict.fromkeys(sinks):
+                sink(EngineStopped(item[2]))
+        else:
+            _, cid, ok, value = item
+            fut = self._calls.pop(cid, None)
+            if fut is not None:
+                fut.set_result(value) if ok else fut.set_exception(value)
+
+
+AnyLoop = EngineLoop | EngineProcess  # what the HTTP side steps requests through

@@ -1,0 +1,16 @@
+"""What a served engine holds, read at a step boundary where the engine runs (a module of its own: a function
+handed to an engine process must pickle by name)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pwrun.core.pool import KV, WEIGHT
+
+
+def held_state(e: Any) -> dict[str, int]:
+    """Page conservation (``EngineCore.check``) and what ``e`` holds: pages by kind, requests, outputs, running."""
+    e.core.check()
+    pool = e.core.pool
+    return {"kv": pool.count(KV), "weight": pool.count(WEIGHT), "free": pool.num_free, "pages": pool.cfg.num_pages,
+            "requests": len(e.core.requests), "outputs": len(e.outputs), "running": len(e.core.scheduler.running)}

@@ -1,0 +1,118 @@
+"""The engine in its own process (``EngineProcess``, what ``pwrun serve`` runs), beyond the server tests of
+``test_serve`` (whose ``tight`` server already runs one under load and disconnects):
+
+- the same greedy and seeded text as the engine on a thread of the server's process;
+- a build that fails (a budget too small) raises its own message from ``Server.open`` and leaves no process;
+- an engine process that dies mid-stream: the stream ends with an error instead of hanging, ``/health`` says why,
+  new requests get a 503, and the server still stops;
+- the parent's ``/metrics`` follow the child's pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from _serve_state import held_state
+
+from pwformat.errors import BudgetTooSmall
+from pwrun.data import default_model_dir
+from pwrun.engine.build import ServeConfig
+from pwrun.generate import eos_ids
+from pwrun.model.loader import load_spec, load_tokenizer
+from pwrun.serve.engine_process import EngineProcess
+from pwrun.serve.generation import ServeLimits
+from pwrun.serve.server import Server, build_serving_engine, free_port
+
+MODEL = default_model_dir()
+NAME = "tiny"
+CONTEXT = 128
+PROMPTS = ["The river flows", "In 1905 the city council", "The album was released", "She was born in"]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return load_tokenizer(MODEL)
+
+
+def _server(engine: Any, tok: Any) -> Server:
+    spec, _ = load_spec(MODEL)
+    return Server(engine, tok, NAME, ServeLimits(CONTEXT, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),
+                  port=free_port(), max_pending=16, drain_seconds=5)
+
+
+def _texts(server: Server) -> list[str]:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    greedy = client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=10, temperature=0)
+    sampled = client.completions.create(model=NAME, prompt=PROMPTS[:2], max_tokens=10, temperature=0.9, seed=5)
+    return [c.text for c in greedy.choices] + [c.text for c in sampled.choices]
+
+
+def test_process_and_thread_engines_give_the_same_text(calibrated_artifacts: Path, tok: Any) -> None:
+    cfg = ServeConfig(2**30)
+    texts = {}
+    for mode in ("thread", "process"):
+        build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, cfg, CONTEXT, "cpu")
+        server = _server(build() if mode == "thread" else build, tok)
+        server.start()
+        try:
+            texts[mode] = _texts(server)
+            if mode == "process":
+                assert isinstance(server.loop, EngineProcess)
+                state = server.loop.call(held_state).result(timeout=30)
+                metrics = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
+                assert f"pwrun_pool_pages {float(state['pages'])}" in metrics
+                assert f"pwrun_free_pages {float(state['free'])}" in metrics
+                assert 'pwrun_requests_finished_total{finish="length"} 6.0' in metrics
+                assert state["kv"] == 0 and state["requests"] == 0
+        finally:
+            server.stop()
+    assert texts["process"] == texts["thread"]
+    assert all(texts["thread"])
+
+
+def test_a_failed_build_raises_its_message_and_leaves_no_process(calibrated_artifacts: Path, tok: Any) -> None:
+    build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, ServeConfig(2**20), CONTEXT, "cpu")
+    server = _server(build, tok)
+    with pytest.raises(BudgetTooSmall, match="--gpu-memory") as err:
+        server.open()
+    assert err.value.minimum > 2**20
+    assert isinstance(server.loop, EngineProcess) and not server.loop.alive
+
+
+def test_a_dead_engine_process_fails_its_requests_instead_of_hanging(calibrated_artifacts: Path, tok: Any) -> None:
+    build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, ServeConfig(2**30), CONTEXT, "cpu")
+    server = _server(build, tok)
+    server.start()
+    try:
+        assert isinstance(server.loop, EngineProcess)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        stream = client.completions.create(model=NAME, prompt="The river", max_tokens=120, temperature=0,
+                                           stream=True)
+        it = iter(stream)
+        next(it)
+        os.kill(server.loop._proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - the stream is cut (an error event, or the connection)
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{server.url}/health", timeout=10)
+        assert health.value.code == 503 and b"engine process exited" in health.value.read()
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=NAME, prompt="The river", max_tokens=4)
+        assert refused.value.status_code == 503
+        assert server.loop.pending == 0
+    finally:
+        t0 = time.monotonic()
+        server.stop()
+        assert time.monotonic() - t0 < 30
