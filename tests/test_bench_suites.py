@@ -122,23 +122,28 @@ def test_real_workload_arriving_at_a_request_rate(tmp_path: Path) -> None:
 
 
 def test_serving_http_mode_serves_w1_through_the_server(tmp_path: Path) -> None:
-    """``bench.serving --http`` on the shrunken config: W1 in-process and through the server, every requested token
-    on both sides (no stop token), their ratio, and a table of its own in the rendered section."""
+    """``bench.serving --http`` on the shrunken config: W1 in-process and through the server with the engine in a
+    process and on a thread, every requested token on every side (no stop token), their ratio, and a table of its
+    own in the rendered section (a row per engine)."""
     _shrunken_qwen(tmp_path)
     out = tmp_path / "serving.jsonl"
     _run("bench.serving", "--device", "cpu", "--config-dir", str(tmp_path), "--skip-table", "--http",
          "--workload-requests", "4", "--workload-gen", "4", "--workload-max-batch", "2", "--workload-step-tokens",
          "512", "--workload-gpu-memory", "1GiB", "--label", "t", "--out", str(out))
-    (r,) = map(json.loads, out.read_text().splitlines())
-    assert r["system"] == "W1 over HTTP" and r["requests"] == 4 and r["in_process_tokens"] == r["http_tokens"] == 16
-    assert r["context"] <= 1024 + 4 and r["prompt_tokens"] <= 4 * 1024
-    assert abs(r["http_over_in_process"] - r["http_tps"] / r["in_process_tps"]) < 1e-9
-    # step counts differ either way with when the requests reach the server (spread arrivals can pack better)
-    assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_ms"] > 0
-    assert r["http_steps"] > 0 and r["in_process_steps"] > 0
+    records = list(map(json.loads, out.read_text().splitlines()))
+    assert [r["engine"] for r in records] == ["process", "thread"]
+    for r in records:
+        assert r["system"] == "W1 over HTTP" and r["requests"] == 4
+        assert r["in_process_tokens"] == r["http_tokens"] == 16
+        assert r["context"] <= 1024 + 4 and r["prompt_tokens"] <= 4 * 1024
+        assert abs(r["http_over_in_process"] - r["http_tps"] / r["in_process_tps"]) < 1e-9
+        # step counts differ either way with when the requests reach the server (spread arrivals can pack better)
+        assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_ms"] > 0
+        assert r["http_steps"] > 0 and r["in_process_steps"] > 0  # the process's steps reach the server's metrics
     _run("bench.render", "--results", str(tmp_path), "--out", str(tmp_path / "perf.md"))
     perf = (tmp_path / "perf.md").read_text()
-    assert f"| {tmp_path.name} | pagedweight | 1GiB | 2 | True | 4 | 4 |" in perf
+    for engine in ("process", "thread"):
+        assert f"| {tmp_path.name} | pagedweight | 1GiB | 2 | True | {engine} | 4 | 4 |" in perf
     assert f"| {tmp_path.name} | W1 over HTTP |" not in perf  # not in the decode tables
 
 
