@@ -1,7 +1,9 @@
 """Atomic file writes: readers see the old file or the new one, never half of one.
 
 ``atomic_path`` hands out ``path.tmp`` and renames it over ``path`` when the ``with`` block ends normally;
-``write_atomic`` writes bytes through it, fsynced. ``fault_point`` marks a write point for the fault-injection
+``write_atomic`` writes bytes through it, fsynced. ``default_mode`` gives a file the permissions of one made by
+``open`` (a writer that creates 0600 files, such as safetensors', would hide an artifact from other users).
+``fault_point`` marks a write point for the fault-injection
 tests (a no-op unless ``PAGEDWEIGHT_FAULT_AT`` is set). It imports no torch.
 """
 
@@ -51,6 +53,13 @@ def atomic_path(path: Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def default_mode(path: Path) -> None:
+    """Set ``path``'s permissions to what ``open`` would have created: 0666 less the process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
 
 
 def write_atomic(path: Path, data: bytes) -> None:

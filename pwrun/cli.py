@@ -328,8 +328,12 @@ def ppl(
         if seq_len < 2 or (max_windows is not None and max_windows < 1):
             raise PagedWeightError("--seq-len must be >= 2 and --max-windows >= 1")
         model_dir = model or default_model()
-        if (artifacts is None) != (uniform_bits is None):
-            raise PagedWeightError("--artifacts and --uniform-bits go together")
+        if artifacts is not None and uniform_bits is None:
+            raise PagedWeightError("--artifacts needs --uniform-bits N: the perplexity of every expert block at N "
+                                   "bits (leave both out for the 16-bit model)")
+        if artifacts is None and uniform_bits is not None:
+            raise PagedWeightError(f"--uniform-bits {uniform_bits} needs --artifacts DIR (from `pwcal run-all`) to "
+                                   "read the bit-planes from")
         art = None if artifacts is None else open_artifact(artifacts, model_dir, not no_verify)
         tok = load_tokenizer(model_dir)
         lm = load_model(model_dir, device=device, dtype=dtype)

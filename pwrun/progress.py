@@ -34,7 +34,8 @@ class _Task:
 
 class LineProgress:
     """``rich.progress.Progress``'s task calls, printed as ``description: completed/total (elapsed s, ETA s)`` lines
-    (no ETA before a unit has completed and time has passed, without a total, and at completion)."""
+    (no ETA before a unit has completed and time has passed, without a total, and at completion); fractional
+    amounts to one decimal."""
 
     def __init__(self, console: Console, every: float = LINE_SECONDS) -> None:
         self.console, self.every = console, every
@@ -84,14 +85,19 @@ class LineProgress:
     def _line(self, task: TaskID) -> None:
         t = self.tasks[task]
         t.printed, t.shown = time.monotonic(), t.completed
-        total = "" if t.total is None else f"/{t.total:g}"
+        total = "" if t.total is None else f"/{_num(t.total)}"
         elapsed = t.printed - t.started
         eta = ""
         if t.total is not None and 0 < t.completed < t.total and elapsed > 0:  # the mean rate since add_task
             eta = f", ETA {elapsed * (t.total - t.completed) / t.completed:.0f} s"
         extra = " ".join(str(v) for v in t.fields.values() if v not in ("", None))
-        self.console.print(f"{t.description}: {t.completed:g}{total} ({elapsed:.0f} s{eta})"
+        self.console.print(f"{t.description}: {_num(t.completed)}{total} ({elapsed:.0f} s{eta})"
                            + (f" {extra}" if extra else ""), highlight=False, markup=False)
+
+
+def _num(x: float) -> str:
+    """A count as a whole number, a fractional amount (e.g. MiB) to one decimal."""
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
 
 
 def progress(console: Console, *columns: str | ProgressColumn, transient: bool = False,

@@ -12,6 +12,7 @@ The two artifacts of the module come from ``tests._artifacts.make_artifact`` (th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -46,12 +47,25 @@ def art(artifacts: tuple[Path, Path], tmp_path: Path) -> Path:
     return Path(shutil.copytree(artifacts[0], tmp_path / "ap"))
 
 
+def test_artifact_files_get_the_permissions_of_any_new_file(artifacts: tuple[Path, Path]) -> None:
+    """Every file as ``open`` would create it (safetensors' writer alone makes layer files private: 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in artifacts[0].iterdir()}
+    assert any(n.startswith("layer_") for n in modes)
+    assert modes == dict.fromkeys(modes, 0o666 & ~mask)
+
+
 def test_intact_artifact_verifies_and_serves(art: Path) -> None:
     r = runner.invoke(pwcal_app, ["verify", str(art)])
     assert r.exit_code == 0 and "every file matches" in r.stderr, r.stderr
     for policy in (["--policy", "uniform", "--bits", "4"], []):
         r = serve(art, *policy)
         assert r.exit_code == 0, r.stderr
+        assert "above their 16-bit bytes" not in r.stderr
+    # a budget that holds every block at 8 bits: planes + 256-entry LUTs of these 256-wide rows exceed 16 bits
+    r = serve(art, "--policy", "uniform", "--bits", "8", "--gpu-memory", "1GiB")
+    assert r.exit_code == 0 and "% of their 16-bit" in r.stderr and "above their 16-bit bytes" in r.stderr, r.stderr
 
 
 def test_bytes_flipped_inside_a_parquet_table_are_refused(art: Path) -> None:

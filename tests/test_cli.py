@@ -79,6 +79,8 @@ def test_pwcal_inspect() -> None:
         (["ppl", "--seq-len", "100000"], "--seq-len 100000"),
         (["ppl", "--seq-len", "0"], "--seq-len must be >= 2"),
         (["ppl", "--max-windows", "-3"], "--max-windows >= 1"),
+        (["ppl", "--uniform-bits", "4"], "--uniform-bits 4 needs --artifacts DIR"),
+        (["ppl", "--artifacts", "/nonexistent/ap"], "--artifacts needs --uniform-bits N"),
         (["generate", "--prompt", "x", "--device", "cuda:0"], None),
     ],
 )
@@ -222,6 +224,11 @@ def test_piped_output_is_not_wrapped_at_80_columns() -> None:
     code, _, err = run("generate", "--prompt", "The river", "--max-new-tokens", "3")
     assert code == 0 and any("policy 16-bit on cpu" in line and "what this run needs" in line
                             for line in err.splitlines()), err
+    # the CPU's default float32 is named as what it is: the experts' share is of their 16-bit bytes
+    assert "(float32: experts held at 32 bits; --dtype bfloat16 holds them at 16)" in err
+    assert "= 200.0% of their 16-bit" in err
+    code, _, err = run("generate", "--prompt", "The river", "--max-new-tokens", "3", "--dtype", "bfloat16")
+    assert code == 0 and "(bfloat16)" in err and "= 100.0% of their 16-bit" in err, err
 
 
 def test_user_errors_turn_file_system_failures_and_ctrl_c_into_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,3 +50,16 @@ def test_advance_and_an_unfinished_task_report_at_exit(monkeypatch: pytest.Monke
     # no ETA before time has passed or without a total
     assert buf.getvalue().splitlines() == ["windows: 1/4 (0 s)", "no total: 3 (2 s)",
                                            "windows: 2/4 (2 s, ETA 2 s)"]
+
+
+def test_fractional_amounts_are_shown_to_one_decimal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A size in MiB (``pwcal verify``) reads as 4/63.1, not 4/63.0755."""
+    now = [0.0]
+    monkeypatch.setattr(pp.time, "monotonic", lambda: now[0])
+    console, buf = _console(False)
+    with pp.progress(console, every=60.0) as bar:
+        t = bar.add_task("verifying, MiB", total=63.0755)
+        bar.advance(t, 4.0)
+        now[0] = 1.0
+        bar.advance(t, 59.0755)
+    assert buf.getvalue().splitlines() == ["verifying, MiB: 4/63.1 (0 s)", "verifying, MiB: 63.1/63.1 (1 s)"]

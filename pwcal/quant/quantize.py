@@ -41,7 +41,7 @@ from pwcal.stats.collect import observe
 from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.hessian_full import HessianFull, layer_groups
 from pwformat.ap import pack_planes
-from pwformat.atomic import fault_point
+from pwformat.atomic import default_mode, fault_point
 from pwformat.checksums import file_sum
 from pwformat.errors import PagedWeightError
 from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS
@@ -347,6 +347,7 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
                 path = partial / layer_file(layer)
                 save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION),
                                                         "layer": str(layer), "run_id": run_id})
+                default_mode(path)
                 fault_point()
                 sums[path.name] = file_sum(path, "quantize", layer)  # read back while in the page cache
                 done += 1

@@ -282,9 +282,11 @@ def _wall(wall_seconds: float | None) -> str:
 
 def format_summary(s: RunSummary) -> str:
     """A few terminal lines from a ``RunSummary``."""
+    wide = s.policy == "16-bit" and s.dtype == "float32"  # the checkpoint's experts at float32 on the CPU
     lines = [
         f"policy {s.policy}{' ' + str(s.bits) + ' bits' if s.bits else ''} on {s.device} "
-        f"({s.dtype}); {format_budget(s.gpu_memory, s.dtype, s.fixed_bytes, s.workspace_bytes, s.pool_bytes)}"
+        f"({s.dtype}{': experts held at 32 bits; --dtype bfloat16 holds them at 16' if wide else ''}); "
+        f"{format_budget(s.gpu_memory, s.dtype, s.fixed_bytes, s.workspace_bytes, s.pool_bytes)}"
         + (" (no --gpu-memory: what this run needs)" if s.extra.get("budget_fitted") else ""),
     ]
     if s.weight_bytes_mean is not None and s.expert_share_16bit is not None:
@@ -293,6 +295,9 @@ def format_summary(s: RunSummary) -> str:
             f"{format_size(s.weight_bytes_mean)} = {100 * s.expert_share_16bit:.1f}% of "
             f"their 16-bit {format_size(s.expert_bytes_16bit)}); KV {format_size(s.kv_bytes_min or 0)} .. "
             f"{format_size(s.kv_bytes_max or 0)} (mean {format_size(s.kv_bytes_mean or 0)})")
+        if s.policy != "16-bit" and s.expert_share_16bit > 1:
+            lines.append("  (above their 16-bit bytes: on short rows each row's lookup table of 2^bits 16-bit values "
+                         "outweighs its planes at high bits; here --policy 16-bit would hold the experts in less)")
     hist = " ".join(f"{b}b:{n}" for b, n in s.final_bits_hist.items())
     lines += [
         f"committed bits at the end: {hist} (mean {s.final_mean_bits:.2f}; time-averaged {s.mean_bits:.2f})",
