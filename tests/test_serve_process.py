@@ -5,7 +5,8 @@
 - a build that fails (a budget too small) raises its own message from ``Server.open`` and leaves no process;
 - an engine process that dies mid-stream: the stream ends with an error instead of hanging, ``/health`` says why,
   new requests get a 503, and the server still stops;
-- the parent's ``/metrics`` follow the child's pool.
+- the parent's ``/metrics`` follow the child's pool;
+- the child stops by itself when the server process goes.
 """
 
 from __future__ import annotations
@@ -116,3 +117,18 @@ def test_a_dead_engine_process_fails_its_requests_instead_of_hanging(calibrated_
         t0 = time.monotonic()
         server.stop()
         assert time.monotonic() - t0 < 30
+
+
+def test_the_engine_process_stops_when_the_server_process_goes(calibrated_artifacts: Path) -> None:
+    """The command pipe closing (the server process killed) ends the child quietly and at once."""
+    build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, ServeConfig(2**30), CONTEXT, "cpu")
+    loop = EngineProcess(build, 4)
+    loop.start()
+    proc = loop._proc
+    assert proc is not None and proc.is_alive() and loop._commands is not None
+    loop._commands.close()  # what the kernel does to the pipe when the server process dies
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert loop._reader is not None
+    loop._reader.join(10)
+    assert not loop.alive and loop.error is not None

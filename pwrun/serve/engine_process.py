@@ -63,6 +63,14 @@ def _take(items: list[Any]) -> list[Any]:
     return batch
 
 
+def _post(events: Connection, msg: tuple[Any, ...]) -> None:
+    """Send ``msg`` to the parent; nothing if it has gone (the command pipe's end then stops the child)."""
+    try:
+        events.send(msg)
+    except OSError:
+        pass
+
+
 def _child(build: Builder, threads: int, commands: Connection, events: Connection) -> None:
     """The child's main: build, report ``ready`` (or ``failed``), then apply commands until ``stop``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
@@ -70,14 +78,14 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
     try:
         engine = build()
     except BudgetTooSmall as exc:
-        events.send(("failed", str(exc), exc.minimum))
+        _post(events, ("failed", str(exc), exc.minimum))
         return
     except PagedWeightError as exc:
-        events.send(("failed", str(exc), None))
+        _post(events, ("failed", str(exc), None))
         return
     except BaseException as exc:
         traceback.print_exc()
-        events.send(("failed", f"the engine could not be built: {type(exc).__name__}: {exc}", None))
+        _post(events, ("failed", f"the engine could not be built: {type(exc).__name__}: {exc}", None))
         return
     relay = _Relay()
     outs: list[tuple[Any, ...]] = []  # ("out", RequestOutput) | ("fail", rids, message) | ("call", cid, ok, value)
@@ -85,10 +93,10 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
     def flush() -> None:
         batch, evs = _take(outs), _take(relay.events)
         if batch or evs:
-            events.send(("batch", batch, evs))
+            _post(events, ("batch", batch, evs))
 
     loop = EngineLoop(engine, sys.maxsize, relay, flush)
-    events.send(("ready", engine.info))
+    _post(events, ("ready", engine.info))
     loop.start()
     while True:
         try:
@@ -118,7 +126,7 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
         elif kind == "stop":
             loop.stop(args[0])
             flush()
-            events.send(("stopped", loop.error))
+            _post(events, ("stopped", loop.error))
             return
 
 
