@@ -24,7 +24,8 @@ app = typer.Typer(help="PagedWeight offline calibration. Pipeline, in this order
                   "heads) -> search-buckets (routing buckets, multipliers, floors); run-all does all four. Each "
                   "stage writes into one artifact directory with a manifest.json and is skipped when complete "
                   "(--force redoes it).", no_args_is_help=True,
-                  add_completion=False)
+                  add_completion=False,
+                  rich_markup_mode=None)  # plain help: rich's option panels leave the help text ~17 columns at 80
 
 
 app.command("quantize")(cli_quant.quantize)

@@ -44,7 +44,8 @@ from pwrun.engine.report import write_frame
 
 app = typer.Typer(help="Serving-time evaluation: quality of teacher-forced continuations while the runtime serves "
                   "a real-text workload under a memory budget (pwrun eval run / sweep / report).",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False,
+                  rich_markup_mode=None)  # plain help: rich's option panels leave the help text ~17 columns at 80
 console = make_console(stderr=True)
 
 ArtifactsOpt = Annotated[Path, typer.Option(help="Artifact directory from `pwcal run-all`.")]

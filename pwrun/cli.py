@@ -59,7 +59,8 @@ from pwrun.prompt_file import prompt_arrivals, read_prompts
 from pwrun.signals import exit_quietly_on_sigterm
 
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
-                  add_completion=False)
+                  add_completion=False,
+                  rich_markup_mode=None)  # plain help: rich's option panels leave the help text ~17 columns at 80
 console = make_console(stderr=True)
 
 

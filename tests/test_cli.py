@@ -662,3 +662,15 @@ def test_sigterm_inside_native_code_still_ends_with_143(capsys: pytest.CaptureFi
             raise ValueError("could not determine the shape of object type")
     finally:
         sig.signal(sig.SIGTERM, before)
+
+
+@pytest.mark.parametrize(("cli", "args", "sentence"), [
+    (app, ["generate", "--help"], "Tokens to generate per prompt."),
+    (app, ["serve", "--help"], "past that the server"),
+    (pwcal_app, ["search-buckets", "--help"], "Memory budgets as uniform-equivalent bits per"),
+])
+def test_help_reads_at_80_columns(cli, args: list[str], sentence: str) -> None:  # type: ignore[no-untyped-def]
+    """Help text keeps most of an 80-column terminal (rich's option panels left it ~17 columns there)."""
+    r = CliRunner().invoke(cli, args, env={"COLUMNS": "80"})
+    assert r.exit_code == 0 and max(map(len, r.stdout.splitlines())) <= 80, r.stdout
+    assert sentence in r.stdout, r.stdout
