@@ -56,20 +56,45 @@ class _Held:
     first: float | None = None
 
 
-class EngineLoop:
+class Admission:
+    """Request ids and the bound on requests held (``max_pending``), shared by the engine's thread and process
+    fronts; ``error`` once the engine has stopped or failed."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._ids = itertools.count()
+        self._accepting = True
+        self.error: str | None = None
+
+    def next_rid(self) -> int:
+        return next(self._ids)
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def _admit(self, n: int, open_: bool = True) -> None:
+        """Count ``n`` more requests held (call under ``_lock``); ``QueueFull`` past the bound, ``EngineStopped``
+        once stopping, failed or not ``open_``."""
+        if not self._accepting or self.error is not None or not open_:
+            raise EngineStopped(self.error or "the server is shutting down")
+        if self._pending + n > self.max_pending:
+            raise QueueFull(f"{self._pending} requests are queued or running (at most {self.max_pending})")
+        self._pending += n
+
+
+class EngineLoop(Admission):
     """Steps ``engine`` on its own thread; ``max_pending``: most requests held at once."""
 
     def __init__(self, engine: LLMEngine, max_pending: int, metrics: Metrics | None = None,
                  flush: Callable[[], None] | None = None) -> None:
-        self.engine, self.max_pending, self.metrics, self.flush = engine, max_pending, metrics, flush
+        super().__init__(max_pending)
+        self.engine, self.metrics, self.flush = engine, metrics, flush
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._ids = itertools.count()
         self._held: dict[int, _Held] = {}  # engine thread only
-        self._accepting = True
         self._deadline: float | None = None  # set by ``stop``: abort what is left after it
-        self.error: str | None = None
         self.finished = {"eos": 0, "length": 0, "abort": 0}
         self._thread = threading.Thread(target=self._run, name="pwrun-engine", daemon=True)
 
@@ -84,13 +109,6 @@ class EngineLoop:
             self.metrics.pool(pool_state(self.engine))
         self._thread.start()
 
-    def next_rid(self) -> int:
-        return next(self._ids)
-
-    @property
-    def pending(self) -> int:
-        return self._pending
-
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
@@ -100,11 +118,7 @@ class EngineLoop:
         ``arrival``: their ``time.perf_counter()`` arrival (default now). Raises ``QueueFull`` past ``max_pending``
         and ``EngineStopped`` once stopping or failed."""
         with self._lock:
-            if not self._accepting or self.error is not None:
-                raise EngineStopped(self.error or "the server is shutting down")
-            if self._pending + len(requests) > self.max_pending:
-                raise QueueFull(f"{self._pending} requests are queued or running (at most {self.max_pending})")
-            self._pending += len(requests)
+            self._admit(len(requests))
             self._inbox.put(("add", (requests, sink, time.perf_counter() if arrival is None else arrival)))
 
     def abort(self, rid: int) -> None:

@@ -31,7 +31,7 @@ from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwrun.core.request import Request, RequestOutput
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.trace import StepTrace
-from pwrun.serve.engine_loop import EngineLoop, EngineStopped, Metrics, QueueFull, Sink
+from pwrun.serve.engine_loop import Admission, EngineLoop, EngineStopped, Metrics, Sink
 from pwrun.serve.metrics import PoolState
 
 Builder = Callable[[], LLMEngine]
@@ -130,23 +130,19 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
             return
 
 
-class EngineProcess:
+class EngineProcess(Admission):
     """``EngineLoop``'s interface over an engine built by ``build`` in a child process (see the module docstring);
     ``max_pending``: most requests held at once; ``metrics``: the parent's ``ServerMetrics``."""
 
     def __init__(self, build: Builder, max_pending: int, metrics: Metrics | None = None) -> None:
-        self.build, self.max_pending, self.metrics = build, max_pending, metrics
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._ids = itertools.count()
+        super().__init__(max_pending)
+        self.build, self.metrics = build, metrics
         self._cids = itertools.count()
         self._sinks: dict[int, Sink] = {}
         self._calls: dict[int, Future[Any]] = {}
         self._proc: Any = None
         self._commands: Connection | None = None
         self._reader: threading.Thread | None = None
-        self._accepting = True
-        self.error: str | None = None
         self.info: dict[str, Any] = {}
         self.finished = {"eos": 0, "length": 0, "abort": 0}
 
@@ -178,13 +174,6 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, args=(ev_read,), name="pwrun-engine-reader", daemon=True)
         self._reader.start()
 
-    def next_rid(self) -> int:
-        return next(self._ids)
-
-    @property
-    def pending(self) -> int:
-        return self._pending
-
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive() and self.error is None
@@ -192,11 +181,7 @@ class EngineProcess:
     def submit(self, requests: list[Request], sink: Sink, arrival: float | None = None) -> None:
         """As ``EngineLoop.submit``: ``QueueFull`` past ``max_pending``, ``EngineStopped`` once stopping or failed."""
         with self._lock:
-            if not self._accepting or self.error is not None or self._commands is None:
-                raise EngineStopped(self.error or "the server is shutting down")
-            if self._pending + len(requests) > self.max_pending:
-                raise QueueFull(f"{self._pending} requests are queued or running (at most {self.max_pending})")
-            self._pending += len(requests)
+            self._admit(len(requests), self._commands is not None)
             for r in requests:
                 self._sinks[r.rid] = sink
             self._send("add", requests, time.perf_counter() if arrival is None else arrival)
