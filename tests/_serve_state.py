@@ -14,3 +14,10 @@ def held_state(e: Any) -> dict[str, int]:
     pool = e.core.pool
     return {"kv": pool.count(KV), "weight": pool.count(WEIGHT), "free": pool.num_free, "pages": pool.cfg.num_pages,
             "requests": len(e.core.requests), "outputs": len(e.outputs), "running": len(e.core.scheduler.running)}
+
+
+def never_built() -> Any:
+    """A builder that does not finish (for the start-up time limit)."""
+    import time
+
+    time.sleep(600)

@@ -2,7 +2,8 @@
 ``test_serve`` (whose ``tight`` server already runs one under load and disconnects):
 
 - the same greedy and seeded text as the engine on a thread of the server's process;
-- a build that fails (a budget too small) raises its own message from ``Server.open`` and leaves no process;
+- a build that fails (a budget too small) raises its own message from ``Server.open`` and leaves no process; one
+  past the start-up limit is killed; a builder that cannot reach a child is refused;
 - an engine process that dies mid-stream: the stream ends with an error instead of hanging, ``/health`` says why,
   new requests get a 503, and the server still stops;
 - the parent's ``/metrics`` follow the child's pool;
@@ -22,9 +23,9 @@ from typing import Any
 
 import openai
 import pytest
-from _serve_state import held_state
+from _serve_state import held_state, never_built
 
-from pwformat.errors import BudgetTooSmall
+from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwrun.data import default_model_dir
 from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
@@ -87,6 +88,16 @@ def test_a_failed_build_raises_its_message_and_leaves_no_process(calibrated_arti
         server.open()
     assert err.value.minimum > 2**20
     assert isinstance(server.loop, EngineProcess) and not server.loop.alive
+
+
+def test_a_build_past_the_limit_is_killed_and_a_local_builder_refused() -> None:
+    loop = EngineProcess(never_built, 4)
+    t0 = time.monotonic()
+    with pytest.raises(PagedWeightError, match="not ready within 3 s"):
+        loop.start(timeout=3)
+    assert time.monotonic() - t0 < 40 and loop._proc is None and not loop.alive
+    with pytest.raises(TypeError, match="must pickle"):
+        EngineProcess(lambda: None, 4).start()  # type: ignore[arg-type,return-value]
 
 
 def test_a_dead_engine_process_fails_its_requests_instead_of_hanging(calibrated_artifacts: Path, tok: Any) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import pickle
 import signal
 import sys
 import threading
@@ -151,25 +152,39 @@ class EngineProcess(Admission):
         Raises ``PagedWeightError`` (``BudgetTooSmall``) with the child's message if the build fails."""
         if self._proc is not None:
             return
+        try:
+            pickle.dumps(self.build)
+        except Exception as exc:
+            raise TypeError(f"the engine's builder must pickle (a module-level function, or a functools.partial of "
+                            f"one): {exc}") from None
         ctx = mp.get_context("spawn")
         cmd_read, cmd_write = ctx.Pipe(duplex=False)
         ev_read, ev_write = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child, args=(self.build, torch.get_num_threads(), cmd_read, ev_write),
-                                 name="pwrun-engine", daemon=True)
-        self._proc.start()
+        proc = ctx.Process(target=_child, args=(self.build, torch.get_num_threads(), cmd_read, ev_write),
+                           name="pwrun-engine", daemon=True)
+        self._proc = proc
+        proc.start()
         cmd_read.close()
         ev_write.close()
-        self._commands = cmd_write
+        stopped: BaseException | None = None
         try:
             if not ev_read.poll(timeout):
                 raise PagedWeightError(f"the engine process was not ready within {timeout:g} s")
             msg = ev_read.recv()
         except EOFError:
             msg = ("failed", self._exit_reason().replace("; see", " before its engine was built; see"), None)
-        if msg[0] == "failed":
-            self._proc.join(30)
+        except BaseException as exc:  # Ctrl-C, SIGTERM or the time limit during the build: leave nothing building
+            proc.kill()
+            stopped, msg = exc, ("killed",)
+        if msg[0] != "ready":
+            proc.join(30)
             self._proc = None
+            cmd_write.close()
+            ev_read.close()
+            if stopped is not None:
+                raise stopped
             raise PagedWeightError(msg[1]) if msg[2] is None else BudgetTooSmall(msg[1], msg[2])
+        self._commands = cmd_write
         self.info = msg[1]
         self._reader = threading.Thread(target=self._read, args=(ev_read,), name="pwrun-engine-reader", daemon=True)
         self._reader.start()
