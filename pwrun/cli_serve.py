@@ -123,6 +123,12 @@ def serve(
             if not chat_template.is_file():
                 raise PagedWeightError(f"--chat-template {chat_template} is not a file: give a Jinja template file")
             tok.chat_template = chat_template.read_text()
+            try:
+                tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                        add_generation_prompt=True)
+            except Exception as exc:  # jinja2's syntax and render errors
+                raise PagedWeightError(f"--chat-template {chat_template} does not render one user message "
+                                       f"({type(exc).__name__}: {exc}): fix the template") from None
         serve_policy = Policy.named(policy, bits)
         if artifacts is not None:
             art = open_artifact(artifacts, model_dir, not no_verify)
@@ -137,7 +143,8 @@ def serve(
         try:
             server.open()
         except BudgetTooSmall as exc:
-            raise PagedWeightError(f"{exc} (or lower --max-model-len {context} or --max-batch {max_batch})") from exc
+            raise PagedWeightError(f"{exc} (or lower --max-model-len, now {context}, or --max-batch, now "
+                                   f"{max_batch})") from exc
         console.print(_start_line(server.loop.info, name, server.url, context, max_batch, max_queue), style="dim",
                       highlight=False, soft_wrap=True)
         caught: list[int] = []
@@ -148,7 +155,15 @@ def serve(
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        done = server.loop.finished
-        console.print(f"stopped{' (' + signal.Signals(caught[0]).name + ')' if caught else ''}: "
-                      f"{done['eos'] + done['length']} requests finished, {done['abort']} aborted",
-                      style="dim", highlight=False, soft_wrap=True)
+        done, failure = server.loop.finished, server.loop.failure
+        finished = done["eos"] + done["length"] + done["stop"]
+        line = (f"stopped{' (' + signal.Signals(caught[0]).name + ')' if caught else ''}: "
+                f"{_requests(finished)} finished, {done['abort']} aborted")
+        if failure is not None:
+            console.print(f"error: {line}, {done['failed']} failed: {failure}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        console.print(line, style="dim", highlight=False, soft_wrap=True)
+
+
+def _requests(n: int) -> str:
+    return f"{n} request{'' if n == 1 else 's'}"

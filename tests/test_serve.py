@@ -199,10 +199,18 @@ def test_stop_strings_end_the_text_before_them(big: Server) -> None:
     stop = full[len(full) // 3:len(full) // 3 + 3]
     want = full[:full.index(stop)]
     client = _client(big)
+    key = 'pwrun_requests_finished_total{finish="%s"}'
+    before = _metrics(big)
     got = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stop=[stop, "\x00"])
     assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
     stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stop=stop, stream=True)
     assert _stream_texts(stream, 1) == ([want], ["stop"])
+    end = time.monotonic() + 10  # the engine's abort of a stopped request reaches the metrics after its response
+    while _metrics(big).get(key % "stop", 0) < before.get(key % "stop", 0) + 2 and time.monotonic() < end:
+        time.sleep(0.05)
+    after = _metrics(big)
+    for finish, more in (("stop", 2), ("abort", 0)):  # counted as stop strings, not as aborts
+        assert after.get(key % finish, 0) - before.get(key % finish, 0) == more, finish
 
 
 def test_choice_text_equals_a_full_decode_cut_at_the_stop(tok: Any) -> None:
@@ -411,12 +419,49 @@ def test_sigterm_lets_the_running_request_finish_then_exits(calibrated_artifacts
     _, err = proc.communicate(timeout=60)
     reader.join(30)
     assert proc.returncode == 0, err
-    assert got[-1].finish_reason == "length" and "stopped (SIGTERM): 1 requests finished, 0 aborted" in err
+    assert got[-1].finish_reason == "length" and "stopped (SIGTERM): 1 request finished, 0 aborted" in err
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` and that multiprocessing spawned (the engine; not its resource tracker)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) if d.name.isdigit() else -1
+            spawned = ppid == pid and b"spawn_main" in (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if spawned:
+            out.append(int(d.name))
+    return out
+
+
+def test_a_dead_engine_makes_the_server_exit_1_naming_the_failed_requests(calibrated_artifacts: Path) -> None:
+    """The engine process killed under a running stream: the server says so in its log at once, and on SIGTERM
+    exits 1 with the failed request counted."""
+    port = free_port()
+    proc = _serve_process(calibrated_artifacts, port, 5)
+    got: list[Any] = []
+    first = threading.Event()
+    reader = _stream_in_thread(f"http://127.0.0.1:{port}", got, first, 120)
+    assert first.wait(60)
+    pids = _spawned_children(proc.pid)
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGKILL)
+    reader.join(30)
+    assert isinstance(got[-1], Exception) or got[-1].finish_reason is None
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert "ERROR:    the engine process exited (killed by SIGKILL): 1 request failed; restart the server" in err
+    assert err.strip().splitlines()[-1] == ("error: stopped (SIGTERM): 0 requests finished, 0 aborted, 1 failed: the "
+                                            "engine process exited (killed by SIGKILL); see the server's log, then "
+                                            "restart it"), err
 
 
 def test_stopping_without_drain_aborts_the_running_request(calibrated_artifacts: Path, tok: Any) -> None:
-    """What SIGTERM does with ``--drain-seconds 0`` (uvicorn's ``should_exit``, in-process): the stream is cut,
-    the request aborted, the engine thread stopped."""
+    """What SIGTERM does with ``--drain-seconds 0`` (uvicorn's ``should_exit``, in-process): the request is aborted,
+    its stream ends properly (a last chunk with finish_reason "abort"), the engine thread stops."""
     engine = build_serving_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), 128, "cpu")
     spec, _ = load_spec(MODEL)
     server = Server(engine, tok, NAME, ServeLimits(128, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),
@@ -428,8 +473,9 @@ def test_stopping_without_drain_aborts_the_running_request(calibrated_artifacts:
     assert first.wait(60)
     server.stop()
     reader.join(30)
-    assert isinstance(got[-1], Exception) and not any(getattr(c, "finish_reason", None) for c in got)
-    assert server.loop.finished == {"eos": 0, "length": 0, "abort": 1} and not server.loop.alive
+    assert got[-1].finish_reason == "abort" and not isinstance(got[-1], Exception), got[-1]
+    assert server.loop.finished == {"eos": 0, "length": 0, "stop": 0, "abort": 1, "failed": 0}
+    assert not server.loop.alive and server.loop.failure is None
     assert engine.core.idle and engine.core.pool.count(KV) == 0
 
 
@@ -437,6 +483,8 @@ def test_stopping_without_drain_aborts_the_running_request(calibrated_artifacts:
 
 def test_serve_command_refuses_bad_options(calibrated_artifacts: Path, tmp_path: Path) -> None:
     """One ``error:`` line and exit 2, before the engine is built where it can be."""
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.role ")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -447,7 +495,9 @@ def test_serve_command_refuses_bad_options(calibrated_artifacts: Path, tmp_path:
             (["--log-level", "loud"], "--log-level 'loud' is not one of critical, error, warning, info, debug"),
             (["--gpu-memory", "1GiB"], "need --artifacts"),
             (["--chat-template", str(tmp_path / "none.jinja")], "is not a file"),
-            (["--artifacts", str(calibrated_artifacts), "--gpu-memory", "20MiB"], "or lower --max-model-len 2048"),
+            (["--chat-template", str(broken)], "does not render one user message (TemplateSyntaxError"),
+            (["--artifacts", str(calibrated_artifacts), "--gpu-memory", "20MiB"],
+             "(or lower --max-model-len, now 2048, or --max-batch, now 16)"),
         ]
         for args, words in cases:
             r = CliRunner().invoke(app, ["serve", "--device", "cpu", *args])

@@ -124,6 +124,11 @@ def test_a_dead_engine_process_fails_its_requests_instead_of_hanging(calibrated_
             client.completions.create(model=NAME, prompt="The river", max_tokens=4)
         assert refused.value.status_code == 503
         assert server.loop.pending == 0
+        assert server.loop.finished["failed"] == 1 and "killed by SIGKILL" in (server.loop.failure or "")
+        metrics = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
+        for line in ("pwrun_engine_up 0.0", "pwrun_requests_running 0.0", "pwrun_kv_pages 0.0",
+                     'pwrun_requests_finished_total{finish="failed"} 1.0'):
+            assert line in metrics, line
     finally:
         t0 = time.monotonic()
         server.stop()

@@ -216,7 +216,7 @@ class BudgetSplit:
             f"--gpu-memory {format_size(self.cfg.gpu_memory)} is too small: {what} {format_size(expert_bytes)} and "
             f"the longest request ({self.longest} tokens) {format_size(kv)} of KV, besides {format_size(self.fixed)} "
             f"of non-expert weights ({dtype_label(self.model.dtype)}) and {format_size(self.work)} of step workspace "
-            f"(fewer tokens per step or fewer concurrent requests shrink it): give at least --gpu-memory "
+            f"(a lower --max-step-tokens or --max-batch shrinks it): give at least --gpu-memory "
             f"{math.ceil(minimum / 2**20)}MiB", minimum)
 
     def pool_and_runner(self, model: LeanMoEModel) -> tuple[PagePool, ModelRunner]:

@@ -38,7 +38,8 @@ class Metrics(Protocol):
     def step(self, t: StepTrace) -> None: ...
     def pool(self, p: PoolState) -> None: ...
     def first_token(self, seconds: float) -> None: ...
-    def finished(self, out: RequestOutput, latency: float, per_token: float | None) -> None: ...
+    def finished(self, out: RequestOutput, reason: str, latency: float, per_token: float | None) -> None: ...
+    def engine_down(self, failed: int = 0) -> None: ...
 
 
 class QueueFull(Exception):
@@ -56,9 +57,13 @@ class _Held:
     first: float | None = None
 
 
+FINISHED = ("eos", "length", "stop", "abort", "failed")  # how held requests end (stop: a stop string; failed: the
+# engine failed or its process died under them)
+
+
 class Admission:
     """Request ids and the bound on requests held (``max_pending``), shared by the engine's thread and process
-    fronts; ``error`` once the engine has stopped or failed."""
+    fronts; ``error`` once the engine has stopped or failed, ``failure`` (the reason) only if it failed."""
 
     def __init__(self, max_pending: int) -> None:
         self.max_pending = max_pending
@@ -67,6 +72,7 @@ class Admission:
         self._ids = itertools.count()
         self._accepting = True
         self.error: str | None = None
+        self.failure: str | None = None
 
     def next_rid(self) -> int:
         return next(self._ids)
@@ -94,8 +100,9 @@ class EngineLoop(Admission):
         self.engine, self.metrics, self.flush = engine, metrics, flush
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._held: dict[int, _Held] = {}  # engine thread only
-        self._deadline: float | None = None  # set by ``stop``: abort what is left after it
-        self.finished = {"eos": 0, "length": 0, "abort": 0}
+        self._deadline: float | None = None  # set by ``drain``: abort what is left after it
+        self._stop_strings: set[int] = set()  # requests aborted because their text reached a stop string
+        self.finished = dict.fromkeys(FINISHED, 0)
         self._thread = threading.Thread(target=self._run, name="pwrun-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -121,9 +128,10 @@ class EngineLoop(Admission):
             self._admit(len(requests))
             self._inbox.put(("add", (requests, sink, time.perf_counter() if arrival is None else arrival)))
 
-    def abort(self, rid: int) -> None:
-        """Abort request ``rid`` at the next step boundary (nothing if it has finished)."""
-        self._inbox.put(("abort", rid))
+    def abort(self, rid: int, reason: str = "abort") -> None:
+        """Abort request ``rid`` at the next step boundary (nothing if it has finished); ``reason`` "stop": its
+        text reached a stop string (counted as such)."""
+        self._inbox.put(("abort", (rid, reason)))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future[Any]:
         """Run ``fn(engine)`` on the engine thread at a step boundary; its result as a future."""
@@ -133,11 +141,17 @@ class EngineLoop(Admission):
             self._fail_inbox()
         return fut
 
-    def stop(self, drain_seconds: float = 0.0) -> None:
-        """Take no more requests; finish the held ones for up to ``drain_seconds``, abort the rest, join."""
+    def drain(self, drain_seconds: float) -> None:
+        """Take no more requests; finish the held ones for up to ``drain_seconds``, then abort the rest (returns at
+        once; ``stop`` waits)."""
         with self._lock:
             self._accepting = False
         self._inbox.put(("stop", time.perf_counter() + drain_seconds))
+
+    def stop(self, drain_seconds: float = 0.0) -> None:
+        """``drain`` (unless draining already), then wait for the engine thread to end."""
+        if self._accepting:
+            self.drain(drain_seconds)
         self._thread.join()
 
     # ------------------------------------------------------------------ the engine thread
@@ -160,7 +174,10 @@ class EngineLoop(Admission):
                     self._step()
                 self._flush()
         except BaseException as exc:  # the engine is in an unknown state: fail every request and stop
-            self.error = f"the engine failed: {type(exc).__name__}: {exc}"
+            self.error = self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
+            self.finished["failed"] += len(self._held)
+            if self.metrics is not None:
+                self.metrics.engine_down(len(self._held))
             for held in self._held.values():
                 held.sink(EngineStopped(self.error))
             self._held.clear()
@@ -184,8 +201,11 @@ class EngineLoop(Admission):
                     self.engine.add_request(r)
                     self._held[r.rid] = _Held(sink, arrival)
             elif kind == "abort":
-                if arg in self._held:
-                    self._abort(arg)
+                rid, reason = arg
+                if rid in self._held:
+                    if reason == "stop":
+                        self._stop_strings.add(rid)
+                    self._abort(rid)
             elif kind == "call":
                 fn, fut = arg
                 try:
@@ -223,13 +243,17 @@ class EngineLoop(Admission):
             return
         del self._held[out.rid]
         self.engine.forget(out.rid)
-        self.finished[out.finish] += 1
+        reason: str = out.finish
+        if out.rid in self._stop_strings:
+            self._stop_strings.discard(out.rid)
+            reason = "stop" if out.finish == "abort" else out.finish
+        self.finished[reason] += 1
         with self._lock:
             self._pending -= 1
         if self.metrics is not None:
             now = time.perf_counter() if now is None else now
             tpot = (now - held.first) / (len(out.token_ids) - 1) if held.first and len(out.token_ids) > 1 else None
-            self.metrics.finished(out, now - held.arrival, tpot)
+            self.metrics.finished(out, reason, now - held.arrival, tpot)
 
     def _fail_inbox(self) -> None:
         while True:

@@ -14,6 +14,7 @@ child sees its pipe close and stops.
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing as mp
 import pickle
 import signal
@@ -32,7 +33,7 @@ from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwrun.core.request import Request, RequestOutput
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.trace import StepTrace
-from pwrun.serve.engine_loop import Admission, EngineLoop, EngineStopped, Metrics, Sink
+from pwrun.serve.engine_loop import FINISHED, Admission, EngineLoop, EngineStopped, Metrics, Sink
 from pwrun.serve.metrics import PoolState
 
 Builder = Callable[[], LLMEngine]
@@ -53,8 +54,11 @@ class _Relay:
     def first_token(self, seconds: float) -> None:
         self.events.append(("first_token", (seconds,)))
 
-    def finished(self, out: RequestOutput, latency: float, per_token: float | None) -> None:
-        self.events.append(("finished", (out, latency, per_token)))
+    def finished(self, out: RequestOutput, reason: str, latency: float, per_token: float | None) -> None:
+        self.events.append(("finished", (out, reason, latency, per_token)))
+
+    def engine_down(self, failed: int = 0) -> None:
+        self.events.append(("engine_down", (failed,)))
 
 
 def _take(items: list[Any]) -> list[Any]:
@@ -94,7 +98,7 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
     def flush() -> None:
         batch, evs = _take(outs), _take(relay.events)
         if batch or evs:
-            _post(events, ("batch", batch, evs))
+            _post(events, ("batch", batch, evs, dict(loop.finished)))
 
     loop = EngineLoop(engine, sys.maxsize, relay, flush)
     _post(events, ("ready", engine.info))
@@ -116,7 +120,7 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
                 outs.append(("fail", rids, str(exc)))
                 flush()
         elif kind == "abort":
-            loop.abort(args[0])
+            loop.abort(*args)
         elif kind == "call":
             cid, fn = args
 
@@ -127,7 +131,7 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
         elif kind == "stop":
             loop.stop(args[0])
             flush()
-            _post(events, ("stopped", loop.error))
+            _post(events, ("stopped", loop.error, loop.failure, dict(loop.finished)))
             return
 
 
@@ -145,7 +149,14 @@ class EngineProcess(Admission):
         self._commands: Connection | None = None
         self._reader: threading.Thread | None = None
         self.info: dict[str, Any] = {}
-        self.finished = {"eos": 0, "length": 0, "abort": 0}
+        self._counts = dict.fromkeys(FINISHED, 0)  # the child loop's, as of its last message
+        self._lost = 0  # requests held when the child died
+        self._drain_seconds = 0.0
+
+    @property
+    def finished(self) -> dict[str, int]:
+        """Requests ended, by how (``FINISHED``)."""
+        return self._counts | {"failed": self._counts["failed"] + self._lost}
 
     def start(self, timeout: float | None = None) -> None:
         """Spawn the child and wait until its engine is built (``timeout`` seconds at most; None: no limit).
@@ -201,9 +212,10 @@ class EngineProcess(Admission):
                 self._sinks[r.rid] = sink
             self._send("add", requests, time.perf_counter() if arrival is None else arrival)
 
-    def abort(self, rid: int) -> None:
+    def abort(self, rid: int, reason: str = "abort") -> None:
+        """As ``EngineLoop.abort``."""
         with self._lock:
-            self._send("abort", rid)
+            self._send("abort", rid, reason)
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future[Any]:
         """Run ``fn(engine)`` in the child at a step boundary (``fn`` and its result must pickle)."""
@@ -217,12 +229,20 @@ class EngineProcess(Admission):
             self._send("call", cid, fn)
         return fut
 
-    def stop(self, drain_seconds: float = 0.0, timeout: float = 120.0) -> None:
+    def drain(self, drain_seconds: float) -> None:
         """Take no more requests; the child finishes the held ones for up to ``drain_seconds``, aborts the rest and
-        exits (killed if it has not after ``drain_seconds + timeout``)."""
+        exits (returns at once; ``stop`` waits)."""
         with self._lock:
             self._accepting = False
             self._send("stop", drain_seconds)
+        self._drain_seconds = drain_seconds
+
+    def stop(self, drain_seconds: float = 0.0, timeout: float = 120.0) -> None:
+        """``drain`` (unless draining already), then wait for the child to exit (killed if it has not after the
+        drain time + ``timeout``)."""
+        if self._accepting:
+            self.drain(drain_seconds)
+        drain_seconds = self._drain_seconds
         if self._reader is not None:
             self._reader.join(drain_seconds + timeout)
         if self._proc is not None:
@@ -246,18 +266,25 @@ class EngineProcess(Admission):
             while True:
                 msg = events.recv()
                 if msg[0] == "stopped":
-                    why = msg[1] or "the server has shut down"
+                    why, self.failure, self._counts = msg[1] or "the server has shut down", msg[2], msg[3]
                     break
-                _, batch, evs = msg
+                _, batch, evs, self._counts = msg
                 for item in batch:
                     self._dispatch(item)
                 if self.metrics is not None:
                     for name, args in evs:
                         getattr(self.metrics, name)(*args)
         except (EOFError, OSError):
-            why = self._exit_reason()
+            why = self.failure = self._exit_reason()
+            n = len(self._sinks)
+            logging.getLogger("uvicorn.error").error(
+                f"{why.split(';')[0]}: {n} request{'' if n == 1 else 's'} failed; restart the server")
         with self._lock:
             self.error = self.error or why
+            if self.failure is not None and self._sinks:
+                self._lost = len(self._sinks)
+                if self.metrics is not None:
+                    self.metrics.engine_down(self._lost)
             sinks, calls = list(self._sinks.values()), list(self._calls.values())
             self._sinks.clear()
             self._calls.clear()
@@ -286,7 +313,6 @@ class EngineProcess(Admission):
             if sink is None:
                 return
             if out.finish is not None:
-                self.finished[out.finish] += 1
                 with self._lock:
                     del self._sinks[out.rid]
                     self._pending -= 1

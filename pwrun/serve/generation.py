@@ -158,7 +158,7 @@ class Generation:
                 if text.stopped:
                     self.finish[i] = "stop"
                     if not item.finished:
-                        self.loop.abort(item.rid)
+                        self.loop.abort(item.rid, "stop")
                 elif item.finish is not None:
                     self.finish[i] = _FINISH[item.finish]
                 if delta or self.finish[i] is not None:

@@ -37,6 +37,7 @@ from pwrun.serve.generation import ServeLimits
 from pwrun.serve.metrics import ServerMetrics
 
 LOG_LEVELS = tuple(uvicorn.config.LOG_LEVELS)  # what --log-level accepts
+ABORT_SECONDS = 10  # after the drain time: for the aborted requests' last chunks before uvicorn cancels them
 
 
 def build_serving_engine(model_dir: Path, artifacts: Path | None, cfg: ServeConfig, max_model_len: int,
@@ -68,8 +69,9 @@ class Server:
         self.app = create_app(self.state)
         self.drain_seconds = drain_seconds
         config = uvicorn.Config(_QuietShutdown(self.app, self.state.shutting_down), host=host, port=port,
-                                log_level=log_level, lifespan="off", timeout_graceful_shutdown=math.ceil(drain_seconds))
-        self._uvicorn = uvicorn.Server(config)
+                                log_level=log_level, lifespan="off",
+                                timeout_graceful_shutdown=math.ceil(drain_seconds) + ABORT_SECONDS)
+        self._uvicorn = _Uvicorn(config, lambda: self.loop.drain(drain_seconds))
         self._thread: threading.Thread | None = None
         self.host, self.port = host, port
 
@@ -113,6 +115,20 @@ class Server:
         if self._thread is not None:
             self._thread.join()
         self.loop.stop(0.0)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server that, as its shutdown begins, starts the engine's drain: the running requests finish for up
+    to the drain time, then the engine aborts the rest, whose responses end properly (a last chunk with
+    ``finish_reason`` "abort" and ``[DONE]``, or a whole response) within ``ABORT_SECONDS`` after it."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._drain = drain
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._drain()
+        await super().shutdown(sockets)
 
 
 class _QuietShutdown:
