@@ -42,9 +42,10 @@ import pandas as pd
 
 from pwcal.alloc_scoring import score_allocations
 from pwcal.calib_data import calibration_windows
-from pwcal.stages import begin_stage, finish_stage, locked_stage, start_writing
+from pwcal.residual import ResidualConfig
+from pwcal.sensitivity import SensitivityConfig
+from pwcal.stages import begin_stage, finish_stage, locked_stage, recorded_config, start_writing
 from pwformat.errors import PagedWeightError
-from pwformat.manifest import read_manifest
 from pwformat.tables import write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.planner.buckets import BucketPolicy
@@ -71,11 +72,17 @@ class SearchConfig:
     gain_z: float = 1.645  # a budget shows a gain at one-sided 95%: mean paired gain > 1.645 standard errors
 
     def __post_init__(self) -> None:
-        if (self.candidates is not None and self.candidates < 0) or self.heldout_windows < 1 \
-                or self.confirm_windows < 2 or not self.budgets_bits or not self.gain_z >= 0 \
-                or not math.isfinite(self.gain_z):
-            raise PagedWeightError("--candidates must be >= 0, --heldout-windows >= 1, --confirm-windows >= 2, "
-                                   "a finite --gain-z >= 0, and at least one --budget-bits")
+        checks = [(self.candidates is None or self.candidates >= 0, f"--candidates {self.candidates} must be >= 0"),
+                  (self.heldout_windows >= 1, f"--heldout-windows {self.heldout_windows} must be >= 1"),
+                  (self.confirm_windows >= 2, f"--confirm-windows {self.confirm_windows} must be >= 2"),
+                  (math.isfinite(self.gain_z) and self.gain_z >= 0, f"--gain-z {self.gain_z} must be a finite number "
+                   ">= 0"),
+                  (bool(self.budgets_bits), "give at least one --budget-bits"),
+                  (all(math.isfinite(b) for b in self.budgets_bits), f"--budget-bits {list(self.budgets_bits)} must "
+                   "be finite numbers of bits")]
+        for ok, message in checks:
+            if not ok:
+                raise PagedWeightError(message)
 
 
 def search_space(seed_bits: int) -> list[BucketPolicy]:
@@ -145,17 +152,17 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     if not begin_stage(artifact_dir, model_dir, "search-buckets", asdict(cfg), force):
         return {"skipped": True}
     t0 = time.time()
-    stages = read_manifest(artifact_dir).stages
-    sens_cfg, res_cfg = stages["sensitivity"]["config"], stages["fit-residual"]["config"]
-    art = APArtifact(artifact_dir)
+    sens_cfg = recorded_config(artifact_dir, "sensitivity", SensitivityConfig, optional=("importance",))
+    res_cfg = recorded_config(artifact_dir, "fit-residual", ResidualConfig)
+    art = APArtifact(artifact_dir, before="search-buckets")
     table = BlockTable.from_frames(art.table("sensitivity"), art.table("routing"))
     bad = [b for b in cfg.budgets_bits if not art.seed_bits <= b <= 8]
     if bad:
         raise PagedWeightError(f"--budget-bits {bad} outside [{art.seed_bits}, 8] (the artifact's bitwidths)")
     tok = load_tokenizer(model_dir)
     base = load_model(model_dir, device=device, dtype="float32")
-    windows = calibration_windows(tok, sens_cfg["dataset"], cfg.heldout_windows + cfg.confirm_windows,
-                                  sens_cfg["seq_len"], sens_cfg["seed"], skip=sens_cfg["samples"] + res_cfg["prompts"],
+    windows = calibration_windows(tok, sens_cfg.dataset, cfg.heldout_windows + cfg.confirm_windows,
+                                  sens_cfg.seq_len, sens_cfg.seed, skip=sens_cfg.samples + res_cfg.prompts,
                                   flags="--heldout-windows / --confirm-windows")
     select, confirm = windows[: cfg.heldout_windows], windows[cfg.heldout_windows:]
     space = search_space(art.seed_bits)
@@ -216,7 +223,7 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
             "search_space_size": len(space), "candidates_scored": len(candidates),
             "allocations_scored": len(cache), "budgets_bytes": budgets,
             "best_candidate": best, "best_setting": chosen.to_json(),
-            "heldout_dataset": sens_cfg["dataset"], "heldout_tokens": len(select) * len(select[0]),
+            "heldout_dataset": sens_cfg.dataset, "heldout_tokens": len(select) * len(select[0]),
             "confirm_tokens": len(confirm) * len(confirm[0]),
             "best_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == best and r["split"] == "select"],
             "neutral_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == 0 and r["split"] == "select"],

@@ -36,13 +36,18 @@ from sklearn.linear_model import LinearRegression
 from sklearn.metrics import r2_score
 
 from pwcal.calib_data import calibration_windows
-from pwcal.sensitivity import block_hessians, column_errors, sensitivity_table, weighted_sensitivities
-from pwcal.stages import begin_stage, finish_stage, locked_stage, start_writing
+from pwcal.sensitivity import (
+    SensitivityConfig,
+    block_hessians,
+    column_errors,
+    sensitivity_table,
+    weighted_sensitivities,
+)
+from pwcal.stages import begin_stage, finish_stage, locked_stage, recorded_config, start_writing
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.hessian import HessianDiag
 from pwformat.errors import PagedWeightError
-from pwformat.manifest import read_manifest
 from pwformat.tables import write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.model.inventory import expert_blocks
@@ -101,20 +106,19 @@ def prompt_rows(errors: dict, sens: pd.DataFrame, ref: pd.DataFrame, per_prompt:
     return pd.DataFrame(out)
 
 
-def hessian_reference(model: LeanMoEModel, art: APArtifact, tok: Any, sens_cfg: dict[str, Any], sens: pd.DataFrame,
+def hessian_reference(model: LeanMoEModel, art: APArtifact, tok: Any, sens_cfg: SensitivityConfig, sens: pd.DataFrame,
                       progress: Callable[[str, int, int], None] | None = None) -> pd.DataFrame:
     """The sensitivity table with the Hessian-diagonal importance on the sensitivity stage's windows: ``sens``
     itself if that stage used it, else recomputed (one calibration pass). The residual compares a prompt's
     Hessian damage with this calibration average, so its target is the prompt's deviation whatever importance the
     global damage g uses (with the Fisher, g also carries the downstream effect the prompt's inputs do not)."""
-    if sens_cfg.get("importance", "hessian") == "hessian":
+    if sens_cfg.importance == "hessian":
         return sens
-    windows = calibration_windows(tok, sens_cfg["dataset"], sens_cfg["samples"], sens_cfg["seq_len"],
-                                  sens_cfg["seed"])
+    windows = calibration_windows(tok, sens_cfg.dataset, sens_cfg.samples, sens_cfg.seq_len, sens_cfg.seed)
     hess = HessianDiag()
     observe(model, windows, hess, progress=progress, label="hessian reference")
     blocks = expert_blocks(model.spec)
-    imp = block_hessians(hess, blocks, sens_cfg["min_tokens"])
+    imp = block_hessians(hess, blocks, sens_cfg.min_tokens)
     return sensitivity_table(blocks, imp, weighted_sensitivities(model, art, blocks, imp), art.bits, art.seed_bits)
 
 
@@ -145,13 +149,13 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
     if not begin_stage(artifact_dir, model_dir, "fit-residual", asdict(cfg), force):
         return {"skipped": True}
     t0 = time.time()
-    sens_cfg = read_manifest(artifact_dir).stage("sensitivity")["config"]
-    art = APArtifact(artifact_dir)
+    sens_cfg = recorded_config(artifact_dir, "sensitivity", SensitivityConfig, optional=("importance",))
+    art = APArtifact(artifact_dir, before="fit-residual")
     sens, ref = art.table("sensitivity"), art.table("block_features")
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, device=device, dtype="float32", experts="stream")  # experts layer by layer
-    windows = calibration_windows(tok, sens_cfg["dataset"], cfg.prompts, sens_cfg["seq_len"], sens_cfg["seed"],
-                                  skip=sens_cfg["samples"], flags="--prompts")
+    windows = calibration_windows(tok, sens_cfg.dataset, cfg.prompts, sens_cfg.seq_len, sens_cfg.seed,
+                                  skip=sens_cfg.samples, flags="--prompts")
     per_prompt = []
     for i, w in enumerate(windows):
         hess, feats = HessianDiag(), NormFeatures()

@@ -74,6 +74,8 @@ class SensitivityConfig:
     def __post_init__(self) -> None:
         if self.importance not in IMPORTANCE:
             raise PagedWeightError(f"--importance {self.importance!r} is not one of {', '.join(IMPORTANCE)}")
+        if self.samples < 1 or self.seq_len < 2:
+            raise PagedWeightError(f"--samples {self.samples} must be >= 1 and --seq-len {self.seq_len} >= 2")
         if self.min_tokens < 1:
             raise PagedWeightError(f"--min-tokens {self.min_tokens} must be >= 1 (an expert that saw no token has no "
                                    "Hessian)")
@@ -175,7 +177,7 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
     if not begin_stage(artifact_dir, model_dir, "sensitivity", asdict(cfg), force, defaults=PRE_IMPORTANCE):
         return {"skipped": True}
     t0 = time.time()
-    art = APArtifact(artifact_dir)
+    art = APArtifact(artifact_dir, before="sensitivity")
     tok = load_tokenizer(model_dir)
     # the Fisher differentiates through every layer's experts at once: it loads them; else layer by layer
     model = load_model(model_dir, device=device, dtype="float32",

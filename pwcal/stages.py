@@ -11,21 +11,25 @@ and the checksums of its files in ``manifest.json`` atomically. It imports no to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from pwformat.checksums import file_sum, verify_files
 from pwformat.errors import PagedWeightError
-from pwformat.manifest import Manifest, check_same_model, read_manifest, write_manifest
+from pwformat.manifest import STAGES, Manifest, check_same_model, read_manifest, write_manifest
 from pwformat.writer_lock import writer_lock
 
-ORDER = ("quantize", "sensitivity", "fit-residual", "search-buckets")
+ORDER = STAGES
 
 P = ParamSpec("P")
 R = TypeVar("R")
+C = TypeVar("C")
 
 
 def locked_stage(fn: Callable[Concatenate[Path, Path, P], R]) -> Callable[Concatenate[Path, Path, P], R]:
@@ -37,6 +41,33 @@ def locked_stage(fn: Callable[Concatenate[Path, Path, P], R]) -> Callable[Concat
         with writer_lock(artifact_dir):
             return fn(model_dir, artifact_dir, *args, **kwargs)
     return run
+
+
+def recorded_config(artifact_dir: Path, stage: str, cls: type[C], optional: tuple[str, ...] = ()) -> C:
+    """The parameters ``stage`` ran with (its manifest record) as the dataclass ``cls``; ``optional``: fields a
+    manifest from before them lacks (their defaults apply). Raises ``PagedWeightError`` naming a missing, mistyped
+    or invalid field and the command that redoes the stage."""
+    rec = read_manifest(artifact_dir).stage(stage).get("config", {})
+    where = f"{artifact_dir / 'manifest.json'}: stages.{stage}.config"
+    fix = f"redo the stage: `pwcal {stage} MODEL --artifacts {artifact_dir} --force`"
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in rec:
+            if f.name in optional:
+                continue
+            raise PagedWeightError(f"{where}.{f.name} is missing: {fix}")
+        v, kind = rec[f.name], hints[f.name]
+        number = isinstance(v, int | float) and not isinstance(v, bool)
+        ok = (number and isinstance(v, int) if kind is int else number and math.isfinite(v) if kind is float
+              else isinstance(v, kind))
+        if not ok:
+            raise PagedWeightError(f"{where}.{f.name} is {v!r:.40}, not {getattr(kind, '__name__', kind)}: {fix}")
+        values[f.name] = v
+    try:
+        return cls(**values)
+    except PagedWeightError as exc:
+        raise PagedWeightError(f"{where} is not valid ({exc}): {fix}") from None
 
 
 def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[str, Any], force: bool,

@@ -1,8 +1,9 @@
 """``pwcal verify``: check every file of an artifact against its manifest, or add checksums an old one lacks.
 
-What it does: ``artifact_problems`` lists, one line each, every recorded file that is missing, has another size
-or other contents than its checksum, a layer file whose header names another layer or quantize run, and a table
-of a complete stage computed for another model or quantize run, each with the pwcal command that remakes it.
+What it does: ``artifact_problems`` lists, one line each, every recorded file that is missing, has another size or
+other contents than its checksum, a layer file whose header names another layer or quantize run, and a table of a
+complete stage computed for another model or quantize run, and a table file that no stage record lists, each with
+the pwcal command that remakes it.
 ``add_checksums`` records the checksums that an artifact from before them lacks, from the files as they are now
 (it cannot tell whether they were damaged before). It imports no model code.
 """
@@ -57,6 +58,12 @@ def artifact_problems(art: Path, on_bytes: Progress | None = None) -> list[str]:
                        f"remake it with {remake_command(WRITTEN_BY[table], model, art)}")
         except PagedWeightError as exc:
             out.append(str(exc))
+    listed = {f for rec in m.stages.values() for f in rec.get("files", [])}  # complete or stale
+    for table, stage in WRITTEN_BY.items():  # a table no stage record lists: nothing vouches for it
+        path = art / f"{table}.parquet"
+        if path.name not in listed and path.exists():
+            out.append(f"{path} is not recorded in the manifest (copied in?; the runtime ignores it): remove it, or "
+                       f"remake it with {remake_command(stage, model, art)}")
     return out
 
 

@@ -25,9 +25,11 @@ from typing import Any
 from pwformat.atomic import write_atomic
 from pwformat.checksums import FileSum
 from pwformat.errors import PagedWeightError
-from pwformat.layout import PARENT_BITS, SUPPORTED_SEEDS
+from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS
 
 MANIFEST = "manifest.json"
+STAGES = ("quantize", "sensitivity", "fit-residual", "search-buckets")  # the pwcal stages, in the order they run
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists files and stage configs: far below this
 
 
 def package_version() -> str:
@@ -185,11 +187,13 @@ class Manifest:
             d["checksums"] = {k: v.to_dict() for k, v in self.checksums.items()}
         return d
 
-    def checked_files(self) -> list[str]:
-        """The files a reader relies on: every layer file and the outputs of every complete stage."""
+    def checked_files(self, before: str | None = None) -> list[str]:
+        """The files a reader relies on: every layer file and the outputs of every complete stage; with ``before``
+        (a stage of ``STAGES``) only those of the stages before it (what that stage reads: it remakes the rest)."""
         names = list(dict.fromkeys(self.files.values()))
-        for rec in self.stages.values():
-            if rec.get("complete"):
+        earlier = None if before is None else STAGES[:STAGES.index(before)]
+        for stage, rec in self.stages.items():
+            if rec.get("complete") and (earlier is None or stage in earlier):
                 names += [f for f in rec.get("files", []) if f not in names]
         return names
 
@@ -240,7 +244,7 @@ class Manifest:
             raise _bad(where, "bits", bits, f"every bitwidth from seed_bits to parent_bits, {seed}..{parent}")
         files = _field(where, "files", d["files"], dict)
         for k, v in files.items():
-            if not (isinstance(k, str) and k.isdigit() and k.isascii()):
+            if not (isinstance(k, str) and k.isdigit() and k.isascii() and len(k) <= 6):
                 raise _bad(where, f"files.{k}", k, "a layer index (a decimal integer)")
             _plain_name(where, f"files.{k}", v)
         stages = _field(where, "stages", d["stages"], dict)
@@ -268,9 +272,14 @@ class Manifest:
                 for f in rec.get("files", []) if rec.get("complete") else []:
                     if f not in sums:
                         raise _bad(where, f"stages.{name}.files", f, "a file with a checksum record")
+        fmt, fmt_version = _field(where, "format", d["format"], str), _field(where, "format_version",
+                                                                             d["format_version"], int)
+        if fmt != FORMAT:
+            raise _bad(where, "format", fmt, repr(FORMAT))
+        if fmt_version != FORMAT_VERSION:
+            raise _bad(where, "format_version", fmt_version, f"{FORMAT_VERSION} (the AP layout this version reads)")
         return Manifest(
-            format=_field(where, "format", d["format"], str),
-            format_version=_field(where, "format_version", d["format_version"], int),
+            format=fmt, format_version=fmt_version,
             parent_bits=parent, seed_bits=seed,
             bits=list(bits), files=dict(files), stages=stages,
             model=ModelRecord(**{f.name: m.get(f.name) for f in dataclasses.fields(ModelRecord)}),
@@ -290,14 +299,28 @@ def write_manifest(artifact_dir: Path, manifest: Manifest) -> None:
 def read_manifest(artifact_dir: Path) -> Manifest:
     """The manifest of ``artifact_dir``; raises ``PagedWeightError`` if missing, unreadable or invalid."""
     p = artifact_dir / MANIFEST
+    if (p.exists() or p.is_symlink()) and not p.is_file():
+        raise PagedWeightError(f"{p} is not a regular file (a directory, a device or a broken link): {FIX}")
     if not p.is_file():
+        left = [x for x in (".old", ".partial") if (artifact_dir.parent / (artifact_dir.name + x)).is_dir()]
+        if left:
+            beside = " and ".join(artifact_dir.name + x for x in left)
+            raise PagedWeightError(f"{artifact_dir} has no {MANIFEST}, but {beside} lie beside it: a pwcal quantize "
+                                   f"into it was stopped; run `pwcal quantize MODEL --out {artifact_dir}` again to "
+                                   "restore or finish it")
         raise PagedWeightError(f"{artifact_dir} is not a PagedWeight artifact (no {MANIFEST}): run "
                                "`pwcal run-all MODEL --out DIR` (or its first stage, `pwcal quantize`) first")
+    if p.stat().st_size > MAX_MANIFEST_BYTES:
+        raise PagedWeightError(f"{p} is corrupt ({p.stat().st_size} bytes, far more than pwcal writes): {FIX}")
     try:
         out = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
-        raise PagedWeightError(f"{p} is corrupt ({why}): {FIX}") from exc
+    except json.JSONDecodeError as exc:
+        why = exc.msg.removesuffix(" at")  # "Invalid control character at"
+        raise PagedWeightError(f"{p} is corrupt ({why} at line {exc.lineno} column {exc.colno}): {FIX}") from exc
+    except UnicodeDecodeError as exc:
+        raise PagedWeightError(f"{p} is corrupt (not UTF-8 text): {FIX}") from exc
+    except (ValueError, RecursionError) as exc:  # e.g. an integer of thousands of digits, or arrays nested too deep
+        raise PagedWeightError(f"{p} is corrupt ({type(exc).__name__}: {str(exc)[:80]}): {FIX}") from exc
     return Manifest.from_dict(out, p)
 
 

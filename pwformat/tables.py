@@ -101,7 +101,13 @@ def read_table(path: Path, name: str, digest: str | None = None, provenance: dic
         raise PagedWeightError(f"{path} does not have the {name} schema of this version: {remake}")
     if provenance is not None:
         raw = (table.schema.metadata or {}).get(PROVENANCE_KEY)
-        got = json.loads(raw) if raw else {}
+        try:
+            got = json.loads(raw) if raw else {}
+        except ValueError:
+            got = None
+        if not isinstance(got, dict):
+            raise PagedWeightError(f"{path} has unreadable provenance metadata (not the JSON object pwcal writes): "
+                                   f"{remake}")
         if got.get("model") != provenance["model"]:
             raise PagedWeightError(f"{path} was computed for another model (fingerprint {got.get('model')}, this "
                                    f"artifact's is {provenance['model']}): {remake}")

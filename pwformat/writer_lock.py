@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,13 +49,23 @@ def _try_flock(fd: int, kind: int, tries: int = 5) -> bool:
     return False
 
 
+def _regular(fd: int, path: Path) -> int:
+    """``fd`` if it is a regular file; else closes it and raises ``PagedWeightError`` (a FIFO or a device there
+    would block or refuse the lock)."""
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    raise PagedWeightError(f"{path} is not a regular file: remove it (pwcal creates its lock file there while a "
+                           "stage writes)")
+
+
 def _open_locked(path: Path, out: Path) -> int:
     """A descriptor of ``path`` holding its exclusive lock. A holder that finishes between our open and our flock
     removes the file we opened: then the lock we got is on a stale file, and we open the new one (a few tries).
     Raises ``PagedWeightError`` if another process holds the lock or the file cannot be opened."""
     for _ in range(5):
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _regular(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644), path)
         except OSError as exc:
             fix = f"remove {path}" if exc.errno == errno.EISDIR else "give --out where you can write"
             raise PagedWeightError(f"cannot create the lock file {path}: {exc.strerror}; {fix}") from exc
@@ -98,7 +109,7 @@ def check_no_writer(out: Path) -> None:
     if path in _held:
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _regular(os.open(path, os.O_RDONLY | os.O_NONBLOCK), path)
     except OSError:
         return  # no lock file: nobody writes
     try:

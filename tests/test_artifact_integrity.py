@@ -28,7 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from pwcal.cli import app as pwcal_app
 from pwformat.checksums import file_digest
-from pwformat.tables import PROVENANCE_KEY
+from pwformat.manifest import read_manifest
+from pwformat.tables import PROVENANCE_KEY, SCHEMAS, write_table
 from pwrun.cli import app as pwrun_app
 from pwrun.core.request import SamplingParams
 from tests._artifacts import MODEL, QUANT, SERVE, edit_manifest, flip, make_artifact, one_error, runner, serve
@@ -251,6 +252,8 @@ def test_leftovers_of_a_killed_quantize_are_recovered_or_removed(artifacts: tupl
     # killed between its renames: OUT moved to OUT.old, the complete OUT.partial not yet renamed
     shutil.copytree(artifacts[1], partial)
     shutil.copytree(artifacts[0], old)
+    one_error(serve(out), f"{out} has no manifest.json, but ap.old and ap.partial lie beside it",
+              f"run `pwcal quantize MODEL --out {out}` again")
     r = runner.invoke(pwcal_app, ["quantize", str(MODEL), "--out", str(out), *QUANT, "--calib-seed", "1"])
     assert r.exit_code == 0, r.stderr
     notes = [x for x in r.stderr.splitlines() if str(out) in x and "ap." in x]
@@ -282,4 +285,90 @@ def test_verifying_a_large_artifact_shows_progress(art: Path, monkeypatch: pytes
     monkeypatch.setattr(pwrun.cli_common, "LARGE_ARTIFACT", 0)
     r = serve(art, "--policy", "uniform", "--bits", "4")
     total = sum(p.stat().st_size for p in art.iterdir() if p.name != "manifest.json") / 2**20
-    assert r.exit_code == 0 and f"verifying {art}, MiB: {total:g}/{total:g}" in r.stderr, r.stderr
+    assert r.exit_code == 0 and f"verifying {art}, MiB: {total:.1f}/{total:.1f}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"format_version": 1' + "0" * 5000 + "}", "manifest.json is corrupt (ValueError"),  # json's 4,300-digit limit
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "manifest.json is corrupt (RecursionError"),
+    ('{"format": "x\x01"}', "manifest.json is corrupt (Invalid control character at line 1 column"),
+])
+def test_a_manifest_json_cannot_parse_is_one_line(art: Path, text: str, message: str) -> None:
+    (art / "manifest.json").write_text(text)
+    one_error(runner.invoke(pwcal_app, ["verify", str(art)]), message)
+    one_error(serve(art), message)
+
+
+def test_manifest_that_is_not_a_file_or_of_another_format(art: Path) -> None:
+    edit_manifest(art, lambda m: m.update(format="pagedweight-xx"))
+    one_error(runner.invoke(pwcal_app, ["verify", str(art)]), "field 'format' is 'pagedweight-xx'")
+    (art / "manifest.json").unlink()
+    (art / "manifest.json").mkdir()
+    one_error(serve(art), "manifest.json is not a regular file")
+
+
+def test_a_fifo_in_place_of_the_lock_file_is_named_not_waited_on(art: Path) -> None:
+    lock = art.with_name(art.name + ".lock")
+    os.mkfifo(lock)
+    try:
+        for r in (runner.invoke(pwcal_app, ["verify", str(art)]), serve(art),
+                  runner.invoke(pwcal_app, ["sensitivity", str(MODEL), "--artifacts", str(art), "--force"])):
+            one_error(r, f"{lock} is not a regular file: remove it")
+    finally:
+        lock.unlink()
+
+
+def test_a_table_no_stage_recorded_is_ignored_and_reported(art: Path) -> None:
+    """A residual_heads table copied in (this artifact's own provenance, so only the manifest can tell): the
+    runtime warns and serves without it, as before it was there; verify names it."""
+    before = serve(art)
+    assert before.exit_code == 0 and "has no residual_heads.parquet" in before.stderr, before.stderr
+    prov = read_manifest(art).provenance()
+    write_table(pd.DataFrame({c: [] for c in SCHEMAS["residual_heads"].names}), art / "residual_heads.parquet",
+                "residual_heads", prov)
+    after = serve(art)
+    assert after.exit_code == 0 and "residual_heads.parquet" in after.stderr, after.stderr
+    assert "the manifest records no 'fit-residual' run that wrote it" in after.stderr
+    assert after.stdout == before.stdout
+    r = runner.invoke(pwcal_app, ["verify", str(art)])
+    assert r.exit_code != 0 and "residual_heads.parquet is not recorded in the manifest" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("raw", [b"not json{", b'"abc"', b"[1, 2]", b"null"])
+def test_unreadable_provenance_metadata_is_one_line(art: Path, raw: bytes) -> None:
+    path = art / "sensitivity.parquet"
+    pq.write_table(pq.read_table(path).replace_schema_metadata({PROVENANCE_KEY: raw}), path)
+    digest, size = file_digest(path), path.stat().st_size  # recorded too: only the metadata can tell
+    edit_manifest(art, lambda m: m["checksums"]["sensitivity.parquet"].update(xxh3_128=digest, size=size))
+    one_error(serve(art), "sensitivity.parquet has unreadable provenance metadata")
+
+
+def test_the_stage_named_to_fix_its_own_damaged_table_can_run(art: Path) -> None:
+    """A truncated sensitivity table names `pwcal sensitivity --force`, and that command remakes it (it does not
+    check the outputs it is about to rewrite)."""
+    path = art / "sensitivity.parquet"
+    path.write_bytes(path.read_bytes()[:100])
+    one_error(serve(art), "sensitivity.parquet", f"pwcal sensitivity {MODEL} --artifacts {art} --force")
+    r = runner.invoke(pwcal_app, ["sensitivity", str(MODEL), "--artifacts", str(art), "--force", "--samples", "2",
+                                  "--seq-len", "64", "--min-tokens", "1", "--device", "cpu"])
+    assert r.exit_code == 0, r.stderr
+    assert serve(art).exit_code == 0
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("abc", "stages.sensitivity.config.seq_len is 'abc', not int"),
+    (None, "stages.sensitivity.config.seq_len is missing"),
+    (1, "stages.sensitivity.config is not valid (--samples 2 must be >= 1 and --seq-len 1 >= 2)"),
+])
+def test_a_bad_recorded_stage_config_is_named(art: Path, value: Any, message: str) -> None:
+    def change(m: dict[str, Any]) -> None:
+        cfg = m["stages"]["sensitivity"]["config"]
+        if value is None:
+            del cfg["seq_len"]
+        else:
+            cfg["seq_len"] = value
+
+    edit_manifest(art, change)
+    r = runner.invoke(pwcal_app, ["fit-residual", str(MODEL), "--artifacts", str(art), "--prompts", "2", "--device",
+                                  "cpu"])
+    one_error(r, message, f"pwcal sensitivity MODEL --artifacts {art} --force")

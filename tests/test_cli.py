@@ -129,8 +129,10 @@ def test_unwritable_output_is_a_clear_error(tmp_path: Path) -> None:
         (lambda c: c.update(layer_types=c["layer_types"][:2]), "number of `layer_types` (2)"),
         (lambda c: c.update(num_hidden_layers="four"), "'num_hidden_layers' expected int"),
         (lambda c: c.pop("model_type"), "has no model_type"),
+        (lambda c: c.update(num_experts=10**12), "num_experts 1000000000000 is outside 1..16384"),
+        (lambda c: c.update(vocab_size=0), "vocab_size 0 is outside 1.."),
     ],
-    ids=["layer_types-length", "wrong-type", "no-model_type"],
+    ids=["layer_types-length", "wrong-type", "no-model_type", "huge", "zero"],
 )
 def test_malformed_config_is_one_line_naming_the_file(tmp_path: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
     d = tmp_path / "m"
@@ -143,6 +145,15 @@ def test_malformed_config_is_one_line_naming_the_file(tmp_path: Path, edit, mess
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1, r.stderr
         assert lines[0].startswith(f"error: {d / 'config.json'}") and message in lines[0], lines[0]
+
+
+def test_a_config_that_is_not_text_is_one_line(tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(MODEL, d)
+    (d / "config.json").write_bytes(bytes(range(128, 256)) * 4)
+    r = runner.invoke(pwcal_app, ["inspect", str(d)])
+    assert r.exit_code == 2 and r.stderr.strip() == f"error: {d / 'config.json'} is not UTF-8 text: restore " \
+        "config.json from the original checkpoint", r.stderr
 
 
 NO_MODEL = ["--model", "/nonexistent/model"]  # an error about the model would mean it was loaded before the check
@@ -292,8 +303,12 @@ def test_pwcal_out_of_range_options_are_refused_before_work(tmp_path: Path) -> N
         assert r.exit_code == 2 and len(lines) == 1 and message in lines[0], r.stderr
     assert not (tmp_path / "a").exists()
     for z in (float("nan"), float("inf"), -1.0):
-        with pytest.raises(PagedWeightError, match="finite --gain-z"):
+        with pytest.raises(PagedWeightError, match=r"--gain-z .* must be a finite number >= 0"):
             SearchConfig(gain_z=z)
+    with pytest.raises(PagedWeightError, match=r"^--budget-bits \[4.0, nan\] must be finite numbers of bits$"):
+        SearchConfig(budgets_bits=(4.0, float("nan")))
+    with pytest.raises(PagedWeightError, match=r"^--heldout-windows 0 must be >= 1$"):
+        SearchConfig(heldout_windows=0)
 
 
 def test_messages_name_the_right_thing(tmp_path: Path) -> None:

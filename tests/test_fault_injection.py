@@ -132,10 +132,13 @@ def test_flipped_byte_is_refused_or_unused(kind: str, i: int, work: Path, clean:
     (b'"4.gate_up.lut4"', b'"4.gate_up.lut\x7f"', "has no tensor '4.gate_up.lut4'"),
     (b'"dtype":"I32"', b'"dtype":"F32"', "is torch.float32, not torch.int32"),
     (b'"dtype":"F16"', b'"dtype":"I16"', "is torch.int16, not torch.float16"),
+    (b'"shape":[8,256,8]', b'"shape":[8,512,4]', "has shape [256, 8], not [512, 8]"),  # same bytes, other shape
+    (b'"shape":[8,256,8]', b'"shape":[8,8,256]', "has shape [256, 8], not [8, 8]"),
 ])
 def test_a_header_naming_another_tensor_or_dtype_is_refused_unverified(old: bytes, new: bytes, message: str,
                                                                        work: Path) -> None:
-    """Single flipped bytes of a layer header that keep it valid JSON: unverified, the reader still refuses them."""
+    """Edits of a layer header that keep it valid JSON and the file's size: unverified, the reader still refuses
+    them (names, dtypes, and shapes whose planes and LUTs disagree)."""
     path = work / "layer_001.safetensors"
     data = path.read_bytes()
     header = 8 + int.from_bytes(data[:8], "little")

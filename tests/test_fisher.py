@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from pwcal.cli import app
 from pwcal.residual import hessian_reference
-from pwcal.sensitivity import column_errors, weighted_sensitivities, with_fallback
+from pwcal.sensitivity import SensitivityConfig, column_errors, weighted_sensitivities, with_fallback
+from pwcal.stages import recorded_config
 from pwcal.stats.fisher import _expert_tensors, check_memory, fisher_bytes, fisher_diagonal
 from pwformat.ap import dequantize
 from pwformat.errors import PagedWeightError
@@ -137,7 +138,8 @@ def test_residual_reference_is_the_hessian_table(tmp_path: Path, calibrated_arti
     fcfg = json.loads((fis / "manifest.json").read_text())["stages"]["sensitivity"]["config"]
     assert fcfg["importance"] == "fisher"
     model = load_model(MODEL, device="cpu", dtype="float32")
-    got = hessian_reference(model, APArtifact(fis), load_tokenizer(MODEL), fcfg, fisher)
+    got = hessian_reference(model, APArtifact(fis), load_tokenizer(MODEL),
+                            recorded_config(fis, "sensitivity", SensitivityConfig), fisher)
     keys = ["layer", "expert", "unit", "bits"]
     m = got.merge(want, on=keys, suffixes=("", "_want"))
     assert len(m) == len(want)

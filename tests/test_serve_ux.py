@@ -185,7 +185,7 @@ def test_serve_start_line_shows_the_budget_split(monkeypatch: pytest.MonkeyPatch
     16-bit model without a budget says none; an empty --gpu-memory is refused, not served at the default."""
     from pwrun.serve.server import Server
 
-    monkeypatch.setattr(Server, "run", lambda self: None)  # the start-up only
+    monkeypatch.setattr(Server, "run", lambda self: self.loop.stop(0.0))  # the start-up only
     base = ["serve", "--device", "cpu", "--port", "0", "--max-model-len", "128", "--max-batch", "2"]
     lines = {}
     for budget in ("96MiB", "128MiB"):

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from pwformat.checksums import Progress, remake_command, verify_files
 from pwformat.errors import PagedWeightError
-from pwformat.layout import FORMAT, FORMAT_VERSION
+from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS
 from pwformat.manifest import Manifest, check_same_model, read_manifest
 from pwformat.tables import WRITTEN_BY, read_table
 from pwformat.writer_lock import check_no_writer
@@ -47,7 +47,9 @@ class APArtifact:
     """An AP artifact directory. ``bits``: supported bitwidths (seed..8). Raises ``PagedWeightError`` if the
     manifest is invalid, a stage is writing the directory, or a recorded file is missing or has another size."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, before: str | None = None) -> None:
+        """``before``: a pwcal stage opening the artifact it writes: only the files of the stages before it are
+        checked (it remakes its own and the later stages' outputs, so their damage must not stop it)."""
         self.path = Path(path)
         check_no_writer(self.path)
         self.manifest: Manifest = read_manifest(self.path)
@@ -60,8 +62,8 @@ class APArtifact:
         self.seed_bits: int = self.manifest.seed_bits
         self.verified = False
         if self.manifest.checksums is not None:
-            verify_files(self.path, self.manifest.checksums, self.manifest.checked_files(), self.manifest.model.path,
-                         hashes=False)
+            verify_files(self.path, self.manifest.checksums, self.manifest.checked_files(before),
+                         self.manifest.model.path, hashes=False)
 
     @property
     def no_checksums_warning(self) -> str | None:
@@ -117,6 +119,18 @@ class APArtifact:
             if isinstance(want, torch.dtype) and v.dtype != want:
                 raise PagedWeightError(f"{path}: tensor {k!r} is {v.dtype}, not {want} (a damaged header): "
                                        f"{self._remake('quantize')}")
+        for k, v in tensors.items():  # ... or another shape of the same size: planes and LUTs must agree
+            if not k.endswith(".planes"):
+                continue
+            block, rows = k.removesuffix(".planes"), v.shape[1] if v.dim() == 3 else -1
+            shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+                k: (tuple(v.shape), (PARENT_BITS, rows, v.shape[-1]))}
+            shapes |= {f"{block}.lut{b}": (tuple(tensors[f"{block}.lut{b}"].shape), (rows, 2**b)) for b in self.bits
+                       if f"{block}.lut{b}" in tensors}
+            for name, (got, want_shape) in shapes.items():
+                if got != want_shape or rows < 1:
+                    raise PagedWeightError(f"{path}: tensor {name!r} has shape {list(got)}, not {list(want_shape)} "
+                                           f"(a damaged header): {self._remake('quantize')}")
         return tensors
 
     def table(self, name: str) -> pd.DataFrame:

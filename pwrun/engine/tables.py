@@ -35,11 +35,17 @@ TABLE_STAGE = WRITTEN_BY  # table -> the pwcal stage writing it
 def _stale(art: APArtifact, name: str) -> str | None:
     """Why the table ``name`` of ``art`` must not be used although its file exists, or None: its pwcal stage is
     recorded in the manifest as not complete (an upstream stage re-ran with --force, or the stage itself was
-    interrupted), so the file is from an earlier, inconsistent run."""
-    st = art.manifest.stages.get(TABLE_STAGE[name])
-    if st is None or st.get("complete", True):
-        return None
-    return str(st.get("stale_because") or f"stage '{TABLE_STAGE[name]}' did not complete")
+    interrupted), so the file is from an earlier, inconsistent run; or (an artifact with checksums) no complete
+    stage record lists it, so nothing vouches for it (e.g. a file copied in from another artifact)."""
+    stage, checked = TABLE_STAGE[name], art.manifest.checksums is not None
+    st = art.manifest.stages.get(stage)
+    if st is None:  # before checksums a manifest may not record every stage; since, it records every table
+        return f"the manifest records no '{stage}' run that wrote it" if checked else None
+    if not st.get("complete", True):
+        return str(st.get("stale_because") or f"stage '{stage}' did not complete")
+    if checked and f"{name}.parquet" not in st.get("files", []):
+        return f"the manifest's '{stage}' record does not list it"
+    return None
 
 
 def missing_tables(art: APArtifact, policy: Policy, model_dir: Path | str = "MODEL") -> list[str]:

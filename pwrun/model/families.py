@@ -240,6 +240,31 @@ def spec_from_config(cfg: Any) -> tuple[ModelSpec, CheckpointNames]:
                                f"{', '.join(sorted(FAMILIES))}")
     parse, names = FAMILIES[model_type]
     try:
-        return parse(cfg), names
+        spec = parse(cfg)
     except (AttributeError, TypeError, ValueError) as exc:
         raise PagedWeightError(f"config.json of family {model_type} is incomplete or inconsistent: {exc}") from exc
+    _check_sizes(spec, model_type)
+    return spec, names
+
+
+# Sizes past these are no model this runtime can hold (a damaged or hand-edited config.json): refused before any
+# structure of that size is built.
+SIZE_LIMITS = {"layers": 1024, "vocab_size": 1 << 22, "hidden_size": 1 << 17, "max_position_embeddings": 1 << 24,
+               "num_experts": 1 << 14, "expert_intermediate": 1 << 18, "num_heads": 1 << 10, "head_dim": 1 << 12}
+
+
+def _check_sizes(spec: ModelSpec, model_type: str) -> None:
+    """Raise ``PagedWeightError`` naming the first size of ``spec`` outside [1, ``SIZE_LIMITS``]."""
+    sizes = {"layers": len(spec.layers), "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+             "max_position_embeddings": spec.max_position_embeddings}
+    for layer in spec.layers:
+        sizes["num_heads"] = max(sizes.get("num_heads", 0), layer.attention.num_heads)
+        sizes["head_dim"] = max(sizes.get("head_dim", 0), layer.attention.head_dim)
+        if layer.moe is not None:
+            sizes["num_experts"] = max(sizes.get("num_experts", 0), layer.moe.num_experts)
+            sizes["expert_intermediate"] = max(sizes.get("expert_intermediate", 0), layer.moe.expert_intermediate)
+    for name, value in sizes.items():
+        if not 1 <= value <= SIZE_LIMITS[name]:
+            raise PagedWeightError(f"config.json of family {model_type}: {name} {value} is outside "
+                                   f"1..{SIZE_LIMITS[name]} (a damaged or hand-edited config): restore it from the "
+                                   "original checkpoint")

@@ -67,6 +67,12 @@ def read_config(model_dir: Path) -> Any:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise PagedWeightError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except UnicodeDecodeError:
+        raise PagedWeightError(f"{cfg_path} is not UTF-8 text: restore config.json from the original checkpoint"
+                               ) from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, or nesting too deep
+        raise PagedWeightError(f"{cfg_path} is not a readable config ({type(exc).__name__}): restore config.json "
+                               "from the original checkpoint") from None
     if not isinstance(raw, dict):
         raise PagedWeightError(f"{cfg_path} must hold a JSON object, not {type(raw).__name__}")
     model_type = raw.get("model_type")
@@ -99,8 +105,15 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def load_spec(model_dir: Path) -> tuple[ModelSpec, CheckpointNames]:
-    """Canonical spec of the checkpoint in ``model_dir`` without loading tensors."""
-    return spec_from_config(read_config(model_dir))
+    """Canonical spec of the checkpoint in ``model_dir`` without loading tensors; errors name its config file."""
+    cfg = read_config(model_dir)
+    try:
+        return spec_from_config(cfg)
+    except PagedWeightError as exc:
+        text = str(exc)
+        if not text.startswith("config.json"):
+            raise
+        raise PagedWeightError(str(Path(model_dir) / "config.json") + text.removeprefix("config.json")) from None
 
 
 def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto",

@@ -13,6 +13,7 @@ child sees its pipe close and stops.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import multiprocessing as mp
@@ -152,6 +153,7 @@ class EngineProcess(Admission):
         self._counts = dict.fromkeys(FINISHED, 0)  # the child loop's, as of its last message
         self._lost = 0  # requests held when the child died
         self._drain_seconds = 0.0
+        self._exiting = False  # this process is exiting: multiprocessing terminates the child, not a failure
 
     @property
     def finished(self) -> dict[str, int]:
@@ -196,6 +198,7 @@ class EngineProcess(Admission):
                 raise stopped
             raise PagedWeightError(msg[1]) if msg[2] is None else BudgetTooSmall(msg[1], msg[2])
         self._commands = cmd_write
+        atexit.register(self._at_exit)  # runs before multiprocessing's own exit hook terminates the child
         self.info = msg[1]
         self._reader = threading.Thread(target=self._read, args=(ev_read,), name="pwrun-engine-reader", daemon=True)
         self._reader.start()
@@ -275,6 +278,8 @@ class EngineProcess(Admission):
                     for name, args in evs:
                         getattr(self.metrics, name)(*args)
         except (EOFError, OSError):
+            if self._exiting:
+                return
             why = self.failure = self._exit_reason()
             n = len(self._sinks)
             logging.getLogger("uvicorn.error").error(
@@ -294,6 +299,9 @@ class EngineProcess(Admission):
             sink(EngineStopped(self.error))
         for fut in calls:
             fut.set_exception(EngineStopped(self.error))
+
+    def _at_exit(self) -> None:
+        self._exiting = True
 
     def _exit_reason(self) -> str:
         if self._proc is None:
