@@ -78,6 +78,8 @@ def _size_problem(path: Path, rec: FileSum) -> str | None:
         size = path.stat().st_size
     except OSError:
         return f"{path} is missing"
+    if not path.is_file():
+        return f"{path} is not a regular file (a directory or a device)"
     if size != rec.size:
         return f"{path} has {size} bytes, the manifest records {rec.size} (truncated or overwritten)"
     return None

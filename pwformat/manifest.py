@@ -140,8 +140,10 @@ def _checksums(where: Path | str, raw: Any) -> dict[str, FileSum] | None:
 
 @dataclass
 class ModelRecord:
-    """The checkpoint an artifact was made from: its path and family, and ``model_fingerprint``'s hashes
-    (``weights_sample``/``weights_sha256``: None where an older manifest lacks them)."""
+    """The checkpoint an artifact was made from: its path and family, ``model_fingerprint``'s hashes, and
+    ``weights_served``: the digest of every weight serving reads from the checkpoint (all but the experts';
+    ``ModelWeights.source_digest`` of a load without them), which the runtime compares with its own load. None
+    where an older manifest lacks them."""
 
     path: str
     family: str
@@ -149,6 +151,7 @@ class ModelRecord:
     weights_quick: str
     weights_sample: str | None = None
     weights_sha256: str | None = None
+    weights_served: str | None = None
 
 
 @dataclass
@@ -229,7 +232,7 @@ class Manifest:
         _field(where, "model", m, dict)
         for name in ("path", "family", "config_sha256", "weights_quick"):
             _field(where, f"model.{name}", m.get(name), str)
-        for name in ("weights_sample", "weights_sha256"):
+        for name in ("weights_sample", "weights_sha256", "weights_served"):
             _field(where, f"model.{name}", m.get(name), (str, type(None)))
         parent = _field(where, "parent_bits", d["parent_bits"], int)
         seed = _field(where, "seed_bits", d["seed_bits"], int)
@@ -261,6 +264,8 @@ class Manifest:
             for k, v in files.items():
                 if v not in sums:
                     raise _bad(where, f"files.{k}", v, "a file with a checksum record")
+                if sums[v].layer is None:
+                    raise _bad(where, f"checksums.{v}.layer", None, f"{k} (the layer the file map gives that file)")
                 if sums[v].layer != int(k):
                     raise _bad(where, f"files.{k}", v, f"the file of layer {k} (its checksum record says layer "
                                f"{sums[v].layer}: the file map swaps layers)")

@@ -372,3 +372,32 @@ def test_a_bad_recorded_stage_config_is_named(art: Path, value: Any, message: st
     r = runner.invoke(pwcal_app, ["fit-residual", str(MODEL), "--artifacts", str(art), "--prompts", "2", "--device",
                                   "cpu"])
     one_error(r, message, f"pwcal sensitivity MODEL --artifacts {art} --force")
+
+
+def test_a_checkpoint_edited_where_the_fingerprint_does_not_sample_is_refused(art: Path, tmp_path: Path) -> None:
+    """Two thousand sign flips a quarter into one attention weight: the sampled fingerprint (start, middle, end of
+    each tensor) cannot see them, the digest of every weight serving reads does."""
+    model = tmp_path / "m"
+    shutil.copytree(MODEL, model)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    shard = next(f for f in sorted(model.glob("*.safetensors")) if name.encode() in f.read_bytes()[:100_000])
+    data = bytearray(shard.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8:8 + n])[name]["data_offsets"]
+    at = 8 + n + start + (end - start) // 4
+    for i in range(at + 1, at + 4000, 2):  # the high byte of each bf16 value: its sign bit
+        data[i] ^= 0x80
+    shard.write_bytes(bytes(data))
+    assert read_manifest(art).model.weights_served
+    one_error(runner.invoke(pwrun_app, [*SERVE, "--artifacts", str(art), "--model", str(model)]),
+              f"the weights in {model} differ from those artifact {art} was made from")
+    assert serve(art).exit_code == 0  # the checkpoint it was made from
+
+
+def test_a_directory_for_a_table_and_a_checksum_without_its_layer_are_named(art: Path) -> None:
+    (art / "routing.parquet").unlink()
+    (art / "routing.parquet").mkdir()
+    one_error(serve(art, "--no-verify"), "routing.parquet is not a regular file")
+    (art / "routing.parquet").rmdir()
+    edit_manifest(art, lambda m: m["checksums"]["layer_000.safetensors"].update(layer=None))
+    one_error(serve(art), "field 'checksums.layer_000.safetensors.layer' is None, not 0")

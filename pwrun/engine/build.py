@@ -133,6 +133,11 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     # the dense experts are never read: the non-expert weights go straight to the device, one layer at a time
     model = strip_experts(load_model(model_dir, device=str(dev), dtype=str(dt).removeprefix("torch."),
                                      experts="skip"), dev)
+    want = art.manifest.model.weights_served
+    if want is not None and model.weights.source_digest != want:  # the sampled fingerprint can miss an edit
+        raise PagedWeightError(f"the weights in {model_dir} differ from those artifact {art.path} was made from "
+                               "(the digest of every non-expert tensor, model.weights_served in its manifest): pass "
+                               "the checkpoint it was made from with --model, or re-run pwcal quantize for this one")
     table = block_table(art, model, need_calibration=cfg.policy.placement != "uniform")
     heads_df = read_table(art, "residual_heads")
     return assemble_engine(model, art, table, bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 from pwformat.errors import PagedWeightError
@@ -54,7 +55,9 @@ EXPERT_MODES = ("load", "skip")
 
 class TensorReader:
     """Lazy name -> tensor access over a set of safetensors files (``close`` unmaps them; reopened on the next
-    ``get``); every tensor is checked for NaN and Inf as it is loaded (the error names it)."""
+    ``get``); every tensor is checked for NaN and Inf as it is loaded (the error names it). ``digest()``: xxh3-128
+    of the names and checkpoint bytes of the tensors read so far, in read order (what a served artifact checks the
+    checkpoint by: ``load_weights(experts="skip")`` reads exactly the weights serving takes from it)."""
 
     def __init__(self, files: list[Path], dtype: torch.dtype | None, device: torch.device | str) -> None:
         """``dtype`` None: each tensor in its checkpoint dtype."""
@@ -69,6 +72,10 @@ class TensorReader:
                 raise PagedWeightError(f"{f} is not a readable safetensors file ({str(exc).splitlines()[0]}): "
                                        "re-download or re-export the checkpoint") from exc
         self._handles: dict[Path, object] = {}
+        self._digest = xxhash.xxh3_128()
+
+    def digest(self) -> str:
+        return self._digest.hexdigest()
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -86,6 +93,8 @@ class TensorReader:
                                    "the weights belong to another config")
         if not t.is_floating_point():
             raise PagedWeightError(f"tensor '{name}' has dtype {t.dtype}: only float checkpoints are supported")
+        self._digest.update(name.encode() + b"\0")
+        self._digest.update(t.contiguous().view(torch.uint8).numpy())  # the checkpoint's bytes, before any cast
         out = t.to(device=self.device, dtype=self.dtype)
         if not bool(torch.isfinite(out).all()):  # one pass over the tensor where it lands (cheap on a GPU)
             raise PagedWeightError(f"tensor '{name}' of {f.name} holds NaN or Inf (as {str(out.dtype)[6:]}): the "
@@ -176,6 +185,7 @@ def load_weights(model_dir: Path, spec: ModelSpec, names: CheckpointNames, dtype
     if names.gemma4:  # its own layout: every weight is loaded (``strip_experts`` drops the experts)
         gemma = load_gemma4(r, spec)
         r.close()
+        gemma.source_digest = r.digest()
         return gemma
     h, v = spec.hidden_size, spec.vocab_size
     embed = r.get("model.embed_tokens.weight", (v, h))
@@ -201,4 +211,5 @@ def load_weights(model_dir: Path, spec: ModelSpec, names: CheckpointNames, dtype
         r.close()  # at most one layer of the files mapped at a time
     out = ModelWeights(embed=embed, lm_head=lm_head, final_norm=r.get("model.norm.weight", (h,)), layers=layers)
     r.close()
+    out.source_digest = r.digest()
     return out

@@ -95,6 +95,7 @@ class ModelWeights:
     lm_head: torch.Tensor
     final_norm: torch.Tensor
     layers: list[LayerWeights]
+    source_digest: str = ""  # xxh3-128 of the checkpoint bytes read (``TensorReader.digest``); "" if not read
 
     def num_bytes(self) -> int:
         """Bytes of all distinct tensors (a tied lm_head counts once)."""
