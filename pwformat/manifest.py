@@ -248,7 +248,7 @@ class Manifest:
         files = _field(where, "files", d["files"], dict)
         for k, v in files.items():
             if not (isinstance(k, str) and k.isdigit() and k.isascii() and len(k) <= 6):
-                raise _bad(where, f"files.{k}", k, "a layer index (a decimal integer)")
+                raise _bad(where, f"files.{k:.20}", k, "a layer index (a decimal integer below 10^6)")
             _plain_name(where, f"files.{k}", v)
         stages = _field(where, "stages", d["stages"], dict)
         for name, rec in stages.items():
