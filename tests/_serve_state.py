@@ -21,3 +21,8 @@ def never_built() -> Any:
     import time
 
     time.sleep(600)
+
+
+def unpicklable(e: Any) -> Any:
+    """A call whose result cannot cross a pipe."""
+    return lambda: e

@@ -23,7 +23,7 @@ from typing import Any
 
 import openai
 import pytest
-from _serve_state import held_state, never_built
+from _serve_state import held_state, never_built, unpicklable
 
 from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwrun.data import default_model_dir
@@ -69,6 +69,8 @@ def test_process_and_thread_engines_give_the_same_text(calibrated_artifacts: Pat
             texts[mode] = _texts(server)
             if mode == "process":
                 assert isinstance(server.loop, EngineProcess)
+                with pytest.raises(TypeError, match="does not pickle"):  # and the engine goes on
+                    server.loop.call(unpicklable).result(timeout=30)
                 state = server.loop.call(held_state).result(timeout=30)
                 metrics = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
                 assert f"pwrun_pool_pages {float(state['pages'])}" in metrics

@@ -127,7 +127,12 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
 
             def done(f: Future[Any], cid: int = cid) -> None:
                 exc = f.exception()
-                outs.append(("call", cid, exc is None, f.result() if exc is None else exc))
+                value = f.result() if exc is None else exc
+                try:
+                    pickle.dumps(value)  # what cannot cross the pipe must not take the step's outputs with it
+                except Exception as err:
+                    exc = value = TypeError(f"the call's result does not pickle: {err}")
+                outs.append(("call", cid, exc is None, value))
             loop.call(fn).add_done_callback(done)
         elif kind == "stop":
             loop.stop(args[0])
