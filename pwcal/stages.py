@@ -25,8 +25,6 @@ from pwformat.errors import PagedWeightError
 from pwformat.manifest import STAGES, Manifest, check_same_model, read_manifest, write_manifest
 from pwformat.writer_lock import writer_lock
 
-ORDER = STAGES
-
 P = ParamSpec("P")
 R = TypeVar("R")
 C = TypeVar("C")
@@ -80,15 +78,12 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
     """
     manifest = read_manifest(artifact_dir)
     check_same_model(manifest, model_dir, artifact_dir, full=True)
-    for prev in ORDER[: ORDER.index(stage)]:
+    for prev in STAGES[: STAGES.index(stage)]:
         if not manifest.complete(prev):
             raise PagedWeightError(f"{artifact_dir}: stage '{prev}' has not completed; run `pwcal {prev}` before "
                                    f"`pwcal {stage}`")
     if manifest.checksums is not None:  # what this stage reads: the layer files and the earlier stages' tables
-        earlier = set(ORDER[: ORDER.index(stage)])
-        verify_files(artifact_dir, manifest.checksums, [f for f in manifest.checked_files()
-                                                        if manifest.checksums[f].stage in earlier],
-                     manifest.model.path)
+        verify_files(artifact_dir, manifest.checksums, manifest.checked_files(stage), manifest.model.path)
     done = manifest.stage(stage)
     if done.get("complete") and not force:
         recorded, wanted = {**(defaults or {}), **done.get("config", {})}, json.loads(json.dumps(config))  # lists
@@ -102,13 +97,13 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
 
 
 def start_writing(artifact_dir: Path, stage: str) -> None:
-    """Call right before ``stage`` (one of ``ORDER``) writes its first table: until ``finish_stage``, it and later
+    """Call right before ``stage`` (one of ``STAGES``) writes its first table: until ``finish_stage``, it and later
     stages are recorded as not complete (their tables may mix this run's and the previous run's), with a
     ``stale_because`` reason the runtime's warnings quote. Raises ``PagedWeightError`` if the manifest is missing or
     corrupt."""
     manifest = read_manifest(artifact_dir)
     stages = manifest.stages
-    for name in ORDER[ORDER.index(stage):]:
+    for name in STAGES[STAGES.index(stage):]:
         if name in stages:
             stages[name]["complete"] = False
             stages[name]["stale_because"] = f"{stage} was being re-run and did not finish"
@@ -123,7 +118,7 @@ def finish_stage(artifact_dir: Path, stage: str, info: dict[str, Any]) -> Manife
         for name in info.get("files", []):
             manifest.checksums[name] = file_sum(artifact_dir / name, stage)
     stages = manifest.stages
-    for later in ORDER[ORDER.index(stage) + 1:]:
+    for later in STAGES[STAGES.index(stage) + 1:]:
         if later in stages:
             stages[later]["complete"] = False
             stages[later]["stale_because"] = f"{stage} was re-run"

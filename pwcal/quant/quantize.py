@@ -317,6 +317,7 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, device=device, dtype="float32", experts="stream")  # experts layer by layer
     model_fp["weights_served"] = model.weights.source_digest  # the non-expert reads, as serving makes them
+    assert model_fp["weights_served"], "experts='stream' loads with a digest"
     windows = calibration_windows(tok, cfg.calib, cfg.samples, min(cfg.seq_len, model.spec.max_position_embeddings),
                                   cfg.calib_seed)
     blocks = expert_blocks(model.spec)

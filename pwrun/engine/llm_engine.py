@@ -260,6 +260,10 @@ class LLMEngine:
             kv_pages_sliding=core.alloc.sliding_kv_pages, trimmed_blocks=core.trimmed_blocks,
             arrived=self._take_arrived())
 
+    def mean_committed_bits(self) -> float:
+        """Mean committed bits of the expert blocks now (16.0 for 16-bit experts), as the trace rows give it."""
+        return self._weight_figures()[0]
+
     def _weight_figures(self) -> tuple[float, tuple[int, ...], float, float, int, int]:
         """Mean bits, bits histogram, shared and routed mean bits, weight pages held and committed: derived from
         the weight page table once per change of it (``WeightPageTable.version``), not once per step."""

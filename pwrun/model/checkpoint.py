@@ -55,11 +55,13 @@ EXPERT_MODES = ("load", "skip")
 
 class TensorReader:
     """Lazy name -> tensor access over a set of safetensors files (``close`` unmaps them; reopened on the next
-    ``get``); every tensor is checked for NaN and Inf as it is loaded (the error names it). ``digest()``: xxh3-128
-    of the names and checkpoint bytes of the tensors read so far, in read order (what a served artifact checks the
-    checkpoint by: ``load_weights(experts="skip")`` reads exactly the weights serving takes from it)."""
+    ``get``); every tensor is checked for NaN and Inf as it is loaded (the error names it). With ``digest``,
+    ``digest()`` is the xxh3-128 of the names and checkpoint bytes of the tensors read so far, in read order (what a
+    served artifact checks the checkpoint by: ``load_weights(experts="skip")`` reads exactly the weights serving
+    takes from it); without, "" and no hashing (e.g. experts streamed pass after pass)."""
 
-    def __init__(self, files: list[Path], dtype: torch.dtype | None, device: torch.device | str) -> None:
+    def __init__(self, files: list[Path], dtype: torch.dtype | None, device: torch.device | str,
+                 digest: bool = False) -> None:
         """``dtype`` None: each tensor in its checkpoint dtype."""
         self.dtype, self.device = dtype, device
         self._where: dict[str, Path] = {}
@@ -72,10 +74,10 @@ class TensorReader:
                 raise PagedWeightError(f"{f} is not a readable safetensors file ({str(exc).splitlines()[0]}): "
                                        "re-download or re-export the checkpoint") from exc
         self._handles: dict[Path, object] = {}
-        self._digest = xxhash.xxh3_128()
+        self._digest = xxhash.xxh3_128() if digest else None
 
     def digest(self) -> str:
-        return self._digest.hexdigest()
+        return "" if self._digest is None else self._digest.hexdigest()
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -93,8 +95,9 @@ class TensorReader:
                                    "the weights belong to another config")
         if not t.is_floating_point():
             raise PagedWeightError(f"tensor '{name}' has dtype {t.dtype}: only float checkpoints are supported")
-        self._digest.update(name.encode() + b"\0")
-        self._digest.update(t.contiguous().view(torch.uint8).numpy())  # the checkpoint's bytes, before any cast
+        if self._digest is not None:
+            self._digest.update(name.encode() + b"\0")
+            self._digest.update(t.contiguous().view(torch.uint8).numpy())  # the checkpoint's bytes, before any cast
         out = t.to(device=self.device, dtype=self.dtype)
         if not bool(torch.isfinite(out).all()):  # one pass over the tensor where it lands (cheap on a GPU)
             raise PagedWeightError(f"tensor '{name}' of {f.name} holds NaN or Inf (as {str(out.dtype)[6:]}): the "
@@ -173,15 +176,16 @@ def _moe(r: TensorReader, p: str, spec: ModelSpec, layer: LayerSpec, names: Chec
 
 
 def load_weights(model_dir: Path, spec: ModelSpec, names: CheckpointNames, dtype: torch.dtype,
-                 device: torch.device | str, experts: str = "load") -> ModelWeights:
+                 device: torch.device | str, experts: str = "load", digest: bool = False) -> ModelWeights:
     """Load every tensor the lean model needs, as ``dtype`` on ``device``; ``experts="skip"``: all but the
     routed and shared experts' weights (empty placeholders; routers and shared-expert gates are loaded).
+    ``digest``: set ``ModelWeights.source_digest`` (``TensorReader``'s digest of the bytes read; else "").
 
     Raises ``PagedWeightError`` when files or tensors are missing or shapes disagree with ``spec``.
     """
     if experts not in EXPERT_MODES:
         raise ValueError(f"experts must be one of {EXPERT_MODES}, got {experts!r}")
-    r = TensorReader(safetensors_files(model_dir), dtype, device)
+    r = TensorReader(safetensors_files(model_dir), dtype, device, digest)
     if names.gemma4:  # its own layout: every weight is loaded (``strip_experts`` drops the experts)
         gemma = load_gemma4(r, spec)
         r.close()

@@ -132,9 +132,10 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto",
     spec, names = load_spec(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    digest = experts != "load"  # what an artifact is served with: its checkpoint's weights are checked by digest
     if names.gemma4 and experts == "stream":
         experts = "load"  # Gemma-4's expert layout is read by its own loader only
-    weights = load_weights(path, spec, names, dt, dev, "load" if experts == "load" else "skip")
+    weights = load_weights(path, spec, names, dt, dev, "load" if experts == "load" else "skip", digest)
     return LeanMoEModel(spec, weights, StreamedExperts(path, spec, names, dt, dev) if experts == "stream" else None)
 
 

@@ -38,9 +38,10 @@ class PoolState:
 
 
 def pool_state(engine: LLMEngine) -> PoolState:
-    pool, wpt, sched = engine.core.pool, engine.core.wpt, engine.core.scheduler
+    """``engine``'s pool and requests now (between steps, on the thread that steps it)."""
+    pool, sched = engine.core.pool, engine.core.scheduler
     return PoolState(pool.cfg.num_pages, pool.count(KV), pool.count(WEIGHT), pool.num_free, len(sched.running),
-                     len(sched.waiting), 16.0 if wpt is None or not wpt.q.size else float(wpt.q.mean()))
+                     len(sched.waiting), engine.mean_committed_bits())
 
 
 class ServerMetrics:
