@@ -26,3 +26,17 @@ def never_built() -> Any:
 def unpicklable(e: Any) -> Any:
     """A call whose result cannot cross a pipe."""
     return lambda: e
+
+
+def no_error(job: int) -> str:
+    """A worker job that succeeds (``run_in_workers`` collects the non-empty messages)."""
+    return ""
+
+
+def built_after_workers(build: Any) -> Any:
+    """``build()`` after a pool of worker processes ran, as the kernel warm-up does on a GPU."""
+    from pwkernels.warmup import run_in_workers
+
+    errors = run_in_workers(no_error, [1, 2], 2)
+    assert errors == [], errors
+    return build()

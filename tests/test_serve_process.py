@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -150,3 +152,31 @@ def test_the_engine_process_stops_when_the_server_process_goes(calibrated_artifa
     assert loop._reader is not None
     loop._reader.join(10)
     assert not loop.alive and loop.error is not None
+
+
+def test_the_engine_process_runs_workers_and_ends_with_the_server(calibrated_artifacts: Path, tmp_path: Path) -> None:
+    """On a GPU the build's kernel warm-up runs a pool of worker processes inside the engine process (which a daemon
+    process may not have); a server process that exits without stopping its engine neither hangs nor leaves it."""
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import functools, sys\n"
+        "from pathlib import Path\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from _serve_state import built_after_workers\n"
+        "from pwrun.engine.build import ServeConfig\n"
+        "from pwrun.serve.engine_process import EngineProcess\n"
+        "from pwrun.serve.server import build_serving_engine\n"
+        f"build = functools.partial(build_serving_engine, Path({str(MODEL)!r}), Path({str(calibrated_artifacts)!r}),\n"
+        f"                          ServeConfig(2**30), {CONTEXT}, 'cpu')\n"
+        "if __name__ == '__main__':\n"
+        "    loop = EngineProcess(functools.partial(built_after_workers, build), 4)\n"
+        "    loop.start(timeout=240)\n"
+        "    print(loop._proc.pid, loop.alive, flush=True)\n")
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    pid, alive = run.stdout.split()
+    assert alive == "True"
+    assert time.monotonic() - t0 < 280
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)

@@ -11,7 +11,10 @@ WikiText-2 and C4 are never read here: they are kept for calibration and evaluat
 Usage::
 
     python tools/prepare_corpus.py --tar PATH/wikipedia.abstract.en-Page-subset.tar.gz \
-        --out .data/corpus --vocab-size 4096
+        --out .data/corpus --tokenizer-out .data/tokenizer --vocab-size 4096
+
+Retraining the bundled model keeps its tokenizer: add
+``--tokenizer artifacts/models/tiny-qwen2moe-wiki/tokenizer.json``.
 """
 
 from __future__ import annotations
@@ -74,13 +77,18 @@ def main() -> None:
     ap.add_argument("--tar", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tokenizer-out", type=Path, required=True)
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="reuse this tokenizer.json (e.g. the bundled model's) instead of training one")
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--heldout-fraction", type=float, default=0.01)
     args = ap.parse_args()
 
     articles = read_articles(args.tar)
     print(f"{len(articles)} articles, {sum(len(t) for _, t in articles) / 1e6:.1f} M chars")
-    tok = train_tokenizer([t for _, t in articles], args.vocab_size)
+    if args.tokenizer is not None:
+        tok = Tokenizer.from_file(str(args.tokenizer))
+    else:
+        tok = train_tokenizer([t for _, t in articles], args.vocab_size)
     eos_id = tok.token_to_id(EOS)
 
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=None, pad_token=EOS,

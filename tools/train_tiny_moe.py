@@ -72,13 +72,16 @@ def batches(data: np.ndarray, batch: int, seq_len: int, gen: np.random.Generator
 def evaluate(model, data: np.ndarray, seq_len: int, device: str, max_windows: int = 256) -> dict:
     model.eval()
     n = min(max_windows, (data.size - 1) // seq_len)
-    losses, mass = [], None
+    losses, mass, pos_sum = [], None, None
     for i in range(0, n, 32):
         rows = [data[j * seq_len:(j + 1) * seq_len + 1] for j in range(i, min(n, i + 32))]
         x = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
         with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
             out = model(input_ids=x[:, :-1], output_router_logits=True)
-        losses.append(F.cross_entropy(out.logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item())
+        tok_loss = F.cross_entropy(out.logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="none")
+        losses.append(tok_loss.sum().item())
+        by_pos = tok_loss.view(x.shape[0], -1).sum(dim=0)
+        pos_sum = by_pos if pos_sum is None else pos_sum + by_pos
         per_layer = []
         for logits in out.router_logits:
             probs = torch.softmax(logits.float(), dim=-1)
@@ -89,7 +92,14 @@ def evaluate(model, data: np.ndarray, seq_len: int, device: str, max_windows: in
         mass = stacked if mass is None else mass + stacked
     model.train()
     mass = (mass / mass.sum(dim=1, keepdim=True)).cpu().numpy()
-    return {"loss": sum(losses) / (n * seq_len), "routing_mass": mass.round(5).tolist()}
+    # mean loss over position bands [lo, hi): does the model use the context it was trained on?
+    per_pos = (pos_sum / n).cpu().numpy()
+    bands, lo = {}, 0
+    while lo < seq_len:
+        hi = min(seq_len, max(256, 2 * lo))
+        bands[f"{lo}-{hi}"] = round(float(per_pos[lo:hi].mean()), 4)
+        lo = hi
+    return {"loss": sum(losses) / (n * seq_len), "loss_by_position": bands, "routing_mass": mass.round(5).tolist()}
 
 
 def pick_experts_implementation(model, it, device: str) -> str:
@@ -192,7 +202,8 @@ def main() -> None:
             print(json.dumps(log[-1]), f"{tokens / el / 1e3:.0f}k tok/s", flush=True)
     train_seconds = time.time() - t0
     ev = evaluate(model, heldout, args.seq_len, device)
-    print(f"heldout loss {ev['loss']:.4f} ppl {math.exp(ev['loss']):.2f}", flush=True)
+    print(f"heldout loss {ev['loss']:.4f} ppl {math.exp(ev['loss']):.2f}; by position {ev['loss_by_position']}",
+          flush=True)
 
     model.config.output_router_logits = False
     model.to(torch.bfloat16)
@@ -212,6 +223,7 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
         "heldout_loss": ev["loss"],
         "heldout_ppl": math.exp(ev["loss"]),
+        "heldout_loss_by_position": ev["loss_by_position"],
         "heldout_routing_mass": ev["routing_mass"],
         "log": log,
         "corpus": stats,

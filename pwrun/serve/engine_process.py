@@ -179,7 +179,7 @@ class EngineProcess(Admission):
         cmd_read, cmd_write = ctx.Pipe(duplex=False)
         ev_read, ev_write = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_child, args=(self.build, torch.get_num_threads(), cmd_read, ev_write),
-                           name="pwrun-engine", daemon=True)
+                           name="pwrun-engine")  # not a daemon: its kernel warm-up runs worker processes
         self._proc = proc
         proc.start()
         cmd_read.close()
@@ -203,7 +203,7 @@ class EngineProcess(Admission):
                 raise stopped
             raise PagedWeightError(msg[1]) if msg[2] is None else BudgetTooSmall(msg[1], msg[2])
         self._commands = cmd_write
-        atexit.register(self._at_exit)  # runs before multiprocessing's own exit hook terminates the child
+        atexit.register(self._at_exit)  # runs before multiprocessing's exit hook, which would wait for the child
         self.info = msg[1]
         self._reader = threading.Thread(target=self._read, args=(ev_read,), name="pwrun-engine-reader", daemon=True)
         self._reader.start()
@@ -306,7 +306,18 @@ class EngineProcess(Admission):
             fut.set_exception(EngineStopped(self.error))
 
     def _at_exit(self) -> None:
+        """This process is exiting: close the command pipe (the child stops at its next step boundary), killed if
+        it has not ended within a few seconds."""
         self._exiting = True
+        with self._lock:
+            if self._commands is not None:
+                self._commands.close()
+                self._commands = None
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
 
     def _exit_reason(self) -> str:
         if self._proc is None:
