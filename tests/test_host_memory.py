@@ -174,7 +174,8 @@ def test_peak_rss_does_not_grow_with_the_checkpoint(tmp_path: Path, stage: str,
     print(f"{stage}: peak RSS {peaks[0] / 2**20:.0f} -> {peaks[1] / 2**20:.0f} MiB (+{grew / 2**20:.0f}); model "
           f"+{predicted / 2**20:.0f} MiB; the extra layers in fp32 {extra_fp32 / 2**20:.0f} MiB")
     if stage == "quantize":
-        assert grew <= 1.1 * predicted + 24 * 2**20
-        assert grew < extra_fp32 / 4  # the checkpoint's extra bytes are not held, not even a quarter of them
+        # the allocator's noise alone reached +31 MiB (5 MiB predicted) on a loaded 2-core machine
+        assert grew <= 1.1 * predicted + 40 * 2**20
+        assert grew < extra_fp32 / 3  # the checkpoint's extra bytes are not held, not even a third of them
     else:  # the CPU is the device: the mirror, and the reference path's dense copies of the blocks it ran
         assert grew <= 1.1 * predicted + 64 * 2**20

@@ -1,8 +1,8 @@
 """How far the bundled tiny MoE really uses its context: perplexity by position and copying by distance.
 
-Usage: ``python tools/context_probe.py [--windows 6]`` (CPU, about a minute). Prints two markdown
-tables: WikiText-2 perplexity by token position inside 2048-token windows (the model was trained on
-512-token sequences), and the mean NLL of a 32-token WikiText-2 span seen a second time after a
+Usage: ``python tools/context_probe.py [--windows 48] [--model DIR]`` (CPU, a few minutes). Prints two
+markdown tables: WikiText-2 perplexity by token position inside 2048-token windows (the model was trained on
+2048-token sequences), and the mean NLL of a 32-token WikiText-2 span seen a second time after a
 gap of unrelated text, against the span without its first occurrence (induction / copying).
 These numbers set the long suite's context length (``pweval/retrieval.py``, ``docs/eval/README.md``).
 """
@@ -27,9 +27,10 @@ def token_nll(model, ids: list[int]) -> np.ndarray:  # type: ignore[no-untyped-d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--windows", type=int, default=6)
+    ap.add_argument("--windows", type=int, default=48)
+    ap.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     args = ap.parse_args()
-    model_dir = default_model_dir()
+    model_dir = args.model or default_model_dir()
     tok, model = load_tokenizer(model_dir), load_model(model_dir, device="cpu")
     ids = tok(read_text("wikitext2"), add_special_tokens=False, verbose=False).input_ids
     length = 2048
