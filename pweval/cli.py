@@ -91,7 +91,7 @@ def run(
                                                  "(16, 2 windows each).")] = None,
     questions: Annotated[int | None, typer.Option(min=1, help="long: retrieval questions (24).")] = None,
     prompt_tokens: Annotated[int | None, typer.Option(min=1, help="Prompt tokens per window (text 192, QMSum "
-                                                      "448).")] = None,
+                                                      "1984).")] = None,
     continuation_tokens: Annotated[int | None, typer.Option(min=1, help="Scored continuation tokens per window "
                                                             "(64).")] = None,
     concurrency: Annotated[int | None, typer.Option(min=1, help="Requests running at once, max_batch (text 16, "

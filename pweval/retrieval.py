@@ -12,9 +12,10 @@ the likelihood-ranking form of "which paragraph is this from" that a small model
 without free generation. Every score is one request: (question, passage) with the context
 (task ``retrieval``) and without it (task ``retrieval-prior``, a short request).
 
-Why not longer contexts: the bundled tiny model was trained on 512-token sequences; its perplexity
-rises past position 512 (docs/eval/README.md) and its copying fades with distance, so contexts stay within
-its trained length and the KV pressure comes from many such requests at once. No model is run here.
+Context length: the bundled tiny model was trained on 2,048-token sequences and its perplexity at positions
+1,024-2,048 is no worse than at 256-512 (``tools/context_probe.py``, docs/eval/README.md), so the default contexts
+(8 paragraphs of up to 238 tokens: 1.2-1.8k tokens) stay within its trained length and the KV pressure comes from
+long requests, many at once. No model is run here.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class RetrievalSpec:
     """``questions`` items; context of at most ``context_tokens`` tokens; ``candidates`` passages per item."""
 
     questions: int = 24
-    context_tokens: int = 480
-    candidates: int = 4
+    context_tokens: int = 1920
+    candidates: int = 8
     answer_tokens: int = 24
     seed: int = 0
     dataset: str = "wikitext2"

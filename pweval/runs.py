@@ -61,7 +61,7 @@ class LongSpec:
     retrieval: RetrievalSpec = field(default_factory=RetrievalSpec)
     meetings: int = 16
     per_meeting: int = 2
-    prompt_tokens: int = 448
+    prompt_tokens: int = 1984
     continuation_tokens: int = 64
     seed: int = 0
     max_batch: int = 32
