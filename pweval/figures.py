@@ -120,7 +120,7 @@ def long_context_figure(df: pd.DataFrame, path: Path) -> None:
             lo = np.nanmin([ref[col], *lon[col]])
             ax.set_ylim(lo * 0.95, None)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Long-context requests (1-2k-token contexts, within the model's 2,048 trained tokens; 32 at once) at fixed budgets")
+    fig.suptitle("Long-context requests (1-2k-token contexts, 32 at once) at fixed budgets")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
