@@ -10,8 +10,10 @@ time after a 3-token run of the same prompts (JIT and graphs out of the timing):
 added, then stepped to the end), and through HTTP (``pwrun.serve.server.Server``, on a background thread) with the
 engine in a child process (``engine`` "process": what ``pwrun serve`` runs) and on a thread of the server's process
 ("thread"). The client is a separate process (this module's ``main``) with one streaming ``openai.AsyncOpenAI``
-request per prompt (``--http-whole``: whole responses). Generated tokens/s of both and their ratio (the target: HTTP
-at least 95% of in-process), client-side time to first token and per output token (p50 / p99), the server's
+request per prompt (``--http-whole``: whole responses). Both clocks start before the first request is added.
+Generated tokens/s of both and their ratio (the target: HTTP at least 95% of in-process), client-side time to first
+token and per output token (p50 / p99), when the last request reached the engine and the first token came back
+(the share of the run outside the engine's steps that the request ramp explains), the server's
 demotions and preemptions, and the engine steps and their summed seconds on both sides (HTTP slower with as many
 steps: the steps themselves slowed, e.g. by the event loop's share of the interpreter; more steps: requests arrived
 spread out).
@@ -73,10 +75,10 @@ def in_process(engine: LLMEngine, prompts: list[list[int]], gen: int) -> dict[st
     rid = 0
     for n in (3, gen):
         rids = range(rid, rid + len(prompts))
+        t, steps, busy = time.perf_counter(), len(engine.trace), engine.seconds  # adding is part of the run
         for r, ids in zip(rids, prompts, strict=True):
             engine.add_request(Request(r, tuple(ids), SamplingParams(max_new_tokens=n)))
         rid += len(prompts)
-        t, steps, busy = time.perf_counter(), len(engine.trace), engine.seconds
         outs = engine.run_until_done()
         seconds = time.perf_counter() - t
     tokens = sum(len(outs[r].token_ids) for r in rids)
@@ -120,7 +122,7 @@ def over_http(engine: LLMEngine | functools.partial[LLMEngine], vocab: int, cont
             res = _client(server.url, path, gen, stream)
     finally:
         server.stop()
-    ttft, tpot, toks = (np.array(x) for x in zip(*res["per"], strict=True))
+    ttft, tpot, toks, accepted, _ = (np.array(x) for x in zip(*res["per"], strict=True))
 
     def delta(name: str) -> float:
         return float(res["after"].get(name, 0.0) - res["before"].get(name, 0.0))
@@ -129,6 +131,10 @@ def over_http(engine: LLMEngine | functools.partial[LLMEngine], vocab: int, cont
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)) if stream else None,
             "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)) if stream else None,
+            # where time outside the engine's steps can go: the last request reaching the engine (the ramp) and
+            # the first token back at the client, both from the burst's start
+            "all_accepted_s": float(np.max(accepted)) if stream else None,
+            "first_token_s": float(np.min(ttft)),
             "demoted_blocks": delta("pwrun_demoted_blocks_total"),
             "promoted_blocks": delta("pwrun_promoted_blocks_total"),
             "preemptions": delta("pwrun_preemptions_total"),
@@ -169,16 +175,18 @@ async def _burst(url: str, prompts: list[list[int]], gen: int, stream: bool = Tr
     Without ``stream``: whole responses (TTFT and TPOT then span the whole request)."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
 
-    async def one(ids: list[int]) -> tuple[float, float, int]:
+    async def one(ids: list[int]) -> tuple[float, float, int, float, float]:
         t0 = time.perf_counter()
         if not stream:
             whole = await client.completions.create(model="w1", prompt=ids, max_tokens=gen, temperature=0)
             assert whole.usage is not None
-            return time.perf_counter() - t0, math.nan, whole.usage.completion_tokens
+            done = time.perf_counter()
+            return done - t0, math.nan, whole.usage.completion_tokens, math.nan, done - t
         first = last = t0
         tokens = 0
         chunks = await client.completions.create(model="w1", prompt=ids, max_tokens=gen, temperature=0, stream=True,
                                                  stream_options={"include_usage": True})
+        accepted = time.perf_counter() - t  # the server answered with its headers: the request is in the engine
         async for chunk in chunks:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
@@ -186,7 +194,7 @@ async def _burst(url: str, prompts: list[list[int]], gen: int, stream: bool = Tr
                 last = now
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
-        return first - t0, (last - first) / max(tokens - 1, 1), tokens
+        return first - t0, (last - first) / max(tokens - 1, 1), tokens, accepted, time.perf_counter() - t
 
     t = time.perf_counter()
     per = await asyncio.gather(*(one(ids) for ids in prompts))

@@ -140,6 +140,8 @@ def test_serving_http_mode_serves_w1_through_the_server(tmp_path: Path) -> None:
         # step counts differ either way with when the requests reach the server (spread arrivals can pack better)
         assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_ms"] > 0
         assert r["http_steps"] > 0 and r["in_process_steps"] > 0  # the process's steps reach the server's metrics
+        # every request reached the engine before the run ended, and no token came back before its request did
+        assert 0 < r["all_accepted_s"] < r["http_s"] and r["first_token_s"] <= r["ttft_p50_s"]
     _run("bench.render", "--results", str(tmp_path), "--out", str(tmp_path / "perf.md"))
     perf = (tmp_path / "perf.md").read_text()
     for engine in ("process", "thread"):
