@@ -84,7 +84,7 @@ def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | N
                 first.append((bar.add_task("serving requests", total=total, rate=""), now, tokens))
             task, t0, n0 = first[0]
             dt = now - t0
-            bar.update(task, completed=done, rate=f"{(tokens - n0) / dt:.1f} tokens/s" if dt > 0 else "")
+            bar.update(task, completed=done, rate=f"{(tokens - n0) / dt:.1f} generated tokens/s" if dt > 0 else "")
 
         yield update
 

@@ -220,12 +220,12 @@ def test_progress_bar_only_on_a_terminal(tmp_path: Path, monkeypatch: pytest.Mon
     args = ("generate", "--prompts", str(f), "--max-new-tokens", "4", "--output", str(tmp_path / "o.jsonl"))
     code, _, err = run(*args)  # stderr is not a terminal here: plain progress lines, no bar
     assert code == 0 and "━" not in err, err
-    assert re.search(r"^serving requests: 2/2 \(\d+ s\) [\d.]+ tokens/s$", err, re.M), err
+    assert re.search(r"^serving requests: 2/2 \(\d+ s\) [\d.]+ generated tokens/s$", err, re.M), err
     tty = io.StringIO()
     monkeypatch.setattr(pwrun.cli, "console", Console(file=tty, force_terminal=True, color_system=None, width=120))
     code, _, err = run(*args)
     assert code == 0, err
-    assert re.search(r"serving .* 2/2 requests [\d.]+ tokens/s", tty.getvalue()), tty.getvalue()
+    assert re.search(r"serving .* 2/2 requests [\d.]+ generated tokens/s", tty.getvalue()), tty.getvalue()
 
 
 def test_piped_output_is_not_wrapped_at_80_columns() -> None:
