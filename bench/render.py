@@ -295,14 +295,17 @@ def http_table(records: list[Record]) -> str:
     cols = [("requests", "requests"), ("gen", "gen"), ("in-process tok/s", "in_process_tps"),
             ("HTTP tok/s", "http_tps"), ("HTTP / in-process", "http_over_in_process"), ("TTFT p50 s", "ttft_p50_s"),
             ("TTFT p99 s", "ttft_p99_s"), ("TPOT p50 ms", "tpot_p50_ms"), ("TPOT p99 ms", "tpot_p99_ms"),
-            ("preemptions", "preemptions")]
+            ("preemptions", "preemptions"), ("wall s in-process", "in_process_s"), ("wall s HTTP", "http_s"),
+            ("s in steps HTTP", "http_step_s"), ("s idle HTTP", "http_idle_s"),
+            ("s between steps HTTP", "http_between_s")]
     rows = latest([r | {"engine": r.get("engine", "thread")} for r in records if r.get("system") == HTTP],
                   ("model", "policy", "gpu_memory", "max_batch", "stream", "engine"))
     if not rows:
         return ""
     lines = ["W1 (real C4 prompts, all at once) through `pwrun serve` against the same engine in-process "
              "(generated tokens/s; engine: in a process of its own, as `pwrun serve` runs it, or on a thread of the "
-             "server's process):", "",
+             "server's process; s idle: the server's engine waiting for requests; s between steps: taking "
+             "requests in and handing outputs out):", "",
              "| model | policy | budget | max batch | stream | engine | " + " | ".join(c for c, _ in cols) + " |",
              "|" + "---|" * (6 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]

@@ -304,6 +304,8 @@ def main() -> None:
                     "--workload-* options (bench.serving_http)")
     ap.add_argument("--http-policy", choices=("pagedweight", "uniform"), default="pagedweight",
                     help="the --http run's policy (uniform: 4 bits)")
+    ap.add_argument("--http-engines", default="process,thread",
+                    help="--http: the server's engine modes to run, comma-separated (process: what pwrun serve runs)")
     ap.add_argument("--http-whole", action="store_true", help="--http: whole responses instead of streams")
     args = ap.parse_args()
     env = environment(args.label)

@@ -14,9 +14,10 @@ request per prompt (``--http-whole``: whole responses). Both clocks start before
 Generated tokens/s of both and their ratio (the target: HTTP at least 95% of in-process), client-side time to first
 token and per output token (p50 / p99), when the last request reached the engine and the first token came back
 (the share of the run outside the engine's steps that the request ramp explains), the server's
-demotions and preemptions, and the engine steps and their summed seconds on both sides (HTTP slower with as many
+demotions and preemptions, the engine steps and their summed seconds on both sides (HTTP slower with as many
 steps: the steps themselves slowed, e.g. by the event loop's share of the interpreter; more steps: requests arrived
-spread out).
+spread out), and the server engine's seconds idle (waiting for requests) and between steps (taking requests in,
+handing outputs out).
 """
 
 from __future__ import annotations
@@ -139,7 +140,10 @@ def over_http(engine: LLMEngine | functools.partial[LLMEngine], vocab: int, cont
             "promoted_blocks": delta("pwrun_promoted_blocks_total"),
             "preemptions": delta("pwrun_preemptions_total"),
             "http_steps": delta("pwrun_engine_step_seconds_count"),
-            "http_step_s": delta("pwrun_engine_step_seconds_sum")}
+            "http_step_s": delta("pwrun_engine_step_seconds_sum"),
+            # the engine's time besides its steps: waiting for requests, and between steps with requests to run
+            "http_idle_s": delta("pwrun_engine_idle_seconds_total"),
+            "http_between_s": delta("pwrun_engine_between_steps_seconds_total")}
 
 
 def http_vs_in_process(args: argparse.Namespace, emit: Any) -> None:
@@ -162,7 +166,7 @@ def http_vs_in_process(args: argparse.Namespace, emit: Any) -> None:
                            "stream": not args.http_whole}
     rec |= in_process(build(), prompts, gen)
     reset_peak(dev)
-    for mode in ("process", "thread"):
+    for mode in args.http_engines.split(","):
         run = rec | {"engine": mode}
         run |= over_http(build if mode == "process" else build(), vocab, context, prompts, gen, not args.http_whole)
         reset_peak(dev)

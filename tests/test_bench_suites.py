@@ -142,6 +142,9 @@ def test_serving_http_mode_serves_w1_through_the_server(tmp_path: Path) -> None:
         assert r["http_steps"] > 0 and r["in_process_steps"] > 0  # the process's steps reach the server's metrics
         # every request reached the engine before the run ended, and no token came back before its request did
         assert 0 < r["all_accepted_s"] < r["http_s"] and r["first_token_s"] <= r["ttft_p50_s"]
+        # the engine's own time during the burst, split: no more than the burst (the metrics are read around it)
+        assert r["http_idle_s"] > 0 and r["http_between_s"] > 0
+        assert r["http_step_s"] + r["http_idle_s"] + r["http_between_s"] <= r["http_s"] + 0.5
     _run("bench.render", "--results", str(tmp_path), "--out", str(tmp_path / "perf.md"))
     perf = (tmp_path / "perf.md").read_text()
     for engine in ("process", "thread"):

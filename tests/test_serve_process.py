@@ -6,7 +6,8 @@
   past the start-up limit is killed; a builder that cannot reach a child is refused;
 - an engine process that dies mid-stream: the stream ends with an error instead of hanging, ``/health`` says why,
   new requests get a 503, and the server still stops;
-- the parent's ``/metrics`` follow the child's pool;
+- the parent's ``/metrics`` follow the child's pool and count the engine's time idle and between steps;
+- each output crosses as its new tokens and arrives whole, however requests interleave and end;
 - the child stops by itself when the server process goes.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
+import random
 import signal
 import subprocess
 import sys
@@ -28,11 +31,12 @@ import pytest
 from _serve_state import held_state, never_built, unpicklable
 
 from pwformat.errors import BudgetTooSmall, PagedWeightError
+from pwrun.core.request import RequestOutput
 from pwrun.data import default_model_dir
 from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
 from pwrun.model.loader import load_spec, load_tokenizer
-from pwrun.serve.engine_process import EngineProcess
+from pwrun.serve.engine_process import EngineProcess, _delta
 from pwrun.serve.generation import ServeLimits
 from pwrun.serve.server import Server, build_serving_engine, free_port
 
@@ -79,10 +83,39 @@ def test_process_and_thread_engines_give_the_same_text(calibrated_artifacts: Pat
                 assert f"pwrun_free_pages {float(state['free'])}" in metrics
                 assert 'pwrun_requests_finished_total{finish="length"} 6.0' in metrics
                 assert state["kv"] == 0 and state["requests"] == 0
+                assert "pwrun_engine_idle_seconds_total" in metrics  # waited for the requests
+                assert "pwrun_engine_between_steps_seconds_total" in metrics
         finally:
             server.stop()
     assert texts["process"] == texts["thread"]
     assert all(texts["thread"])
+
+
+def test_outputs_cross_as_new_tokens_and_arrive_whole() -> None:
+    """Random interleaved steps of five requests: the child's messages (``_delta``, through pickle) carry only the
+    tokens the parent lacks, and the parent's sinks get every output equal to the engine's."""
+    rng = random.Random(3)
+    loop = EngineProcess(held_state, 8)  # never started: only its reader side
+    got: list[RequestOutput] = []
+    sent: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {rid: [] for rid in range(5)}
+    for rid in tokens:
+        loop._sinks[rid] = got.append  # type: ignore[assignment]
+    expected, carried = [], 0
+    while tokens:
+        rid = rng.choice(sorted(tokens))
+        tokens[rid] += [rng.randrange(262_144) for _ in range(rng.randrange(3))]
+        finish = "length" if rng.random() < 0.05 else None
+        out = RequestOutput(rid, tuple(tokens[rid]), 11 + rid, finish, (-0.5,) * (rid % 2), rid % 3)
+        expected.append(out)
+        msg = pickle.loads(pickle.dumps(_delta(out, sent)))
+        carried += len(msg[3])
+        loop._dispatch(msg)
+        if finish is not None:
+            del tokens[rid]
+    assert got == expected
+    assert carried == sum(len(o.token_ids) for o in expected if o.finish is not None)  # each token crossed once
+    assert not sent and not loop._tokens and not loop._sinks
 
 
 def test_a_failed_build_raises_its_message_and_leaves_no_process(calibrated_artifacts: Path, tok: Any) -> None:

@@ -1,14 +1,14 @@
 """The engine thread: one ``LLMEngine``, stepped beside the HTTP event loop.
 
-What it does: a dedicated thread owns the engine and is the only one that touches it. The HTTP side hands it
-commands through a thread-safe queue (``submit`` requests, ``abort`` one, ``call`` a function on the engine);
-the thread applies them at step boundaries (``LLMEngine.add_request`` / ``abort``, SPEC 5: requests join and
-leave the running batch between steps), runs one step, and hands each output to its request's sink (a callable
-that must only post it, e.g. ``loop.call_soon_threadsafe``), then calls ``flush`` once (a batch boundary for
-sinks that collect). Finished requests are forgotten (their records do not pile up) and the step's trace row goes
-to the metrics. ``max_pending`` bounds the requests held (waiting and
-running): ``submit`` past it raises ``QueueFull`` (the server answers 503). ``stop`` finishes the requests held
-for up to ``drain_seconds``, aborts the rest and joins the thread.
+What it does: a dedicated thread owns the engine and is the only one that touches it. The HTTP side hands it commands
+through a thread-safe queue (``submit`` requests, ``abort`` one, ``call`` a function on the engine); the thread applies
+them at step boundaries (``LLMEngine.add_request`` / ``abort``, SPEC 5: requests join and leave the running batch
+between steps), runs one step, and hands each output to its request's sink (a callable that must only post it, e.g.
+``loop.call_soon_threadsafe``), then calls ``flush`` once (a batch boundary for sinks that collect), and reports the
+iteration's time besides the step (``Metrics.loop``: waiting for work, and applying commands and handing out outputs).
+Finished requests are forgotten (their records do not pile up) and the step's trace row goes to the metrics.
+``max_pending`` bounds the requests held (waiting and running): ``submit`` past it raises ``QueueFull`` (the server
+answers 503). ``stop`` finishes the requests held for up to ``drain_seconds``, aborts the rest and joins the thread.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Metrics(Protocol):
     def first_token(self, seconds: float) -> None: ...
     def finished(self, out: RequestOutput, reason: str, latency: float, per_token: float | None) -> None: ...
     def engine_down(self, failed: int = 0) -> None: ...
+    def loop(self, idle: float, between: float) -> None: ...
 
 
 class QueueFull(Exception):
@@ -103,6 +104,7 @@ class EngineLoop(Admission):
         self._deadline: float | None = None  # set by ``drain``: abort what is left after it
         self._stop_strings: set[int] = set()  # requests aborted because their text reached a stop string
         self.finished = dict.fromkeys(FINISHED, 0)
+        self._step_wall = 0.0  # engine thread only: the last step's wall seconds
         self._thread = threading.Thread(target=self._run, name="pwrun-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -159,9 +161,14 @@ class EngineLoop(Admission):
         device = self.engine.runner.device
         if device.type == "cuda":  # the current device is per thread; kernels launch on it
             torch.cuda.set_device(device)
+        mark = time.perf_counter()
         try:
             while True:
-                self._commands(block=self.engine.idle)
+                waited = self.engine.idle
+                t = time.perf_counter()
+                self._commands(block=waited)
+                idle = time.perf_counter() - t if waited else 0.0
+                self._step_wall = 0.0
                 if self._deadline is not None and (self.engine.idle or time.perf_counter() >= self._deadline):
                     for rid in list(self._held):
                         self._abort(rid)
@@ -173,6 +180,10 @@ class EngineLoop(Admission):
                 if not self.engine.idle:
                     self._step()
                 self._flush()
+                now = time.perf_counter()
+                if self.metrics is not None:  # where the thread's time went besides the steps
+                    self.metrics.loop(idle, max(now - mark - idle - self._step_wall, 0.0))
+                mark = now
         except BaseException as exc:  # the engine is in an unknown state: fail every request and stop
             self.error = self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
             self.finished["failed"] += len(self._held)
@@ -221,8 +232,10 @@ class EngineLoop(Admission):
             self.metrics.pool(pool_state(self.engine))
 
     def _step(self) -> None:
+        t = time.perf_counter()
         outs = self.engine.step()
         now = time.perf_counter()
+        self._step_wall = now - t
         for o in outs:
             held = self._held.get(o.rid)
             if held is not None and held.first is None:

@@ -1,14 +1,14 @@
 """The engine in its own process (``pwrun serve``'s default): the HTTP side's Python work (parsing requests,
 detokenizing, server-sent events) then never holds the interpreter lock between the engine's kernel launches.
 
-What it does: ``EngineProcess`` spawns a child (a fresh interpreter: CUDA cannot be forked) that builds the engine
-with ``build`` (a picklable callable: a module-level function or a ``functools.partial`` of one) and runs an
-``EngineLoop`` on it. Requests, aborts, calls and the stop go down one pipe; each loop iteration's outputs, call
-results and metric events come back up another in one message, which a reader thread hands to the requests' sinks
-and the parent's ``ServerMetrics``. It has ``EngineLoop``'s interface, so the HTTP side cannot tell them apart.
-The bound on held requests is kept here; the child's stderr is the parent's (its build progress and warnings show).
-If the child dies, every held request gets ``EngineStopped`` and ``alive`` turns false; if the parent dies, the
-child sees its pipe close and stops.
+What it does: ``EngineProcess`` spawns a child (a fresh interpreter: CUDA cannot be forked) that builds the engine with
+``build`` (a picklable callable: a module-level function or a ``functools.partial`` of one) and runs an ``EngineLoop``
+on it. Requests, aborts, calls and the stop go down one pipe; each loop iteration's outputs (each request's new tokens
+only: the parent keeps the rest), call results and metric events come back up another in one message, which a reader
+thread hands to the requests' sinks and the parent's ``ServerMetrics``. It has ``EngineLoop``'s interface, so the HTTP
+side cannot tell them apart. The bound on held requests is kept here; the child's stderr is the parent's (its build
+progress and warnings show). If the child dies, every held request gets ``EngineStopped`` and ``alive`` turns false; if
+the parent dies, the child sees its pipe close and stops.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ class _Relay:
     def engine_down(self, failed: int = 0) -> None:
         self.events.append(("engine_down", (failed,)))
 
+    def loop(self, idle: float, between: float) -> None:
+        self.events.append(("loop", (idle, between)))
+
 
 def _take(items: list[Any]) -> list[Any]:
     """Everything in ``items`` now, removed (appends from another thread meanwhile stay for the next take)."""
@@ -75,6 +78,20 @@ def _post(events: Connection, msg: tuple[Any, ...]) -> None:
         events.send(msg)
     except OSError:
         pass
+
+
+def _delta(out: RequestOutput, sent: dict[int, int]) -> tuple[Any, ...]:
+    """``out`` as the message ``EngineProcess`` rebuilds it from: its tokens past the ``sent`` ones (a step's
+    message then grows with the batch, not with the tokens generated so far)."""
+    start = sent.get(out.rid, 0)
+    if start > len(out.token_ids):
+        start = 0
+    if out.finish is None:
+        sent[out.rid] = len(out.token_ids)
+    else:
+        sent.pop(out.rid, None)
+    return ("out", out.rid, start, out.token_ids[start:], out.prompt_tokens, out.finish, out.logprobs,
+            out.preemptions)
 
 
 def _child(build: Builder, threads: int, commands: Connection, events: Connection) -> None:
@@ -94,7 +111,8 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
         _post(events, ("failed", f"the engine could not be built: {type(exc).__name__}: {exc}", None))
         return
     relay = _Relay()
-    outs: list[tuple[Any, ...]] = []  # ("out", RequestOutput) | ("fail", rids, message) | ("call", cid, ok, value)
+    outs: list[tuple[Any, ...]] = []  # ("out", ...) (``_delta``) | ("fail", rids, message) | ("call", cid, ok, value)
+    sent: dict[int, int] = {}  # tokens of each running request the parent has
 
     def flush() -> None:
         batch, evs = _take(outs), _take(relay.events)
@@ -114,7 +132,7 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
             rids = [r.rid for r in requests]
 
             def sink(item: RequestOutput | BaseException, rids: list[int] = rids) -> None:
-                outs.append(("out", item) if isinstance(item, RequestOutput) else ("fail", rids, str(item)))
+                outs.append(_delta(item, sent) if isinstance(item, RequestOutput) else ("fail", rids, str(item)))
             try:
                 loop.submit(requests, sink, arrival)
             except EngineStopped as exc:
@@ -150,6 +168,7 @@ class EngineProcess(Admission):
         self.build, self.metrics = build, metrics
         self._cids = itertools.count()
         self._sinks: dict[int, Sink] = {}
+        self._tokens: dict[int, list[int]] = {}  # reader thread: the tokens of each running request so far
         self._calls: dict[int, Future[Any]] = {}
         self._proc: Any = None
         self._commands: Connection | None = None
@@ -297,6 +316,7 @@ class EngineProcess(Admission):
                     self.metrics.engine_down(self._lost)
             sinks, calls = list(self._sinks.values()), list(self._calls.values())
             self._sinks.clear()
+            self._tokens.clear()
             self._calls.clear()
             self._pending = 0
             self._commands = None
@@ -332,10 +352,15 @@ class EngineProcess(Admission):
     def _dispatch(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == "out":
-            out: RequestOutput = item[1]
-            sink = self._sinks.get(out.rid)
+            _, rid, start, new, prompt_tokens, finish, logprobs, preemptions = item
+            ids = self._tokens.pop(rid, []) if finish is not None else self._tokens.setdefault(rid, [])
+            del ids[start:]
+            ids.extend(new)
+            sink = self._sinks.get(rid)
             if sink is None:
+                self._tokens.pop(rid, None)
                 return
+            out = RequestOutput(rid, tuple(ids), prompt_tokens, finish, logprobs, preemptions)
             if out.finish is not None:
                 with self._lock:
                     del self._sinks[out.rid]
@@ -344,6 +369,8 @@ class EngineProcess(Admission):
         elif kind == "fail":
             with self._lock:
                 sinks = [s for s in (self._sinks.pop(r, None) for r in item[1]) if s is not None]
+                for r in item[1]:
+                    self._tokens.pop(r, None)
                 self._pending -= len(sinks)
             for sink in dict.fromkeys(sinks):
                 sink(EngineStopped(item[2]))

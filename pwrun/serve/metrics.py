@@ -2,11 +2,11 @@
 
 What it does: one registry per server. After every engine step (``step``) the gauges take the step's trace row
 (``pwrun.engine.trace.StepTrace``): requests running and waiting, KV, weight and free pool pages, the mean committed
-bits of the expert blocks; the counters add its demoted and promoted blocks and preemptions. Between steps
-(``pool``) they take a ``PoolState`` (``pool_state(engine)``). Per request: time to first token (arrival to first
-token), time per output token (first to last token over the tokens after the first) and end-to-end latency as
-histograms, finished requests by reason, prompt and generated tokens. Requests refused (400, 503) are counted by
-status. Every input is a plain value: the events may come from an engine in another process.
+bits of the expert blocks; the counters add its demoted and promoted blocks and preemptions. Between steps (``pool``)
+they take a ``PoolState`` (``pool_state(engine)``). Per request: time to first token (arrival to first token), time per
+output token (first to last token over the tokens after the first) and end-to-end latency as histograms, the engine
+thread's seconds idle and between steps, finished requests by reason, prompt and generated tokens. Requests refused
+(400, 503) are counted by status. Every input is a plain value: the events may come from an engine in another process.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class ServerMetrics:
         self.preemptions = Counter("pwrun_preemptions", "Requests preempted (recomputed later)", registry=r)
         self.steps = Histogram("pwrun_engine_step_seconds", "Engine steps: wall seconds of each (planning, model, "
                                "sampling)", buckets=_PER_TOKEN, registry=r)
+        self.idle = Counter("pwrun_engine_idle_seconds", "Seconds the engine waited with no request to run",
+                            registry=r)
+        self.between = Counter("pwrun_engine_between_steps_seconds", "Seconds the engine thread spent between steps "
+                               "with requests to run: adding and aborting requests, handing out outputs", registry=r)
         self.requests = Counter("pwrun_requests_finished", "Requests finished, by reason (eos, length, stop: a "
                                 "stop string, abort: client gone or shutdown, failed: the engine failed)", ["finish"],
                                 registry=r)
@@ -89,6 +93,12 @@ class ServerMetrics:
         self.promotions.inc(t.promoted_blocks)
         self.preemptions.inc(t.preempted)
         self.steps.observe(t.seconds)
+
+    def loop(self, idle: float, between: float) -> None:
+        """One iteration of the engine thread besides its step: seconds waiting for work, and seconds between
+        steps."""
+        self.idle.inc(idle)
+        self.between.inc(between)
 
     def pool(self, p: PoolState) -> None:
         """Pages and requests now (at the start, and after aborts between steps, which leave no trace row)."""
