@@ -1,10 +1,14 @@
-"""Residual add + RMSNorm in one pass (Triton), with its PyTorch reference twin.
+"""Residual add + RMSNorm in one pass, and RMSNorm alone of rows or heads (Triton), with their PyTorch reference
+twins.
 
 What it computes: for the residual stream h [T, H] and a block output delta [T, H] (or none),
 ``h' = h + delta`` (rounded to h's dtype, as the eager ``h = h + delta`` is) and
 ``x = weight * (h' * rsqrt(mean(h'^2) + eps))`` with the mean and rsqrt in fp32 and the product
 with ``weight`` in h's dtype (the math of transformers' RMSNorm; ``rms_norm_ref`` is the lean model's
 eager norm). One program per token row: the eager version is ~8 launches plus the add.
+``rms_norm`` normalises the last dim of [T, D] or [T, G, D] (e.g. per-head q/k/v norms on a strided view of a
+projection), with a weight (``rms_norm_ref``) or without (``rms_unit_ref``), in one launch where the eager norm
+takes ~8: a Gemma-4 layer has nine such norms.
 What it does not do: anything but the last dim, or in-place updates (h' is a new tensor).
 """
 
@@ -22,6 +26,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def rms_unit_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without weight over the last dim, fp32 math, in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -86,3 +96,51 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                                HAS_DELTA=delta is not None, BLOCK_H=triton.next_power_of_2(hidden),
                                num_warps=4 if hidden <= 4096 else 8)
     return h_out, x
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, G, D] rows to normalise (last dim contiguous)
+    w_ptr,  # [D] weight, x's dtype (unused when not HAS_W)
+    y_ptr,  # [T, G, D] out, contiguous
+    G,  # rows per token (heads; 1 for [T, D])
+    D,  # row length
+    stride_t,  # elements between tokens of x
+    stride_g,  # elements between rows of a token of x
+    eps,  # RMSNorm epsilon
+    HAS_W: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of 2 >= D
+):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    xf = tl.load(x_ptr + t * stride_t + g * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    y = round_to(xf * r, y_ptr.dtype.element_ty)
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        y = round_to(w.to(tl.float32) * y.to(tl.float32), y_ptr.dtype.element_ty)
+    tl.store(y_ptr + (t * G + g) * D + cols, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Triton version of ``rms_norm_ref`` (``weight`` [D]) and ``rms_unit_ref`` (``weight`` None) for x [T, D] or
+    [T, G, D] whose last dim is contiguous (other strides free); a new contiguous tensor of x's shape and dtype.
+    Raises ``ValueError`` on other shapes, a weight of another length, dtype or device, or a strided last dim."""
+    if x.dim() not in (2, 3) or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, D] or [T, G, D] with a contiguous last dim; got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    d = x.shape[-1]
+    if weight is not None and (weight.shape != (d,) or weight.dtype != x.dtype or weight.device != x.device
+                               or weight.stride(-1) != 1):
+        raise ValueError(f"weight must be [{d}] of x's dtype and device; got {tuple(weight.shape)} {weight.dtype}")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    t, g = x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
+    if y.numel() == 0:
+        return y
+    stride_g = x.stride(1) if x.dim() == 3 else 0
+    _rms_norm_kernel[(t, g)](x, weight if weight is not None else x, y, g, d, x.stride(0), stride_g, eps,
+                             HAS_W=weight is not None, BLOCK_D=triton.next_power_of_2(d),
+                             num_warps=1 if d <= 512 else 4 if d <= 4096 else 8)
+    return y

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pwkernels.norm import add_rms_norm, add_rms_norm_ref
+from pwkernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, rms_unit_ref
 from pwkernels.rope_kv import rope_kv_write, rope_kv_write_ref
 from pwkernels.route_topk import route_topk, route_topk_ref
 from pwrun.model.moe import route
@@ -54,6 +54,39 @@ def test_add_rms_norm(dtype: torch.dtype, t: int, h: int, with_delta: bool) -> N
     h_k, x_k = add_rms_norm(hs, delta, w, 1e-6)
     assert torch.equal(h_k, h_ref)
     assert _ulps(x_k, x_ref) <= 2.0, "normalised rows differ by more than bf16/fp16 rounding"
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 2816), (5, 704), (3, 8, 256), (4, 2, 512), (2, 3, 96)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_of_rows_and_strided_heads(dtype: torch.dtype, shape: tuple[int, ...], weighted: bool) -> None:
+    """Rows [T, D], and heads [T, G, D] viewed in a wider projection output (as q / k / v are split from one),
+    with and without a weight: the kernel gives the eager norm up to the rounding of its fp32 sum."""
+    g = torch.Generator().manual_seed(sum(shape))
+    t, d = shape[0], shape[-1]
+    heads = shape[1] if len(shape) == 3 else 1
+    wide = (3 * torch.randn(t, heads * d + 40, generator=g)).to(dtype).to(DEV)
+    x = wide[:, 40:].view(t, heads, d) if len(shape) == 3 else wide[:, 40:]
+    assert t == 1 or not x.is_contiguous()
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEV) if weighted else None
+    ref = rms_norm_ref(x, w, 1e-6) if w is not None else rms_unit_ref(x, 1e-6)
+    xf = x.float()
+    unit = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(ref, w * unit if w is not None else unit)  # the eager math of transformers' norms
+    got = rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    assert _ulps(got, ref) <= 2.0
+
+
+def test_rms_norm_rejects_bad_input() -> None:
+    x = torch.randn(2, 8, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rms_norm(x.t(), None, 1e-6)
+    with pytest.raises(ValueError, match=r"\[T, D\] or \[T, G, D\]"):
+        rms_norm(x.view(2, 2, 2, 2), None, 1e-6)
+    with pytest.raises(ValueError, match="weight must be"):
+        rms_norm(x, torch.ones(8, device=DEV), 1e-6)  # fp32 weight for a bf16 x
+    assert rms_norm(x[:0], None, 1e-6).shape == (0, 8)
 
 
 def test_add_rms_norm_rejects_bad_input() -> None:

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from pwkernels.dense_gemv import linear
-from pwkernels.norm import rms_norm_ref
-from pwrun.model.ops import apply_rope, rms_unit, rope_cos_sin
+from pwrun.model.ops import apply_rope, norm, rope_cos_sin
 from pwrun.model.spec import AttentionSpec
 from pwrun.model.step import StepTensors
 from pwrun.model.weights import AttentionWeights
@@ -89,15 +88,15 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
         v = k if w.v is None else _linear(x, w.v, w.v_bias)
     if spec.qk_norm == "full":
         assert w.q_norm is not None and w.k_norm is not None
-        q, k = rms_norm_ref(q, w.q_norm, eps), rms_norm_ref(k, w.k_norm, eps)
+        q, k = norm(q, w.q_norm, eps, fused), norm(k, w.k_norm, eps, fused)
     if spec.clip_qkv is not None:
         q, k, v = (z.clamp(-spec.clip_qkv, spec.clip_qkv) for z in (q, k, v))
     q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
     if spec.qk_norm == "per_head":
         assert w.q_norm is not None and w.k_norm is not None
-        q, k = rms_norm_ref(q, w.q_norm, eps), rms_norm_ref(k, w.k_norm, eps)
+        q, k = norm(q, w.q_norm, eps, fused), norm(k, w.k_norm, eps, fused)
     if spec.v_norm:
-        v = rms_unit(v, eps)
+        v = norm(v, None, eps, fused)
     write_rope = getattr(cache, "write_rope", None) if fused else None
     rotated = write_rope(layer, step, q, k, v, spec.rope_theta, spec.rotary_dim) if write_rope is not None else None
     if rotated is not None:

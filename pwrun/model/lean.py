@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from pwkernels.dense_gemv import linear
-from pwkernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm_ref
+from pwkernels.norm import add_rms_norm, add_rms_norm_ref
 from pwrun.model.attention import PagedKVCache, attention_forward
 from pwrun.model.moe import MoEObserver, mlp_forward, moe_forward, router_input
+from pwrun.model.ops import norm as rms
 from pwrun.model.ops import softcap
 from pwrun.model.spec import LayerSpec, ModelSpec
 from pwrun.model.step import StepTensors
@@ -104,11 +105,11 @@ class LeanMoEModel:
         a = attention_forward(x, lw.attn, ls.attention, eps, ls.index, step, cache, fused)
         if lw.sandwich is not None:
             sw = lw.sandwich
-            h, x = norm(h, rms_norm_ref(a, sw.post_attn, eps), lw.ffn_norm, eps)
+            h, x = norm(h, rms(a, sw.post_attn, eps, fused), lw.ffn_norm, eps)
             f = self._sandwich_ffn(h, x, ls, lw, observer, moe, fused, split)
             if split is not None and lw.moe is not None and moe is not None:
                 h = split(h)
-            return (h + rms_norm_ref(f, sw.post_ffn, eps)) * sw.scalar, None
+            return (h + rms(f, sw.post_ffn, eps, fused)) * sw.scalar, None
         h, x = norm(h, a, lw.ffn_norm, eps)
         if lw.moe is None:
             assert lw.mlp is not None
@@ -136,16 +137,16 @@ class LeanMoEModel:
         eps = self.spec.rms_norm_eps
         sw = lw.sandwich
         assert sw is not None and lw.mlp is not None
-        f = rms_norm_ref(mlp_forward(x, lw.mlp, self.spec.mlp_activation, fused), sw.mlp_post, eps)
+        f = rms(mlp_forward(x, lw.mlp, self.spec.mlp_activation, fused), sw.mlp_post, eps, fused)
         if lw.moe is None:
             return f
         assert ls.moe is not None
-        x2 = rms_norm_ref(h, sw.moe_pre, eps)
-        r = router_input(h, lw.moe, ls.moe, eps) if ls.moe.router == "gemma4" else None
+        x2 = rms(h, sw.moe_pre, eps, fused)
+        r = router_input(h, lw.moe, ls.moe, eps, fused) if ls.moe.router == "gemma4" else None
         if moe is not None:
             e = moe(x2, ls.index, r=r)
             f = f if split is None else split(f)
         else:
             mw = lw.moe if self.experts is None else self.experts.moe(ls.index, lw.moe)
             e = moe_forward(x2, mw, ls.moe, ls.index, observer, r)
-        return f + rms_norm_ref(e, sw.moe_post, eps)
+        return f + rms(e, sw.moe_post, eps, fused)

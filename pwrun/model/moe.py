@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from pwkernels.dense_gemv import linear
 from pwrun.model.inventory import SHARED_EXPERT
-from pwrun.model.ops import act, add_rows, rms_unit
+from pwrun.model.ops import act, add_rows, norm
 from pwrun.model.spec import MoESpec
 from pwrun.model.weights import MLPWeights, MoEWeights
 
@@ -35,11 +35,11 @@ class MoEObserver(Protocol):
         """
 
 
-def router_input(h: torch.Tensor, w: MoEWeights, spec: MoESpec, eps: float) -> torch.Tensor:
+def router_input(h: torch.Tensor, w: MoEWeights, spec: MoESpec, eps: float, fused: bool = False) -> torch.Tensor:
     """What the router of a ``gemma4`` block reads: the residual stream h [T, H] RMS-normalised without weight,
     times ``router_scale`` and H^-0.5 (other routers read the MoE input itself: callers pass it)."""
     assert spec.router == "gemma4" and w.router_scale is not None
-    return rms_unit(h, eps) * w.router_scale * h.shape[-1] ** -0.5
+    return norm(h, None, eps, fused) * w.router_scale * h.shape[-1] ** -0.5
 
 
 def route(x: torch.Tensor, router: torch.Tensor, spec: MoESpec, expert_scale: torch.Tensor | None = None

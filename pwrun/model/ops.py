@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pwkernels.norm import rms_norm, rms_norm_ref, rms_unit_ref
 from pwkernels.rope_kv import rope_cos_sin_fp32
 
 
@@ -33,10 +34,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return cos.to(dtype), sin.to(dtype)
 
 
-def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without weight over the last dim, fp32 math, in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def act(x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -64,3 +61,11 @@ def add_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> None:
         out.index_put_((rows,), y, accumulate=True)
     else:
         out.index_add_(0, rows, y)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bool = False) -> torch.Tensor:
+    """RMSNorm of x's last dim, with ``weight`` or without (None): one Triton launch (``pwkernels.norm.rms_norm``)
+    when ``fused`` and x is [T, D] or [T, G, D], the eager twin otherwise."""
+    if fused and x.dim() in (2, 3) and x.stride(-1) == 1 and (weight is None or weight.dtype == x.dtype):
+        return rms_norm(x, weight, eps)
+    return rms_unit_ref(x, eps) if weight is None else rms_norm_ref(x, weight, eps)
