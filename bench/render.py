@@ -44,6 +44,7 @@ repository root (GPU machine unless noted):
 | dense GEMV | `python -m bench.dense_gemv` |
 | planner host time | `python -m bench.planner` (CPU) |
 | headline | `python -m bench.headline [--figure docs/figures/headline_qwen.png]` |
+| decode-step profile | `python -m bench.decode_profile --config-dir DIR [--batches 1,4] [--eager]` |
 | calibration | `python -m bench.calibration` |
 """
 
@@ -121,6 +122,16 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                   ("preemptions", "preemptions"), ("mean bits", "mean_bits"),
                   ("expert share", "expert_share_16bit"), ("KV GiB (mean)", _gib("kv_bytes_mean")),
                   ("completed", "completed")]),
+    "decode_profile": ("Decode-step profile", "Where a decode step's time goes (`python -m bench.decode_profile`, "
+                       "torch.profiler): GPU busy ms per step (union of kernel intervals) against the step's wall "
+                       "under the profiler (its host overhead included: the serving suite has the unprofiled step), "
+                       "kernels per step, and the three kernels that take the most time (us per step, launches per "
+                       "step); uniform AP bits, random weights at the real shape, 2,048-token prompts.",
+                       ("model", "batch", "graphs"),
+                       [("bits", "bits"), ("step ms", "step_ms"), ("model ms", "model_ms"),
+                        ("GPU busy ms", "gpu_busy_ms"), ("kernels / step", "kernels_per_step"),
+                        ("top kernels", lambda rows: "; ".join(f"{n[:40]} {us:.0f} us x{k:g}"
+                                                               for n, us, k in rows[-1].get("kernels", [])[:3]))]),
     "calibration": ("Calibration", "`pwcal` stages on random weights at the model's real shape "
                     "(`python -m bench.calibration`).",
                     ("model", "stage"), [("tokens", "tokens"), ("blocks", "blocks"), ("seconds", "seconds")]),

@@ -152,6 +152,33 @@ def test_serving_http_mode_serves_w1_through_the_server(tmp_path: Path) -> None:
     assert f"| {tmp_path.name} | W1 over HTTP |" not in perf  # not in the decode tables
 
 
+def test_decode_profile_sums_kernels_and_busy_time() -> None:
+    """Busy time is the union of device intervals (overlaps and gaps counted once / not at all), kernels are
+    ranked by time and counted per step, host events are left out."""
+    from bench.decode_profile import kernel_summary
+    ev = [{"cat": "kernel", "name": "a", "ts": 0.0, "dur": 100.0}, {"cat": "kernel", "name": "b", "ts": 50.0,
+          "dur": 100.0}, {"cat": "gpu_memcpy", "name": "copy", "ts": 400.0, "dur": 20.0},
+          {"cat": "kernel", "name": "a", "ts": 1000.0, "dur": 30.0}, {"cat": "cpu_op", "name": "aten::mm", "ts": 0.0,
+          "dur": 5000.0}]
+    s = kernel_summary(ev, steps=2)
+    assert s["gpu_busy_ms"] == (150 + 20 + 30) / 2 / 1e3
+    assert s["kernel_sum_ms"] == 250 / 2 / 1e3 and s["kernels_per_step"] == 2.0
+    assert s["kernels"] == [["a", 65.0, 1.0], ["b", 50.0, 0.5], ["copy", 10.0, 0.5]]
+
+
+def test_decode_profile_runs_on_a_shrunken_config(tmp_path: Path) -> None:
+    """``bench.decode_profile`` on the CPU: decode steps only, the engine's step times, a rendered row."""
+    _shrunken_qwen(tmp_path)
+    out = tmp_path / "decode_profile.jsonl"
+    _run("bench.decode_profile", "--device", "cpu", "--config-dir", str(tmp_path), "--batches", "2",
+         "--prompt-len", "40", "--steps", "3", "--gpu-memory-gib", "1", "--eager", "--label", "t", "--out", str(out))
+    (r,) = map(json.loads, out.read_text().splitlines())
+    assert r["batch"] == 2 and r["steps"] == 3 and not r["graphs"]
+    assert 0 < r["model_ms"] <= r["step_ms"] and r["kernels_per_step"] == 0  # no device activity on the CPU
+    _run("bench.render", "--results", str(tmp_path), "--out", str(tmp_path / "perf.md"))
+    assert f"| {tmp_path.name} | 2 | False | 4 |" in (tmp_path / "perf.md").read_text()
+
+
 def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None:
     """``bench.headline`` on the shrunken config (its first 2 layers): the six systems serve the same requests in
     full in one budget, FP16 at 16 bits and the uniform ones at theirs, the ratios are each system's throughput over

@@ -1,0 +1,139 @@
+"""Decode-step profile suite: where a decode step's time goes, kernel by kernel (``torch.profiler``).
+
+What it does: builds the engine of the serving suite (random weights at the real shape of ``--config-dir``, synthetic
+AP planes, uniform ``--bits``) for ``--batches`` requests of ``--prompt-len`` tokens, serves past the prefill and a
+few decode steps, then profiles ``--steps`` decode steps (CUDA graphs on unless ``--eager``). Per (model, batch,
+graphs) one record: the steps' wall and model ms (the engine's trace), the GPU busy ms per step (the union of kernel
+and copy intervals), kernels per step, their summed ms, and the kernels by name (us per step, launches per step):
+a step far from its floor with a busy GPU needs faster kernels; one with many small kernels needs fusion; one whose
+wall exceeds its busy time has host gaps. On the CPU (no CUDA activity) the kernel fields are empty.
+
+Usage (GPU machine)::
+
+    python -m bench.decode_profile --config-dir tests/fixtures/configs/google__gemma-4-26B-A4B [--batches 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import (
+    BENCH_PLANNER,
+    BENCH_POLICY,
+    SyntheticAP,
+    environment,
+    prompts,
+    random_model,
+    synthetic_table,
+    write_records,
+)
+from pwrun.core.config import EngineConfig
+from pwrun.core.policy import Policy
+from pwrun.core.request import SamplingParams
+from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
+from pwrun.engine.llm_engine import LLMEngine
+
+DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of device work
+
+
+def kernel_summary(events: list[dict[str, Any]], steps: int, top: int = 25) -> dict[str, Any]:
+    """Per step: GPU busy ms (union of the device intervals), kernels, their summed ms, and the ``top`` names by
+    time as [name, us per step, launches per step] of the chrome-trace ``events`` of ``steps`` steps."""
+    dev = [e for e in events if e.get("cat") in DEVICE_KINDS and "dur" in e]
+    by: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in dev:
+        by[e["name"]][0] += e["dur"]
+        by[e["name"]][1] += 1
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in dev):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"gpu_busy_ms": busy / steps / 1e3, "kernels_per_step": len(dev) / steps,
+            "kernel_sum_ms": sum(v[0] for v in by.values()) / steps / 1e3,
+            "kernels": [[name[:120], round(us / steps, 2), round(n / steps, 2)] for name, (us, n) in ranked]}
+
+
+def _decode(e: LLMEngine) -> bool:
+    r = e.trace[-1]
+    return r.step_tokens == r.running > 0 and not r.graph_captured
+
+
+def profile_steps(e: LLMEngine, steps: int, cuda: bool) -> dict[str, Any]:
+    """Serve ``e`` until 4 decode steps have run, then profile ``steps`` more; the record's timing fields."""
+    seen = 0
+    while seen < 4:
+        e.step()
+        seen += _decode(e)
+    if cuda:
+        torch.cuda.synchronize()
+    first = len(e.trace)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            e.step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = e.trace[first:]
+    if not all(r.step_tokens == r.running > 0 for r in rows):
+        raise RuntimeError("a profiled step was not a decode step: raise --gen or lower --steps")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return {"steps": steps, "step_ms": 1e3 * sum(r.seconds for r in rows) / steps,
+            "model_ms": 1e3 * sum(r.model_seconds for r in rows) / steps, **kernel_summary(events, steps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config-dir", type=Path, required=True, help="a directory with the model's config.json")
+    ap.add_argument("--batches", default="1", help="requests per run, comma-separated")
+    ap.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt")
+    ap.add_argument("--bits", type=int, default=4, help="uniform bitwidth of every expert block")
+    ap.add_argument("--steps", type=int, default=10, help="decode steps profiled")
+    ap.add_argument("--eager", action="store_true", help="without CUDA graphs (host launch gaps show)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=40.0, help="the engine's device budget, GiB")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--out", type=Path, default=None, help="JSONL (default bench/results/decode_profile.jsonl)")
+    args = ap.parse_args()
+    env, dev = environment(args.label), args.device
+    model = random_model(args.config_dir, torch.bfloat16, dev)
+    spec = model.spec
+    src, table = SyntheticAP(spec, torch.bfloat16, dev), synthetic_table(spec)
+    stripped = strip_experts(model, torch.device(dev))
+    del model
+    for b in (int(x) for x in args.batches.split(",")):
+        cfg = ServeConfig(int(args.gpu_memory_gib * 2**30), Policy.named("uniform", args.bits),
+                          EngineConfig(max_batch=b, max_step_tokens=2048, cuda_graphs=not args.eager), BENCH_PLANNER)
+        reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
+
+        def build(n: int, reqs: list[list[int]] = reqs, cfg: ServeConfig = cfg) -> LLMEngine:
+            return assemble_engine(stripped, src, table, BENCH_POLICY, None, None, cfg,
+                                   SamplingParams(max_new_tokens=n), reqs, set())
+
+        build(3).run_until_done()  # compiles and graph captures out of the profile
+        e = build(args.steps + 16)
+        rec = {"model": args.config_dir.name, "batch": b, "graphs": not args.eager, "bits": args.bits,
+               "prompt_len": args.prompt_len, **profile_steps(e, args.steps, dev == "cuda")}
+        del e
+        write_records("decode_profile", [rec], env, args.out)
+        print(f"{rec['model']} b{b} {'graphs' if rec['graphs'] else 'eager'}: step {rec['step_ms']:.2f} ms, model "
+              f"{rec['model_ms']:.2f} ms, GPU busy {rec['gpu_busy_ms']:.2f} ms, {rec['kernels_per_step']:.0f} "
+              f"kernels/step")
+        for name, us, n in rec["kernels"][:15]:
+            print(f"  {us:9.1f} us/step {n:6.1f}/step  {name[:90]}")
+
+
+if __name__ == "__main__":
+    main()
