@@ -36,7 +36,7 @@ demo: setup
 # and markdown tables, then the analysis notebooks' figures. One thread per process: the cores are often shared.
 eval: setup
 	mkdir -p artifacts/runs
-	$(BIN)/pwcal run-all artifacts/models/tiny-qwen2moe-wiki --out artifacts/runs/tiny-ap
+	$(BIN)/pwcal run-all artifacts/models/tiny-qwen2moe-wiki --out artifacts/runs/tiny-ap --residual-heads
 	OMP_NUM_THREADS=1 $(BIN)/pwrun eval sweep --out docs/eval --artifacts artifacts/runs/tiny-ap
 	$(BIN)/pwrun eval notebooks --artifacts artifacts/runs/tiny-ap --figures docs/eval
 

@@ -1,7 +1,8 @@
 """``pwcal``: the offline calibration command line (Typer). Wiring only.
 
-Pipeline order: quantize -> sensitivity -> fit-residual -> search-buckets (``run-all`` runs them
-in order). ``inspect`` describes a checkpoint; ``eval-uniform`` gives the uniform-bits quality table.
+Pipeline order: quantize -> sensitivity -> [fit-residual, optional] -> search-buckets (``run-all`` runs them
+in order; fit-residual only with ``--residual-heads``). ``inspect`` describes a checkpoint; ``eval-uniform`` gives
+the uniform-bits quality table.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pwrun.model.inventory import expert_blocks, host_memory, parameter_counts
 from pwrun.model.loader import load_spec
 
 app = typer.Typer(help="PagedWeight offline calibration. Pipeline, in this order: quantize (AP bit-planes + "
-                  "LUTs) -> sensitivity (Hessian s_i^b, bytes M_i^b, routing mass) -> fit-residual (prompt-residual "
-                  "heads) -> search-buckets (routing buckets, multipliers, floors); run-all does all four. Each "
+                  "LUTs) -> sensitivity (Hessian s_i^b, bytes M_i^b, routing mass) -> fit-residual (optional: "
+                  "prompt-residual heads, served by --policy residual) -> search-buckets (routing buckets, "
+                  "multipliers, floors); run-all does them in order (fit-residual with --residual-heads). Each "
                   "stage writes into one artifact directory with a manifest.json and is skipped when complete "
                   "(--force redoes it).", no_args_is_help=True,
                   add_completion=False,

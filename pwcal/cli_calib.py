@@ -142,9 +142,14 @@ def run_all(
     out: Annotated[Path, typer.Option(help="Artifact directory.")],
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
+    residual_heads: Annotated[bool, typer.Option(
+        "--residual-heads/--no-residual-heads",
+        help="Also fit the prompt-residual heads (served by --policy residual only; off: on the bundled model they "
+             "changed no served perplexity measurably).")] = False,
 ) -> None:
-    """quantize -> sensitivity -> fit-residual -> search-buckets with defaults (completed stages are skipped)."""
+    """quantize -> sensitivity -> [fit-residual] -> search-buckets with defaults (completed stages are skipped)."""
     cli_quant.quantize(model, out, device=device, force=force)
     sensitivity(model, out, device=device, force=force)
-    fit_residual(model, out, device=device, force=force)
+    if residual_heads:
+        fit_residual(model, out, device=device, force=force)
     search_buckets(model, out, device=device, force=force)

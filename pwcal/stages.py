@@ -22,7 +22,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from pwformat.checksums import file_sum, verify_files
 from pwformat.errors import PagedWeightError
-from pwformat.manifest import STAGES, Manifest, check_same_model, read_manifest, write_manifest
+from pwformat.manifest import OPTIONAL_STAGES, STAGES, Manifest, check_same_model, read_manifest, write_manifest
 from pwformat.writer_lock import writer_lock
 
 P = ParamSpec("P")
@@ -73,12 +73,14 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
     """True if ``stage`` must run; False if it is complete with the same ``config`` (skip). ``defaults``: the
     values of parameters that a manifest from before they existed did not record.
 
-    Raises ``PagedWeightError`` if a previous stage is missing, the artifact is another model's, or
-    the stage is complete with other parameters and ``force`` is not set.
+    Raises ``PagedWeightError`` if a previous stage is missing (an optional one: if it ran and did not complete),
+    the artifact is another model's, or the stage is complete with other parameters and ``force`` is not set.
     """
     manifest = read_manifest(artifact_dir)
     check_same_model(manifest, model_dir, artifact_dir, full=True)
     for prev in STAGES[: STAGES.index(stage)]:
+        if prev in OPTIONAL_STAGES and prev not in manifest.stages:
+            continue  # never ran: nothing of it to be consistent with
         if not manifest.complete(prev):
             raise PagedWeightError(f"{artifact_dir}: stage '{prev}' has not completed; run `pwcal {prev}` before "
                                    f"`pwcal {stage}`")

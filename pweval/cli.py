@@ -81,8 +81,9 @@ def run(
                                                    "labels: U<b> (uniform b's static footprint for this workload), "
                                                    "FP16 (the 16-bit model's), min (the smallest PagedWeight "
                                                    "accepts). Default U4.")] = None,
-    policy: Annotated[str, typer.Option(help="pagedweight, uniform (needs --bits), static, an ablation (no-routing,"
-                                        " no-residual, no-movement, no-sensitivity), or 16-bit (the reference "
+    policy: Annotated[str, typer.Option(help="pagedweight, uniform (needs --bits), static, residual (with the "
+                                        "prompt-residual heads), an ablation (no-routing, no-movement, "
+                                        "no-sensitivity), or 16-bit (the reference "
                                         "model, charged its footprint; no --gpu-memory).")] = "pagedweight",
     bits: Annotated[int | None, typer.Option(help="With --policy uniform: every expert at this many bits.")] = None,
     suite: Annotated[str, typer.Option(help="text (WikiText-2 + C4 windows) or long (passage retrieval + QMSum "

@@ -4,7 +4,7 @@ What it does: for each suite it scores the 16-bit reference, measures the worklo
 the budget grid from static footprints (``U<b>``: uniform b's footprint, for every supported b;
 ``FP16``: the 16-bit model's; ``min``: the smallest budget the runtime accepts) and runs: uniform b at
 ``U<b>`` (equal memory by construction; on the long suite only at its grid's ``U<b>``),
-``pagedweight`` and ``static`` at every grid budget, and the four ablations at ``ablation_bits``'
+``pagedweight`` and ``static`` at every grid budget, and the ablations (and ``residual``) at ``ablation_bits``'
 budgets. Rows (and per-request scores) are appended as they finish to ``<out>/results.partial.parquet``,
 renamed to ``results.parquet`` at the end; PagedWeight's run at ``trace_budget`` also leaves its
 per-step trace (``trace_<suite>.parquet``, for the timeline notebook). ``QUICK`` is a seconds-long

@@ -29,6 +29,7 @@ from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS
 
 MANIFEST = "manifest.json"
 STAGES = ("quantize", "sensitivity", "fit-residual", "search-buckets")  # the pwcal stages, in the order they run
+OPTIONAL_STAGES = ("fit-residual",)  # stages a later one runs without if they never ran (``pwcal run-all`` skips them)
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists files and stage configs: far below this
 
 

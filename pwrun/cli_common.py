@@ -41,8 +41,9 @@ ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugg
 GpuMemoryOpt = Annotated[str | None, typer.Option(help="With --artifacts or --policy 16-bit: the device memory "
                                                  "budget of the whole process, e.g. 10GiB, 48MiB (binary units), "
                                                  "1.5GB (decimal), or a bare number of bytes (default 4GiB).")]
-PolicyOpt = Annotated[str, typer.Option(help="pagedweight (default), uniform (needs --bits), static, or an ablation: "
-                                        "no-routing, no-residual, no-movement, no-sensitivity; 16-bit: the "
+PolicyOpt = Annotated[str, typer.Option(help="pagedweight (default), uniform (needs --bits), static, residual "
+                                        "(pagedweight with the prompt-residual heads of `pwcal fit-residual`), or "
+                                        "an ablation: no-routing, no-movement, no-sensitivity; 16-bit: the "
                                         "checkpoint's own experts in the page pool under --gpu-memory (no "
                                         "--artifacts).")]
 BitsOpt = Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")]

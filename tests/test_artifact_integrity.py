@@ -320,13 +320,13 @@ def test_a_fifo_in_place_of_the_lock_file_is_named_not_waited_on(art: Path) -> N
 
 def test_a_table_no_stage_recorded_is_ignored_and_reported(art: Path) -> None:
     """A residual_heads table copied in (this artifact's own provenance, so only the manifest can tell): the
-    runtime warns and serves without it, as before it was there; verify names it."""
-    before = serve(art)
+    runtime warns and serves without it, as before it was there; verify names it (the policy that reads it)."""
+    before = serve(art, "--policy", "residual")
     assert before.exit_code == 0 and "has no residual_heads.parquet" in before.stderr, before.stderr
     prov = read_manifest(art).provenance()
     write_table(pd.DataFrame({c: [] for c in SCHEMAS["residual_heads"].names}), art / "residual_heads.parquet",
                 "residual_heads", prov)
-    after = serve(art)
+    after = serve(art, "--policy", "residual")
     assert after.exit_code == 0 and "residual_heads.parquet" in after.stderr, after.stderr
     assert "the manifest records no 'fit-residual' run that wrote it" in after.stderr
     assert after.stdout == before.stdout

@@ -173,6 +173,45 @@ def test_stage_order_is_enforced(tmp_path: Path, pipeline: Path) -> None:
     assert r.exit_code == 2 and "run `pwcal sensitivity`" in r.stderr
 
 
+def test_search_buckets_runs_without_the_optional_residual_stage(tmp_path: Path, pipeline: Path) -> None:
+    """An artifact whose fit-residual never ran (what `pwcal run-all` makes by default): search-buckets runs and the
+    manifest records no fit-residual; one whose fit-residual ran and did not complete is refused."""
+    import shutil
+
+    art = tmp_path / "ap"
+    shutil.copytree(pipeline, art)
+    m = json.loads((art / "manifest.json").read_text())
+    del m["stages"]["fit-residual"]
+    m["checksums"].pop("residual_heads.parquet")
+    (art / "manifest.json").write_text(json.dumps(m))
+    (art / "residual_heads.parquet").unlink()
+    buckets = ["--candidates", "2", "--heldout-windows", "4", "--confirm-windows", "2", *SMALL]
+    r = runner.invoke(app, ["search-buckets", str(MODEL), "--artifacts", str(art), "--force", *buckets])
+    assert r.exit_code == 0, r.stderr
+    stages = json.loads((art / "manifest.json").read_text())["stages"]
+    assert stages["search-buckets"]["complete"] and "fit-residual" not in stages
+    assert not (art / "residual_heads.parquet").exists() and (art / "buckets.parquet").is_file()
+    stages["fit-residual"] = {"complete": False, "stale_because": "fit-residual was being re-run and did not finish"}
+    (art / "manifest.json").write_text(json.dumps({**json.loads((art / "manifest.json").read_text()),
+                                                   "stages": stages}))
+    r = runner.invoke(app, ["search-buckets", str(MODEL), "--artifacts", str(art), "--force", *buckets])
+    assert r.exit_code == 2 and "stage 'fit-residual' has not completed" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("heads", [False, True])
+def test_run_all_fits_residual_heads_only_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     heads: bool) -> None:
+    from pwcal import cli_calib, cli_quant
+
+    ran: list[str] = []
+    for mod, name in ((cli_quant, "quantize"), (cli_calib, "sensitivity"), (cli_calib, "fit_residual"),
+                      (cli_calib, "search_buckets")):
+        monkeypatch.setattr(mod, name, lambda *a, name=name, **k: ran.append(name))
+    r = runner.invoke(app, ["run-all", str(MODEL), "--out", str(tmp_path), *(["--residual-heads"] if heads else [])])
+    assert r.exit_code == 0, r.stderr
+    assert ran == ["quantize", "sensitivity", *(["fit_residual"] if heads else []), "search_buckets"]
+
+
 def test_tables_round_trip_and_corruption(tmp_path: Path) -> None:
     df = pd.DataFrame({"layer": [0, 1], "expert": [-1, 4], "mass": [0.5, 0.25], "tokens": [10, 3]})
     p = tmp_path / "routing.parquet"

@@ -233,7 +233,7 @@ def test_quick_sweep_writes_the_table_figures_and_markdown(quick_sweep: Path) ->
             "long_context.md", "ablations.md", "targets.md", "trace_text.parquet"} <= names
     df = read_results(quick_sweep / "results.parquet")
     text = df[df.suite == "text"]
-    assert set(text.policy) == {"16-bit", "uniform", "pagedweight", "static", "no-routing", "no-residual",
+    assert set(text.policy) == {"16-bit", "uniform", "pagedweight", "static", "no-routing", "residual",
                                 "no-movement", "no-sensitivity"}
     assert text[text.policy == "uniform"].preemptions.eq(0).all()
     assert set(df.suite) == {"text", "long"} and df[df.suite == "long"].retrieval_acc.notna().all()

@@ -1,10 +1,11 @@
 """Serving policies (SPEC section 8 baselines and ablations) as one frozen dataclass; the CLI names them.
 
 What it does: a ``Policy`` says how expert bitwidths are chosen: by the planner at run time
-(``placement="planner"``: ``pagedweight``, and the four ablations of the paper: ``no-routing``, no routing
-statistics, one bucket and no online mass; ``no-residual``, no prompt factor, eta = 1; ``no-movement``,
-demoted planes are never reloaded; ``no-sensitivity``, damage = bits dropped instead of the Hessian
-sensitivity), or once before serving (``uniform``: every block at ``bits``; ``static``: a fixed
+(``placement="planner"``: ``pagedweight``, without the prompt-residual heads (eta = 1: on the bundled model they
+changed no served perplexity measurably, docs/eval/ablations.md); ``residual``, with them (SPEC Eq. 5-6, an artifact
+from ``pwcal fit-residual``); and the paper's other ablations: ``no-routing``, no routing statistics, one bucket and
+no online mass; ``no-movement``, demoted planes are never reloaded; ``no-sensitivity``, damage = bits dropped
+instead of the Hessian sensitivity), or once before serving (``uniform``: every block at ``bits``; ``static``: a fixed
 mixed-precision allocation chosen offline from the global sensitivity to fit the budget at the workload's
 peak KV, MxMoE-style), or not at all (``16-bit``: the checkpoint's own experts, held at 16 bits in the page pool,
 ``placement="dense"``; no artifact). ``Policy.named`` turns a CLI name (and ``--bits``) into one. Control plane.
@@ -29,7 +30,7 @@ class Policy:
     placement: Placement = "planner"
     bits: int | None = None
     use_routing: bool = True
-    use_residual: bool = True
+    use_residual: bool = False
     use_sensitivity: bool = True
     movement: bool = True
 
@@ -81,7 +82,7 @@ class Policy:
 POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy(),
     Policy("no-routing", use_routing=False),
-    Policy("no-residual", use_residual=False),
+    Policy("residual", use_residual=True),
     Policy("no-movement", movement=False),
     Policy("no-sensitivity", use_sensitivity=False),
     Policy("uniform", "uniform", bits=8),
