@@ -48,7 +48,7 @@ from pwrun.data import default_model_dir, document_prompts, read_text
 from pwrun.engine.build import ServeConfig, dense_server_engine
 from pwrun.generate import eos_ids, generate
 from pwrun.model.loader import load_model, load_spec, load_tokenizer
-from pwrun.serve.generation import ServeLimits
+from pwrun.serve.generation import ServeLimits, body_limit, token_chars
 from pwrun.serve.server import Server, build_serving_engine, free_port
 from pwrun.serve.text import ChoiceText
 
@@ -267,14 +267,43 @@ def test_bad_json_and_a_full_queue(big: Server) -> None:
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=10)
     assert info.value.code == 400 and "not valid JSON" in info.value.read().decode()
-    before, big.loop.max_pending = big.loop.max_pending, 0
+    before, big.loop._pending = big.loop._pending, big.loop.max_pending  # a full queue
     try:
         with pytest.raises(openai.InternalServerError) as full:
             _client(big).completions.create(model=NAME, prompt="The river", max_tokens=4)
     finally:
-        big.loop.max_pending = before
+        big.loop._pending = before
     assert full.value.status_code == 503 and "busy" in str(full.value.body)
     assert _metrics(big)['pwrun_requests_refused_total{status="503"}'] >= 1
+
+
+def _post_raw(server: Server, data: bytes) -> tuple[int, str]:
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_bodies_that_cannot_be_served_are_refused_with_a_4xx(big: Server, tok: Any) -> None:
+    """Each answered with its own 4xx, none with a 500; the long ones before the tokenizer sees them."""
+    spec, _ = load_spec(MODEL)
+    limit = body_limit(ServeLimits(CONTEXT, spec.vocab_size), big.loop.max_pending, tok)
+    head = b'{"model": "' + NAME.encode() + b'", "max_tokens": 3, "prompt": '
+    code, body = _post_raw(big, head + b"[" * 100_000 + b"]" * 100_000 + b"}")  # nested past the JSON parser
+    assert code == 400 and "not valid JSON" in body, body
+    code, body = _post_raw(big, head + b'"\\ud800 x"}')  # an unpaired surrogate: valid JSON, no text
+    assert code == 400 and "cannot be tokenized" in body, body
+    code, body = _post_raw(big, head + b'"' + b"a" * limit + b'"}')
+    assert code == 413 and f"more than this server takes ({limit}" in body, body
+    most = CONTEXT * token_chars(tok)
+    code, body = _post_raw(big, head + json.dumps("a" * (most + 1)).encode() + b"}")
+    assert code == 400 and f"the prompt has {most + 1} characters" in body, body
+    code, body = _post_raw(big, head + json.dumps(["a"] * (big.loop.max_pending + 1)).encode() + b"}")
+    assert code == 400 and f"holds at most {big.loop.max_pending} requests" in body, body
+    assert _metrics(big).get('pwrun_requests_refused_total{status="500"}', 0) == 0
 
 
 def test_models_health_and_metrics(big: Server) -> None:
@@ -288,6 +317,9 @@ def test_models_health_and_metrics(big: Server) -> None:
                  "pwrun_demoted_blocks_total", "pwrun_promoted_blocks_total", "pwrun_preemptions_total",
                  "pwrun_requests_running", "pwrun_requests_waiting", "pwrun_kv_pages"):
         assert name in m
+    idle = m["pwrun_engine_idle_seconds_total"]  # counted while the engine waits, not only when the wait ends
+    time.sleep(2.5)
+    assert _metrics(big)["pwrun_engine_idle_seconds_total"] >= idle + 1.0
 
 
 # Concurrent load: CLIENTS threads, each with its own openai client, send REQUESTS requests between them
@@ -371,10 +403,10 @@ def test_a_client_gone_while_waiting_for_a_whole_response_is_aborted(big: Server
     assert state["kv"] == 0 and state["requests"] == 0
 
 
-def _serve_process(artifacts: Path, port: int, drain: float) -> subprocess.Popen[str]:
+def _serve_process(artifacts: Path, port: int, drain: float, context: int = 128) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pwrun", "serve", "--artifacts", str(artifacts), "--gpu-memory",
-                             "1GiB", "--max-model-len", "128", "--port", str(port), "--device", "cpu",
+                             "1GiB", "--max-model-len", str(context), "--port", str(port), "--device", "cpu",
                              "--drain-seconds", str(drain), "--served-model-name", NAME, "--log-level", "warning"],
                             stderr=subprocess.PIPE, text=True, env=env)
     end = time.monotonic() + 120
@@ -420,6 +452,26 @@ def test_sigterm_lets_the_running_request_finish_then_exits(calibrated_artifacts
     reader.join(30)
     assert proc.returncode == 0, err
     assert got[-1].finish_reason == "length" and "stopped (SIGTERM): 1 request finished, 0 aborted" in err
+
+
+def test_a_second_ctrl_c_ends_the_drain(calibrated_artifacts: Path) -> None:
+    """Ctrl-C drains (up to 300 s here); a second Ctrl-C aborts the running request at once: its stream ends and
+    the server exits long before the drain time, counting it aborted."""
+    port = free_port()
+    proc = _serve_process(calibrated_artifacts, port, 300, context=1024)
+    got: list[Any] = []
+    first = threading.Event()
+    reader = _stream_in_thread(f"http://127.0.0.1:{port}", got, first, 1000)
+    assert first.wait(60)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    reader.join(30)
+    assert time.monotonic() - t0 < 60, err
+    assert "0 requests finished, 1 aborted" in err, err
+    assert isinstance(got[-1], Exception) or got[-1].finish_reason == "abort", got[-1]
 
 
 def _spawned_children(pid: int) -> list[int]:

@@ -118,6 +118,31 @@ def test_outputs_cross_as_new_tokens_and_arrive_whole() -> None:
     assert not sent and not loop._tokens and not loop._sinks
 
 
+def test_a_draining_engine_process_still_takes_aborts(calibrated_artifacts: Path) -> None:
+    """A request aborted while the server drains (its client went away) ends as aborted at the next step, not when
+    it would have finished; the engine process then exits with the drain time mostly unused. The pool's state
+    reaches the parent's metrics before any request."""
+    from pwrun.core.request import Request, SamplingParams
+    from pwrun.serve.metrics import ServerMetrics
+
+    build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, ServeConfig(2**30), CONTEXT, "cpu")
+    metrics = ServerMetrics()
+    loop = EngineProcess(build, 4, metrics)
+    loop.start()
+    assert metrics.pool_pages._value.get() > 0 and metrics.free_pages._value.get() > 0
+    outs: list[Any] = []
+    loop.submit([Request(loop.next_rid(), (5, 6, 7), SamplingParams(max_new_tokens=CONTEXT - 8))], outs.append)
+    while not outs:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    loop.drain(120.0)
+    loop.abort(0)
+    loop.stop(120.0)
+    assert time.monotonic() - t0 < 60
+    assert loop.finished["abort"] == 1 and loop.finished["length"] == 0, loop.finished
+    assert outs[-1].finish == "abort" and len(outs[-1].token_ids) < CONTEXT - 8
+
+
 def test_a_failed_build_raises_its_message_and_leaves_no_process(calibrated_artifacts: Path, tok: Any) -> None:
     build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, ServeConfig(2**20), CONTEXT, "cpu")
     server = _server(build, tok)

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pwrun.core.request import SamplingParams
 from pwrun.serve.engine_process import AnyLoop
-from pwrun.serve.generation import Generation, Mailbox, ServeLimits, encode
+from pwrun.serve.generation import Generation, Mailbox, ServeLimits, body_limit, encode
 from pwrun.serve.metrics import ServerMetrics
 from pwrun.serve.protocol import ApiError, ChatBody, CompletionBody, parse
 
@@ -72,10 +72,32 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "pagedweight", "max_model_len": state.limits.max_model_len}]}
 
+    async def _json(request: Request) -> Any:
+        """The body as JSON: 413 past ``body_limit`` (the rest of the body is read and dropped, not kept, so that
+        the client gets the answer), 400 if it is not JSON."""
+        limit = body_limit(state.limits, state.loop.max_pending, state.tokenizer)
+        raw, size = bytearray(), 0
+        async for part in request.stream():
+            size += len(part)
+            if size <= limit:
+                raw += part
+        if size > limit:
+            raise ApiError(413, f"the request body has {size} bytes, more than this server takes ({limit}: "
+                           f"{state.loop.max_pending} prompts of {state.limits.max_model_len} tokens at most)")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body: CompletionBody = parse(CompletionBody, await _json(request))
-        ids, max_tokens = encode(state.tokenizer, _prompts(body.prompt), state.limits, body.max_tokens, 16)
+        prompts = _prompts(body.prompt)
+        if len(prompts) > state.loop.max_pending:
+            raise ApiError(400, f"{len(prompts)} prompts in one request: this server holds at most "
+                           f"{state.loop.max_pending} requests at once (--max-batch + --max-queue)", param="prompt")
+        # tokenized on a worker thread: a long text does not hold up the other requests' streams
+        ids, max_tokens = await asyncio.to_thread(encode, state.tokenizer, prompts, state.limits, body.max_tokens, 16)
         return await _run(request, body, ids, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -91,7 +113,7 @@ def create_app(state: ServerState) -> FastAPI:
         except Exception as exc:  # the template's own checks (e.g. roles in a given order) raise
             raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        ids, max_tokens = encode(tok, [str(text)], state.limits, limit, None, special_tokens=False)
+        ids, max_tokens = await asyncio.to_thread(encode, tok, [str(text)], state.limits, limit, None, False)
         return await _run(request, body, ids, max_tokens, chat=True)
 
     async def _run(request: Request, body: Any, ids: list[list[int]], max_tokens: int, chat: bool) -> Response:
@@ -148,13 +170,6 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str]
     if isinstance(prompt[0], int):
         return [[int(t) for t in prompt]]
     return prompt
-
-
-async def _json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError:
-        raise ApiError(400, "the request body is not valid JSON") from None
 
 
 async def _stream(gen: Generation, head: dict[str, Any], chat: bool, usage: bool) -> AsyncIterator[str]:

@@ -122,6 +122,11 @@ class EngineLoop(Admission):
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def running(self) -> bool:
+        """The engine thread has not ended (also while it drains)."""
+        return self._thread.is_alive()
+
     def submit(self, requests: list[Request], sink: Sink, arrival: float | None = None) -> None:
         """Queue ``requests`` (added together, before the next step); ``sink`` gets every output of each;
         ``arrival``: their ``time.perf_counter()`` arrival (default now). Raises ``QueueFull`` past ``max_pending``
@@ -202,7 +207,9 @@ class EngineLoop(Admission):
     def _commands(self, block: bool) -> None:
         while True:
             try:
-                kind, arg = self._inbox.get() if block and self._deadline is None else self._inbox.get_nowait()
+                # an idle wait wakes every second, so that the idle time reaches the metrics while it lasts
+                kind, arg = (self._inbox.get(timeout=1.0) if block and self._deadline is None
+                             else self._inbox.get_nowait())
             except queue.Empty:
                 return
             block = False

@@ -35,7 +35,7 @@ from pwrun.core.request import Request, RequestOutput
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.trace import StepTrace
 from pwrun.serve.engine_loop import FINISHED, Admission, EngineLoop, EngineStopped, Metrics, Sink
-from pwrun.serve.metrics import PoolState
+from pwrun.serve.metrics import PoolState, pool_state
 
 Builder = Callable[[], LLMEngine]
 
@@ -120,9 +120,20 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
             _post(events, ("batch", batch, evs, dict(loop.finished)))
 
     loop = EngineLoop(engine, sys.maxsize, relay, flush)
-    _post(events, ("ready", engine.info))
+    _post(events, ("ready", engine.info, pool_state(engine)))
     loop.start()
+    draining = False
     while True:
+        if draining:  # the loop finishes or aborts the held requests; aborts meanwhile still reach it
+            if not loop.running:
+                flush()
+                _post(events, ("stopped", loop.error, loop.failure, dict(loop.finished)))
+                return
+            try:
+                if not commands.poll(0.05):
+                    continue
+            except (EOFError, OSError):
+                pass
         try:
             kind, *args = commands.recv()
         except (EOFError, OSError):  # the parent is gone: nobody reads the outputs
@@ -152,11 +163,14 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
                     exc = value = TypeError(f"the call's result does not pickle: {err}")
                 outs.append(("call", cid, exc is None, value))
             loop.call(fn).add_done_callback(done)
-        elif kind == "stop":
-            loop.stop(args[0])
-            flush()
-            _post(events, ("stopped", loop.error, loop.failure, dict(loop.finished)))
-            return
+        elif kind == "stop":  # drain: finish the held requests for up to args[0] s, taking aborts meanwhile
+            loop.drain(args[0])
+            if args[0] <= 0 or draining:  # nothing to drain, or the parent is gone: end now
+                loop.stop()
+                flush()
+                _post(events, ("stopped", loop.error, loop.failure, dict(loop.finished)))
+                return
+            draining = True
 
 
 class EngineProcess(Admission):
@@ -224,6 +238,8 @@ class EngineProcess(Admission):
         self._commands = cmd_write
         atexit.register(self._at_exit)  # runs before multiprocessing's exit hook, which would wait for the child
         self.info = msg[1]
+        if self.metrics is not None:
+            self.metrics.pool(msg[2])  # the pool before any request (the loop's first report waits for a step)
         self._reader = threading.Thread(target=self._read, args=(ev_read,), name="pwrun-engine-reader", daemon=True)
         self._reader.start()
 

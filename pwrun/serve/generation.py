@@ -35,15 +35,45 @@ class ServeLimits:
     vocab_size: int
 
 
+_TOKEN_CHARS: dict[int, int] = {}  # id(tokenizer) -> characters of its longest token
+
+
+def token_chars(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest token (64 if it cannot say): a text longer than the context times
+    this cannot fit the context, whatever it tokenizes to."""
+    key = id(tokenizer)
+    if key not in _TOKEN_CHARS:
+        try:
+            toks = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+            _TOKEN_CHARS[key] = max(max(len(t or "") for t in toks), 1)
+        except Exception:  # a tokenizer without the vocabulary API
+            _TOKEN_CHARS[key] = 64
+    return _TOKEN_CHARS[key]
+
+
+def body_limit(limits: ServeLimits, max_pending: int, tokenizer: Any) -> int:
+    """Bytes a request body may have: every request the server holds with a prompt as long as the context, at
+    the longest token's characters (JSON-escaped: up to 6 bytes each, at least 12 per token id), plus 1 MiB."""
+    return 2**20 + max_pending * limits.max_model_len * 6 * max(token_chars(tokenizer), 2)
+
+
 def encode(tokenizer: Any, prompts: list[str] | list[list[int]], limits: ServeLimits, max_tokens: int | None,
            default_max_tokens: int | None, special_tokens: bool = True) -> tuple[list[list[int]], int]:
     """Token ids of each prompt (texts, or lists of ids checked against the vocabulary) and the tokens to
     generate: ``max_tokens``, else ``default_max_tokens`` capped by the context, else what the context leaves.
     Raises ``ApiError`` 400 for an empty prompt or one that does not fit the context with its generation."""
     out = []
+    most = limits.max_model_len * token_chars(tokenizer)
     for p in prompts:
-        ids = list(p) if isinstance(p, list) else tokenizer(p, add_special_tokens=special_tokens, verbose=False)\
-            .input_ids
+        if isinstance(p, str) and len(p) > most:  # refused before the tokenizer spends seconds on it
+            raise ApiError(400, f"this model's maximum context length is {limits.max_model_len} tokens, and the "
+                           f"prompt has {len(p)} characters (more than any {limits.max_model_len} tokens make): "
+                           "shorten it", param="prompt", code="context_length_exceeded")
+        try:
+            ids = list(p) if isinstance(p, list) else tokenizer(p, add_special_tokens=special_tokens, verbose=False)\
+                .input_ids
+        except (TypeError, ValueError) as exc:  # e.g. an unpaired surrogate escape (\ud800) in the JSON text
+            raise ApiError(400, f"the prompt cannot be tokenized: {str(exc)[:200]}", param="prompt") from None
         bad = [t for t in ids if not 0 <= t < limits.vocab_size]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is not in the vocabulary (0..{limits.vocab_size - 1})",

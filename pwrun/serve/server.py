@@ -71,7 +71,7 @@ class Server:
         config = uvicorn.Config(_QuietShutdown(self.app, self.state.shutting_down), host=host, port=port,
                                 log_level=log_level, lifespan="off",
                                 timeout_graceful_shutdown=math.ceil(drain_seconds) + ABORT_SECONDS)
-        self._uvicorn = _Uvicorn(config, lambda: self.loop.drain(drain_seconds))
+        self._uvicorn = _Uvicorn(config, lambda: self.loop.drain(drain_seconds), lambda: self.loop.drain(0.0))
         self._thread: threading.Thread | None = None
         self.host, self.port = host, port
 
@@ -120,15 +120,25 @@ class Server:
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server that, as its shutdown begins, starts the engine's drain: the running requests finish for up
     to the drain time, then the engine aborts the rest, whose responses end properly (a last chunk with
-    ``finish_reason`` "abort" and ``[DONE]``, or a whole response) within ``ABORT_SECONDS`` after it."""
+    ``finish_reason`` "abort" and ``[DONE]``, or a whole response) within ``ABORT_SECONDS`` after it. A second
+    Ctrl-C (uvicorn's forced exit) ends the drain: ``abort`` stops the running requests at the next step."""
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], None], abort: Callable[[], None]) -> None:
         super().__init__(config)
-        self._drain = drain
+        self._drain, self._abort = drain, abort
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._drain()
-        await super().shutdown(sockets)
+        watch = asyncio.create_task(self._abort_when_forced())  # on the event loop, not in the signal handler
+        try:
+            await super().shutdown(sockets)
+        finally:
+            watch.cancel()
+
+    async def _abort_when_forced(self) -> None:
+        while not self.force_exit:
+            await asyncio.sleep(0.1)
+        self._abort()
 
 
 class _QuietShutdown:
