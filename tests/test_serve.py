@@ -274,6 +274,12 @@ def test_bad_json_and_a_full_queue(big: Server) -> None:
     finally:
         big.loop._pending = before
     assert full.value.status_code == 503 and "busy" in str(full.value.body)
+    assert full.value.response.headers["Retry-After"] == "1"
+    for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(urllib.request.Request(f"{big.url}{path}", method=method), timeout=10)
+        err = json.loads(info.value.read())["error"]
+        assert info.value.code == status and path in err["message"] and err["type"], err
     assert _metrics(big)['pwrun_requests_refused_total{status="503"}'] >= 1
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pwrun.core.request import SamplingParams
 from pwrun.serve.engine_process import AnyLoop
@@ -55,7 +56,16 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         state.metrics.refused.labels(str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        retry = {"Retry-After": "1"} if exc.status == 503 else None  # busy or stopping: worth another try
+        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths (404) and methods (405) in OpenAI's error shape, as every other refusal."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = {"error": {"message": f"{exc.detail}: {request.method} {request.url.path}", "type": kind,
+                          "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.get("/health")
     async def health() -> Response:
