@@ -20,6 +20,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -162,6 +163,15 @@ def test_a_build_past_the_limit_is_killed_and_a_local_builder_refused() -> None:
         EngineProcess(lambda: None, 4).start()  # type: ignore[arg-type,return-value]
 
 
+def _outcome(client: openai.OpenAI) -> int:
+    """The HTTP status of a whole (non-streamed) completion of 120 tokens."""
+    try:
+        client.completions.create(model=NAME, prompt="In 1905 the city council", max_tokens=120, temperature=0)
+        return 200
+    except openai.APIStatusError as err:
+        return err.status_code
+
+
 def test_a_dead_engine_process_fails_its_requests_instead_of_hanging(calibrated_artifacts: Path, tok: Any) -> None:
     build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, ServeConfig(2**30), CONTEXT, "cpu")
     server = _server(build, tok)
@@ -173,6 +183,13 @@ def test_a_dead_engine_process_fails_its_requests_instead_of_hanging(calibrated_
                                            stream=True)
         it = iter(stream)
         next(it)
+        whole: list[Any] = []  # a non-streamed request in flight too: it fails, and is not counted as refused
+        waiting = threading.Thread(target=lambda: whole.append(_outcome(client)))
+        waiting.start()
+        end = time.monotonic() + 30
+        while server.loop.pending < 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert server.loop.pending == 2
         os.kill(server.loop._proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(Exception):  # noqa: B017 - the stream is cut (an error event, or the connection)
@@ -185,11 +202,14 @@ def test_a_dead_engine_process_fails_its_requests_instead_of_hanging(calibrated_
         with pytest.raises(openai.APIStatusError) as refused:
             client.completions.create(model=NAME, prompt="The river", max_tokens=4)
         assert refused.value.status_code == 503
+        waiting.join(30)
+        assert whole == [503]
         assert server.loop.pending == 0
-        assert server.loop.finished["failed"] == 1 and "killed by SIGKILL" in (server.loop.failure or "")
+        assert server.loop.finished["failed"] == 2 and "killed by SIGKILL" in (server.loop.failure or "")
         metrics = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
         for line in ("pwrun_engine_up 0.0", "pwrun_requests_running 0.0", "pwrun_kv_pages 0.0",
-                     'pwrun_requests_finished_total{finish="failed"} 1.0'):
+                     'pwrun_requests_finished_total{finish="failed"} 2.0',
+                     'pwrun_requests_refused_total{status="503"} 1.0'):  # only the request after the death
             assert line in metrics, line
     finally:
         t0 = time.monotonic()

@@ -55,7 +55,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        state.metrics.refused.labels(str(exc.status)).inc()
+        if exc.refused:
+            state.metrics.refused.labels(str(exc.status)).inc()
         retry = {"Retry-After": "1"} if exc.status == 503 else None  # busy or stopping: worth another try
         return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 

@@ -173,7 +173,7 @@ class Generation:
                     break
                 if isinstance(item, BaseException):
                     self.close()
-                    raise ApiError(503, str(item), kind="server_unavailable")
+                    raise ApiError(503, str(item), kind="server_unavailable", refused=False)  # counted as failed
                 i = self.index[item.rid]
                 if self.finish[i] is not None:
                     continue  # ended by a stop string: the abort's output is not news

@@ -14,12 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class ApiError(Exception):
-    """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; ``refused``: the
+    request was turned away (counted in ``pwrun_requests_refused``), not failed after the engine took it (counted in
+    ``pwrun_requests_finished{finish="failed"}``)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, refused: bool = True) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.refused = refused
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
