@@ -46,7 +46,6 @@ from pwcal.residual import ResidualConfig
 from pwcal.sensitivity import SensitivityConfig
 from pwcal.stages import begin_stage, finish_stage, locked_stage, recorded_config, start_writing
 from pwformat.errors import PagedWeightError
-from pwformat.manifest import read_manifest
 from pwformat.tables import write_table
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.planner.buckets import BucketPolicy
@@ -154,10 +153,10 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
         return {"skipped": True}
     t0 = time.time()
     sens_cfg = recorded_config(artifact_dir, "sensitivity", SensitivityConfig, optional=("importance",))
-    # the held-out windows come after those of the residual heads' default run also when the heads were not fit:
-    # with and without heads, the search selects on the same windows
-    res_cfg = (recorded_config(artifact_dir, "fit-residual", ResidualConfig)
-               if "fit-residual" in read_manifest(artifact_dir).stages else ResidualConfig())
+    # the held-out windows come after the sensitivity samples and the residual heads' default prompts, whether or
+    # not (and with whatever --prompts) the heads were fit: the search never uses them, so it does not depend on
+    # that optional stage
+    res_cfg = ResidualConfig()
     art = APArtifact(artifact_dir, before="search-buckets")
     table = BlockTable.from_frames(art.table("sensitivity"), art.table("routing"))
     bad = [b for b in cfg.budgets_bits if not art.seed_bits <= b <= 8]

@@ -22,7 +22,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from pwformat.checksums import file_sum, verify_files
 from pwformat.errors import PagedWeightError
-from pwformat.manifest import OPTIONAL_STAGES, STAGES, Manifest, check_same_model, read_manifest, write_manifest
+from pwformat.manifest import Manifest, check_same_model, read_manifest, stages_after, stages_before, write_manifest
 from pwformat.writer_lock import writer_lock
 
 P = ParamSpec("P")
@@ -73,14 +73,12 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
     """True if ``stage`` must run; False if it is complete with the same ``config`` (skip). ``defaults``: the
     values of parameters that a manifest from before they existed did not record.
 
-    Raises ``PagedWeightError`` if a previous stage is missing (an optional one: if it ran and did not complete),
+    Raises ``PagedWeightError`` if a stage it reads is missing (``stages_before``: not the optional side stages),
     the artifact is another model's, or the stage is complete with other parameters and ``force`` is not set.
     """
     manifest = read_manifest(artifact_dir)
     check_same_model(manifest, model_dir, artifact_dir, full=True)
-    for prev in STAGES[: STAGES.index(stage)]:
-        if prev in OPTIONAL_STAGES and prev not in manifest.stages:
-            continue  # never ran: nothing of it to be consistent with
+    for prev in stages_before(stage):
         if not manifest.complete(prev):
             raise PagedWeightError(f"{artifact_dir}: stage '{prev}' has not completed; run `pwcal {prev}` before "
                                    f"`pwcal {stage}`")
@@ -105,7 +103,7 @@ def start_writing(artifact_dir: Path, stage: str) -> None:
     corrupt."""
     manifest = read_manifest(artifact_dir)
     stages = manifest.stages
-    for name in STAGES[STAGES.index(stage):]:
+    for name in (stage, *stages_after(stage)):
         if name in stages:
             stages[name]["complete"] = False
             stages[name]["stale_because"] = f"{stage} was being re-run and did not finish"
@@ -120,7 +118,7 @@ def finish_stage(artifact_dir: Path, stage: str, info: dict[str, Any]) -> Manife
         for name in info.get("files", []):
             manifest.checksums[name] = file_sum(artifact_dir / name, stage)
     stages = manifest.stages
-    for later in STAGES[STAGES.index(stage) + 1:]:
+    for later in stages_after(stage):
         if later in stages:
             stages[later]["complete"] = False
             stages[later]["stale_because"] = f"{stage} was re-run"

@@ -29,7 +29,21 @@ from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS
 
 MANIFEST = "manifest.json"
 STAGES = ("quantize", "sensitivity", "fit-residual", "search-buckets")  # the pwcal stages, in the order they run
-OPTIONAL_STAGES = ("fit-residual",)  # stages a later one runs without if they never ran (``pwcal run-all`` skips them)
+# side stages: no later stage reads their output (``pwcal run-all`` skips them unless asked), so they neither gate
+# nor invalidate the stages after them
+OPTIONAL_STAGES = ("fit-residual",)
+
+
+def stages_after(stage: str) -> tuple[str, ...]:
+    """The stages whose tables depend on ``stage``'s: the later ones but the optional side stages, none after one."""
+    if stage in OPTIONAL_STAGES:
+        return ()
+    return tuple(s for s in STAGES[STAGES.index(stage) + 1:])
+
+
+def stages_before(stage: str) -> tuple[str, ...]:
+    """The stages ``stage`` reads the output of: the earlier ones but the optional side stages."""
+    return tuple(s for s in STAGES[:STAGES.index(stage)] if s not in OPTIONAL_STAGES)
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists files and stage configs: far below this
 
 
@@ -195,7 +209,7 @@ class Manifest:
         """The files a reader relies on: every layer file and the outputs of every complete stage; with ``before``
         (a stage of ``STAGES``) only those of the stages before it (what that stage reads: it remakes the rest)."""
         names = list(dict.fromkeys(self.files.values()))
-        earlier = None if before is None else STAGES[:STAGES.index(before)]
+        earlier = None if before is None else stages_before(before)
         for stage, rec in self.stages.items():
             if rec.get("complete") and (earlier is None or stage in earlier):
                 names += [f for f in rec.get("files", []) if f not in names]
