@@ -37,7 +37,8 @@ demo: setup
 eval: setup
 	mkdir -p artifacts/runs
 	$(BIN)/pwcal run-all artifacts/models/tiny-qwen2moe-wiki --out artifacts/runs/tiny-ap --residual-heads
-	OMP_NUM_THREADS=1 $(BIN)/pwrun eval sweep --out docs/eval --artifacts artifacts/runs/tiny-ap
+	OMP_NUM_THREADS=1 $(BIN)/pwrun eval sweep --out docs/eval --artifacts artifacts/runs/tiny-ap \
+		--oracle docs/eval/oracle/damage_kmeans.parquet
 	$(BIN)/pwrun eval notebooks --artifacts artifacts/runs/tiny-ap --figures docs/eval
 
 lint: setup

@@ -43,7 +43,7 @@ import pandas as pd
 from pwcal.alloc_scoring import score_allocations
 from pwcal.calib_data import calibration_windows
 from pwcal.residual import ResidualConfig
-from pwcal.sensitivity import SensitivityConfig
+from pwcal.sensitivity import OPTIONAL_FIELDS, SensitivityConfig
 from pwcal.stages import begin_stage, finish_stage, locked_stage, recorded_config, start_writing
 from pwformat.errors import PagedWeightError
 from pwformat.tables import write_table
@@ -152,7 +152,7 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     if not begin_stage(artifact_dir, model_dir, "search-buckets", asdict(cfg), force):
         return {"skipped": True}
     t0 = time.time()
-    sens_cfg = recorded_config(artifact_dir, "sensitivity", SensitivityConfig, optional=("importance",))
+    sens_cfg = recorded_config(artifact_dir, "sensitivity", SensitivityConfig, optional=OPTIONAL_FIELDS)
     # the held-out windows come after the sensitivity samples and the residual heads' default prompts, whether or
     # not (and with whatever --prompts) the heads were fit: the search never uses them, so it does not depend on
     # that optional stage

@@ -58,12 +58,19 @@ def sensitivity(
                                             "gradients of the calibration loss, one forward+backward pass per "
                                             "window; also sees the layers downstream; docs/eval/oracle).")
                   ] = "hessian",
+    layer_scale: Annotated[bool, typer.Option(help="With the Hessian: scale each MoE layer's sensitivities by the "
+                                              "output KL (nats per token) measured with only that layer's experts "
+                                              "at the lowest bitwidth, so that layers rank by how far their errors "
+                                              "travel (one forward pass per MoE layer and window).")] = True,
+    scale_samples: Annotated[int, typer.Option(help="Calibration windows (the first ones) that measure the "
+                                               "per-layer scale.")] = 16,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
 ) -> None:
     """Sensitivity s_i^b (Fisher or Hessian) and bytes M_i^b per block and bitwidth; routing mass (Eq. 1-3)."""
     with user_errors():
-        cfg = SensitivityConfig(dataset, samples, seq_len, seed, min_tokens, importance)  # bad values: before bars
+        cfg = SensitivityConfig(dataset, samples, seq_len, seed, min_tokens, importance, layer_scale,
+                                scale_samples)  # bad values: before bars
         bars = Bars()
         with bars.progress:
             info = run_sensitivity(model, artifacts, cfg, device, force, bars)

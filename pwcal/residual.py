@@ -37,10 +37,12 @@ from sklearn.metrics import r2_score
 
 from pwcal.calib_data import calibration_windows
 from pwcal.sensitivity import (
+    OPTIONAL_FIELDS,
     SensitivityConfig,
     block_hessians,
     column_errors,
     sensitivity_table,
+    unscaled,
     weighted_sensitivities,
 )
 from pwcal.stages import begin_stage, finish_stage, locked_stage, recorded_config, start_writing
@@ -109,11 +111,12 @@ def prompt_rows(errors: dict, sens: pd.DataFrame, ref: pd.DataFrame, per_prompt:
 def hessian_reference(model: LeanMoEModel, art: APArtifact, tok: Any, sens_cfg: SensitivityConfig, sens: pd.DataFrame,
                       progress: Callable[[str, int, int], None] | None = None) -> pd.DataFrame:
     """The sensitivity table with the Hessian-diagonal importance on the sensitivity stage's windows: ``sens``
-    itself if that stage used it, else recomputed (one calibration pass). The residual compares a prompt's
-    Hessian damage with this calibration average, so its target is the prompt's deviation whatever importance the
-    global damage g uses (with the Fisher, g also carries the downstream effect the prompt's inputs do not)."""
+    itself if that stage used it (without its per-layer scale), else recomputed (one calibration pass). The
+    residual compares a prompt's Hessian damage with this calibration average, so its target is the prompt's
+    deviation whatever importance the global damage g uses (with the Fisher or the layer scale, g also carries
+    the downstream effect the prompt's inputs do not)."""
     if sens_cfg.importance == "hessian":
-        return sens
+        return unscaled(sens, art.manifest.stage("sensitivity"))
     windows = calibration_windows(tok, sens_cfg.dataset, sens_cfg.samples, sens_cfg.seq_len, sens_cfg.seed)
     hess = HessianDiag()
     observe(model, windows, hess, progress=progress, label="hessian reference")
@@ -149,7 +152,7 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
     if not begin_stage(artifact_dir, model_dir, "fit-residual", asdict(cfg), force):
         return {"skipped": True}
     t0 = time.time()
-    sens_cfg = recorded_config(artifact_dir, "sensitivity", SensitivityConfig, optional=("importance",))
+    sens_cfg = recorded_config(artifact_dir, "sensitivity", SensitivityConfig, optional=OPTIONAL_FIELDS)
     art = APArtifact(artifact_dir, before="fit-residual")
     sens, ref = art.table("sensitivity"), art.table("block_features")
     tok = load_tokenizer(model_dir)

@@ -78,7 +78,8 @@ def _check_out(path: Path, suffix: str | None) -> None:
 def run(
     out: Annotated[Path, typer.Option(help="Results table (.parquet) to append one row per budget to.")],
     gpu_memory: Annotated[str | None, typer.Option(help="Budget(s), comma-separated: sizes (48MiB, 1.5GB) or "
-                                                   "labels: U<b> (uniform b's static footprint for this workload), "
+                                                   "labels: U<b> (uniform b's static footprint for this workload; "
+                                                   "U4.5: midway between U4 and U5), "
                                                    "FP16 (the 16-bit model's), min (the smallest PagedWeight "
                                                    "accepts). Default U4.")] = None,
     policy: Annotated[str, typer.Option(help="pagedweight, uniform (needs --bits), static, residual (with the "
@@ -101,6 +102,10 @@ def run(
                                                         "512).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the window offsets and retrieval questions.")] = 0,
     trace: Annotated[Path | None, typer.Option(help="Write the last run's per-step trace here (.parquet).")] = None,
+    damage: Annotated[Path | None, typer.Option(help="Measured per-block damage table (parquet: layer, expert, unit, "
+                                                "bits, kl; tools/oracle_allocation.py) in place of the artifact's "
+                                                "sensitivities; rows are named 'oracle' (--policy static) or "
+                                                "'<policy>+oracle'.")] = None,
     artifacts: ArtifactsOpt = DEMO_ARTIFACTS,
     model: ModelOpt = None,
     device: DeviceOpt = "cpu",
@@ -124,6 +129,9 @@ def run(
             raise PagedWeightError(f"unknown --policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if gpu_memory is not None and not gpu_memory.replace(",", "").strip():
             raise PagedWeightError("--gpu-memory needs at least one budget (e.g. U4 or 2GiB)")
+        if damage is not None and (policy in ("16-bit", "uniform") or not damage.is_file()):
+            raise PagedWeightError(f"--damage {damage}: " + ("only a policy that ranks blocks reads it" if
+                                   damage.is_file() else "no such file (measure it with tools/oracle_allocation.py)"))
         set_threads(threads)
         open_artifact(artifacts, model or default_model(), not no_verify)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
@@ -163,7 +171,8 @@ def run(
         known = {**budgets(ev, s, labels), **sizes}
         for x in specs:
             budget = known[x]
-            row = ev.run(s, policy, budget, x if is_label(x) else "custom", bits)
+            row = ev.run(s, policy, budget, x if is_label(x) else "custom", bits, damage=damage,
+                         name=None if damage is None else "oracle" if policy == "static" else f"{policy}+oracle")
             append_rows(out, [row], ev.scores(row))
             show(row)
         if trace is not None and ev.last.trace is not None:
@@ -176,6 +185,10 @@ def sweep(
                    ] = Path("docs/eval"),
     quick: Annotated[bool, typer.Option(help="A seconds-long sweep on tiny workloads (for tests).")] = False,
     long: Annotated[bool, typer.Option(help="Include the long-context suite.")] = True,
+    oracle: Annotated[Path | None, typer.Option(help="Measured per-block damage table (parquet: layer, expert, unit, "
+                                                "bits, kl; tools/oracle_allocation.py) of this artifact: also serve "
+                                                "the static allocation it ranks at every text budget (policy "
+                                                "oracle), the yardstick of target (a).")] = None,
     artifacts: ArtifactsOpt = DEMO_ARTIFACTS,
     model: ModelOpt = None,
     device: DeviceOpt = "cpu",
@@ -195,6 +208,10 @@ def sweep(
         spec = QUICK if quick else SweepSpec()
         if not long:
             spec = replace(spec, long=None)
+        if oracle is not None:
+            if not oracle.is_file():
+                raise PagedWeightError(f"--oracle {oracle}: no such file (measure it with tools/oracle_allocation.py)")
+            spec = replace(spec, oracle=oracle)
         t0 = time.perf_counter()
         results = run_sweep(ev, spec, out, on_row=_progress(t0))
         files = write_report(results, out)

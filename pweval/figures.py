@@ -22,16 +22,19 @@ import numpy as np
 import pandas as pd
 
 from pweval.results import read_results, read_scores
+from pwrun.core.policy import ABLATIONS
 
 MIB = 2**20
 DATASETS = {"wikitext2": "WikiText-2", "c4": "C4"}
 STYLE = {"pagedweight": ("C3", "o", "-"), "static": ("C2", "s", "--"), "uniform": ("C0", "^", ":"),
+         "oracle": ("C1", "*", "-."),
          "no-routing": ("C4", "v", "none"), "residual": ("C5", "<", "none"), "no-movement": ("C6", ">", "none"),
          "no-sensitivity": ("C7", "D", "none")}
 MEMORY_HEAD = ("| policy | budget | total MiB | fixed MiB | workspace MiB | experts in force MiB (% of 16-bit) "
                "| KV peak MiB | mean bits")
 WITHIN = 0.01  # target (a): within 1% of the 16-bit perplexity
-EXPERT_SHARE = 0.30  # target (a): expert bytes in force at most 30% of their 16-bit bytes
+ORACLE_MARGIN = 0.05  # target (a): the 1% point at most 5 points of the 16-bit expert bytes above the oracle's
+ORACLE_WITHIN = 0.005  # target (a): perplexity within 0.5% of the oracle's static allocation at the same bytes
 
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
@@ -75,8 +78,6 @@ def quality_memory_figure(df: pd.DataFrame, path: Path, x: str = "gpu_memory") -
                     for _, r in d.iterrows():
                         ax.annotate(f"{int(r.bits)}b", (r[x] / scale, r[f"{col}_ppl"]), textcoords="offset points",
                                     xytext=(4, 4), fontsize=8, color=color)
-            if x == "expert_share":
-                ax.axvline(100 * EXPERT_SHARE, color="grey", lw=0.8, ls="--")
             if row == 1:
                 lo, hi = uni.gpu_memory[3] / MIB - 0.6, uni.gpu_memory[6] / MIB + 0.6
                 ax.set_xlim(lo, hi)
@@ -152,7 +153,7 @@ def _speed_cols(r: pd.Series) -> list[str]:
 
 
 def _order(d: pd.DataFrame) -> pd.DataFrame:
-    rank = {p: i for i, p in enumerate(["16-bit", "uniform", "static", "pagedweight", *list(STYLE)[3:]])}
+    rank = {p: i for i, p in enumerate(["16-bit", "uniform", "static", "oracle", "pagedweight", *ABLATIONS])}
     return d.assign(_r=d.policy.map(rank), _m=d.gpu_memory).sort_values(["_r", "_m"]).drop(columns=["_r", "_m"])
 
 
@@ -193,7 +194,7 @@ def long_context_table(df: pd.DataFrame) -> str:
 def ablation_table(df: pd.DataFrame) -> str:
     """Markdown: full PagedWeight vs each ablation at the ablation budgets (text suite), perplexity and change."""
     text = _ok(df[df.suite == "text"])
-    abl = [p for p in list(STYLE)[3:] if p in set(text.policy)]
+    abl = [p for p in ABLATIONS if p in set(text.policy)]
     labels = list(dict.fromkeys(text[text.policy.isin(abl)].budget))
     head = "| budget | variant | WikiText-2 ppl (vs full) | C4 ppl (vs full) | mean bits | demoted / promoted blocks |"
     lines = [head, "|---|---|---|---|---|---|"]
@@ -235,6 +236,64 @@ def _ci(c: tuple[float, float, float] | None) -> str:
     return "" if c is None else f" [95% CI {100 * c[1]:+.2f}%, {100 * c[2]:+.2f}%]"
 
 
+def _within(d: pd.DataFrame, ref: pd.Series) -> np.ndarray:
+    """[len(d)] bool: within 1% of the 16-bit perplexity on every dataset."""
+    ok = np.ones(len(d), bool)
+    for c in DATASETS:
+        ok &= (d[f"{c}_ppl"] <= ref[f"{c}_ppl"] * (1 + WITHIN)).to_numpy()
+    return ok
+
+
+def _share(d: pd.DataFrame) -> np.ndarray:
+    return (d.expert_bytes_mean / d.expert_bytes_16bit).to_numpy(float)
+
+
+def target_a(pw: pd.DataFrame, oracle: pd.DataFrame, ref: pd.Series) -> list[str]:
+    """Markdown lines of target (a): the smallest expert share at which PagedWeight is within 1% of 16-bit against
+    the oracle's (its static allocation ranked by the measured per-block damage, policy ``oracle``), and at each
+    PagedWeight run the perplexity change against the oracle's at the same expert bytes (log-perplexity
+    interpolated linearly in the share between the oracle's runs; runs outside the oracle's range are not judged)."""
+    out = ["## (a) PagedWeight against the oracle's static allocation", ""]
+    share, within = _share(pw), _within(pw, ref)
+    first = float(share[within].min()) if within.any() else None
+    oracle = oracle.sort_values("expert_bytes_mean")
+    o_share, o_within = _share(oracle), _within(oracle, ref)
+    o_first = float(o_share[o_within].min()) if o_within.any() else None
+    if oracle.empty:
+        out.append("**not evaluated**: no oracle runs (`pwrun eval sweep --oracle DAMAGE.parquet`).")
+    elif first is None or o_first is None:
+        out.append(f"**not met**: {'PagedWeight' if first is None else 'the oracle'} is never within 1% of 16-bit.")
+    else:
+        met = first <= o_first + ORACLE_MARGIN
+        out.append(f"**1% point {'met' if met else 'NOT met'}**: PagedWeight is first within 1% of 16-bit (both "
+                   f"texts) at {100 * first:.1f}% of the 16-bit expert bytes, the oracle at {100 * o_first:.1f}% "
+                   f"(target: at most {100 * ORACLE_MARGIN:.0f} points above).")
+    out += ["", "Per PagedWeight run: expert bytes in force (time-averaged, planes + LUTs) as a share of their 16-bit "
+            "bytes; perplexity change against 16-bit; and against the oracle at the same share (target: at most "
+            f"+{100 * ORACLE_WITHIN:.1f}% on each text).", "",
+            "| budget | MiB | experts in force | WikiText-2 vs 16-bit | C4 vs 16-bit | WikiText-2 vs oracle | "
+            "C4 vs oracle | verdict |", "|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+    for (_, r), sh, w in zip(pw.iterrows(), share, within, strict=True):
+        cells = [f"{_pct(r[f'{c}_ppl'], ref[f'{c}_ppl'])}{' (within 1%)' if w else ''}" for c in DATASETS]
+        vs, verdict = [], "no oracle at this share"
+        if len(oracle) >= 2 and o_share[0] <= sh <= o_share[-1]:
+            for c in DATASETS:
+                o = math.exp(float(np.interp(sh, o_share, np.log(oracle[f"{c}_ppl"].to_numpy(float)))))
+                vs.append(r[f"{c}_ppl"] / o - 1)
+            verdict = "met" if all(v <= ORACLE_WITHIN for v in vs) else "NOT met"
+            verdicts.append(verdict)
+        vs_cells = [f"{100 * v:+.2f}%" for v in vs] or ["", ""]
+        out.append(f"| {r.budget} | {r.gpu_memory / MIB:.2f} | {100 * sh:.1f}% | {cells[0]} | {cells[1]} | "
+                   f"{vs_cells[0]} | {vs_cells[1]} | {verdict} |")
+    if verdicts:
+        out += ["", f"Within {100 * ORACLE_WITHIN:.1f}% of the oracle at {sum(v == 'met' for v in verdicts)} of "
+                f"{len(verdicts)} runs in the oracle's range. The text suite scores 3,072 tokens per dataset: the "
+                "paired 95% interval of a change between two runs is about +-0.5% at these budgets (target (b)), "
+                "as wide as this target."]
+    return out
+
+
 def targets(df: pd.DataFrame, scores: pd.DataFrame | None = None) -> str:
     """Markdown: the quality targets (a), (b), (c) (SPEC section 8's claims at this model's scale) checked on the
     text suite's numbers.
@@ -246,21 +305,7 @@ def targets(df: pd.DataFrame, scores: pd.DataFrame | None = None) -> str:
     text = _ok(df[df.suite == "text"])
     ref = _ref(df, "text")
     pw = text[text.policy == "pagedweight"].sort_values("gpu_memory")
-    out = ["## (a) PagedWeight within 1% of 16-bit perplexity with experts in force <= 30% of their 16-bit bytes", ""]
-    share = pw.expert_bytes_mean / pw.expert_bytes_16bit
-    within = np.ones(len(pw), bool)
-    for c in DATASETS:
-        within &= (pw[f"{c}_ppl"] <= ref[f"{c}_ppl"] * (1 + WITHIN)).to_numpy()
-    met = bool((within & (share <= EXPERT_SHARE).to_numpy()).any())
-    out.append(f"**{'met' if met else 'not met'}.** Per PagedWeight run: expert bytes in force (time-averaged, planes "
-               "+ LUTs) as a share of their 16-bit bytes, and the perplexity change against the 16-bit model:")
-    out.append("")
-    for (_, r), sh, w in zip(pw.iterrows(), share, within, strict=True):
-        out.append(f"- {r.budget} ({r.gpu_memory / MIB:.2f} MiB): experts {100 * sh:.1f}% of 16-bit; WikiText-2 "
-                   f"{_pct(r.wikitext2_ppl, ref.wikitext2_ppl)}, C4 {_pct(r.c4_ppl, ref.c4_ppl)}"
-                   f"{' (within 1%)' if w else ''}")
-    if within.any():
-        out.append(f"\nSmallest expert share within 1% of 16-bit: {100 * share[within].min():.1f}%.")
+    out = target_a(pw, text[text.policy == "oracle"], ref)
     head = ("## (b) PagedWeight no worse than uniform APL at equal total memory; strictly better where uniform "
             "loses > 1%")
     rows = ["| budget | MiB | uniform | WikiText-2: PagedWeight / uniform | C4: PagedWeight / uniform | verdict |",

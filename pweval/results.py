@@ -26,9 +26,10 @@ from pwformat.errors import PagedWeightError
 SCHEMA = pa.schema([
     ("run_id", pa.string()),  # joins the per-request scores table
     ("suite", pa.string()),  # "text" (WikiText-2 + C4 windows) or "long" (retrieval + QMSum)
-    ("policy", pa.string()),  # a runtime policy (pwrun.core.policy) or "16-bit" (the reference model)
+    ("policy", pa.string()),  # a runtime policy (pwrun.core.policy), "16-bit" (the reference model) or "oracle"
+    # (the static policy ranked by a measured damage table)
     ("bits", pa.int32()),  # uniform bitwidth (16 for the 16-bit model); null for mixed policies
-    ("budget", pa.string()),  # budget label: "min", "U<b>" (uniform b's footprint), "FP16", or "custom"
+    ("budget", pa.string()),  # budget label: "min", "U<b>" (uniform b's footprint; U4.5 interpolates), "FP16", "custom"
     ("gpu_memory", pa.int64()),  # total memory of the run (bytes): the --gpu-memory budget, or a static footprint
     ("fixed_bytes", pa.int64()),  # non-expert weights (model dtype)
     ("workspace_bytes", pa.int64()),  # step activation bound

@@ -151,10 +151,13 @@ class Evaluator:
 
     # ------------------------------------------------------------------ runs
     def run(self, suite: Suite, policy: str, budget: int, label: str = "custom", bits: int | None = None,
-            infeasible_ok: bool = False) -> dict[str, Any]:
+            infeasible_ok: bool = False, damage: Path | None = None, name: str | None = None) -> dict[str, Any]:
         """Serve ``suite`` under ``budget`` bytes with ``policy``; the results row. A budget below the policy's
-        minimum raises ``BudgetTooSmall``, or with ``infeasible_ok`` gives a row without quality and a note."""
-        cfg = ServeConfig(budget, Policy.named(policy, bits), suite.engine)
+        minimum raises ``BudgetTooSmall``, or with ``infeasible_ok`` gives a row without quality and a note.
+        ``damage``: a measured damage table in place of the sensitivities (``ServeConfig.damage``); ``name``: the
+        row's policy name (default ``policy``)."""
+        cfg = ServeConfig(budget, Policy.named(policy, bits), suite.engine, damage=damage)
+        policy = name or policy
         try:
             scored = serve_workload(self.model_dir, self.artifact_dir, cfg, suite.workload, self.device, self.dtype)
         except BudgetTooSmall as exc:

@@ -13,6 +13,7 @@ version for tests. Budgets are named, never buried: ``SweepSpec`` holds every ch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,38 +30,59 @@ from pwrun.engine.report import write_frame
 @dataclass(frozen=True)
 class SweepSpec:
     """``text``/``long``: the suites (``long`` None skips it); ``grid``: budget labels PagedWeight and static run
-    at per suite; ``ablation_bits``: the ``U<b>`` budgets of the ablations (text suite)."""
+    at per suite (fractional ``U<b>`` between the bitwidths: where PagedWeight first comes within 1% of 16-bit);
+    ``ablation_bits``: the ``U<b>`` budgets of the ablations (text suite); ``oracle``: a measured damage table
+    (``tools/oracle_allocation.py``): the static policy ranked by it runs at every text grid budget but ``min``,
+    as policy ``oracle``."""
 
     text: TextSpec = field(default_factory=TextSpec)
     long: LongSpec | None = field(default_factory=LongSpec)
-    text_grid: tuple[str, ...] = ("min", "U3", "U4", "U5", "U6", "U7", "FP16", "U8")
+    text_grid: tuple[str, ...] = ("min", "U3", "U3.5", "U4", "U4.25", "U4.5", "U4.75", "U5", "U5.5", "U6", "U7",
+                                  "FP16", "U8")
     long_grid: tuple[str, ...] = ("U3", "U4", "U5")
     ablation_bits: tuple[int, ...] = (3, 4, 5)
     uniform_bits: tuple[int, ...] | None = None  # None: every bitwidth of the artifact
     trace_budget: str = "U4"  # PagedWeight's run at this budget also writes trace_<suite>.parquet (notebooks)
+    oracle: Path | None = None
 
 
 QUICK = SweepSpec(
     text=TextSpec(per_dataset=3, prompt_tokens=24, continuation_tokens=6, max_batch=4, max_step_tokens=64),
     long=LongSpec(RetrievalSpec(questions=2, context_tokens=160, candidates=2, answer_tokens=6), meetings=2,
                   per_meeting=1, prompt_tokens=96, continuation_tokens=6, max_batch=4, max_step_tokens=128),
-    text_grid=("min", "U3", "U4", "FP16"), long_grid=("U4",), ablation_bits=(4,), uniform_bits=(3, 4, 8))
+    text_grid=("min", "U3", "U3.5", "U4", "FP16"), long_grid=("U4",), ablation_bits=(4,), uniform_bits=(3, 4, 8))
 
 
 def is_label(text: str) -> bool:
-    """True for budget labels (``min``, ``FP16``, ``U<b>``), False for sizes such as ``48MiB``."""
-    return text in ("min", "FP16") or (text[:1] == "U" and text[1:].isdigit())
+    """True for budget labels (``min``, ``FP16``, ``U<b>`` with b a bitwidth or a fraction between two, such as
+    ``U4.5``), False for sizes such as ``48MiB``."""
+    if text in ("min", "FP16"):
+        return True
+    try:
+        return text[:1] == "U" and float(text[1:]) >= 0 and text[1:].replace(".", "", 1).isdigit()
+    except ValueError:
+        return False
 
 
 def budgets(ev: Evaluator, suite: Suite, labels: tuple[str, ...]) -> dict[str, int]:
-    """Bytes of each budget label (``min``, ``U<b>``, ``FP16``) for ``suite``; raises ``PagedWeightError`` for an
-    unknown label. ``U<b>``/``FP16`` use the measured peak KV once ``ev.measure_peak_kv(suite)`` has run."""
+    """Bytes of each budget label (``min``, ``U<b>``, ``FP16``) for ``suite``; ``U<b>`` at a fractional b is the
+    linear interpolation between the footprints of its neighbouring bitwidths (``U4.5``: midway between U4 and U5).
+    Raises ``PagedWeightError`` for an unknown label. ``U<b>``/``FP16`` use the measured peak KV once
+    ``ev.measure_peak_kv(suite)`` has run."""
+    bits = ev.artifact.bits
     for label in labels:
-        if not is_label(label) or (label[0] == "U" and int(label[1:]) not in ev.artifact.bits):
+        ok = is_label(label) and (label[0] != "U" or (math.floor(float(label[1:])) in bits
+                                                     and math.ceil(float(label[1:])) in bits))
+        if not ok:
             raise PagedWeightError(f"unknown budget {label!r}: use a size (48MiB), min, FP16 or U<b> with b in "
-                                   f"{ev.artifact.bits}")
-    return {label: ev.minimum(suite) if label == "min" else
-            ev.footprint(suite, 16 if label == "FP16" else int(label[1:])).total for label in labels}
+                                   f"{bits[0]}..{bits[-1]} (a fraction interpolates: U4.5)")
+
+    def uniform(b: float) -> int:
+        lo, hi = ev.footprint(suite, math.floor(b)).total, ev.footprint(suite, math.ceil(b)).total
+        return round(lo + (b - math.floor(b)) * (hi - lo))
+
+    return {label: ev.minimum(suite) if label == "min" else ev.footprint(suite, 16).total if label == "FP16"
+            else uniform(float(label[1:])) for label in labels}
 
 
 def run_sweep(ev: Evaluator, spec: SweepSpec, out_dir: Path,
@@ -91,6 +113,9 @@ def run_sweep(ev: Evaluator, spec: SweepSpec, out_dir: Path,
                 emit(ev.run(suite, policy, budget, label, infeasible_ok=True))
                 if policy == "pagedweight" and label == spec.trace_budget and ev.last.trace is not None:
                     write_frame(ev.last.trace, out_dir / f"trace_{suite.name}.parquet")
+        if spec.oracle is not None and suite.name == "text":
+            for label, budget in budgets(ev, suite, tuple(x for x in grid if x != "min")).items():
+                emit(ev.run(suite, "static", budget, label, infeasible_ok=True, damage=spec.oracle, name="oracle"))
         for label, budget in budgets(ev, suite, tuple(f"U{b}" for b in ablation_bits)).items():
             for policy in ABLATIONS:
                 emit(ev.run(suite, policy, budget, label, infeasible_ok=True))

@@ -189,12 +189,15 @@ def _eval(*args: str) -> tuple[int, str]:
     (["run", "--out", "{tmp}/r.parquet", "--prompt-tokens", "4000"], "exceeds the model's context"),
     (["run", "--out", "{tmp}/missing/r.parquet"], "/missing does not exist; create it"),
     (["report", "--results", "{tmp}/none.parquet"], "does not exist"),
+    (["run", "--out", "{tmp}/r.parquet", "--damage", "{tmp}/none.parquet"], "no such file"),
+    (["run", "--out", "{tmp}/r.parquet", "--damage", "{tmp}", "--gpu-memory", "U4"], "no such file"),
+    (["sweep", "--out", "{tmp}/s", "--oracle", "{tmp}/none.parquet"], "no such file"),
 ])
 def test_cli_bad_input_gives_one_line_errors(calibrated_artifacts: Path, tmp_path: Path, args: list[str],
                                              message: str) -> None:
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     extra = ["--artifacts", str(calibrated_artifacts), "--requests", "2", "--continuation-tokens", "4"] \
-        if args[0] == "run" else []
+        if args[0] == "run" else ["--artifacts", str(calibrated_artifacts)] if args[0] == "sweep" else []
     code, err = _eval(*args, *extra)
     assert code == 2 and message in err and "Traceback" not in err
     assert err.count("\n") == 1, err
@@ -212,6 +215,13 @@ def test_cli_run_appends_rows_and_writes_a_trace(calibrated_artifacts: Path, tmp
     assert df.policy.tolist() == ["pagedweight", "pagedweight", "16-bit"]
     assert df.budget.tolist() == ["U5", "custom", "FP16"] and df.gpu_memory.iloc[1] == 64 * 2**20
     assert (df.wikitext2_tokens == 12).all() and df.c4_ppl.notna().all()
+    sens = pd.read_parquet(calibrated_artifacts / "sensitivity.parquet").rename(columns={"sensitivity": "kl"})
+    sens.to_parquet(tmp_path / "damage.parquet")
+    for policy in ("static", "pagedweight"):
+        code, err = _eval("run", "--out", str(tmp_path / "o.parquet"), "--policy", policy, "--damage",
+                          str(tmp_path / "damage.parquet"), "--gpu-memory", "U4", *small)
+        assert code == 0, err
+    assert read_results(tmp_path / "o.parquet").policy.tolist() == ["oracle", "pagedweight+oracle"]
     t = pd.read_parquet(trace)
     assert {"free_blocks", "pressure_bytes", "mean_bits", "bits_hist"} <= set(t.columns)
     pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "foreign.parquet")
@@ -222,7 +232,13 @@ def test_cli_run_appends_rows_and_writes_a_trace(calibrated_artifacts: Path, tmp
 @pytest.fixture(scope="module")
 def quick_sweep(calibrated_artifacts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sweep")
-    code, err = _eval("sweep", "--quick", "--out", str(out), "--artifacts", str(calibrated_artifacts))
+    # a stand-in damage table: the sensitivities reversed in rank within each bitwidth, so that the oracle's static
+    # allocation differs from the Hessian's
+    sens = pd.read_parquet(calibrated_artifacts / "sensitivity.parquet")
+    sens["kl"] = 1.0 / sens.sensitivity.clip(lower=1e-30) * 1e-6 / (sens.bits - 2.0) ** 3
+    sens[["layer", "expert", "unit", "bits", "kl"]].to_parquet(out / "damage.parquet")
+    code, err = _eval("sweep", "--quick", "--out", str(out), "--artifacts", str(calibrated_artifacts), "--oracle",
+                      str(out / "damage.parquet"))
     assert code == 0, err
     return out
 
@@ -234,10 +250,19 @@ def test_quick_sweep_writes_the_table_figures_and_markdown(quick_sweep: Path) ->
     df = read_results(quick_sweep / "results.parquet")
     text = df[df.suite == "text"]
     assert set(text.policy) == {"16-bit", "uniform", "pagedweight", "static", "no-routing", "residual",
-                                "no-movement", "no-sensitivity"}
+                                "no-movement", "no-sensitivity", "oracle"}
+    oracle, static = text[text.policy == "oracle"], text[text.policy == "static"]
+    assert sorted(oracle.budget) == sorted(b for b in static.budget if b != "min")
+    assert oracle.note.isna().all() and (df[df.suite == "long"].policy != "oracle").all()
+    # ranked by the other table, the oracle's allocation is another one at some budget
+    both = oracle.merge(static, on="budget", suffixes=("_o", "_s"))
+    assert (both.mean_bits_o != both.mean_bits_s).any() or (both.wikitext2_ppl_o != both.wikitext2_ppl_s).any()
     assert text[text.policy == "uniform"].preemptions.eq(0).all()
     assert set(df.suite) == {"text", "long"} and df[df.suite == "long"].retrieval_acc.notna().all()
-    assert "## (a)" in (quick_sweep / "targets.md").read_text()
+    md = (quick_sweep / "targets.md").read_text()
+    assert "## (a)" in md and ("the oracle at" in md or "never within 1%" in md)
+    mem = text[text.policy == "pagedweight"].set_index("budget").gpu_memory
+    assert abs(mem["U3.5"] - (mem["U3"] + mem["U4"]) / 2) <= 1  # a fractional label interpolates
     assert "w/o routing" in (quick_sweep / "ablations.md").read_text()
 
 
@@ -248,7 +273,7 @@ def test_targets_without_uniform_runs_say_not_evaluated(quick_sweep: Path) -> No
     md = targets(df[df.policy != "uniform"])
     assert "**not evaluated: no uniform run" in md and "no uniform run | | | n/a" in md
     assert "met at every budget" not in md
-    assert "not evaluated" not in targets(df)  # with the uniform runs the verdicts are there
+    assert "not evaluated: no uniform run" not in targets(df)  # with the uniform runs the verdicts are there
 
 
 def test_notebooks_run_on_small_artifacts(calibrated_artifacts: Path, quick_sweep: Path, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from pwcal.cli import app
 from pwcal.residual import hessian_reference
-from pwcal.sensitivity import SensitivityConfig, column_errors, weighted_sensitivities, with_fallback
+from pwcal.sensitivity import SensitivityConfig, column_errors, unscaled, weighted_sensitivities, with_fallback
 from pwcal.stages import recorded_config
 from pwcal.stats.fisher import _expert_tensors, check_memory, fisher_bytes, fisher_diagonal
 from pwformat.ap import dequantize
@@ -133,7 +133,9 @@ def test_residual_reference_is_the_hessian_table(tmp_path: Path, calibrated_arti
             str(cfg["seq_len"])]
     r = runner.invoke(app, [*args, "--importance", "fisher", "--force", *SMALL])
     assert r.exit_code == 0, r.stderr
-    want = read_table(calibrated_artifacts / "sensitivity.parquet", "sensitivity")
+    # the default table is the Hessian's times a per-layer scale; the reference is the Hessian's own
+    want = unscaled(read_table(calibrated_artifacts / "sensitivity.parquet", "sensitivity"),
+                    APArtifact(calibrated_artifacts).manifest.stage("sensitivity"))
     fisher = read_table(fis / "sensitivity.parquet", "sensitivity")
     fcfg = json.loads((fis / "manifest.json").read_text())["stages"]["sensitivity"]["config"]
     assert fcfg["importance"] == "fisher"

@@ -564,3 +564,27 @@ def test_serve_command_refuses_bad_options(calibrated_artifacts: Path, tmp_path:
                 args, r.stderr)
 
 
+
+
+def test_token_chars_is_measured_per_tokenizer_and_forgotten_with_it() -> None:
+    from pwrun.serve import generation
+
+    class Vocab:
+        def __init__(self, tokens: list[str]) -> None:
+            self.tokens = tokens
+
+        def __len__(self) -> int:
+            return len(self.tokens)
+
+        def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+            return [self.tokens[i] for i in ids]
+
+    a, b = Vocab(["ab", "abcdef"]), Vocab(["x"])
+    assert token_chars(a) == 6 and token_chars(b) == 1 and token_chars(object()) == 64
+    held = len(generation._TOKEN_CHARS)
+    del a
+    import gc
+    gc.collect()
+    c = Vocab(["abcdefghij"])  # may reuse the freed object's id: it gets its own figure
+    assert len(generation._TOKEN_CHARS) == held - 1
+    assert token_chars(c) == 10 and len(generation._TOKEN_CHARS) == held

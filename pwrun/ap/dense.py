@@ -4,6 +4,10 @@ uniform-precision baselines (SPEC section 2, reference dequantization of ``pwfor
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -12,6 +16,7 @@ from pwformat.errors import PagedWeightError
 from pwrun.ap.artifact import APArtifact
 from pwrun.model.inventory import SHARED_EXPERT, LinearBlock, expert_blocks
 from pwrun.model.lean import LeanMoEModel
+from pwrun.model.weights import MoEWeights
 
 
 def dense_block(artifact: APArtifact, tensors: dict[str, torch.Tensor], block: LinearBlock, bits: int,
@@ -54,3 +59,52 @@ def dense_model(artifact: APArtifact, model: LeanMoEModel,
             else:
                 getattr(moe, b.unit)[b.expert] = w
     return out
+
+
+class _OneLayerReplaced:
+    """Streamed experts (``pwrun.model.streamed``) with MoE layer ``layer`` served from ``moe`` instead."""
+
+    def __init__(self, inner: Any, layer: int, moe: MoEWeights) -> None:
+        self.inner, self.layer, self.replaced = inner, layer, moe
+
+    def moe(self, index: int, base: MoEWeights) -> MoEWeights:
+        return self.replaced if index == self.layer else self.inner.moe(index, base)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextmanager
+def quantized_layer(artifact: APArtifact, model: LeanMoEModel, layer: int, bits: int) -> Iterator[None]:
+    """While inside, MoE layer ``layer`` of ``model`` runs with every expert block dequantized at ``bits`` from
+    ``artifact`` (all other layers unchanged); the original weights come back on exit. Works on a loaded or a
+    streamed model, and holds one extra layer of experts in ``model.dtype``. Raises ``PagedWeightError`` for a
+    bitwidth the artifact does not hold, ``ValueError`` for a layer without experts."""
+    lw = model.weights.layers[layer]
+    if lw.moe is None:
+        raise ValueError(f"layer {layer} has no MoE block")
+    base = lw.moe if model.experts is None else model.experts.moe(layer, lw.moe)
+    t = artifact.layer_tensors(layer, model.device)
+    moe = replace(base, gate_up=base.gate_up.clone(), down=base.down.clone(),
+                  shared=None if base.shared is None else replace(base.shared))
+    for b in (x for x in expert_blocks(model.spec) if x.layer == layer):
+        w = dense_block(artifact, t, b, bits, model.dtype)
+        if b.expert == SHARED_EXPERT:
+            assert moe.shared is not None
+            setattr(moe.shared, b.unit, w)
+        else:
+            getattr(moe, b.unit)[b.expert] = w
+    del t
+    if model.experts is None:
+        lw.moe = moe
+        try:
+            yield
+        finally:
+            lw.moe = base
+    else:
+        streamed = model.experts
+        model.experts = _OneLayerReplaced(streamed, layer, moe)  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            model.experts = streamed

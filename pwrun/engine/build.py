@@ -42,7 +42,14 @@ from pwrun.core.request import Request, SamplingParams
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.engine.budget import dtype_label, format_size, workspace_bytes
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.engine.tables import block_table, bucket_policy, calib_features, missing_tables, read_table
+from pwrun.engine.tables import (
+    block_table,
+    bucket_policy,
+    calib_features,
+    missing_tables,
+    read_table,
+    with_damage,
+)
 from pwrun.model.inventory import SHARED_EXPERT, expert_blocks, host_memory, kv_layout
 from pwrun.model.lean import LeanMoEModel
 from pwrun.model.loader import load_model, resolve_device, resolve_dtype
@@ -52,12 +59,15 @@ from pwrun.runner.model_runner import ModelRunner
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """``gpu_memory``: the whole budget in bytes; ``policy``: see ``pwrun.core.policy``."""
+    """``gpu_memory``: the whole budget in bytes; ``policy``: see ``pwrun.core.policy``; ``damage``: a measured
+    per-block damage table that replaces the artifact's sensitivities (``pwrun.engine.tables.with_damage``: the
+    oracle baseline of the evaluation, ``docs/eval/oracle/``)."""
 
     gpu_memory: int
     policy: Policy = field(default_factory=Policy)
     engine: EngineConfig = field(default_factory=EngineConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    damage: Path | None = None
 
 
 def strip_experts(model: LeanMoEModel, device: torch.device) -> LeanMoEModel:
@@ -139,6 +149,8 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
                                "(the digest of every non-expert tensor, model.weights_served in its manifest): pass "
                                "the checkpoint it was made from with --model, or re-run pwcal quantize for this one")
     table = block_table(art, model, need_calibration=cfg.policy.placement != "uniform")
+    if cfg.damage is not None:
+        table = with_damage(table, cfg.damage)
     heads_df = read_table(art, "residual_heads")
     return assemble_engine(model, art, table, bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None
                            else None, calib_features(art, table), cfg, params, requests, eos, forced,

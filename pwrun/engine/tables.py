@@ -6,6 +6,7 @@ interrupted) is not read: it is from an earlier, inconsistent run.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,25 @@ def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) ->
                       unit=np.array([UNITS.index(b.unit) for b in blocks]),
                       sens=np.zeros((len(blocks), bits.size)), bytes=np.zeros((len(blocks), bits.size), np.int64),
                       tokens=np.zeros(len(blocks), np.int64), mass=np.ones(len(blocks)))
+
+
+def with_damage(table: BlockTable, path: Path) -> BlockTable:
+    """``table`` with s_i^b replaced by the ``kl`` column of the damage table at ``path`` (parquet: layer, expert,
+    unit, bits, kl; one row per block and bitwidth, e.g. ``tools/oracle_allocation.py``'s measured per-block
+    output KL). Raises ``PagedWeightError`` if the file is unreadable or lacks a block or bitwidth of ``table``."""
+    try:
+        df = pd.read_parquet(path, columns=["layer", "expert", "unit", "bits", "kl"])
+    except Exception as exc:  # pyarrow raises several types for a missing, foreign or corrupt file
+        raise PagedWeightError(f"cannot read the damage table {path}: {exc}") from exc
+    kl = df.set_index(["layer", "expert", "unit", "bits"]).kl
+    keys = [(int(la), int(e), UNITS[u], int(b)) for la, e, u in zip(table.layer, table.expert, table.unit, strict=True)
+            for b in table.bits]
+    missing = [k for k in keys if k not in kl.index]
+    if missing:
+        raise PagedWeightError(f"the damage table {path} has no row for {len(missing)} (block, bits) pairs of this "
+                               f"artifact, e.g. layer/expert/unit/bits {missing[0]}: measure it on this artifact")
+    sens = kl.loc[keys].to_numpy(np.float64).reshape(table.n, table.bits.size)
+    return replace(table, sens=sens)
 
 
 def bucket_policy(art: APArtifact) -> BucketPolicy:

@@ -1,0 +1,74 @@
+"""Target (a) of the evaluation against the oracle, and the damage table that defines the oracle.
+
+- ``target_a``: the 1% point of PagedWeight against the oracle's (met within 5 points, not met beyond), and
+  each run's change against the oracle at the same expert share, interpolated between the oracle's runs.
+- ``with_damage``: the sensitivities replaced by a damage table's KL block by block whatever the file's row order;
+  a table lacking a block is refused in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pweval.figures import target_a
+from pwformat.errors import PagedWeightError
+from pwrun.core.planner.tables import UNITS, BlockTable
+from pwrun.engine.tables import with_damage
+
+REF = pd.Series({"wikitext2_ppl": 100.0, "c4_ppl": 80.0})
+
+
+def _runs(rows: list[tuple[str, float, float, float]]) -> pd.DataFrame:
+    """(budget, share, WikiText-2 ppl, C4 ppl) -> result rows."""
+    return pd.DataFrame([{"budget": b, "gpu_memory": 40 * 2**20 + i, "expert_bytes_mean": sh * 1000.0,
+                          "expert_bytes_16bit": 1000, "wikitext2_ppl": w, "c4_ppl": c}
+                         for i, (b, sh, w, c) in enumerate(rows)])
+
+
+ORACLE = _runs([("U3", 0.30, 103.0, 82.0), ("U4", 0.35, 100.9, 80.5), ("U5", 0.45, 100.0, 80.0)])
+
+
+def test_target_a_compares_the_one_percent_points_and_interpolates() -> None:
+    pw = _runs([("U3", 0.32, 102.0, 81.0), ("U4", 0.39, 100.8, 80.4), ("U5", 0.50, 100.1, 80.0)])
+    md = "\n".join(target_a(pw, ORACLE, REF))
+    assert "**1% point met**" in md and "at 39.0% of the 16-bit" in md and "the oracle at 35.0%" in md
+    # at share 0.32 the oracle's WikiText-2 ppl is interpolated in log space between 103.0 and 100.9
+    o = math.exp(np.interp(0.32, [0.30, 0.35, 0.45], np.log([103.0, 100.9, 100.0])))
+    assert f"{100 * (102.0 / o - 1):+.2f}%" in md
+    lines = {line.split(" |")[0]: line for line in md.splitlines() if line.startswith("| U")}
+    assert lines["| U3"].endswith("| met |") and "no oracle at this share" in lines["| U5"]
+    late = _runs([("U5", 0.41, 100.5, 80.3)])
+    assert "**1% point NOT met**" in "\n".join(target_a(late, ORACLE, REF))  # 41% > 35% + 5
+    worse = _runs([("U4", 0.40, 101.0, 80.2)])  # within 1% of 16-bit, but +0.5%+ against the oracle there
+    assert "| NOT met |" in "\n".join(target_a(worse, ORACLE, REF))
+    assert "not evaluated" in "\n".join(target_a(pw, ORACLE.iloc[:0], REF))
+    assert "never within 1%" in "\n".join(target_a(_runs([("U3", 0.3, 110.0, 90.0)]), ORACLE, REF))
+
+
+def _table() -> BlockTable:
+    bits = np.array([3, 4, 8])
+    return BlockTable(bits=bits, layer=np.array([0, 0, 1]), expert=np.array([-1, 2, 2]), unit=np.array([0, 1, 0]),
+                      sens=np.ones((3, 3)), bytes=np.ones((3, 3), np.int64), tokens=np.ones(3, np.int64),
+                      mass=np.ones(3))
+
+
+def test_with_damage_replaces_the_sensitivities_block_by_block(tmp_path: Path) -> None:
+    t = _table()
+    rows = [{"layer": int(la), "expert": int(e), "unit": UNITS[u], "bits": int(b), "kl": 100 * i + 10 - int(b)}
+            for i, (la, e, u) in enumerate(zip(t.layer, t.expert, t.unit, strict=True)) for b in t.bits]
+    df = pd.DataFrame(rows).sample(frac=1.0, random_state=0)  # row order must not matter
+    df.to_parquet(tmp_path / "d.parquet")
+    got = with_damage(t, tmp_path / "d.parquet")
+    assert got.sens.tolist() == [[7, 6, 2], [107, 106, 102], [207, 206, 202]]
+    assert got.global_damage()[1, 2, 0] == 5  # Eq. 4 from the new values: 8 -> 3 bits of block 1
+    df[df.bits != 4].to_parquet(tmp_path / "short.parquet")
+    with pytest.raises(PagedWeightError, match=r"no row for 3 \(block, bits\) pairs"):
+        with_damage(t, tmp_path / "short.parquet")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(PagedWeightError, match="cannot read the damage table"):
+        with_damage(t, tmp_path / "bad.parquet")
