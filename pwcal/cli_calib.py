@@ -62,8 +62,8 @@ def sensitivity(
                                               "output KL (nats per token) measured with only that layer's experts "
                                               "at the lowest bitwidth, so that layers rank by how far their errors "
                                               "travel (one forward pass per MoE layer and window).")] = True,
-    scale_samples: Annotated[int, typer.Option(help="Calibration windows (the first ones) that measure the "
-                                               "per-layer scale.")] = 16,
+    scale_samples: Annotated[int, typer.Option(help="Calibration windows (the first ones; all --samples if "
+                                               "fewer) that measure the per-layer scale.")] = 16,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
 ) -> None:
@@ -77,7 +77,8 @@ def sensitivity(
         warn = ""
         if info.get("fallback_experts"):
             warn = (f"; warning: {len(info['fallback_experts'])} experts saw fewer than {min_tokens} calibration "
-                    "tokens (or got no loss gradient) and use the fallback importance")
+                    f"tokens{' (or got no loss gradient)' if importance == 'fisher' else ''} and use the fallback "
+                    "importance")
         _report("sensitivity", info, warn)
 
 

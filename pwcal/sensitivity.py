@@ -71,7 +71,7 @@ class SensitivityConfig:
     """``seed`` orders the calibration documents; windows 0..samples-1 of that order are used. ``importance``:
     one of ``IMPORTANCE`` (module docstring). ``layer_scale`` (Hessian only): scale each MoE layer's
     sensitivities by its measured output KL (``pwcal.stats.layer_scale``) on the first ``scale_samples``
-    windows."""
+    windows (all ``samples`` if fewer)."""
 
     dataset: str = "c4-calib"
     samples: int = 64
@@ -86,6 +86,14 @@ class SensitivityConfig:
     def scaled(self) -> bool:
         """Whether the per-layer scale applies (the Fisher already sees the layers downstream)."""
         return self.layer_scale and self.importance == "hessian"
+
+    def record(self) -> dict[str, Any]:
+        """The parameters as the manifest records them: those of a scale that does not apply are recorded as
+        off, so that they never make a run look different from one that computed the same table."""
+        d = asdict(self)
+        if not self.scaled:
+            d.update(layer_scale=False, scale_samples=PRE_DEFAULTS["scale_samples"])
+        return d
 
     def __post_init__(self) -> None:
         if self.importance not in IMPORTANCE:
@@ -218,7 +226,7 @@ def unscaled(table: pd.DataFrame, info: dict[str, Any]) -> pd.DataFrame:
 def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig, device: str = "auto",
                     force: bool = False, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """The whole stage; returns its manifest entry (``{"skipped": True}`` if already complete)."""
-    if not begin_stage(artifact_dir, model_dir, "sensitivity", asdict(cfg), force, defaults=PRE_DEFAULTS):
+    if not begin_stage(artifact_dir, model_dir, "sensitivity", cfg.record(), force, defaults=PRE_DEFAULTS):
         return {"skipped": True}
     t0 = time.time()
     art = APArtifact(artifact_dir, before="sensitivity")
@@ -253,8 +261,9 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
                               for k, v in sorted(phi.items())]), artifact_dir / "block_features.parquet",
                 "block_features", prov)
     fallback = sorted({(b[0], b[1]) for b, v in imp.items() if v[2]})
-    info = {"config": asdict(cfg), "files": ["sensitivity.parquet", "routing.parquet", "block_features.parquet"],
+    info = {"config": cfg.record(), "files": ["sensitivity.parquet", "routing.parquet", "block_features.parquet"],
             "calibration_tokens": len(windows) * cfg.seq_len, "layer_scale": {str(k): v for k, v in scales.items()},
+            "layer_scale_windows": min(cfg.scale_samples, len(windows)) if cfg.scaled else 0,
             "fallback_experts": [list(x) for x in fallback],
             "seconds": round(time.time() - t0, 2)}
     finish_stage(artifact_dir, "sensitivity", info)

@@ -91,8 +91,9 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
             return False
         diff = ", ".join(f"{k}: {recorded.get(k)!r} -> {wanted.get(k)!r}" for k in sorted(set(recorded) | set(wanted))
                          if recorded.get(k) != wanted.get(k))
-        raise PagedWeightError(f"{artifact_dir}: '{stage}' already ran with other parameters ({diff}); pass --force "
-                               "to redo it")
+        raise PagedWeightError(f"{artifact_dir}: '{stage}' already ran with other parameters ({diff}); redo it with "
+                               f"`pwcal {stage} MODEL --artifacts {artifact_dir} --force` and these parameters, or "
+                               "keep it by passing the recorded ones")
     return True  # the manifest is untouched until ``start_writing``: a run refused or stopped before it loses nothing
 
 

@@ -41,11 +41,37 @@ def _ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[df.note.isna()]
 
 
+WORKLOAD = ("requests", "prompt_tokens", "continuation_tokens", "seed")  # what makes two runs score the same tokens
+
+
+def _workload_flags(r: pd.Series) -> str:
+    """The ``pwrun eval run`` options that give row ``r``'s workload (text: windows per dataset = requests / 2)."""
+    flags = (f"--prompt-tokens {int(r.prompt_tokens)} --continuation-tokens {int(r.continuation_tokens)} "
+             f"--seed {int(r.seed)}")
+    return f"--requests {int(r.requests) // 2} {flags}" if r.suite == "text" else \
+        f"{flags} and the other runs' --requests / --questions"
+
+
+def check_workloads(df: pd.DataFrame) -> None:
+    """Raise ``ValueError`` if a suite's rows were scored on different workloads (windows, lengths or seed):
+    their perplexities are not comparable, nor with the suite's 16-bit row."""
+    for suite, d in df.groupby("suite"):
+        kinds = d.drop_duplicates(list(WORKLOAD))
+        if len(kinds) > 1:
+            raise ValueError(f"the {suite} rows were scored on {len(kinds)} different workloads ("
+                             + "; ".join(f"{int(r.requests)} requests of {int(r.prompt_tokens)} + "
+                                         f"{int(r.continuation_tokens)} tokens, seed {int(r.seed)}"
+                                         for _, r in kinds.iterrows())
+                             + "): their perplexities cannot be compared; keep one workload per --out table")
+
+
 def _ref(df: pd.DataFrame, suite: str) -> pd.Series:
     ref = df[(df.suite == suite) & (df.policy == "16-bit")]
     if ref.empty:
+        any_row = df[df.suite == suite].iloc[-1]
         raise ValueError(f"the results have no 16-bit row for the {suite} suite: add one with `pwrun eval run "
-                         f"--suite {suite} --policy 16-bit` into the same --out table")
+                         f"--suite {suite} --policy 16-bit {_workload_flags(any_row)}` (the same workload) into "
+                         "the same --out table")
     return ref.iloc[-1]
 
 
@@ -259,8 +285,10 @@ def target_a(pw: pd.DataFrame, oracle: pd.DataFrame, ref: pd.Series) -> list[str
     oracle = oracle.sort_values("expert_bytes_mean")
     o_share, o_within = _share(oracle), _within(oracle, ref)
     o_first = float(o_share[o_within].min()) if o_within.any() else None
+    own = ("PagedWeight is never within 1% of 16-bit on both texts" if first is None else
+           f"PagedWeight is first within 1% of 16-bit (both texts) at {100 * first:.1f}% of the 16-bit expert bytes")
     if oracle.empty:
-        out.append("**not evaluated**: no oracle runs (`pwrun eval sweep --oracle DAMAGE.parquet`).")
+        out.append(f"**not evaluated**: no oracle runs (`pwrun eval sweep --oracle DAMAGE.parquet`); {own}.")
     elif first is None or o_first is None:
         out.append(f"**not met**: {'PagedWeight' if first is None else 'the oracle'} is never within 1% of 16-bit.")
     else:
@@ -271,11 +299,11 @@ def target_a(pw: pd.DataFrame, oracle: pd.DataFrame, ref: pd.Series) -> list[str
     out += ["", "Per PagedWeight run: expert bytes in force (time-averaged, planes + LUTs) as a share of their 16-bit "
             "bytes; perplexity change against 16-bit; and against the oracle at the same share (target: at most "
             f"+{100 * ORACLE_WITHIN:.1f}% on each text).", "",
-            "| budget | MiB | experts in force | WikiText-2 vs 16-bit | C4 vs 16-bit | WikiText-2 vs oracle | "
-            "C4 vs oracle | verdict |", "|---|---|---|---|---|---|---|---|"]
+            "| budget | MiB | experts in force | WikiText-2 vs 16-bit | C4 vs 16-bit | both within 1% | "
+            "WikiText-2 vs oracle | C4 vs oracle | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for (_, r), sh, w in zip(pw.iterrows(), share, within, strict=True):
-        cells = [f"{_pct(r[f'{c}_ppl'], ref[f'{c}_ppl'])}{' (within 1%)' if w else ''}" for c in DATASETS]
+        cells = [_pct(r[f'{c}_ppl'], ref[f'{c}_ppl']) for c in DATASETS]
         vs, verdict = [], "no oracle at this share"
         if len(oracle) >= 2 and o_share[0] <= sh <= o_share[-1]:
             for c in DATASETS:
@@ -285,7 +313,7 @@ def target_a(pw: pd.DataFrame, oracle: pd.DataFrame, ref: pd.Series) -> list[str
             verdicts.append(verdict)
         vs_cells = [f"{100 * v:+.2f}%" for v in vs] or ["", ""]
         out.append(f"| {r.budget} | {r.gpu_memory / MIB:.2f} | {100 * sh:.1f}% | {cells[0]} | {cells[1]} | "
-                   f"{vs_cells[0]} | {vs_cells[1]} | {verdict} |")
+                   f"{'yes' if w else 'no'} | {vs_cells[0]} | {vs_cells[1]} | {verdict} |")
     if verdicts:
         out += ["", f"Within {100 * ORACLE_WITHIN:.1f}% of the oracle at {sum(v == 'met' for v in verdicts)} of "
                 f"{len(verdicts)} runs in the oracle's range. The text suite scores 3,072 tokens per dataset: the "
@@ -345,14 +373,17 @@ def targets(df: pd.DataFrame, scores: pd.DataFrame | None = None) -> str:
             "under exactly that budget. At other budgets the best uniform whose footprint fits is used. Brackets: "
             "paired 95% interval of the change over the workload's requests (the same tokens scored by both runs).",
             "", *rows]
-    out += ["", "## (c) The ablations and the residual heads", "", "As measured (also in ablations.md):", "",
-            ablation_table(df)]
+    abl = ablation_table(df)
+    out += ["", "## (c) The ablations and the residual heads", "",
+            "As measured (also in ablations.md):" if abl.count("\n") > 1 else
+            "**not evaluated**: no ablation runs at a budget with a PagedWeight run.", "", abl]
     return "\n".join(out)
 
 
 def write_report(results: Path, out_dir: Path) -> list[Path]:
     """Write every figure and table for the results table at ``results`` into ``out_dir``; returns their paths."""
     df = read_results(results)
+    check_workloads(df)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     source = f"Generated by `pwrun eval report` from `{results.name}`; every number is measured by `pwrun eval`.\n\n"

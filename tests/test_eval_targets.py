@@ -72,3 +72,15 @@ def test_with_damage_replaces_the_sensitivities_block_by_block(tmp_path: Path) -
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(PagedWeightError, match="cannot read the damage table"):
         with_damage(t, tmp_path / "bad.parquet")
+
+
+def test_a_report_refuses_rows_of_different_workloads() -> None:
+    from pweval.figures import _ref, check_workloads
+
+    rows = pd.DataFrame([{"suite": "text", "policy": p, "requests": n, "prompt_tokens": 192, "continuation_tokens": 64,
+                          "seed": 0} for p, n in (("pagedweight", 8), ("16-bit", 96))])
+    with pytest.raises(ValueError, match=r"2 different workloads \(8 requests of 192 \+ 64 tokens"):
+        check_workloads(rows)
+    check_workloads(rows.assign(requests=8))
+    with pytest.raises(ValueError, match="--policy 16-bit --requests 4 --prompt-tokens 192"):
+        _ref(rows.iloc[:1], "text")

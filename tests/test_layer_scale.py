@@ -101,6 +101,10 @@ def test_layer_scales_fallback_and_refusal() -> None:
         layer_scales({0: 0.0, 1: 0.0}, {0: 1.0, 1: 1.0})
     with pytest.raises(PagedWeightError, match="scale-samples"):
         SensitivityConfig(scale_samples=0)
+    # what the manifest records: a scale that does not apply is recorded off (no spurious "other parameters")
+    assert SensitivityConfig().record()["layer_scale"] is True
+    assert SensitivityConfig(importance="fisher").record()["layer_scale"] is False
+    assert SensitivityConfig(layer_scale=False, scale_samples=3).record()["scale_samples"] == 16
 
 
 def test_sensitivity_stage_scales_by_layer_and_unscales(tmp_path: Path) -> None:
@@ -112,6 +116,8 @@ def test_sensitivity_stage_scales_by_layer_and_unscales(tmp_path: Path) -> None:
     p, s = APArtifact(plain), APArtifact(scaled)
     rec = s.manifest.stage("sensitivity")["layer_scale"]
     assert p.manifest.stage("sensitivity")["layer_scale"] == {}
+    assert s.manifest.stage("sensitivity")["layer_scale_windows"] == min(SENSITIVITY.scale_samples,
+                                                                         SENSITIVITY.samples)
     a, b = p.table("sensitivity"), s.table("sensitivity")
     key = ["layer", "expert", "unit", "bits"]
     m = a.merge(b, on=key, suffixes=("_p", "_s"))
