@@ -41,6 +41,8 @@ from pwrun.cli_common import (
 from pwrun.core.policy import POLICIES, Policy
 from pwrun.engine.budget import parse_size
 from pwrun.engine.report import write_frame
+from pwrun.engine.tables import read_damage
+from pwrun.model.inventory import expert_blocks
 
 app = typer.Typer(help="Serving-time evaluation: quality of teacher-forced continuations while the runtime serves "
                   "a real-text workload under a memory budget (pwrun eval run / sweep / report).",
@@ -129,15 +131,19 @@ def run(
             raise PagedWeightError(f"unknown --policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if gpu_memory is not None and not gpu_memory.replace(",", "").strip():
             raise PagedWeightError("--gpu-memory needs at least one budget (e.g. U4 or 2GiB)")
-        if damage is not None and (policy in ("16-bit", "uniform") or not damage.is_file()):
-            raise PagedWeightError(f"--damage {damage}: " + ("only a policy that ranks blocks reads it" if
-                                   damage.is_file() else "no such file (measure it with tools/oracle_allocation.py)"))
+        if damage is not None and not damage.is_file():
+            raise PagedWeightError(f"--damage {damage}: no such file (measure it with tools/oracle_allocation.py)")
+        if damage is not None and (policy in ("16-bit", "uniform") or not POLICIES[policy].use_sensitivity):
+            raise PagedWeightError(f"--damage: --policy {policy} does not rank blocks by damage, so it would not "
+                                   "read the table (use static, pagedweight or an ablation that ranks)")
         set_threads(threads)
         open_artifact(artifacts, model or default_model(), not no_verify)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
         if policy != "16-bit":
             Policy.named(policy, bits).check_bits(ev.artifact.bits)
             warn_missing_tables(ev.artifact, [policy], ev.model_dir)
+        if damage is not None:
+            _check_damage(ev, damage)  # before any run: a table that does not fit wastes nothing
         if suite == "text":
             t = TextSpec()
             s = ev.text_suite(replace(t, per_dataset=requests or t.per_dataset,
@@ -164,6 +170,10 @@ def run(
         if not specs:
             raise PagedWeightError("--gpu-memory needs at least one budget (e.g. U4 or 2GiB)")
         sizes = {x: parse_size(x) for x in specs if not is_label(x)}
+        tiny = [x for x, v in sizes.items() if v < 2**20]
+        if tiny:  # refused before any run appends a row (e.g. "U4,5" meant U4.5)
+            raise PagedWeightError(f"--gpu-memory {tiny[0]} is {sizes[tiny[0]]} bytes: give a unit (48MiB) or a "
+                                   "label (U4, U4.5); a comma separates budgets")
         labels = tuple(x for x in specs if is_label(x))
         budgets(ev, s, tuple(x for x in labels if x != "min"))  # check the labels before the peak-KV run
         if any(x != "min" for x in labels):
@@ -177,6 +187,12 @@ def run(
             show(row)
         if trace is not None and ev.last.trace is not None:
             write_frame(ev.last.trace, trace)
+
+
+def _check_damage(ev: Evaluator, path: Path) -> None:
+    """Refuse (``PagedWeightError``) a damage table that does not cover ``ev``'s artifact block by block."""
+    blocks = expert_blocks(ev.model.spec)
+    read_damage(path, [(b.layer, b.expert, b.unit) for b in blocks], list(ev.artifact.bits))
 
 
 @app.command()
@@ -211,6 +227,7 @@ def sweep(
         if oracle is not None:
             if not oracle.is_file():
                 raise PagedWeightError(f"--oracle {oracle}: no such file (measure it with tools/oracle_allocation.py)")
+            _check_damage(ev, oracle)  # before the first run, not after the text grid
             spec = replace(spec, oracle=oracle)
         t0 = time.perf_counter()
         results = run_sweep(ev, spec, out, on_row=_progress(t0))

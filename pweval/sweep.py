@@ -14,6 +14,7 @@ version for tests. Budgets are named, never buried: ``SweepSpec`` holds every ch
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,14 +55,20 @@ QUICK = SweepSpec(
 
 
 def is_label(text: str) -> bool:
-    """True for budget labels (``min``, ``FP16``, ``U<b>`` with b a bitwidth or a fraction between two, such as
-    ``U4.5``), False for sizes such as ``48MiB``."""
-    if text in ("min", "FP16"):
-        return True
-    try:
-        return text[:1] == "U" and float(text[1:]) >= 0 and text[1:].replace(".", "", 1).isdigit()
-    except ValueError:
-        return False
+    """True for budget labels (``min``, ``FP16``, ``U`` followed by a digit: ``U<b>`` with b a bitwidth or a
+    fraction between two, such as ``U4.5``; ``budgets`` checks the rest), False for sizes such as ``48MiB``."""
+    return text in ("min", "FP16") or (text[:1] == "U" and text[1:2].isdigit())
+
+
+def _uniform_bits(label: str, bits: list[int]) -> float | None:
+    """b of a well-formed ``U<b>`` label (ASCII digits, written as the shortest decimal: U4, U4.5; between two of
+    ``bits``), else None."""
+    if re.fullmatch(r"U[0-9]+(\.[0-9]+)?", label) is None:
+        return None
+    b = float(label[1:])
+    if label[1:] != f"{b:g}" or math.floor(b) not in bits or math.ceil(b) not in bits:
+        return None
+    return b
 
 
 def budgets(ev: Evaluator, suite: Suite, labels: tuple[str, ...]) -> dict[str, int]:
@@ -71,11 +78,9 @@ def budgets(ev: Evaluator, suite: Suite, labels: tuple[str, ...]) -> dict[str, i
     ``ev.measure_peak_kv(suite)`` has run."""
     bits = ev.artifact.bits
     for label in labels:
-        ok = is_label(label) and (label[0] != "U" or (math.floor(float(label[1:])) in bits
-                                                     and math.ceil(float(label[1:])) in bits))
-        if not ok:
+        if label not in ("min", "FP16") and _uniform_bits(label, bits) is None:
             raise PagedWeightError(f"unknown budget {label!r}: use a size (48MiB), min, FP16 or U<b> with b in "
-                                   f"{bits[0]}..{bits[-1]} (a fraction interpolates: U4.5)")
+                                   f"{bits[0]}..{bits[-1]}, written as U4 or U4.5 (a fraction interpolates)")
 
     def uniform(b: float) -> int:
         lo, hi = ev.footprint(suite, math.floor(b)).total, ev.footprint(suite, math.ceil(b)).total

@@ -192,6 +192,12 @@ def _eval(*args: str) -> tuple[int, str]:
     (["run", "--out", "{tmp}/r.parquet", "--damage", "{tmp}/none.parquet"], "no such file"),
     (["run", "--out", "{tmp}/r.parquet", "--damage", "{tmp}", "--gpu-memory", "U4"], "no such file"),
     (["sweep", "--out", "{tmp}/s", "--oracle", "{tmp}/none.parquet"], "no such file"),
+    (["sweep", "--out", "{tmp}/s", "--oracle", "pyproject.toml"], "cannot read the damage table"),
+    (["run", "--out", "{tmp}/r.parquet", "--policy", "no-sensitivity", "--damage", "pyproject.toml"],
+     "does not rank blocks"),
+    (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", "U4,5"], "is 5 bytes"),
+    (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", "U4.0"], "written as U4 or U4.5"),
+    (["run", "--out", "{tmp}/r.parquet", "--gpu-memory", "U\u0664"], "unknown budget"),
 ])
 def test_cli_bad_input_gives_one_line_errors(calibrated_artifacts: Path, tmp_path: Path, args: list[str],
                                              message: str) -> None:

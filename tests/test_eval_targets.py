@@ -72,6 +72,16 @@ def test_with_damage_replaces_the_sensitivities_block_by_block(tmp_path: Path) -
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(PagedWeightError, match="cannot read the damage table"):
         with_damage(t, tmp_path / "bad.parquet")
+    bad = {"dup": pd.concat([df, df.iloc[:2]]), "nan": df.assign(kl=df.kl.where(df.bits != 8)),
+           "negative": df.assign(kl=-df.kl), "inf": df.assign(kl=df.kl.where(df.bits != 3, np.inf)),
+           "columns": df.rename(columns={"kl": "KL"})}
+    why = {"dup": "2 duplicate", "nan": "not finite and >= 0", "negative": "not finite and >= 0",
+           "inf": "not finite and >= 0", "columns": "lacks the columns kl"}
+    for name, frame in bad.items():
+        frame.to_parquet(tmp_path / f"{name}.parquet")
+        with pytest.raises(PagedWeightError, match=why[name]) as exc:
+            with_damage(t, tmp_path / f"{name}.parquet")
+        assert "\n" not in str(exc.value)
 
 
 def test_a_report_refuses_rows_of_different_workloads() -> None:

@@ -98,23 +98,55 @@ def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) ->
                       tokens=np.zeros(len(blocks), np.int64), mass=np.ones(len(blocks)))
 
 
-def with_damage(table: BlockTable, path: Path) -> BlockTable:
-    """``table`` with s_i^b replaced by the ``kl`` column of the damage table at ``path`` (parquet: layer, expert,
-    unit, bits, kl; one row per block and bitwidth, e.g. ``tools/oracle_allocation.py``'s measured per-block
-    output KL). Raises ``PagedWeightError`` if the file is unreadable or lacks a block or bitwidth of ``table``."""
+DAMAGE_COLUMNS = ["layer", "expert", "unit", "bits", "kl"]
+
+
+def read_damage(path: Path, keys: list[tuple[int, int, str]], bits: list[int]) -> pd.Series:
+    """The ``kl`` column of the damage table at ``path`` (parquet: layer, expert, unit, bits, kl; one row per block
+    and bitwidth, e.g. ``tools/oracle_allocation.py``'s measured per-block output KL), indexed by (layer, expert,
+    unit, bits). Raises ``PagedWeightError`` (one line) for an unreadable file, missing columns, duplicate rows,
+    a kl that is not finite or negative, or a (block, bits) pair of ``keys`` x ``bits`` it lacks."""
+    import pyarrow.parquet as pq
+
     try:
-        df = pd.read_parquet(path, columns=["layer", "expert", "unit", "bits", "kl"])
+        names = pq.read_schema(path).names
+        missing = [c for c in DAMAGE_COLUMNS if c not in names]
+        if missing:
+            raise PagedWeightError(f"the damage table {path} lacks the columns {', '.join(missing)} (it needs "
+                                   f"{', '.join(DAMAGE_COLUMNS)}; it has {', '.join(names[:10])})")
+        df = pd.read_parquet(path, columns=DAMAGE_COLUMNS)
+    except PagedWeightError:
+        raise
     except Exception as exc:  # pyarrow raises several types for a missing, foreign or corrupt file
-        raise PagedWeightError(f"cannot read the damage table {path}: {exc}") from exc
-    kl = df.set_index(["layer", "expert", "unit", "bits"]).kl
-    keys = [(int(la), int(e), UNITS[u], int(b)) for la, e, u in zip(table.layer, table.expert, table.unit, strict=True)
-            for b in table.bits]
-    missing = [k for k in keys if k not in kl.index]
-    if missing:
-        raise PagedWeightError(f"the damage table {path} has no row for {len(missing)} (block, bits) pairs of this "
-                               f"artifact, e.g. layer/expert/unit/bits {missing[0]}: measure it on this artifact")
-    sens = kl.loc[keys].to_numpy(np.float64).reshape(table.n, table.bits.size)
-    return replace(table, sens=sens)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PagedWeightError(f"cannot read the damage table {path}: {first[:200]}") from exc
+    key = ["layer", "expert", "unit", "bits"]
+    dup = df.duplicated(key)
+    if dup.any():
+        r = df[dup].iloc[0]
+        raise PagedWeightError(f"the damage table {path} has {int(dup.sum())} duplicate (layer, expert, unit, bits) "
+                               f"rows, e.g. {tuple(r[key])}: keep one row per block and bitwidth")
+    kl = pd.to_numeric(df.kl, errors="coerce").to_numpy(np.float64)
+    bad = ~np.isfinite(kl) | (kl < 0)
+    if bad.any():
+        raise PagedWeightError(f"the damage table {path} has {int(bad.sum())} kl values that are not finite and >= 0 "
+                               f"(e.g. {df.kl[bad].iloc[0]!r}): a damage is a KL divergence, measure it again")
+    out = pd.Series(kl, index=pd.MultiIndex.from_frame(df[key]))
+    want = [(la, e, u, b) for la, e, u in keys for b in bits]
+    lacking = [k for k in want if k not in out.index]
+    if lacking:
+        raise PagedWeightError(f"the damage table {path} has no row for {len(lacking)} (block, bits) pairs of this "
+                               f"artifact, e.g. layer/expert/unit/bits {lacking[0]}: measure it on this artifact")
+    return out
+
+
+def with_damage(table: BlockTable, path: Path) -> BlockTable:
+    """``table`` with s_i^b replaced by the ``kl`` of the damage table at ``path`` (``read_damage``, which raises
+    ``PagedWeightError`` for a table that does not fit)."""
+    keys = [(int(la), int(e), UNITS[u]) for la, e, u in zip(table.layer, table.expert, table.unit, strict=True)]
+    kl = read_damage(path, keys, [int(b) for b in table.bits])
+    sens = kl.loc[[(*k, int(b)) for k in keys for b in table.bits]].to_numpy(np.float64)
+    return replace(table, sens=sens.reshape(table.n, table.bits.size))
 
 
 def bucket_policy(art: APArtifact) -> BucketPolicy:
