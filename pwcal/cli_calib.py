@@ -141,7 +141,11 @@ def search_buckets(
                 f"{info['confirm_tokens']} tokens the best changes perplexity by "
                 f"{[round(-g, 2) for g in info['confirm_gain_pct_per_budget']]}% against neutral (a gain beyond "
                 f"{cfg.gain_z} standard errors: {info['confirm_shows_gain_per_budget']}), so it is used "
-                + ("at every budget" if band is None else f"below {band} bits (neutral from there on)"))
+                + ("at every budget" if band is None else
+                   f"below {band} bits (neutral from there on)" + ("" if any(info["confirm_shows_gain_per_budget"])
+                                                                  else "; below the lowest budget searched nothing "
+                                                                  "can be confirmed, so the tuned buckets stay "
+                                                                  "there")))
         _report("search-buckets", info, extra)
 
 
