@@ -154,12 +154,16 @@ def test_residual_reference_is_the_hessian_table(tmp_path: Path, calibrated_arti
     # fit-residual runs on the Fisher artifact
     r = runner.invoke(app, ["fit-residual", str(MODEL), "--artifacts", str(fis), "--prompts", "16", *SMALL])
     assert r.exit_code == 0, r.stderr
-    # an old manifest (no importance recorded) was a Hessian run: the same parameters are a no-op
+    # an old manifest (no importance or layer scale recorded) was an unscaled Hessian run: those parameters are a
+    # no-op, the default (scaled) is not
     m2 = json.loads((fis / "manifest.json").read_text())
-    m2["stages"]["sensitivity"]["config"].pop("importance")
+    for k in ("importance", "layer_scale", "scale_samples"):
+        m2["stages"]["sensitivity"]["config"].pop(k)
     (fis / "manifest.json").write_text(json.dumps(m2))
-    r = runner.invoke(app, [*args, *SMALL])
+    r = runner.invoke(app, [*args, "--no-layer-scale", *SMALL])
     assert r.exit_code == 0 and "nothing to do" in r.stderr, r.stderr
+    r = runner.invoke(app, [*args, *SMALL])
+    assert r.exit_code == 2 and "layer_scale: False -> True" in r.stderr, r.stderr
     r = runner.invoke(app, [*args, "--importance", "fisher", *SMALL])
     assert r.exit_code == 2 and "--force" in r.stderr and "importance: 'hessian' -> 'fisher'" in r.stderr, r.stderr
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 
 from pwformat.errors import PagedWeightError
 from pwformat.tables import WRITTEN_BY
@@ -106,8 +107,6 @@ def read_damage(path: Path, keys: list[tuple[int, int, str]], bits: list[int]) -
     and bitwidth, e.g. ``tools/oracle_allocation.py``'s measured per-block output KL), indexed by (layer, expert,
     unit, bits). Raises ``PagedWeightError`` (one line) for an unreadable file, missing columns, duplicate rows,
     a kl that is not finite or negative, or a (block, bits) pair of ``keys`` x ``bits`` it lacks."""
-    import pyarrow.parquet as pq
-
     try:
         names = pq.read_schema(path).names
         missing = [c for c in DAMAGE_COLUMNS if c not in names]
