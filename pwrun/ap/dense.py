@@ -31,6 +31,28 @@ def dense_block(artifact: APArtifact, tensors: dict[str, torch.Tensor], block: L
     return dequantize(tensors[f"{k}.planes"], tensors[f"{k}.lut{bits}"], block.k, bits, dtype)
 
 
+def dense_layer(artifact: APArtifact, model: LeanMoEModel, base: MoEWeights, layer: int,
+                bits: int | dict[tuple[int, int, str], int]) -> MoEWeights:
+    """A copy of MoE layer ``layer``'s weights ``base`` (router etc. shared) whose expert blocks are ``artifact``'s
+    dequantized to ``model.dtype``: gate_up [E, 2I, H], down [E, H, I] and the shared expert, new tensors.
+
+    ``bits``: one bitwidth for every block, or a map (layer, expert, unit) -> bitwidth. Raises
+    ``PagedWeightError`` for a bitwidth the artifact does not hold.
+    """
+    moe = replace(base, gate_up=base.gate_up.clone(), down=base.down.clone(),
+                  shared=None if base.shared is None else replace(base.shared))
+    t = artifact.layer_tensors(layer, model.device)
+    for b in (x for x in expert_blocks(model.spec) if x.layer == layer):
+        q = bits if isinstance(bits, int) else bits[(b.layer, b.expert, b.unit)]
+        w = dense_block(artifact, t, b, q, model.dtype)
+        if b.expert == SHARED_EXPERT:
+            assert moe.shared is not None
+            setattr(moe.shared, b.unit, w)
+        else:
+            getattr(moe, b.unit)[b.expert] = w
+    return moe
+
+
 def dense_model(artifact: APArtifact, model: LeanMoEModel,
                 bits: int | dict[tuple[int, int, str], int]) -> LeanMoEModel:
     """A copy of ``model`` whose expert weights are ``artifact``'s weights dequantized to ``model.dtype``.
@@ -40,24 +62,10 @@ def dense_model(artifact: APArtifact, model: LeanMoEModel,
     """
     out = LeanMoEModel(model.spec, copy.copy(model.weights))
     out.weights.layers = [copy.copy(layer) for layer in model.weights.layers]
-    blocks = expert_blocks(model.spec)
-    for layer in sorted({b.layer for b in blocks}):
+    for layer in sorted({b.layer for b in expert_blocks(model.spec)}):
         lw = out.weights.layers[layer]
         assert lw.moe is not None
-        moe = copy.copy(lw.moe)
-        moe.gate_up, moe.down = moe.gate_up.clone(), moe.down.clone()
-        if moe.shared is not None:
-            moe.shared = copy.copy(moe.shared)
-        lw.moe = moe
-        t = artifact.layer_tensors(layer, model.device)
-        for b in (x for x in blocks if x.layer == layer):
-            q = bits if isinstance(bits, int) else bits[(b.layer, b.expert, b.unit)]
-            w = dense_block(artifact, t, b, q, model.dtype)
-            if b.expert == SHARED_EXPERT:
-                assert moe.shared is not None
-                setattr(moe.shared, b.unit, w)
-            else:
-                getattr(moe, b.unit)[b.expert] = w
+        lw.moe = dense_layer(artifact, model, lw.moe, layer, bits)
     return out
 
 
@@ -84,17 +92,7 @@ def quantized_layer(artifact: APArtifact, model: LeanMoEModel, layer: int, bits:
     if lw.moe is None:
         raise ValueError(f"layer {layer} has no MoE block")
     base = lw.moe if model.experts is None else model.experts.moe(layer, lw.moe)
-    t = artifact.layer_tensors(layer, model.device)
-    moe = replace(base, gate_up=base.gate_up.clone(), down=base.down.clone(),
-                  shared=None if base.shared is None else replace(base.shared))
-    for b in (x for x in expert_blocks(model.spec) if x.layer == layer):
-        w = dense_block(artifact, t, b, bits, model.dtype)
-        if b.expert == SHARED_EXPERT:
-            assert moe.shared is not None
-            setattr(moe.shared, b.unit, w)
-        else:
-            getattr(moe, b.unit)[b.expert] = w
-    del t
+    moe = dense_layer(artifact, model, base, layer, bits)
     if model.experts is None:
         lw.moe = moe
         try:
