@@ -27,6 +27,7 @@ from pwkernels.moe.experts import APExperts
 from pwkernels.moe.launch import DecodeConfig, LaunchConfig, MidConfig, PrefillConfig, parse_config
 from pwkernels.moe.layout import combine
 from pwkernels.moe.mid import mid_moe
+from pwkernels.moe.mid_words import words_moe
 from pwkernels.moe.prefill import prefill_moe
 
 CONFIGS = json.loads((Path(__file__).parent.parent / "configs" / "ap_moe.json").read_text())  # JSON form
@@ -110,6 +111,8 @@ def ap_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, expert
         return torch.zeros_like(x)
     if isinstance(cfg, DecodeConfig):
         return decode_moe(x, topk_ids, topk_w, experts, cfg, activation)
+    if isinstance(cfg, MidConfig) and cfg.WORDS:
+        return words_moe(x, topk_ids, topk_w, experts, cfg, activation)
     if isinstance(cfg, MidConfig):
         return mid_moe(x, topk_ids, topk_w, experts, cfg, activation)
     if isinstance(cfg, PrefillConfig):

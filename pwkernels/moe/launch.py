@@ -65,17 +65,34 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class MidConfig:
-    """Mid-size path: BLOCK_M (token, slot) pairs x BLOCK_N rows per tile, K steps of BLOCK_K (a multiple of 32)."""
+    """Mid-size path: BLOCK_M (token, slot) pairs x BLOCK_N rows per tile, K steps of BLOCK_K (a multiple of 32).
+
+    WORDS: word-first dequantization (``pwkernels.moe.mid_words``): K steps of BLOCK_K = 512 or 1024 columns (16 or
+    32 plane words), BLOCK_N intermediate columns per gate_up program and BLOCK_N_DOWN (0: BLOCK_N) output rows per
+    down program, RAW_SHFL as in ``DecodeTile``; BLOCK_M and 2 * BLOCK_N at least 16 (``tl.dot``)."""
 
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
     num_warps: int = 4
+    WORDS: bool = False
+    BLOCK_N_DOWN: int = 0
+    RAW_SHFL: bool = False
     path: ClassVar[str] = "mid"
 
     def __post_init__(self) -> None:
         _positive(self, "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")
         _block_k(self)
+        object.__setattr__(self, "WORDS", bool(self.WORDS))
+        object.__setattr__(self, "RAW_SHFL", bool(self.RAW_SHFL))
+        if type(self.BLOCK_N_DOWN) is not int or self.BLOCK_N_DOWN < 0:
+            raise ValueError(f"MidConfig.BLOCK_N_DOWN must be an integer >= 0, got {self.BLOCK_N_DOWN!r}")
+        if self.WORDS:
+            _powers_of_two(self, "BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN")
+            if self.BLOCK_K not in (512, 1024) or self.BLOCK_M < 16 or self.BLOCK_N < 8 \
+                    or 0 < self.BLOCK_N_DOWN < 16:
+                raise ValueError(f"a word-first MidConfig needs BLOCK_K 512 or 1024, BLOCK_M >= 16, BLOCK_N >= 8 and "
+                                 f"BLOCK_N_DOWN 0 or >= 16 (tl.dot), got {self}")
 
 
 @dataclass(frozen=True)
