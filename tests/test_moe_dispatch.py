@@ -16,6 +16,7 @@ from _moe_cases import BF, DECODE, DEV, FP, PATHS, check, make
 import pwkernels.moe.decode as dec
 import pwkernels.moe.dispatch as am
 import pwkernels.moe.mid as mid
+import pwkernels.moe.mid_words as mid_words
 import pwkernels.moe.prefill as pre
 from pwkernels.moe.dispatch import CONFIGS, ap_moe, ap_moe_block, ap_moe_shared, launch_config, pick_config
 from pwkernels.moe.experts import APExperts
@@ -52,7 +53,7 @@ def test_all_tokens_on_one_expert_and_idle_experts(t: int) -> None:
     check(t, 1, 4, hidden=72, inter=40, bits=[3, 5, 8, 2, 4, 6, 7, 3], dtype=torch.float16, seed=7, ids=ids)
 
 
-@pytest.mark.parametrize("path", ["decode", "decode_sorted", "mid"])
+@pytest.mark.parametrize("path", ["decode", "decode_sorted", "mid", "mid_words"])
 def test_token_picking_one_expert_twice(path: str) -> None:
     ids = torch.tensor([[1, 1, 0], [2, 1, 2], [0, 3, 1]])
     check(3, 3, 4, hidden=64, inter=40, bits=[4, 2, 8, 3, 5, 6, 7, 2], dtype=torch.bfloat16, seed=8, ids=ids,
@@ -102,7 +103,7 @@ def test_routed_and_shared_block(t: int) -> None:
         ap_moe_block(x, ids.float(), w, ex, sh, sw)
 
 
-@pytest.mark.parametrize(("path", "t"), [("mid", 9), ("decode_sorted", 9), ("prefill", 9)])
+@pytest.mark.parametrize(("path", "t"), [("mid", 9), ("mid_words", 9), ("decode_sorted", 9), ("prefill", 9)])
 def test_poisoned_scratch_rows_are_all_written(path: str, t: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # NaN-filled buffers: any (token, slot) row (or split-K partial) the kernels fail to write shows up as NaN in y
 
@@ -112,7 +113,7 @@ def test_poisoned_scratch_rows_are_all_written(path: str, t: int, monkeypatch: p
         out = real_empty(*args, **kwargs)  # type: ignore[call-overload]
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
-    for mod in (dec, mid, pre):
+    for mod in (dec, mid, mid_words, pre):
         monkeypatch.setattr(mod.torch, "empty", poisoned)
     ex = make(5, 64, 32, [8, 3] * 5, torch.bfloat16, 5)
     g = torch.Generator().manual_seed(9)
@@ -260,6 +261,11 @@ def test_the_tuned_shapes_route_as_tuned() -> None:
     ({"path": "decode", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 1024}, "down": {"BLOCK_N": 8, "BLOCK_K": 64, "X": 1}},
      "unknown keys \\['X'\\] in the decode down tile"),
     ({**DECODE, "SLOTS": 3}, "SLOTS must be"),
+    ({"path": "mid", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "WORDS": 1}, "BLOCK_K 512 or 1024"),
+    ({"path": "mid", "BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 512, "WORDS": 1}, "BLOCK_M >= 16"),
+    ({"path": "mid", "BLOCK_M": 16, "BLOCK_N": 24, "BLOCK_K": 512, "WORDS": 1}, "BLOCK_N must be a power of 2"),
+    ({"path": "mid", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 512, "WORDS": 1, "BLOCK_N_DOWN": 8}, "BLOCK_N_DOWN 0"),
+    ({"path": "mid", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_N_DOWN": -1}, "BLOCK_N_DOWN must be"),
 ])
 def test_bad_configs_are_refused(raw: dict, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
