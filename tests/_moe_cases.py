@@ -32,6 +32,7 @@ PATHS = {
                       "down": {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}, "SLOTS": 2},
     "mid": {"path": "mid", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64},
     "mid_words": {"path": "mid", "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 512, "WORDS": 1, "BLOCK_N_DOWN": 16},
+    "mid_words_split": {"path": "mid", "BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 512, "WORDS": 1, "SPLIT_Q": 1},
     "prefill": {"path": "prefill", "BLOCK_N": 16, "BLOCK_K": 64},
 }
 DECODE = {"path": "decode", "gate_up": {"BLOCK_N": 16, "BLOCK_K": 64},

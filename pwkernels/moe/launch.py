@@ -69,7 +69,8 @@ class MidConfig:
 
     WORDS: word-first dequantization (``pwkernels.moe.mid_words``): K steps of BLOCK_K = 512 or 1024 columns (16 or
     32 plane words), BLOCK_N intermediate columns per gate_up program and BLOCK_N_DOWN (0: BLOCK_N) output rows per
-    down program, RAW_SHFL as in ``DecodeTile``; BLOCK_M and 2 * BLOCK_N at least 16 (``tl.dot``)."""
+    down program, RAW_SHFL as in ``DecodeTile``, SPLIT_Q: one launch per class of bitwidths (q <= 4, 5, >= 6), each
+    compiled for its class only; BLOCK_M and 2 * BLOCK_N at least 16 (``tl.dot``)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -78,6 +79,7 @@ class MidConfig:
     WORDS: bool = False
     BLOCK_N_DOWN: int = 0
     RAW_SHFL: bool = False
+    SPLIT_Q: bool = False
     path: ClassVar[str] = "mid"
 
     def __post_init__(self) -> None:
@@ -85,6 +87,7 @@ class MidConfig:
         _block_k(self)
         object.__setattr__(self, "WORDS", bool(self.WORDS))
         object.__setattr__(self, "RAW_SHFL", bool(self.RAW_SHFL))
+        object.__setattr__(self, "SPLIT_Q", bool(self.SPLIT_Q))
         if type(self.BLOCK_N_DOWN) is not int or self.BLOCK_N_DOWN < 0:
             raise ValueError(f"MidConfig.BLOCK_N_DOWN must be an integer >= 0, got {self.BLOCK_N_DOWN!r}")
         if self.WORDS:

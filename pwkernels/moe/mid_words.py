@@ -109,11 +109,36 @@ def _step(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw, KW, x_ptr, x_off, KW
 
 
 @triton.jit
+def _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX: tl.constexpr,
+          BKW: tl.constexpr, W: tl.constexpr, NPL: tl.constexpr, RAW: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + the K steps of plane words 0 .. kw_hi - 1 (``_step``)."""
+    for kw0 in range(0, kw_hi, BKW):
+        acc = _step(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr, x_off, KWX, W,
+                    NPL, RAW, DOT_FP32)
+    return acc
+
+
+@triton.jit
+def _in_class(q, QCLASS: tl.constexpr):
+    """Whether bitwidth q is this launch's: QCLASS 0 all, 4 q <= 4, 5 q == 5, 8 q >= 6."""
+    if QCLASS == 4:
+        mine = q <= 4
+    elif QCLASS == 5:
+        mine = q == 5
+    elif QCLASS == 8:
+        mine = q >= 6
+    else:
+        mine = q >= 0
+    return mine
+
+
+@triton.jit
 def _block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, kw_hi, KW, x_ptr, x_off,
            BM: tl.constexpr, KWX: tl.constexpr, BKW: tl.constexpr, LE: tl.constexpr, RAW: tl.constexpr,
-           DOT_FP32: tl.constexpr):
+           DOT_FP32: tl.constexpr, QCLASS: tl.constexpr):
     """[R, BM] fp32: rows ``rows`` [R] of linear block ``blk`` times the BM activation rows at x_ptr + x_off over
-    plane words 0 .. kw_hi - 1, at the block's committed q (one uniform branch per program)."""
+    plane words 0 .. kw_hi - 1, at the block's committed q: QCLASS 0 one uniform runtime branch per program, else
+    the class's code path only (the launch of one class of bitwidths, ``_in_class``; fewer registers)."""
     q = tl.load(bits_ptr + blk)
     lut = lut_ptr + tl.load(lut_off_ptr + blk)
     rbase = (rows * (1 << q)).to(tl.uint32)
@@ -121,18 +146,25 @@ def _block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, k
     lut_row = lut + rbase[None, :]
     poff = plane_off_ptr + blk * 8
     acc = tl.zeros((rows.shape[0], BM), dtype=tl.float32)
-    if q <= 4:
-        for kw0 in range(0, kw_hi, BKW):
-            acc = _step(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr, x_off, KWX,
-                        4, 4, RAW, DOT_FP32)
-    elif q == 5:
-        for kw0 in range(0, kw_hi, BKW):
-            acc = _step(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr, x_off, KWX,
-                        8, 5, RAW, DOT_FP32)
+    if QCLASS == 0:  # one uniform runtime branch per program
+        if q <= 4:
+            acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 4, 4, RAW,
+                        DOT_FP32)
+        elif q == 5:
+            acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 8, 5, RAW,
+                        DOT_FP32)
+        else:
+            acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 8, 8, RAW,
+                        DOT_FP32)
+    elif QCLASS == 4:
+        acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 4, 4, RAW,
+                    DOT_FP32)
+    elif QCLASS == 5:
+        acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 8, 5, RAW,
+                    DOT_FP32)
     else:
-        for kw0 in range(0, kw_hi, BKW):
-            acc = _step(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw0 + tl.arange(0, BKW), KW, x_ptr, x_off, KWX,
-                        8, 8, RAW, DOT_FP32)
+        acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 8, 8, RAW,
+                    DOT_FP32)
     return acc
 
 
@@ -157,6 +189,7 @@ def _words_gate_up_kernel(
     PAD_O: tl.constexpr,  # power of 2 >= 32 * KWO - I
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is exact
     GELU: tl.constexpr,
+    QCLASS: tl.constexpr,  # 0: every bitwidth; 4, 5, 8: only blocks of that class (``_in_class``)
 ):
     e = tl.load(tile_expert_ptr + tl.program_id(0))
     blk = 2 * tl.minimum(e, num_experts - 1)
@@ -167,8 +200,10 @@ def _words_gate_up_kernel(
     r = tl.arange(0, 2 * BLOCK_N)
     rows = tl.minimum(tl.program_id(1) * BLOCK_N + r // 2, I - 1) + (r % 2) * I  # gate and up rows interleaved
     kwh = (H + 31) // 32
-    acc = _block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows,
-                 tl.where(e < num_experts, kwh, 0), kwh, xw_ptr, x_off, BLOCK_M, KWX, BKW, LE, RAW, DOT_FP32)
+    mine = _in_class(tl.load(bits_ptr + blk), QCLASS) & (e < num_experts)
+    pmask = pmask & (pairs * 0 + mine.to(tl.int32) != 0)  # a tensor mask (the interpreter mistypes bool & bool)
+    acc = _block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, tl.where(mine, kwh, 0), kwh,
+                 xw_ptr, x_off, BLOCK_M, KWX, BKW, LE, RAW, DOT_FP32, QCLASS)
     g, u = tl.split(tl.reshape(tl.trans(acc), (BLOCK_M, BLOCK_N, 2)))
     h = gate_act(g, GELU) * u
     out_row = tl.where(pmask, pairs, 0) * (32 * KWO)
@@ -197,6 +232,7 @@ def _words_down_kernel(
     RAW: tl.constexpr,
     KWI: tl.constexpr,  # words of an inter row
     DOT_FP32: tl.constexpr,
+    QCLASS: tl.constexpr,
 ):
     e = tl.load(tile_expert_ptr + tl.program_id(0))
     blk = 2 * tl.minimum(e, num_experts - 1) + 1
@@ -205,9 +241,11 @@ def _words_down_kernel(
     row0 = tl.where(pmask, pairs, 0)  # pair 0's inter row is written for every call (finite)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kwi = (I + 31) // 32
+    mine = _in_class(tl.load(bits_ptr + blk), QCLASS) & (e < num_experts)
+    pmask = pmask & (pairs * 0 + mine.to(tl.int32) != 0)  # a tensor mask (the interpreter mistypes bool & bool)
     acc = _block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, tl.minimum(n, H - 1),
-                 tl.where(e < num_experts, kwi, 0), kwi, inter_ptr, row0 * (32 * KWI), BLOCK_M, KWI, BKW, LE, RAW,
-                 DOT_FP32)
+                 tl.where(mine, kwi, 0), kwi, inter_ptr, row0 * (32 * KWI), BLOCK_M, KWI, BKW, LE, RAW, DOT_FP32,
+                 QCLASS)
     wt = tl.load(w_ptr + row0, mask=pmask, other=0.0)
     tl.store(out_ptr + row0[:, None] * H + n[None, :], tl.trans(acc) * wt[:, None],
              mask=pmask[:, None] & (n < H)[None, :])
@@ -221,7 +259,9 @@ def words_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
               cfg: MidConfig, activation: str = "silu") -> torch.Tensor:
     """MoE output y [T, H] in x's dtype (ids / weights [T, k] as checked by ``pwkernels.moe.dispatch``) on the
     word-first mid path: K steps of ``cfg.BLOCK_K`` columns (16 or 32 plane words), ``cfg.BLOCK_M`` pairs per tile,
-    ``cfg.BLOCK_N`` intermediate columns (gate_up) and output rows (down) per program. No host sync."""
+    ``cfg.BLOCK_N`` intermediate columns (gate_up) and ``cfg.BLOCK_N_DOWN`` output rows (down) per program; with
+    ``cfg.SPLIT_Q`` one launch per class of bitwidths (q <= 4, 5, >= 6), each programs' blocks of its class only.
+    No host sync."""
     gelu = check_activation(activation)
     ex = experts
     t, k = topk_ids.shape
@@ -236,13 +276,17 @@ def words_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
     tiles = tile_expert.numel()
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     raw = _raw(cfg.RAW_SHFL, bkw, x)
-    _words_gate_up_kernel[(tiles, triton.cdiv(ex.inter, bn))](
-        xw, inter, sorted_pairs, tile_expert, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits,
-        num_pairs, ex.num_experts, ex.hidden, ex.inter, TOPK=k, BLOCK_M=bm, BLOCK_N=bn, BKW=bkw, LE=le, RAW=raw,
-        KWX=kwx, KWO=kwi, PAD_O=triton.next_power_of_2(max(32 * kwi - ex.inter, 1)), DOT_FP32=interp, GELU=gelu,
-        num_warps=cfg.num_warps)
-    _words_down_kernel[(tiles, triton.cdiv(ex.hidden, cfg.BLOCK_N_DOWN or bn))](
-        inter, out, topk_w.flatten().float().contiguous(), sorted_pairs, tile_expert, ex.pool, ex.plane_offset,
-        ex.lut_pool, ex.lut_offset, ex.bits, num_pairs, ex.num_experts, ex.hidden, ex.inter, BLOCK_M=bm,
-        BLOCK_N=cfg.BLOCK_N_DOWN or bn, BKW=bkw, LE=le, RAW=raw, KWI=kwi, DOT_FP32=interp, num_warps=cfg.num_warps)
+    classes = (4, 5, 8) if cfg.SPLIT_Q else (0,)
+    bnd = cfg.BLOCK_N_DOWN or bn
+    for qc in classes:  # one launch per class of bitwidths: each compiles only its code path (fewer registers)
+        _words_gate_up_kernel[(tiles, triton.cdiv(ex.inter, bn))](
+            xw, inter, sorted_pairs, tile_expert, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits,
+            num_pairs, ex.num_experts, ex.hidden, ex.inter, TOPK=k, BLOCK_M=bm, BLOCK_N=bn, BKW=bkw, LE=le, RAW=raw,
+            KWX=kwx, KWO=kwi, PAD_O=triton.next_power_of_2(max(32 * kwi - ex.inter, 1)), DOT_FP32=interp, GELU=gelu,
+            QCLASS=qc, num_warps=cfg.num_warps)
+    for qc in classes:
+        _words_down_kernel[(tiles, triton.cdiv(ex.hidden, bnd))](
+            inter, out, topk_w.flatten().float().contiguous(), sorted_pairs, tile_expert, ex.pool, ex.plane_offset,
+            ex.lut_pool, ex.lut_offset, ex.bits, num_pairs, ex.num_experts, ex.hidden, ex.inter, BLOCK_M=bm,
+            BLOCK_N=bnd, BKW=bkw, LE=le, RAW=raw, KWI=kwi, DOT_FP32=interp, QCLASS=qc, num_warps=cfg.num_warps)
     return combine(out.view(1, t, k, ex.hidden), None, x.dtype)
