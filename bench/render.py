@@ -39,6 +39,7 @@ repository root (GPU machine unless noted):
 -> pwrun generate; `--compare-commit REV --label NAME`: two builds in one session, then \
 `python -m bench.render --compare REV NAME`; `--http --skip-table`: W1 through `pwrun serve` vs in-process) |
 | MoE kernel | `python -m bench.moe_kernel [--cold-l2]` |
+| MoE launch configs | `python -m bench.moe_tune [--shape qwen1.5-moe] [--ts 16,32,64,128,256,512] [--write]` |
 | 16-bit MoE kernels | `python -m bench.dense_moe [--shapes qwen1.5-moe] [--ts 1,4,512]` |
 | paged attention | `python -m bench.attention` |
 | dense GEMV | `python -m bench.dense_gemv` |
@@ -85,6 +86,14 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                     ("bf16 dense ms", "bf16_dense_ms"), ("transformers ms", "transformers_ms"),
                     ("floor ms", "floor_ms"), ("% of floor", "pct_of_floor"),
                     ("graph % of floor", "graph_pct_of_floor"), ("x vs dense", "speedup_vs_dense")]),
+    "moe_tune": ("AP MoE launch configs", "Every candidate path and tile of one expert shape per token count T "
+                 "(`python -m bench.moe_tune`, random weights, CUDA-graph replay, ms per layer; `--write` ships the "
+                 "winners): the shipped config of the measured commit, the fastest candidate, and the bf16 grouped "
+                 "GEMM on the same routing.",
+                 ("shape", "q", "T"),
+                 [("shipped path", "shipped_path"), ("shipped ms", "shipped_ms"), ("best", "best"),
+                  ("best ms", "best_ms"), ("x vs shipped", "best_x_vs_shipped"),
+                  ("bf16 grouped ms", "bf16_grouped_ms")]),
     "attention": ("Paged decode attention", "Every sequence at `ctx` positions of a paged cache "
                   "(`python -m bench.attention`); floor = K + V bytes / copy bandwidth.",
                   ("shape", "S", "ctx"),
