@@ -53,10 +53,11 @@ def test_raw_shuffles_only_on_nvidia_cuda(monkeypatch: pytest.MonkeyPatch) -> No
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
     tile, plain = DecodeTile(8, 1024, RAW_SHFL=True), DecodeTile(8, 1024)
     monkeypatch.setattr(torch.version, "hip", None)
-    assert g._raw(tile, 32, cuda) and g._raw(tile, 16, cuda)  # type: ignore[arg-type]
-    assert not g._raw(tile, 8, cuda) and not g._raw(plain, 32, cuda) and not g._raw(tile, 32, cpu)  # type: ignore[arg-type]
+    assert g._raw(tile.RAW_SHFL, 32, cuda) and g._raw(tile.RAW_SHFL, 16, cuda)  # type: ignore[arg-type]
+    assert not g._raw(tile.RAW_SHFL, 8, cuda) and not g._raw(plain.RAW_SHFL, 32, cuda)  # type: ignore[arg-type]
+    assert not g._raw(tile.RAW_SHFL, 32, cpu)  # type: ignore[arg-type]
     monkeypatch.setattr(torch.version, "hip", "6.2.0")
-    assert not g._raw(tile, 32, cuda)  # type: ignore[arg-type]
+    assert not g._raw(tile.RAW_SHFL, 32, cuda)  # type: ignore[arg-type]
 
 
 def test_word_first_path_expert_picked_twice_all_on_one_expert_and_wide_tiles() -> None:

@@ -23,7 +23,7 @@ import triton.language as tl
 from pwkernels.moe.activation import check_activation, gate_act
 from pwkernels.moe.decode_dot import _dot_block
 from pwkernels.moe.experts import APExperts
-from pwkernels.moe.launch import DecodeConfig, DecodeTile
+from pwkernels.moe.launch import DecodeConfig
 from pwkernels.moe.layout import combine, padded_words, word_major
 from pwkernels.moe.pair_sort import _slots_of, sort_pairs
 
@@ -171,11 +171,11 @@ def _decode_down_kernel(
         _store_pairs(out_ptr, ids_ptr, w_ptr, y, e, tok, active, n, nmask, pid_s, T, H, TOPK)
 
 
-def _raw(tile: DecodeTile, bkw: int, x: torch.Tensor) -> bool:
-    """Whether a kernel's shuffles are raw ``shfl.sync``: asked for by the tile, on a 32- or 16-word K step (the
+def _raw(asked: bool, bkw: int, x: torch.Tensor) -> bool:
+    """Whether a kernel's shuffles are raw ``shfl.sync``: ``asked`` for by its config, on a 32- or 16-word K step (the
     LUT tile's shape, words along the lanes) and on NVIDIA CUDA (the interpreter runs no PTX; ROCm builds of torch
     also report ``is_cuda`` but compile for AMD GPUs, where the tile falls back to ``tl.gather``)."""
-    return tile.RAW_SHFL and bkw in (16, 32) and x.is_cuda and torch.version.hip is None
+    return asked and bkw in (16, 32) and x.is_cuda and torch.version.hip is None
 
 
 def _entries(bkw: int) -> int:
@@ -226,13 +226,13 @@ def decode_partials(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tenso
         xw, inter, ids, order, seg, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
         ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=gu.BLOCK_N, BKW=bkw_gu,
         LE=_entries(bkw_gu),
-        RAW=_raw(gu, bkw_gu, x), KWX=kwx, KWO=kwo, PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)),
+        RAW=_raw(gu.RAW_SHFL, bkw_gu, x), KWX=kwx, KWO=kwo, PAD_O=triton.next_power_of_2(max(32 * kwo - ex.inter, 1)),
         GELU=gelu, num_warps=gu.num_warps)
     _decode_down_kernel[(num_pairs, triton.cdiv(ex.hidden, dn.BLOCK_N), split)](
         inter, out, ids, order, seg, w, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, t, ex.hidden,
         ex.inter, TOPK=k, T_PAD=t_pad, K_PAD=k_pad, SORTED=bool(slots), BLOCK_N=dn.BLOCK_N, BKW=bkw_dn,
         LE=_entries(bkw_dn),
-        RAW=_raw(dn, bkw_dn, x), KWX=kwo, num_warps=dn.num_warps)
+        RAW=_raw(dn.RAW_SHFL, bkw_dn, x), KWX=kwo, num_warps=dn.num_warps)
     return out.view(split, t, k, ex.hidden), xw
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from pwkernels.moe.activation import check_activation, gate_act
 from pwkernels.moe.bit_transpose import _transpose4, _transpose8
+from pwkernels.moe.decode import _entries, _raw
 from pwkernels.moe.experts import APExperts
 from pwkernels.moe.launch import MidConfig
 from pwkernels.moe.layout import combine, padded_words, word_major
@@ -156,15 +157,9 @@ def _block(pool_ptr, plane_off_ptr, lut_ptr, lut_off_ptr, bits_ptr, blk, rows, k
         else:
             acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 8, 8, RAW,
                         DOT_FP32)
-    elif QCLASS == 4:
-        acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 4, 4, RAW,
-                    DOT_FP32)
-    elif QCLASS == 5:
-        acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 8, 5, RAW,
-                    DOT_FP32)
-    else:
-        acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW, 8, 8, RAW,
-                    DOT_FP32)
+    else:  # a launch of one class: its code path only (NPL = the class, 4-bit fields for q <= 4)
+        acc = _loop(acc, pool_ptr, poff, lut_t, lut_row, q, rows, kw_hi, KW, x_ptr, x_off, KWX, BKW,
+                    4 if QCLASS == 4 else 8, QCLASS, RAW, DOT_FP32)
     return acc
 
 
@@ -251,23 +246,20 @@ def _words_down_kernel(
              mask=pmask[:, None] & (n < H)[None, :])
 
 
-def _raw(raw: bool, bkw: int, x: torch.Tensor) -> bool:
-    return raw and bkw in (16, 32) and x.is_cuda and torch.version.hip is None
-
-
 def words_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
               cfg: MidConfig, activation: str = "silu") -> torch.Tensor:
-    """MoE output y [T, H] in x's dtype (ids / weights [T, k] as checked by ``pwkernels.moe.dispatch``) on the
-    word-first mid path: K steps of ``cfg.BLOCK_K`` columns (16 or 32 plane words), ``cfg.BLOCK_M`` pairs per tile,
-    ``cfg.BLOCK_N`` intermediate columns (gate_up) and ``cfg.BLOCK_N_DOWN`` output rows (down) per program; with
-    ``cfg.SPLIT_Q`` one launch per class of bitwidths (q <= 4, 5, >= 6), each programs' blocks of its class only.
-    No host sync."""
+    """MoE output y [T, H] in x's dtype, ``pwkernels.moe.ref.ap_moe_ref`` (SPEC section 7) for x [T, H] and ids /
+    weights [T, k] (as checked by ``pwkernels.moe.dispatch``) on the word-first mid path: K steps of
+    ``cfg.BLOCK_K`` columns (16 or 32 plane words), ``cfg.BLOCK_M`` pairs per tile, ``cfg.BLOCK_N`` intermediate
+    columns (gate_up) and ``cfg.BLOCK_N_DOWN`` output rows (down) per program; with ``cfg.SPLIT_Q`` one launch per
+    class of bitwidths (q <= 4, 5, >= 6), each computing the blocks of its class only.
+    No host sync. Raises ``ValueError`` for an unknown ``activation`` (``silu`` or ``gelu_tanh``)."""
     gelu = check_activation(activation)
     ex = experts
     t, k = topk_ids.shape
     num_pairs = t * k
     bm, bn, bkw = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K // 32
-    le = 32 if bkw >= 32 else 16
+    le = _entries(bkw)
     kwx, kwi = padded_words(ex.hidden, bkw), padded_words(ex.inter, bkw)
     xw = word_major(x, kwx)
     sorted_pairs, tile_expert = align_by_expert(topk_ids, ex.num_experts, bm)
