@@ -25,7 +25,9 @@ from pwrun.ap.artifact import APArtifact
 from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.model.lean import LeanMoEModel
 
-LOGIT_ELEMENTS = 1 << 24  # logits held at once by the NLL (64 MiB in fp32)
+LOGIT_ELEMENTS = 1 << 20  # logits held at once by the NLL: 4 MiB in fp32 stays in cache from LM head to loss (2x
+# faster on the CPU than 64 MiB)
+MIN_LOGIT_ROWS = 256  # rows per LM-head call however large the vocabulary (matmuls of a useful size)
 
 
 def allocation_bits(table: BlockTable, allocations: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -60,20 +62,18 @@ def prefix_classes(prefix: np.ndarray, seq_alloc: np.ndarray, seq_window: np.nda
 
 def _nll_sums(model: LeanMoEModel, h: torch.Tensor, delta: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     """Summed NLL [C] (fp64, nats) of C windows ids [C, L] from the last layer's h, delta [C * L, H]; the last
-    position predicts nothing, so its logits are not made. Classes go to the LM head in chunks of
-    ``LOGIT_ELEMENTS`` logits."""
+    position predicts nothing, so its logits are not made. Rows go to the LM head in chunks of ``LOGIT_ELEMENTS``
+    logits (at least ``MIN_LOGIT_ROWS`` rows)."""
     c, L = ids.shape
-    hs = h.view(c, L, -1)[:, :-1]
-    ds = None if delta is None else delta.view(c, L, -1)[:, :-1]
-    per = max(1, LOGIT_ELEMENTS // ((L - 1) * model.spec.vocab_size))
-    out = []
-    for lo in range(0, c, per):
-        n = min(per, c - lo)
-        logits = model.head(hs[lo:lo + n].reshape(n * (L - 1), -1),
-                            None if ds is None else ds[lo:lo + n].reshape(n * (L - 1), -1))
-        loss = F.cross_entropy(logits, ids[lo:lo + n, 1:].reshape(-1), reduction="none")
-        out.append(loss.view(n, L - 1).double().sum(1))
-    return torch.cat(out)
+    hs = h.view(c, L, -1)[:, :-1].reshape(c * (L - 1), -1)
+    ds = None if delta is None else delta.view(c, L, -1)[:, :-1].reshape(c * (L - 1), -1)
+    targets = ids[:, 1:].reshape(-1)
+    per = max(MIN_LOGIT_ROWS, LOGIT_ELEMENTS // model.spec.vocab_size)
+    loss = torch.empty(c * (L - 1), dtype=torch.float32, device=h.device)
+    for lo in range(0, c * (L - 1), per):
+        logits = model.head(hs[lo:lo + per], None if ds is None else ds[lo:lo + per])
+        loss[lo:lo + per] = F.cross_entropy(logits, targets[lo:lo + per], reduction="none")
+    return loss.view(c, L - 1).double().sum(1)
 
 
 def score_pass(base: LeanMoEModel, weights: WeightCache, bits: np.ndarray, prefix: np.ndarray,
@@ -97,12 +97,14 @@ def score_pass(base: LeanMoEModel, weights: WeightCache, bits: np.ndarray, prefi
 
 def score_allocations(artifact: APArtifact, base: LeanMoEModel, table: BlockTable, allocations: list[np.ndarray],
                       windows: list[list[int]], max_step_tokens: int = 1 << 16, cache_bytes: int = 2 << 30,
-                      progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+                      progress: Callable[[int, int], None] | None = None, weights: WeightCache | None = None
+                      ) -> np.ndarray:
     """Mean NLL [A, W] (nats/token) of each allocation (bits [n] per ``table`` row) on each window (equal lengths).
 
     ``max_step_tokens``: tokens of one pass (sequences = allocations x windows, as many rows as its last layer
     has at most); ``cache_bytes``: dense weights kept between passes; ``progress(done, total)``: sequences scored,
-    after each pass. ``base``'s expert weights are not used.
+    after each pass; ``weights``: a cache to use (and keep) across calls instead of a new one of ``cache_bytes``.
+    ``base``'s expert weights are not used.
     """
     seq_len, n_alloc = len(windows[0]), len(allocations)
     bits, prefix = allocation_bits(table, allocations)
@@ -110,7 +112,7 @@ def score_allocations(artifact: APArtifact, base: LeanMoEModel, table: BlockTabl
     per_step = max(1, max_step_tokens // seq_len)
     group = min(n_alloc, per_step)
     win_group = max(1, per_step // group)
-    cache = WeightCache(artifact, base, cache_bytes)
+    cache = WeightCache(artifact, base, cache_bytes) if weights is None else weights
     sums = np.zeros((n_alloc, len(windows)))
     done, total = 0, n_alloc * len(windows)
     for lo in range(0, n_alloc, group):

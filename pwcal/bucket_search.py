@@ -7,8 +7,12 @@ settings) plus the neutral one-bucket policy, by held-out perplexity when the ru
 (``pwrun.core.planner.greedy.fit_budget``, run offline over the calibration tables, with eta = 1 since no
 live prompt exists) must fit each memory budget. Settings that give the same allocation at a budget
 share one perplexity. Selection score = mean log-perplexity over the budgets (infeasible = +inf).
-The allocations are scored together in batched passes (``pwcal.alloc_scoring``: each dequantized weight
-made once, shared layer prefixes run once), equal to one model per allocation up to float rounding.
+The settings race over the selection windows in ``rounds`` rounds of successive halving
+(``pwcal.bucket_select``): after each round only the best ``keep`` of them go on, so the winner is scored on
+every window while clearly worse settings stop after the first chunk. The allocations are scored together in
+batched passes (``pwcal.alloc_scoring``: each dequantized weight made once, shared layer prefixes run once),
+equal to one model per allocation up to float rounding, in ``dtype`` (bfloat16, the dtype the runtime serves in,
+where the device multiplies it natively: 2x the float32 matmul rate on such CPUs).
 
 Confirmation (the held-out objective the choice is kept on): the winner and the neutral policy are
 scored again, per budget, on the next ``confirm_windows`` calibration windows, which the selection
@@ -41,9 +45,11 @@ import numpy as np
 import pandas as pd
 
 from pwcal.alloc_scoring import score_allocations
+from pwcal.bucket_select import round_bounds, select
 from pwcal.calib_data import calibration_windows
 from pwcal.residual import ResidualConfig
 from pwcal.sensitivity import OPTIONAL_FIELDS, SensitivityConfig
+from pwcal.split_experts import WeightCache
 from pwcal.stages import begin_stage, finish_stage, locked_stage, recorded_config, start_writing
 from pwformat.errors import PagedWeightError
 from pwformat.tables import write_table
@@ -51,18 +57,24 @@ from pwrun.ap.artifact import APArtifact
 from pwrun.core.planner.buckets import BucketPolicy
 from pwrun.core.planner.greedy import fit_budget
 from pwrun.core.planner.tables import BlockTable
-from pwrun.model.loader import load_model, load_tokenizer
+from pwrun.model.loader import load_model, load_tokenizer, resolve_device, scoring_dtype
 
 # progress labels: the stage, its phase of two, and what is counted (scored allocation x window sequences)
-PHASES = {"select": "search-buckets 1/2 select: allocation x window scores",
+PHASES = {"select": "search-buckets 1/2 select, round {r} of {rounds}: allocation x window scores",
           "confirm": "search-buckets 2/2 confirm (winner vs neutral): allocation x window scores"}
+# a search recorded before these parameters existed (every candidate on every window, in float32: a finer search
+# than the defaults) counts as done with the defaults, so `pwcal run-all` on its artifact does not redo it
+RECORDED_BEFORE = {"rounds": 6, "keep": 0.5, "dtype": "auto"}
 
 
 @dataclass(frozen=True)
 class SearchConfig:
     """``budgets_bits``: uniform-equivalent budgets; ``candidates``: settings besides the neutral one (None: the
     whole grid); ``heldout_windows``: selection windows; ``confirm_windows``: the next windows, for the band;
-    ``gain_z``: how many standard errors the winner's confirmed gain over neutral must exceed at a budget."""
+    ``gain_z``: how many standard errors the winner's confirmed gain over neutral must exceed at a budget;
+    ``rounds``, ``keep``: the successive halving of the selection (``pwcal.bucket_select``; at most one round per
+    selection window); ``dtype``: of the
+    scoring passes (auto: ``pwrun.model.loader.scoring_dtype``)."""
 
     budgets_bits: tuple[float, ...] = (3.5, 4.0, 4.5, 5.0, 6.0)
     candidates: int | None = None
@@ -70,6 +82,9 @@ class SearchConfig:
     confirm_windows: int = 24
     seed: int = 0
     gain_z: float = 1.645  # a budget shows a gain at one-sided 95%: mean paired gain > 1.645 standard errors
+    rounds: int = 6
+    keep: float = 0.5  # the better half (rounded up) of the feasible settings goes on to the next round
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [(self.candidates is None or self.candidates >= 0, f"--candidates {self.candidates} must be >= 0"),
@@ -77,6 +92,10 @@ class SearchConfig:
                   (self.confirm_windows >= 2, f"--confirm-windows {self.confirm_windows} must be >= 2"),
                   (math.isfinite(self.gain_z) and self.gain_z >= 0, f"--gain-z {self.gain_z} must be a finite number "
                    ">= 0"),
+                  (self.rounds >= 1, f"--rounds {self.rounds} must be >= 1"),
+                  (0 < self.keep <= 1, f"--keep {self.keep} must be in (0, 1]"),
+                  (self.dtype in ("auto", "bfloat16", "float32"), f"--dtype {self.dtype!r}: use auto, bfloat16 or "
+                   "float32"),
                   (bool(self.budgets_bits), "give at least one --budget-bits"),
                   (all(math.isfinite(b) for b in self.budgets_bits), f"--budget-bits {list(self.budgets_bits)} must "
                    "be finite numbers of bits")]
@@ -149,7 +168,7 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
                        ) -> dict[str, Any]:
     """The whole stage; returns its manifest entry (``{"skipped": True}`` if already complete). ``progress(label,
     done, total)``: sequences scored in each phase (``PHASES``), from 0 before the phase's first pass."""
-    if not begin_stage(artifact_dir, model_dir, "search-buckets", asdict(cfg), force):
+    if not begin_stage(artifact_dir, model_dir, "search-buckets", asdict(cfg), force, defaults=RECORDED_BEFORE):
         return {"skipped": True}
     t0 = time.time()
     sens_cfg = recorded_config(artifact_dir, "sensitivity", SensitivityConfig, optional=OPTIONAL_FIELDS)
@@ -163,57 +182,57 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     if bad:
         raise PagedWeightError(f"--budget-bits {bad} outside [{art.seed_bits}, 8] (the artifact's bitwidths)")
     tok = load_tokenizer(model_dir)
-    base = load_model(model_dir, device=device, dtype="float32")
+    dtype = str(scoring_dtype(cfg.dtype, resolve_device(device))).removeprefix("torch.")
+    base = load_model(model_dir, device=device, dtype=dtype, experts="skip")  # the artifact's experts are scored
     windows = calibration_windows(tok, sens_cfg.dataset, cfg.heldout_windows + cfg.confirm_windows,
                                   sens_cfg.seq_len, sens_cfg.seed, skip=sens_cfg.samples + res_cfg.prompts,
                                   flags="--heldout-windows / --confirm-windows")
-    select, confirm = windows[: cfg.heldout_windows], windows[cfg.heldout_windows:]
+    select_text, confirm = windows[: cfg.heldout_windows], windows[cfg.heldout_windows:]
     space = search_space(art.seed_bits)
     neutral = BucketPolicy.neutral(art.seed_bits)
     candidates = [neutral, *(space[i] for i in sample(len(space), cfg.candidates, cfg.seed))]
     budgets = [table.uniform_bytes(b) for b in cfg.budgets_bits]
     fits = [[fit_budget(table, pol, budget) for budget in budgets] for pol in candidates]
-    cache: dict[tuple[str, int, bytes], np.ndarray] = {}
+    rounds = min(cfg.rounds, cfg.heldout_windows)  # at least one window per round
+    bounds = round_bounds(cfg.heldout_windows, rounds)
+    dense = WeightCache(art, base, 2 << 30)  # dequantized blocks, shared by every round and the confirmation
 
-    def score(split: str, text: list[list[int]], todo: list[tuple[int, np.ndarray]]) -> None:
-        """Window NLLs of the allocations (budget index, bits) not yet in ``cache``, in batched passes."""
-        new = {(split, k, q.tobytes()): q for k, q in todo if (split, k, q.tobytes()) not in cache}
-        unique = {q.tobytes(): q for q in new.values()}  # an allocation that fits two budgets is scored once
-        label = PHASES[split]
+    def scored(label: str, text: list[list[int]], allocations: list[np.ndarray]) -> np.ndarray:
+        """Window NLLs [A, W] of ``allocations`` on ``text``, with a progress bar ``label``."""
         tick = None if progress is None else (lambda d, t: progress(label, d, t))
         if tick is not None:
-            tick(0, len(unique) * len(text))  # the bar (and its clock, for the ETA) starts before the first pass
-        nll = score_allocations(art, base, table, list(unique.values()), text, progress=tick) if unique else None
-        by_bits = {} if nll is None else dict(zip(unique, nll, strict=True))
-        cache.update((key, by_bits[key[2]]) for key in new)
+            tick(0, len(allocations) * len(text))  # the bar (and its clock, for the ETA) starts before the first pass
+        return score_allocations(art, base, table, allocations, text, progress=tick, weights=dense)
 
-    score("select", select, [(k, q) for row in fits for k, q in enumerate(row) if q is not None])
-    rows, scores = [], []
+    def select_nll(allocations: list[np.ndarray], lo: int, hi: int) -> np.ndarray:
+        r = bounds.index(lo) + 1
+        return scored(PHASES["select"].format(r=r, rounds=rounds), select_text[lo:hi], allocations)
+
+    race = select(fits, cfg.heldout_windows, rounds, cfg.keep, select_nll)
+    rows = []
     for ci, pol in enumerate(candidates):
-        logs = []
-        for k, (budget, q) in enumerate(zip(budgets, fits[ci], strict=True)):
-            ppl = math.inf if q is None else math.exp(float(cache["select", k, q.tobytes()].mean()))
+        seen = int(race.windows[ci])
+        for budget, q in zip(budgets, fits[ci], strict=True):
+            ppl = math.inf if q is None else math.exp(float(race.nll[q.tobytes()][:seen].mean()))
             rows.append({"candidate": ci, "setting": pol.to_json(), "split": "select", "budget_bytes": budget,
-                         "expert_bytes": -1 if q is None else table.total_bytes(q), "ppl": ppl, "score": math.nan})
-            logs.append(math.log(ppl))
-        scores.append(float(np.mean(logs)))
-        for r in rows[-len(budgets):]:
-            r["score"] = scores[-1]
-    best = int(np.argmin(scores))
-    if not math.isfinite(scores[best]):
+                         "expert_bytes": -1 if q is None else table.total_bytes(q), "windows": seen, "ppl": ppl,
+                         "score": float(race.scores[ci])})
+    best = race.best
+    if not math.isfinite(race.scores[best]):
         raise PagedWeightError(f"no candidate fits the budgets {list(cfg.budgets_bits)}: raise --budget-bits")
     pairs = [(fits[best][k], fits[0][k]) for k in range(len(budgets))]
-    score("confirm", confirm, [(k, q) for k, pair in enumerate(pairs) for q in pair if q is not None])
+    unique = {q.tobytes(): q for pair in pairs for q in pair if q is not None}  # winner = neutral: scored once
+    on_confirm = dict(zip(unique, scored(PHASES["confirm"], confirm, list(unique.values())), strict=True))
     gain, gains = [], []
     for k, budget in enumerate(budgets):
         q_best, q_neutral = pairs[k]
         assert q_best is not None and q_neutral is not None  # neutral fits whatever the winner fits
-        on_best, on_neutral = cache["confirm", k, q_best.tobytes()], cache["confirm", k, q_neutral.tobytes()]
+        on_best, on_neutral = on_confirm[q_best.tobytes()], on_confirm[q_neutral.tobytes()]
         gain.append(float((on_neutral - on_best).mean()))
         gains.append(shows_gain(on_neutral, on_best, cfg.gain_z))
         for ci, q, w in ((best, q_best, on_best), (0, q_neutral, on_neutral)):
             rows.append({"candidate": ci, "setting": candidates[ci].to_json(), "split": "confirm",
-                         "budget_bytes": budget, "expert_bytes": table.total_bytes(q),
+                         "budget_bytes": budget, "expert_bytes": table.total_bytes(q), "windows": len(confirm),
                          "ppl": math.exp(float(w.mean())), "score": math.nan})
     chosen = candidates[best]
     if best != 0:
@@ -224,9 +243,12 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     write_table(policy_frame(chosen), artifact_dir / "buckets.parquet", "buckets", prov)
     info = {"config": asdict(cfg), "files": ["buckets.parquet", "bucket_search.parquet"],
             "search_space_size": len(space), "candidates_scored": len(candidates),
-            "allocations_scored": len(cache), "budgets_bytes": budgets,
+            "allocations_scored": len(race.nll), "dtype": dtype,
+            "candidates_per_round": [int((race.windows >= hi).sum()) for hi in bounds[1:]],
+            "allocation_windows_scored": int(sum((~np.isnan(v)).sum() for v in race.nll.values())),
+            "budgets_bytes": budgets,
             "best_candidate": best, "best_setting": chosen.to_json(),
-            "heldout_dataset": sens_cfg.dataset, "heldout_tokens": len(select) * len(select[0]),
+            "heldout_dataset": sens_cfg.dataset, "heldout_tokens": len(select_text) * len(select_text[0]),
             "confirm_tokens": len(confirm) * len(confirm[0]),
             "best_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == best and r["split"] == "select"],
             "neutral_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == 0 and r["split"] == "select"],

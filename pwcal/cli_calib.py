@@ -119,13 +119,22 @@ def search_buckets(
     gain_z: Annotated[float, typer.Option(help="Standard errors by which the winner's gain over the neutral "
                                                "policy on the confirmation windows must exceed 0 at a budget "
                                                "(1.645: one-sided 95%).")] = 1.645,
+    rounds: Annotated[int, typer.Option(help="Rounds of successive halving over the held-out windows (cut into "
+                                             "this many chunks): after each round but the last only the best "
+                                             "--keep of the settings go on; at most --heldout-windows. 1: every "
+                                             "setting on every window.")] = 6,
+    keep: Annotated[float, typer.Option(help="Fraction of the feasible settings that go on to the next round "
+                                             "(rounded up, at least 2; ties go on together).")] = 0.5,
+    dtype: Annotated[str, typer.Option(help="Dtype of the scoring passes: auto (bfloat16, the served dtype, on "
+                                            "CUDA and on CPUs with AVX512-BF16 or AMX; float32 elsewhere), bfloat16 "
+                                            "or float32.")] = "auto",
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
 ) -> None:
     """Search routing buckets, multipliers mu, floors and depth caps by held-out perplexity under budgets."""
     with user_errors():
         cfg = SearchConfig(tuple(budget_bits or SearchConfig.budgets_bits), candidates, heldout_windows,
-                           confirm_windows, seed, gain_z)
+                           confirm_windows, seed, gain_z, rounds, keep, dtype)
         bars = Bars()
         with bars.progress:
             info = run_search_buckets(model, artifacts, cfg, device, force, bars)
@@ -134,7 +143,8 @@ def search_buckets(
         else:
             band = info["neutral_from_bits"]
             extra = (
-                f"; {info['candidates_scored']} of {info['search_space_size'] + 1} settings scored; perplexity on "
+                f"; {info['candidates_scored']} of {info['search_space_size'] + 1} settings scored in {info['dtype']} "
+                f"(settings per round {info['candidates_per_round']}); perplexity on "
                 f"held-out {info['heldout_dataset']} text ({info['heldout_tokens']} tokens past the calibration ones) "
                 f"at budgets {list(cfg.budgets_bits)} bits: best {[round(p, 2) for p in info['best_ppl_per_budget']]}"
                 f" vs neutral {[round(p, 2) for p in info['neutral_ppl_per_budget']]}; on the next "

@@ -170,14 +170,13 @@ class WindowsKV:
         c, L = t // self.L, self.L
         qt = q.view(c, L, hq, d).transpose(1, 2)
         kt, vt = (z.view(c, L, -1, d).transpose(1, 2) for z in (self.k, self.v))
-        if hq != kt.shape[1]:
-            kt, vt = kt.repeat_interleave(hq // kt.shape[1], dim=1), vt.repeat_interleave(hq // vt.shape[1], dim=1)
+        gqa = hq != kt.shape[1]  # query heads share each kv head in SDPA, without copies of k and v
         if window:
             pos = torch.arange(L, device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
         return o.transpose(1, 2).reshape(t, hq, d)
 
 

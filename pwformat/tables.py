@@ -56,11 +56,12 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("floor_stage0", pa.int32()), ("floor_stage1", pa.int32()), ("depth_cap", pa.int32()),
         ("neutral_from_bits", pa.float64()),
     ]),
-    # every candidate the bucket search scored; split: "select" (every candidate) or "confirm" (winner and neutral
+    # every candidate the bucket search scored; split: "select" (every candidate, ppl and score on the first
+    # ``windows`` selection windows: those it saw before the race left it behind) or "confirm" (winner and neutral
     # on the later held-out windows)
     "bucket_search": pa.schema([
         ("candidate", pa.int32()), ("setting", pa.string()), ("split", pa.string()), ("budget_bytes", pa.int64()),
-        ("expert_bytes", pa.int64()), ("ppl", pa.float64()), ("score", pa.float64()),
+        ("expert_bytes", pa.int64()), ("windows", pa.int32()), ("ppl", pa.float64()), ("score", pa.float64()),
     ]),
 }
 

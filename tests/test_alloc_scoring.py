@@ -109,3 +109,20 @@ def test_prefix_classes_follow_the_earlier_layers(parts) -> None:  # type: ignor
                 same = np.array_equal(bits[a, :la], bits[b, :la])
                 assert (prefix[a, la] == prefix[b, la]) == same
     assert prefix[3, 2] == prefix[0, 2] and prefix[3, 3] != prefix[0, 3]
+
+
+def test_bf16_scores_equal_bf16_models_and_track_fp32(parts) -> None:  # type: ignore[no-untyped-def]
+    """In bfloat16 (search-buckets' dtype where the device multiplies it natively) the batched scores equal one
+    bf16 model per allocation, and stay near the fp32 scores (random tokens: the hardest case for rounding)."""
+    art, base32, table = parts
+    base16 = load_model(default_model_dir(), device="cpu", dtype="bfloat16", experts="skip")
+    rng = np.random.default_rng(5)
+    qs = [*_tree(art, table, rng), rng.choice(art.bits, size=len(table.layer))]
+    g = torch.Generator().manual_seed(4)
+    windows = [torch.randint(0, base16.spec.vocab_size, (45,), generator=g).tolist() for _ in range(3)]
+    full16 = load_model(default_model_dir(), device="cpu", dtype="bfloat16")  # dense_model replaces its experts
+    ref16 = np.stack([_reference(art, full16, table, q, windows) for q in qs])
+    got = score_allocations(art, base16, table, qs, windows, max_step_tokens=4 * 45)
+    np.testing.assert_allclose(got, ref16, rtol=0, atol=2e-3)
+    ref32 = np.stack([_reference(art, base32, table, q, windows) for q in qs])
+    assert np.abs(got - ref32).max() < 0.1 and not np.allclose(got, ref32, rtol=0, atol=1e-6)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pwrun.core.planner.buckets import BucketPolicy
-from pwrun.core.planner.greedy import fit_budget, lower_step, predicted_damage, raise_step
+from pwrun.core.planner.greedy import fit_budget, lower_step, lower_until, predicted_damage, raise_step
 from pwrun.core.planner.runtime import Planner, PlannerConfig
 from pwrun.core.planner.tables import BlockTable
 
@@ -90,6 +90,48 @@ def test_lower_step_matches_loop_reference_on_random_states() -> None:
                 blocks, to, freed = _lower_step_reference(t, q, need, d_hat, bucket, pol, stage, movable)
                 assert plan.blocks.tolist() == blocks and plan.to_bits.tolist() == t.bits[to].tolist()
                 assert plan.freed == freed
+
+
+def _lower_until_reference(t: BlockTable, q_bits: np.ndarray, need: float, d_hat: np.ndarray, bucket: np.ndarray,
+                           pol: BucketPolicy, movable: np.ndarray | None, step_fraction: float | None
+                           ) -> tuple[np.ndarray, int, float, int]:
+    """lower_until as its definition: ``lower_step`` rounds from stage 0, a stage left when it frees nothing."""
+    q, freed, damage, stage = q_bits.copy(), 0, 0.0, 0
+    for stage in range(len(pol.floors)):
+        while freed < need:
+            ask = need - freed
+            if step_fraction is not None:
+                ask = min(ask, max(1.0, step_fraction * t.total_bytes(q)))
+            plan = lower_step(t, q, ask, d_hat, bucket, pol, stage, movable)
+            if plan.empty:
+                break
+            q[plan.blocks] = plan.to_bits
+            freed, damage = freed + plan.freed, damage + plan.damage
+        if freed >= need:
+            break
+    return q, freed, damage, stage
+
+
+def test_lower_until_equals_rounds_of_lower_step() -> None:
+    """lower_until (each block's best demotion kept between rounds, recomputed only for the blocks that moved)
+    against one lower_step call per round: random states, three floor stages, caps 1..5, held blocks, small and
+    whole-need rounds, needs up to more than all."""
+    for seed in range(25):
+        rng = np.random.default_rng(100 + seed)
+        t = random_table(n=int(rng.integers(3, 90)), seed=seed)
+        pol = BucketPolicy((0.3, 0.7), (1.0, 2.0, 4.0), ((3, 5, 7), (3, 4, 5), (3, 3, 3)),
+                           tuple(int(v) for v in rng.integers(1, 6, 3)))
+        bucket = pol.assign(t)
+        d_hat = predicted_damage(t, bucket, pol)
+        for k in range(4):
+            q = t.bits[rng.integers(0, 6, t.n)]
+            movable = rng.random(t.n) < 0.7 if k % 2 else None
+            need = float(rng.choice([rng.integers(1, 5000), rng.integers(5000, 10**6), 10**9]))
+            for frac in (None, 0.01):
+                got = lower_until(t, q, need, d_hat, bucket, pol, movable, frac)
+                want = _lower_until_reference(t, q, need, d_hat, bucket, pol, movable, frac)
+                assert got[0].tolist() == want[0].tolist() and got[1] == want[1] and got[3] == want[3]
+                assert got[2] == pytest.approx(want[2], rel=1e-12)
 
 
 def test_floors_and_depth_caps_are_respected() -> None:

@@ -16,7 +16,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from pwkernels.dense_gemv import linear
 from pwrun.model.ops import apply_rope, norm, rope_cos_sin
@@ -59,15 +58,17 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """Attention of a sequence's n newest positions q [n, heads, d] over its whole context k, v [ctx, heads, d]
     (n <= ctx; the queries are positions ctx - n .. ctx - 1, as ``StepTensors.build`` makes every step): query i
     sees keys 0 .. ctx - n + i. Returns [heads, n, d]. A whole prompt (n == ctx) runs SDPA's ``is_causal``
-    (flash attention on CUDA), a chunk of a longer context its lower-right causal bias (no [n, ctx] mask
-    tensor is built), one token no mask at all. The inputs go to SDPA as 4-D [1, heads, len, d]: its flash and
+    (flash attention on CUDA), a chunk of a longer context a lower-right causal [n, ctx] boolean mask (torch's
+    ``causal_lower_right`` bias would spare it, but its module imports torch._dynamo: ~0.9 s of every command's
+    start-up), one token no mask at all. The inputs go to SDPA as 4-D [1, heads, len, d]: its flash and
     memory-efficient backends take only 4-D tensors, and 3-D ones fall back to the math backend, which on CUDA
     upcasts to fp32 and builds the [heads, n, ctx] scores."""
     n, ctx = q.shape[0], k.shape[0]
     qt, kt, vt = (z.transpose(0, 1).unsqueeze(0) for z in (q, k, v))
     if n == ctx or n == 1:
         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=n > 1, scale=scale)[0]
-    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(n, ctx), scale=scale)[0]
+    mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)[0]
 
 
 def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec, eps: float, layer: int,

@@ -51,6 +51,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively: CUDA, or a CPU with AVX512-BF16 or AMX (oneDNN's bf16
+    GEMMs there run at twice the fp32 rate; elsewhere they are emulated, slower than fp32)."""
+    if device.type != "cpu":
+        return device.type == "cuda"
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private torch.cpu helpers: absent -> False
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def scoring_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype of offline scoring passes: ``"auto"`` -> bfloat16 (what the runtime serves in) where
+    ``native_bf16``, else float32; else one of ``DTYPES``."""
+    if dtype == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return resolve_dtype(dtype, device)
+
+
 def read_config(model_dir: Path) -> Any:
     """The transformers config of ``model_dir`` (offline)."""
     if model_dir.exists() and not model_dir.is_dir():

@@ -155,25 +155,64 @@ def lower_until(table: BlockTable, q_bits: np.ndarray, need_bytes: float, d_hat:
     A stage is left only when it can free nothing more. With ``step_fraction``, each round asks for at most
     that fraction of the current bytes (small rounds: close to a global greedy by damage per byte; offline),
     else for all that is still needed (runtime). Returns (new bitwidths [n], bytes freed, predicted
-    damage, last stage); fewer bytes than asked if the last stage runs out.
+    damage, last stage); fewer bytes than asked if the last stage runs out. Each block's best demotion is
+    computed once per stage and again only after the block moves: the rounds equal ``lower_step`` calls.
     """
     q = table.columns(q_bits)  # a new array: rounds update it in place
-    rows = np.arange(table.n)
+    total = int(table.bytes[np.arange(table.n), q].sum())
     freed, damage, stage, rounds = 0, 0.0, 0, 0
     for stage in range(len(policy.floors)):
+        moves = _Demotions(table, d_hat, _floor_columns(table, bucket, policy, stage),
+                           np.asarray(policy.depth_cap)[bucket], movable)
+        moves.update(q, np.arange(table.n))
         while freed < need_bytes and rounds < max_rounds:
             ask = need_bytes - freed
             if step_fraction is not None:
-                ask = min(ask, max(1.0, step_fraction * int(table.bytes[rows, q].sum())))
-            blocks, to, more, dmg = _lower_columns(table, q, ask, d_hat, bucket, policy, stage, movable)
+                ask = min(ask, max(1.0, step_fraction * (total - freed)))
             rounds += 1
-            if blocks.size == 0:
+            cand = np.flatnonzero(np.isfinite(moves.ratio))  # ascending: ties keep the block order
+            if cand.size == 0:
                 break
-            q[blocks] = to
-            freed, damage = freed + more, damage + dmg
+            take = _take(cand[np.argsort(moves.ratio[cand], kind="stable")], moves.delta, ask)
+            q[take] = moves.to[take]
+            freed, damage = freed + int(moves.delta[take].sum()), damage + float(moves.damage[take].sum())
+            moves.update(q, take)
         if freed >= need_bytes:
             break
     return table.bits[q], freed, damage, stage
+
+
+class _Demotions:
+    """Each block's best demotion within one floor stage (``lower_step``'s choice, lowest damage per byte freed):
+    column ``to``, bytes ``delta``, ``damage`` and their ``ratio`` [n] (inf: none), kept for the blocks' current
+    columns by ``update``. ``floor`` [n]: the stage's floor columns; ``cap`` [n]: how many columns one step may
+    lower a block."""
+
+    def __init__(self, table: BlockTable, d_hat: np.ndarray, floor: np.ndarray, cap: np.ndarray,
+                 movable: np.ndarray | None) -> None:
+        self.table, self.d_hat, self.floor, self.cap, self.movable = table, d_hat, floor, cap, movable
+        n = table.n
+        self.to, self.delta = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self.damage, self.ratio = np.zeros(n), np.full(n, np.inf)
+
+    def update(self, q: np.ndarray, rows: np.ndarray) -> None:
+        """Recompute the demotions of ``rows`` from their columns ``q[rows]``."""
+        if rows.size == 0:
+            return
+        a = q[rows]
+        lo = np.maximum(self.floor[rows], a - self.cap[rows])
+        byts = self.table.bytes[rows]
+        m = np.arange(rows.size)
+        c = np.arange(self.table.bits.size)[None, :]
+        delta = byts[m, a][:, None] - byts
+        dmg = self.d_hat[rows, a]
+        valid = (c < a[:, None]) & (c >= lo[:, None]) & (delta > 0)
+        if self.movable is not None:
+            valid &= self.movable[rows][:, None]
+        ratio = np.where(valid, dmg / np.maximum(delta, 1), np.inf)
+        best = ratio.argmin(axis=1)
+        self.to[rows], self.delta[rows], self.damage[rows] = best, delta[m, best], dmg[m, best]
+        self.ratio[rows] = ratio[m, best]
 
 
 def fit_budget(table: BlockTable, policy: BucketPolicy, budget_bytes: int, eta: np.ndarray | None = None,
