@@ -47,6 +47,7 @@ repository root (GPU machine unless noted):
 | headline | `python -m bench.headline [--figure docs/figures/headline_qwen.png]` |
 | decode-step profile | `python -m bench.decode_profile --config-dir DIR [--batches 1,4] [--eager]` |
 | calibration | `python -m bench.calibration` |
+| bucket search | `python -m bench.search_buckets [--baseline REV]` (CPU, bundled model) |
 """
 
 
@@ -144,6 +145,15 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
     "calibration": ("Calibration", "`pwcal` stages on random weights at the model's real shape "
                     "(`python -m bench.calibration`).",
                     ("model", "stage"), [("tokens", "tokens"), ("blocks", "blocks"), ("seconds", "seconds")]),
+    "search_buckets": ("Bucket search on the bundled model (CPU)",
+                       "Whole-process wall time of `pwcal search-buckets --force` on the bundled model's artifact "
+                       "(`python -m bench.search_buckets --baseline REV`, on the 2-core CI-class machine; median "
+                       "of the repeats, builds interleaved). `default`: what the build ships; `exhaustive-fp32`: "
+                       "`--rounds 1 --dtype float32`; `base REV` rows: REV's default in the same session.",
+                       ("build", "variant"),
+                       [("commit", "label"), ("cpu", "cpu"), ("dtype", "dtype"), ("seconds", "seconds"), ("stage seconds", "stage_seconds"),
+                        ("sequences scored", "sequences_scored"), ("load before", "load_before"),
+                        ("band from bits", "neutral_from_bits")]),
 }
 
 

@@ -86,19 +86,19 @@ def main() -> None:
     if bad:
         raise SystemExit(f"unknown variants {bad}: use {list(VARIANTS)}")
     env = environment()
-    trees = [(env["label"], ROOT)]
+    trees = [("measured", env["label"], ROOT)]
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
             base = Path(tmp) / "base"
             subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline], cwd=ROOT, check=True,
                            capture_output=True)
-            trees.append((f"base {args.baseline}", base))
+            trees.append(("baseline", f"base {args.baseline}", base))
         try:
             recs = []
             for rep in range(args.repeats):  # interleaved: builds and variants see the same load
-                for label, tree in trees:
+                for build, label, tree in trees:
                     for v in (variants if tree == ROOT else ["default"]):
-                        rec = {"label": label, "variant": v, "repeat": rep, "cpu": cpu_name(),
+                        rec = {"build": build, "label": label, "variant": v, "repeat": rep, "cpu": cpu_name(),
                                **run_once(tree, args.artifacts, VARIANTS[v])}
                         print(json.dumps(rec), flush=True)
                         recs.append(rec)
