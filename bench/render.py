@@ -151,7 +151,8 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                        "of the repeats, builds interleaved). `default`: what the build ships; `exhaustive-fp32`: "
                        "`--rounds 1 --dtype float32`; `base REV` rows: REV's default in the same session.",
                        ("build", "variant"),
-                       [("commit", "label"), ("cpu", "cpu"), ("dtype", "dtype"), ("seconds", "seconds"), ("stage seconds", "stage_seconds"),
+                       [("commit", "label"), ("cpu", "cpu"), ("dtype", "dtype"), ("seconds", "seconds"),
+                        ("stage seconds", "stage_seconds"),
                         ("sequences scored", "sequences_scored"), ("load before", "load_before"),
                         ("band from bits", "neutral_from_bits")]),
 }

@@ -14,16 +14,16 @@ batched passes (``pwcal.alloc_scoring``: each dequantized weight made once, shar
 equal to one model per allocation up to float rounding, in ``dtype`` (bfloat16, the dtype the runtime serves in,
 where the device multiplies it natively: 2x the float32 matmul rate on such CPUs).
 
-Confirmation (the held-out objective the choice is kept on): the winner and the neutral policy are
-scored again, per budget, on the next ``confirm_windows`` calibration windows, which the selection
-never saw (the best of many settings on one text is optimistically scored there). It shows a gain
-at a budget when its mean per-window NLL gain exceeds ``gain_z`` standard errors of the paired
-differences. The winner is kept only below the smallest budget from which on it shows no gain at
-any larger budget: ``neutral_from_bits`` of the written policy, the band the runtime planner hands to
-the neutral policy (``pwrun.core.planner.buckets``). The budgets span where the runtime works (its mean
-expert bits on the evaluation's text suite run from ~3.5 at U3 to ~5.8 at U6), so a setting that
-helps at 3.5-4 bits but not at 5-6 is not applied at 5-6. Below the smallest budget (floors only
-bind there) the winner applies. The held-out text is the calibration windows after those of
+Confirmation (the held-out objective the choice is kept on): the winner and the neutral policy are scored again, per
+budget, on the next ``confirm_windows`` calibration windows, which the selection never saw (the best of many
+settings on one text is optimistically scored there). It shows a gain at a budget when its mean per-window NLL gain
+exceeds ``budget_z`` standard errors of the paired differences: ``gain_z`` holds for the family of budgets
+(Bonferroni), since one false gain at the largest budget alone would apply the winner at every budget. The winner is
+kept only below the smallest budget from which on it shows no gain at any larger budget: ``neutral_from_bits`` of
+the written policy, the band the runtime planner hands to the neutral policy (``pwrun.core.planner.buckets``). The
+budgets span where the runtime works (its mean expert bits on the evaluation's text suite run from ~3.5 at U3 to
+~5.8 at U6), so a setting that helps at 3.5-4 bits but not at 5-6 is not applied at 5-6. Below the smallest budget
+(floors only bind there) the winner applies. The held-out text is the calibration windows after those of
 ``sensitivity`` and ``fit-residual``. Writes ``buckets.parquet`` (the winner and its band) and
 ``bucket_search.parquet`` (every candidate x budget of the selection, and the confirmation rows).
 
@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,7 @@ RECORDED_BEFORE = {"rounds": 6, "keep": 0.5, "dtype": "auto"}
 class SearchConfig:
     """``budgets_bits``: uniform-equivalent budgets; ``candidates``: settings besides the neutral one (None: the
     whole grid); ``heldout_windows``: selection windows; ``confirm_windows``: the next windows, for the band;
-    ``gain_z``: how many standard errors the winner's confirmed gain over neutral must exceed at a budget;
+    ``gain_z``: the one-sided z of the confirmation over all budgets together (``budget_z`` at each);
     ``rounds``, ``keep``: the successive halving of the selection (``pwcal.bucket_select``; at most one round per
     selection window); ``dtype``: of the
     scoring passes (auto: ``pwrun.model.loader.scoring_dtype``)."""
@@ -81,7 +82,7 @@ class SearchConfig:
     heldout_windows: int = 12
     confirm_windows: int = 24
     seed: int = 0
-    gain_z: float = 1.645  # a budget shows a gain at one-sided 95%: mean paired gain > 1.645 standard errors
+    gain_z: float = 1.645  # one-sided 95% over the budgets: 2.33 standard errors at each of five
     rounds: int = 6
     keep: float = 0.5  # the better half (rounded up) of the feasible settings goes on to the next round
     dtype: str = "auto"
@@ -124,6 +125,13 @@ def sample(space_size: int, candidates: int | None, seed: int) -> list[int]:
     so that a larger sample contains every smaller one of the same seed."""
     order = np.random.default_rng(seed).permutation(space_size)
     return sorted(int(i) for i in order[: space_size if candidates is None else min(candidates, space_size)])
+
+
+def budget_z(gain_z: float, budgets: int) -> float:
+    """The z each of ``budgets`` one-sided tests must pass for the family to hold at ``gain_z`` (Bonferroni: each
+    test's tail is the family's tail / budgets)."""
+    normal = NormalDist()
+    return normal.inv_cdf(1 - (1 - normal.cdf(gain_z)) / budgets)
 
 
 def shows_gain(neutral_nll: np.ndarray, best_nll: np.ndarray, z: float) -> bool:
@@ -223,13 +231,13 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     pairs = [(fits[best][k], fits[0][k]) for k in range(len(budgets))]
     unique = {q.tobytes(): q for pair in pairs for q in pair if q is not None}  # winner = neutral: scored once
     on_confirm = dict(zip(unique, scored(PHASES["confirm"], confirm, list(unique.values())), strict=True))
-    gain, gains = [], []
+    gain, gains, z = [], [], budget_z(cfg.gain_z, len(budgets))
     for k, budget in enumerate(budgets):
         q_best, q_neutral = pairs[k]
         assert q_best is not None and q_neutral is not None  # neutral fits whatever the winner fits
         on_best, on_neutral = on_confirm[q_best.tobytes()], on_confirm[q_neutral.tobytes()]
         gain.append(float((on_neutral - on_best).mean()))
-        gains.append(shows_gain(on_neutral, on_best, cfg.gain_z))
+        gains.append(shows_gain(on_neutral, on_best, z))
         for ci, q, w in ((best, q_best, on_best), (0, q_neutral, on_neutral)):
             rows.append({"candidate": ci, "setting": candidates[ci].to_json(), "split": "confirm",
                          "budget_bytes": budget, "expert_bytes": table.total_bytes(q), "windows": len(confirm),
@@ -253,7 +261,7 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
             "best_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == best and r["split"] == "select"],
             "neutral_ppl_per_budget": [r["ppl"] for r in rows if r["candidate"] == 0 and r["split"] == "select"],
             "confirm_gain_pct_per_budget": [100 * (math.exp(g) - 1) for g in gain],
-            "confirm_shows_gain_per_budget": gains,
+            "confirm_shows_gain_per_budget": gains, "confirm_z_per_budget": z,
             "neutral_from_bits": chosen.neutral_from_bits,
             "seconds": round(time.time() - t0, 2)}
     finish_stage(artifact_dir, "search-buckets", info)

@@ -117,8 +117,9 @@ def search_buckets(
                                                       "neutral policy to be used at a budget.")] = 24,
     seed: Annotated[int, typer.Option(help="Seed of the candidate sample.")] = 0,
     gain_z: Annotated[float, typer.Option(help="Standard errors by which the winner's gain over the neutral "
-                                               "policy on the confirmation windows must exceed 0 at a budget "
-                                               "(1.645: one-sided 95%).")] = 1.645,
+                                               "policy on the confirmation windows must exceed 0, for all budgets "
+                                               "together (1.645: one-sided 95%; each budget's test then needs "
+                                               "the Bonferroni z, 2.33 for five budgets).")] = 1.645,
     rounds: Annotated[int, typer.Option(help="Rounds of successive halving over the held-out windows (cut into "
                                              "this many chunks): after each round but the last only the best "
                                              "--keep of the settings go on; at most --heldout-windows. 1: every "
@@ -150,7 +151,8 @@ def search_buckets(
                 f" vs neutral {[round(p, 2) for p in info['neutral_ppl_per_budget']]}; on the next "
                 f"{info['confirm_tokens']} tokens the best changes perplexity by "
                 f"{[round(-g, 2) for g in info['confirm_gain_pct_per_budget']]}% against neutral (a gain beyond "
-                f"{cfg.gain_z} standard errors: {info['confirm_shows_gain_per_budget']}), so it is used "
+                f"{info['confirm_z_per_budget']:.2f} standard errors at each, {cfg.gain_z} over all: "
+                f"{info['confirm_shows_gain_per_budget']}), so it is used "
                 + ("at every budget" if band is None else
                    f"below {band} bits (neutral from there on)" + ("" if any(info["confirm_shows_gain_per_budget"])
                                                                   else "; below the lowest budget searched nothing "

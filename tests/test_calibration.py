@@ -240,7 +240,7 @@ def test_tables_round_trip_and_corruption(tmp_path: Path) -> None:
 
 
 def test_bucket_search_band_and_sample_rules() -> None:
-    from pwcal.bucket_search import neutral_from, policy_frame, sample, shows_gain
+    from pwcal.bucket_search import budget_z, neutral_from, policy_frame, sample, shows_gain
     from pwrun.core.planner.buckets import BucketPolicy
 
     budgets = [3.5, 4.0, 4.5, 5.0, 6.0]
@@ -254,6 +254,9 @@ def test_bucket_search_band_and_sample_rules() -> None:
     assert shows_gain(base, base - 0.01 + rng.normal(0, 0.002, 24), 1.645)  # consistent small gain
     assert not shows_gain(base, base - 0.001 + rng.normal(0, 0.02, 24), 1.645)  # gain far inside the noise
     assert not shows_gain(base, base + 0.01, 1.645) and not shows_gain(base[:1], base[:1] - 1, 1.645)
+    # the family of budgets holds at gain_z: each budget's one-sided tail is the family's / budgets
+    assert budget_z(1.645, 1) == pytest.approx(1.645, abs=1e-3) and budget_z(1.645, 5) == pytest.approx(2.326, abs=1e-3)
+    assert budget_z(3.0, 4) > budget_z(3.0, 2) > 3.0
     assert set(sample(64, 8, 0)) <= set(sample(64, 12, 0)) and sample(64, None, 0) == list(range(64))
     pol = BucketPolicy((0.75,), (1.0, 8.0), ((3, 5), (3, 4)), (1, 1), neutral_from_bits=4.5)
     assert BucketPolicy.from_frame(policy_frame(pol)) == pol
