@@ -102,11 +102,15 @@ def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) ->
 DAMAGE_COLUMNS = ["layer", "expert", "unit", "bits", "kl"]
 
 
+KL_ROUNDING = 1e-8  # nats: a KL measured between near-equal distributions may round this far below 0 (read as 0)
+
+
 def read_damage(path: Path, keys: list[tuple[int, int, str]], bits: list[int]) -> pd.Series:
     """The ``kl`` column of the damage table at ``path`` (parquet: layer, expert, unit, bits, kl; one row per block
     and bitwidth, e.g. ``tools/oracle_allocation.py``'s measured per-block output KL), indexed by (layer, expert,
     unit, bits). Raises ``PagedWeightError`` (one line) for an unreadable file, missing columns, duplicate rows,
-    a kl that is not finite or negative, or a (block, bits) pair of ``keys`` x ``bits`` it lacks."""
+    a kl that is not finite or negative beyond rounding (``KL_ROUNDING``; within it, read as 0), or a (block,
+    bits) pair of ``keys`` x ``bits`` it lacks."""
     try:
         names = pq.read_schema(path).names
         missing = [c for c in DAMAGE_COLUMNS if c not in names]
@@ -126,11 +130,11 @@ def read_damage(path: Path, keys: list[tuple[int, int, str]], bits: list[int]) -
         raise PagedWeightError(f"the damage table {path} has {int(dup.sum())} duplicate (layer, expert, unit, bits) "
                                f"rows, e.g. {tuple(r[key])}: keep one row per block and bitwidth")
     kl = pd.to_numeric(df.kl, errors="coerce").to_numpy(np.float64)
-    bad = ~np.isfinite(kl) | (kl < 0)
+    bad = ~np.isfinite(kl) | (kl < -KL_ROUNDING)
     if bad.any():
         raise PagedWeightError(f"the damage table {path} has {int(bad.sum())} kl values that are not finite and >= 0 "
                                f"(e.g. {df.kl[bad].iloc[0]!r}): a damage is a KL divergence, measure it again")
-    out = pd.Series(kl, index=pd.MultiIndex.from_frame(df[key]))
+    out = pd.Series(np.maximum(kl, 0.0), index=pd.MultiIndex.from_frame(df[key]))
     want = [(la, e, u, b) for la, e, u in keys for b in bits]
     lacking = [k for k in want if k not in out.index]
     if lacking:
