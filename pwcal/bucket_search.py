@@ -18,9 +18,9 @@ Confirmation (the held-out objective the choice is kept on): the winner and the 
 budget, on the next ``confirm_windows`` calibration windows, which the selection never saw (the best of many
 settings on one text is optimistically scored there). It shows a gain at a budget when its mean per-window NLL gain
 exceeds ``budget_z`` standard errors of the paired differences: ``gain_z`` holds for the family of budgets
-(Bonferroni), since one false gain at the largest budget alone would apply the winner at every budget. The winner is
-kept only below the smallest budget from which on it shows no gain at any larger budget: ``neutral_from_bits`` of
-the written policy, the band the runtime planner hands to the neutral policy (``pwrun.core.planner.buckets``). The
+(Bonferroni), since every budget's test moves the band. The winner is
+kept only below the smallest budget at which it shows no gain: ``neutral_from_bits`` of the written policy, the
+band the runtime planner hands to the neutral policy (``pwrun.core.planner.buckets``). The
 budgets span where the runtime works (its mean expert bits on the evaluation's text suite run from ~3.5 at U3 to
 ~5.8 at U6), so a setting that helps at 3.5-4 bits but not at 5-6 is not applied at 5-6. Below the smallest budget
 (floors only bind there) the winner applies. The held-out text is the calibration windows after those of
@@ -51,7 +51,7 @@ from pwcal.calib_data import calibration_windows
 from pwcal.residual import ResidualConfig
 from pwcal.sensitivity import OPTIONAL_FIELDS, SensitivityConfig
 from pwcal.split_experts import WeightCache
-from pwcal.stages import begin_stage, finish_stage, locked_stage, recorded_config, start_writing
+from pwcal.stages import begin_stage, committing, finish_stage, locked_stage, recorded_config
 from pwformat.errors import PagedWeightError
 from pwformat.tables import write_table
 from pwrun.ap.artifact import APArtifact
@@ -91,6 +91,7 @@ class SearchConfig:
         checks = [(self.candidates is None or self.candidates >= 0, f"--candidates {self.candidates} must be >= 0"),
                   (self.heldout_windows >= 1, f"--heldout-windows {self.heldout_windows} must be >= 1"),
                   (self.confirm_windows >= 2, f"--confirm-windows {self.confirm_windows} must be >= 2"),
+                  (self.seed >= 0, f"--seed {self.seed} must be >= 0"),
                   (math.isfinite(self.gain_z) and self.gain_z >= 0, f"--gain-z {self.gain_z} must be a finite number "
                    ">= 0"),
                   (self.rounds >= 1, f"--rounds {self.rounds} must be >= 1"),
@@ -145,15 +146,14 @@ def shows_gain(neutral_nll: np.ndarray, best_nll: np.ndarray, z: float) -> bool:
 
 
 def neutral_from(budgets_bits: list[float], gain: list[bool]) -> float | None:
-    """The band's start: the smallest budget from which on the winner shows no gain at any larger budget; None if
-    it shows one at the largest. ``gain[k]``: whether it shows a gain over the neutral policy at budget k."""
-    order = np.argsort(budgets_bits)
-    start = None
-    for k in order[::-1]:
-        if gain[k]:
-            break
-        start = float(budgets_bits[k])
-    return start
+    """The band's start: the smallest budget at which the winner shows no gain (every budget below it shows one);
+    None if it shows one at every budget. ``gain[k]``: whether it shows a gain over the neutral policy at budget k.
+    The runtime applies the winner below the band and the neutral policy from it on, so a gain confirmed only at
+    larger budgets cannot be used without applying the winner where it showed none."""
+    for k in np.argsort(budgets_bits, kind="stable"):
+        if not gain[k]:
+            return float(budgets_bits[k])
+    return None
 
 
 def policy_frame(p: BucketPolicy) -> pd.DataFrame:
@@ -245,10 +245,6 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     chosen = candidates[best]
     if best != 0:
         chosen = replace(chosen, neutral_from_bits=neutral_from(list(cfg.budgets_bits), gains))
-    start_writing(artifact_dir, "search-buckets")
-    prov = art.manifest.provenance()
-    write_table(pd.DataFrame(rows), artifact_dir / "bucket_search.parquet", "bucket_search", prov)
-    write_table(policy_frame(chosen), artifact_dir / "buckets.parquet", "buckets", prov)
     info = {"config": asdict(cfg), "files": ["buckets.parquet", "bucket_search.parquet"],
             "search_space_size": len(space), "candidates_scored": len(candidates),
             "allocations_scored": len(race.nll), "dtype": dtype,
@@ -264,5 +260,9 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
             "confirm_shows_gain_per_budget": gains, "confirm_z_per_budget": z,
             "neutral_from_bits": chosen.neutral_from_bits,
             "seconds": round(time.time() - t0, 2)}
-    finish_stage(artifact_dir, "search-buckets", info)
+    with committing(artifact_dir, "search-buckets"):
+        prov = art.manifest.provenance()
+        write_table(pd.DataFrame(rows), artifact_dir / "bucket_search.parquet", "bucket_search", prov)
+        write_table(policy_frame(chosen), artifact_dir / "buckets.parquet", "buckets", prov)
+        finish_stage(artifact_dir, "search-buckets", info)
     return info

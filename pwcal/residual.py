@@ -43,7 +43,7 @@ from pwcal.sensitivity import (
     unscaled,
     weighted_sensitivities,
 )
-from pwcal.stages import begin_stage, finish_stage, locked_stage, recorded_config, start_writing
+from pwcal.stages import begin_stage, committing, finish_stage, locked_stage, recorded_config
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.hessian import HessianDiag
@@ -174,10 +174,10 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
     if heads.empty:
         raise PagedWeightError("no residual head could be fit: use more --prompts (and a --heldout-fraction in "
                                "(0, 1))")
-    start_writing(artifact_dir, "fit-residual")
-    write_table(heads, artifact_dir / "residual_heads.parquet", "residual_heads", art.manifest.provenance())
     info = {"config": asdict(cfg), "files": ["residual_heads.parquet"], "rows": len(rows), "heads": len(heads),
             "mean_r2_heldout": float(heads.r2_heldout.mean()), "heads_r2_positive": int((heads.r2_heldout > 0).sum()),
             "seconds": round(time.time() - t0, 2)}
-    finish_stage(artifact_dir, "fit-residual", info)
+    with committing(artifact_dir, "fit-residual"):
+        write_table(heads, artifact_dir / "residual_heads.parquet", "residual_heads", art.manifest.provenance())
+        finish_stage(artifact_dir, "fit-residual", info)
     return info

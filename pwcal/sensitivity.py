@@ -40,7 +40,7 @@ import pandas as pd
 import torch
 
 from pwcal.calib_data import calibration_windows
-from pwcal.stages import begin_stage, finish_stage, locked_stage, start_writing
+from pwcal.stages import begin_stage, committing, finish_stage, locked_stage
 from pwcal.stats.collect import Tee, observe
 from pwcal.stats.features import FEATURES, NormFeatures
 from pwcal.stats.fisher import fisher_diagonal
@@ -248,23 +248,23 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
     scales: dict[int, dict[str, float]] = {}
     if cfg.scaled:
         table, scales = scale_by_layer(model, art, table, windows[: cfg.scale_samples], progress)
-    start_writing(artifact_dir, "sensitivity")
     prov = art.manifest.provenance()
-    write_table(table, artifact_dir / "sensitivity.parquet", "sensitivity", prov)
     m = mass.mass()
     routing = pd.DataFrame([{"layer": layer, "expert": e, "mass": float(m[layer, e]),
                              "tokens": int(mass.tokens[layer, e])}
                             for layer in model.spec.moe_layers for e in range(moe.num_experts)])
-    write_table(routing, artifact_dir / "routing.parquet", "routing", prov)
     phi = feats.features()
-    write_table(pd.DataFrame([{"layer": k[0], "expert": k[1], "unit": k[2], **dict(zip(FEATURES, v, strict=True))}
-                              for k, v in sorted(phi.items())]), artifact_dir / "block_features.parquet",
-                "block_features", prov)
+    features = pd.DataFrame([{"layer": k[0], "expert": k[1], "unit": k[2], **dict(zip(FEATURES, v, strict=True))}
+                             for k, v in sorted(phi.items())])
     fallback = sorted({(b[0], b[1]) for b, v in imp.items() if v[2]})
     info = {"config": cfg.record(), "files": ["sensitivity.parquet", "routing.parquet", "block_features.parquet"],
             "calibration_tokens": len(windows) * cfg.seq_len, "layer_scale": {str(k): v for k, v in scales.items()},
             "layer_scale_windows": min(cfg.scale_samples, len(windows)) if cfg.scaled else 0,
             "fallback_experts": [list(x) for x in fallback],
             "seconds": round(time.time() - t0, 2)}
-    finish_stage(artifact_dir, "sensitivity", info)
+    with committing(artifact_dir, "sensitivity"):
+        write_table(table, artifact_dir / "sensitivity.parquet", "sensitivity", prov)
+        write_table(routing, artifact_dir / "routing.parquet", "routing", prov)
+        write_table(features, artifact_dir / "block_features.parquet", "block_features", prov)
+        finish_stage(artifact_dir, "sensitivity", info)
     return info

@@ -11,12 +11,13 @@ and the checksums of its files in ``manifest.json`` atomically. It imports no to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -24,6 +25,7 @@ from pwformat.checksums import file_sum, verify_files
 from pwformat.errors import PagedWeightError
 from pwformat.manifest import Manifest, check_same_model, read_manifest, stages_after, stages_before, write_manifest
 from pwformat.writer_lock import writer_lock
+from pwrun.signals import deferred_signals
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -95,6 +97,16 @@ def begin_stage(artifact_dir: Path, model_dir: Path, stage: str, config: dict[st
                                f"`pwcal {stage} MODEL --artifacts {artifact_dir} --force` and these parameters, or "
                                "keep it by passing the recorded ones")
     return True  # the manifest is untouched until ``start_writing``: a run refused or stopped before it loses nothing
+
+
+@contextlib.contextmanager
+def committing(artifact_dir: Path, stage: str) -> Iterator[None]:
+    """``start_writing`` then the block (the stage writes its tables and calls ``finish_stage``) with Ctrl-C and
+    SIGTERM deferred to its end: an interrupt once the writing began would leave the stage recorded as incomplete
+    (a completed one lost) or its new tables under the old record."""
+    with deferred_signals():
+        start_writing(artifact_dir, stage)
+        yield
 
 
 def start_writing(artifact_dir: Path, stage: str) -> None:

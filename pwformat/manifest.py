@@ -361,4 +361,5 @@ def check_same_model(manifest: Manifest, model_dir: Path, artifact_dir: Path, fu
         same = want.weights_sha256 == fp["weights_sha256"]
     if not same:
         raise PagedWeightError(f"artifact {artifact_dir} was made for another model ({want.path}), not "
-                               f"{model_dir}: pass the matching --model or re-run pwcal quantize")
+                               f"{model_dir}: give the checkpoint it was made from, or re-run pwcal quantize for "
+                               "this one")

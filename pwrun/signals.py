@@ -8,11 +8,12 @@ It imports only the standard library, so the entry points stay fast.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class Terminated(KeyboardInterrupt):
@@ -80,3 +81,23 @@ def quiet_interrupt_while_starting() -> Callable[[], None]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     return restore
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, then act as they would have (their handlers run then): for
+    short steps that must finish once begun, e.g. a stage writing its tables and recording them in the manifest.
+    Outside the main thread (where handlers cannot be set) the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if pending:
+            signal.raise_signal(pending[0])

@@ -137,6 +137,38 @@ def test_search_buckets_names_the_text_of_its_perplexity(tmp_path: Path, pipelin
     assert info["heldout_dataset"] == "c4-calib" and info["heldout_tokens"] == 512
 
 
+def test_an_interrupt_while_a_stage_writes_waits_for_its_record(tmp_path: Path, pipeline: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C / SIGTERM arriving once search-buckets began writing (start_writing marked it incomplete) are deferred
+    until its tables and manifest record are written: the stage stays complete with the new tables, then the
+    command stops as interrupted. Before, the stage was left incomplete (or its new tables under the old record)."""
+    import os
+    import shutil
+    import signal
+
+    import pwcal.bucket_search as bs
+    from pwcal.verify import artifact_problems
+
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        again = tmp_path / f"ap{sig}"
+        shutil.copytree(pipeline, again)
+        real = bs.write_table
+
+        def write_and_signal(*args, sig=sig, real=real, **kwargs):  # type: ignore[no-untyped-def]
+            os.kill(os.getpid(), sig)  # arrives between the stage's writes
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(bs, "write_table", write_and_signal)
+        r = runner.invoke(app, ["search-buckets", str(MODEL), "--artifacts", str(again), "--candidates", "1",
+                                "--heldout-windows", "2", "--confirm-windows", "2", "--seed", "3", "--force",
+                                *SMALL])
+        monkeypatch.setattr(bs, "write_table", real)
+        assert r.exit_code == code, (r.exit_code, r.stderr)
+        stage = json.loads((again / "manifest.json").read_text())["stages"]["search-buckets"]
+        assert stage["complete"] and stage["config"]["seed"] == 3
+        assert artifact_problems(again) == []  # the recorded checksums are those of the tables on disk
+
+
 def test_refused_force_run_leaves_the_manifest_as_it_was(tmp_path: Path, pipeline: Path) -> None:
     """Bad input found while a --force stage prepares (a dataset with no window) changes nothing: the stage and
     later ones stay complete; start_writing is what marks them incomplete."""
@@ -246,7 +278,8 @@ def test_bucket_search_band_and_sample_rules() -> None:
     budgets = [3.5, 4.0, 4.5, 5.0, 6.0]
     yes, no = True, False
     assert neutral_from(budgets, [yes, yes, no, no, no]) == 4.5  # no gain from 4.5 on
-    assert neutral_from(budgets, [yes, no, yes, no, no]) == 5.0  # a gain at 4.5 keeps the policy below 5
+    assert neutral_from(budgets, [yes, no, yes, no, no]) == 4.0  # the first budget without a gain ends the band
+    assert neutral_from(budgets, [no, no, no, no, yes]) == 3.5  # a gain at the largest alone is not applied below
     assert neutral_from(budgets, [yes] * 5) is None and neutral_from(budgets, [no] * 5) == 3.5
     assert neutral_from([6.0, 3.5, 5.0], [no, yes, no]) == 5.0  # budgets in any order
     rng = np.random.default_rng(0)
