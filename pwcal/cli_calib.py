@@ -106,10 +106,13 @@ def search_buckets(
     model: ModelArg,
     artifacts: ArtifactsOpt,
     budget_bits: Annotated[list[float] | None, typer.Option(help="Memory budgets as uniform-equivalent bits per "
-                                                            "expert weight (repeatable; 3.5 = midway between "
-                                                            "uniform 3 and 4 bits). Default 3.5 4 4.5 5 6.")] = None,
+                                                            "expert weight, one per flag (--budget-bits 3.5 "
+                                                            "--budget-bits 4; 3.5 = midway between uniform 3 and 4 "
+                                                            "bits). Default: 3.5, 4, 4.5, 5 and 6.")] = None,
     candidates: Annotated[int | None, typer.Option(help="Grid settings scored besides the neutral one (a seeded "
-                                                        "sample; default: the whole grid).")] = None,
+                                                        "sample; default: the whole grid of 64: "
+                                                        "bucket boundaries x hot multiplier x hot floor x depth "
+                                                        "cap).")] = None,
     heldout_windows: Annotated[int, typer.Option(help="Held-out calibration windows the settings are selected "
                                                       "on (each as long as the sensitivity stage's --seq-len, 512 "
                                                       "tokens by default).")] = 12,
@@ -124,8 +127,9 @@ def search_buckets(
                                              "this many chunks): after each round but the last only the best "
                                              "--keep of the settings go on; at most --heldout-windows. 1: every "
                                              "setting on every window.")] = 6,
-    keep: Annotated[float, typer.Option(help="Fraction of the feasible settings that go on to the next round "
-                                             "(rounded up, at least 2; ties go on together).")] = 0.5,
+    keep: Annotated[float, typer.Option(help="Fraction of the feasible settings (those that fit every budget) "
+                                             "that go on to the next round (rounded up, at least 2; ties go on "
+                                             "together).")] = 0.5,
     dtype: Annotated[str, typer.Option(help="Dtype of the scoring passes: auto (bfloat16, the served dtype, on "
                                             "CUDA and on CPUs with AVX512-BF16 or AMX; float32 elsewhere), bfloat16 "
                                             "or float32.")] = "auto",
@@ -157,7 +161,7 @@ def search_buckets(
                     f"{info['confirm_tokens']} tokens the best changes perplexity by "
                     f"{[round(-g, 2) for g in info['confirm_gain_pct_per_budget']]}% against neutral (a gain beyond "
                     f"{info['confirm_z_per_budget']:.2f} standard errors at each, {cfg.gain_z} over all: "
-                    f"{info['confirm_shows_gain_per_budget']}), so it is used "
+                    f"{info['confirm_shows_gain_per_budget']}), so the winner ({info['best_setting']}) is used "
                     + ("at every budget" if band is None else
                        f"below {band} bits (neutral from there on)" + (
                            "" if info["confirm_shows_gain_per_budget"][cfg.budgets_bits.index(min(cfg.budgets_bits))]
