@@ -159,9 +159,14 @@ def test_an_interrupt_while_a_stage_writes_waits_for_its_record(tmp_path: Path, 
             return real(*args, **kwargs)
 
         monkeypatch.setattr(bs, "write_table", write_and_signal)
-        r = runner.invoke(app, ["search-buckets", str(MODEL), "--artifacts", str(again), "--candidates", "1",
-                                "--heldout-windows", "2", "--confirm-windows", "2", "--seed", "3", "--force",
-                                *SMALL])
+        # Ctrl-C as a terminal's foreground process has it (a background job, e.g. CI under nohup, ignores SIGINT)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            r = runner.invoke(app, ["search-buckets", str(MODEL), "--artifacts", str(again), "--candidates", "1",
+                                    "--heldout-windows", "2", "--confirm-windows", "2", "--seed", "3", "--force",
+                                    *SMALL])
+        finally:
+            signal.signal(signal.SIGINT, previous)
         monkeypatch.setattr(bs, "write_table", real)
         assert r.exit_code == code, (r.exit_code, r.stderr)
         stage = json.loads((again / "manifest.json").read_text())["stages"]["search-buckets"]
