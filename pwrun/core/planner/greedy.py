@@ -90,33 +90,14 @@ def _lower_columns(table: BlockTable, q: np.ndarray, need_bytes: float, d_hat: n
                    policy: BucketPolicy, stage: int, movable: np.ndarray | None
                    ) -> tuple[np.ndarray, np.ndarray, int, float]:
     """``lower_step`` on columns ``q`` [n]: (blocks [k], their new columns [k], bytes freed, damage)."""
-    nb = table.bits.size
-    cap = np.asarray(policy.depth_cap)[bucket]
-    lo = np.maximum(_floor_columns(table, bucket, policy, stage), q - cap)  # lowest column each may reach
-    can = lo < q
-    if movable is not None:
-        can &= movable
-    rows = np.flatnonzero(can)
     none = np.empty(0, np.int64)
-    if rows.size == 0 or need_bytes <= 0:
+    if need_bytes <= 0:
         return none, none, 0, 0.0
-    a = q[rows]
-    m = np.arange(rows.size)
-    c = np.arange(nb)[None, :]
-    byts = table.bytes[rows]
-    delta = byts[m, a][:, None] - byts  # [m, nb]: bytes freed by going from the current bits to each c
-    dmg = d_hat[rows, a]  # [m, nb]: damage of going from the current bits to each c
-    valid = (c < a[:, None]) & (c >= lo[rows][:, None]) & (delta > 0)
-    ratio = np.where(valid, dmg / np.maximum(delta, 1), np.inf)
-    best = ratio.argmin(axis=1)
-    best_ratio = ratio[m, best]
-    cand = np.flatnonzero(np.isfinite(best_ratio))  # ascending, as ``rows``: ties keep the block order
-    if cand.size == 0:
-        return none, none, 0, 0.0
-    order = cand[np.argsort(best_ratio[cand], kind="stable")]
-    take = _take(order, delta[m, best], need_bytes)
-    to = best[take]
-    return rows[take], to, int(delta[take, to].sum()), float(dmg[take, to].sum())
+    moves = _Demotions(table, d_hat, _floor_columns(table, bucket, policy, stage), np.asarray(policy.depth_cap)[bucket],
+                       movable)
+    moves.update(q, np.flatnonzero(moves.can_lower(q)))  # the others keep no demotion (ratio inf)
+    take = moves.take(need_bytes)
+    return take, moves.to[take], int(moves.delta[take].sum()), float(moves.damage[take].sum())
 
 
 def raise_step(table: BlockTable, q_bits: np.ndarray, allowance: float, d_hat: np.ndarray, bucket: np.ndarray,
@@ -159,24 +140,24 @@ def lower_until(table: BlockTable, q_bits: np.ndarray, need_bytes: float, d_hat:
     computed once per stage and again only after the block moves: the rounds equal ``lower_step`` calls.
     """
     q = table.columns(q_bits)  # a new array: rounds update it in place
-    total = int(table.bytes[np.arange(table.n), q].sum())
+    total = 0 if step_fraction is None else int(table.bytes[np.arange(table.n), q].sum())  # offline rounds only
     freed, damage, stage, rounds = 0, 0.0, 0, 0
     for stage in range(len(policy.floors)):
         moves = _Demotions(table, d_hat, _floor_columns(table, bucket, policy, stage),
                            np.asarray(policy.depth_cap)[bucket], movable)
-        moves.update(q, np.arange(table.n))
+        moves.update(q, np.flatnonzero(moves.can_lower(q)))  # only blocks that can go lower: most sit at a floor
         while freed < need_bytes and rounds < max_rounds:
             ask = need_bytes - freed
             if step_fraction is not None:
                 ask = min(ask, max(1.0, step_fraction * (total - freed)))
             rounds += 1
-            cand = np.flatnonzero(np.isfinite(moves.ratio))  # ascending: ties keep the block order
-            if cand.size == 0:
+            take = moves.take(ask)
+            if take.size == 0:
                 break
-            take = _take(cand[np.argsort(moves.ratio[cand], kind="stable")], moves.delta, ask)
             q[take] = moves.to[take]
             freed, damage = freed + int(moves.delta[take].sum()), damage + float(moves.damage[take].sum())
-            moves.update(q, take)
+            if freed < need_bytes:  # another round (the runtime's one round stops here)
+                moves.update(q, take)
         if freed >= need_bytes:
             break
     return table.bits[q], freed, damage, stage
@@ -194,6 +175,18 @@ class _Demotions:
         n = table.n
         self.to, self.delta = np.zeros(n, np.int64), np.zeros(n, np.int64)
         self.damage, self.ratio = np.zeros(n), np.full(n, np.inf)
+
+    def can_lower(self, q: np.ndarray) -> np.ndarray:
+        """[n] bool: the blocks that may go lower from columns ``q`` (above their floor and step limit, movable)."""
+        can = np.maximum(self.floor, q - self.cap) < q
+        return can if self.movable is None else can & self.movable
+
+    def take(self, need: float) -> np.ndarray:
+        """The blocks to lower now: by ratio (block order on ties) until their bytes reach ``need`` (all if never)."""
+        cand = np.flatnonzero(np.isfinite(self.ratio))  # ascending: ties keep the block order
+        if cand.size == 0:
+            return cand
+        return _take(cand[np.argsort(self.ratio[cand], kind="stable")], self.delta, need)
 
     def update(self, q: np.ndarray, rows: np.ndarray) -> None:
         """Recompute the demotions of ``rows`` from their columns ``q[rows]``."""
