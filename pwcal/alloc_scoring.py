@@ -27,6 +27,7 @@ from pwrun.model.lean import LeanMoEModel
 
 LOGIT_ELEMENTS = 1 << 20  # logits held at once by the NLL: 4 MiB in fp32 stays in cache from LM head to loss (2x
 # faster on the CPU than 64 MiB)
+CACHE_BYTES = 2 << 30  # dense expert weights kept between passes (the WeightCache's LRU bound)
 MIN_LOGIT_ROWS = 256  # rows per LM-head call however large the vocabulary (matmuls of a useful size)
 
 
@@ -96,7 +97,7 @@ def score_pass(base: LeanMoEModel, weights: WeightCache, bits: np.ndarray, prefi
 
 
 def score_allocations(artifact: APArtifact, base: LeanMoEModel, table: BlockTable, allocations: list[np.ndarray],
-                      windows: list[list[int]], max_step_tokens: int = 1 << 16, cache_bytes: int = 2 << 30,
+                      windows: list[list[int]], max_step_tokens: int = 1 << 16, cache_bytes: int = CACHE_BYTES,
                       progress: Callable[[int, int], None] | None = None, weights: WeightCache | None = None
                       ) -> np.ndarray:
     """Mean NLL [A, W] (nats/token) of each allocation (bits [n] per ``table`` row) on each window (equal lengths).

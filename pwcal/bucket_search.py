@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pwcal.alloc_scoring import score_allocations
+from pwcal.alloc_scoring import CACHE_BYTES, score_allocations
 from pwcal.bucket_select import round_bounds, select
 from pwcal.calib_data import calibration_windows
 from pwcal.residual import ResidualConfig
@@ -203,7 +203,7 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     fits = [[fit_budget(table, pol, budget) for budget in budgets] for pol in candidates]
     rounds = min(cfg.rounds, cfg.heldout_windows)  # at least one window per round
     bounds = round_bounds(cfg.heldout_windows, rounds)
-    dense = WeightCache(art, base, 2 << 30)  # dequantized blocks, shared by every round and the confirmation
+    dense = WeightCache(art, base, CACHE_BYTES)  # dequantized blocks, shared by every round and the confirmation
 
     def scored(label: str, text: list[list[int]], allocations: list[np.ndarray]) -> np.ndarray:
         """Window NLLs [A, W] of ``allocations`` on ``text``, with a progress bar ``label``."""
