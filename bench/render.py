@@ -251,7 +251,8 @@ def user_path_table(records: list[Record]) -> str:
     ``pwrun generate``'s wall time before its run, as a user runs it (the artifact re-hashed) and with
     ``--no-verify``."""
     cols: list[Column] = [("checkpoint s", "checkpoint_s"), ("pwcal quantize s", "quantize_s"),
-            ("pwcal sensitivity s", "sensitivity_s"), ("pwrun generate s", "generate_s"),
+            ("pwcal sensitivity s", "sensitivity_s"), ("pwcal search-buckets s", "search_buckets_s"),
+            ("pwrun generate s", "generate_s"),
             ("start-up s (--no-verify)", lambda rs: f"{_fmt(rs[-1].get('startup_s'))} "
                                                     f"({_fmt(rs[-1].get('startup_no_verify_s'))})"),
             ("pwcal verify s", "verify_s"), ("artifact GB", lambda rs: _fmt(_gb(rs[-1].get("artifact_bytes")))),
@@ -260,7 +261,8 @@ def user_path_table(records: list[Record]) -> str:
     rows = latest([r for r in records if r.get("system") == USER_PATH], ("model", "policy", "gpu_memory"))
     if not rows:
         return ""
-    lines = ["User path (random checkpoint -> `pwcal quantize` -> `pwcal sensitivity` -> `pwrun generate`):", "",
+    lines = ["User path (random checkpoint -> `pwcal quantize` -> `pwcal sensitivity` (-> `pwcal search-buckets`) -> "
+             "`pwrun generate`):", "",
              "| model | policy | budget | " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * (3 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)

@@ -217,6 +217,17 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
         print(f"user path: checkpoint {rec['checkpoint_s']} s, quantize {rec['quantize_s']} s", flush=True)
         if args.user_policy != "uniform":  # uniform bits read no calibration table
             rec["sensitivity_s"] = round(_cli("pwcal", "sensitivity", str(ckpt), "--artifacts", str(art), *cal), 1)
+        if args.user_search:  # its defaults, as a user runs it (held-out windows of the sensitivity's --seq-len)
+            rec["search_buckets_s"] = round(_cli("pwcal", "search-buckets", str(ckpt), "--artifacts", str(art),
+                                                 "--device", dev), 1)
+            stage = json.loads((art / "manifest.json").read_text())["stages"]["search-buckets"]
+            rec |= {"search_buckets_stage_s": stage.get("seconds"), "search_dtype": stage.get("dtype"),
+                    "search_allocation_windows": stage.get("allocation_windows_scored")}
+            print(f"user path: search-buckets {rec['search_buckets_s']} s", flush=True)
+        if args.user_requests == 0:  # the offline stages only
+            rec["artifact_bytes"] = sum(f.stat().st_size for f in art.rglob("*") if f.is_file())
+            emit(rec)
+            return
         text = "The paged weights of a mixture of experts are moved between host and device memory. " * 40
         p.write_text("".join(json.dumps({"prompt": text[: 400 + 37 * i]}) + "\n" for i in range(args.user_requests)))
         summary = Path(d) / "summary.json"
@@ -280,7 +291,8 @@ def main() -> None:
     ap.add_argument("--user-path", action="store_true", help="time checkpoint -> pwcal -> pwrun generate")
     ap.add_argument("--user-samples", type=int, default=16, help="calibration windows of the user path")
     ap.add_argument("--user-seq-len", type=int, default=512)
-    ap.add_argument("--user-requests", type=int, default=16)
+    ap.add_argument("--user-requests", type=int, default=16, help="prompts of the user path's generate (0: none)")
+    ap.add_argument("--user-search", action="store_true", help="also time `pwcal search-buckets` (its defaults)")
     ap.add_argument("--user-max-batch", type=int, default=16)
     ap.add_argument("--user-gpu-memory", default="24GiB")
     ap.add_argument("--user-policy", choices=("pagedweight", "uniform"), default="pagedweight")
