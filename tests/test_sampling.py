@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pwrun.core.decision import ScheduledChunk, StepDecision, WeightMoves
 from pwrun.core.request import SamplingParams
+from pwrun.runner.model_runner import ModelRunner
 from pwrun.runner.sampling import sample
 
 
@@ -49,3 +51,32 @@ def test_extreme_but_valid_options_sample_the_obvious_token() -> None:
     logits[torch.arange(6), torch.arange(6)] = 30.0  # a clear winner per row: 0.001 is then exactly greedy
     for params in (SamplingParams(temperature=1.0, top_p=1e-300), SamplingParams(temperature=1e-3)):
         assert torch.equal(sample(logits, params, gen), logits.argmax(-1))
+
+
+def test_runner_samples_a_step_as_row_by_row() -> None:
+    """``ModelRunner.sample`` (greedy rows in one argmax, forced rows in one log-softmax, sampled rows with their
+    own generators) gives each chunk what sampling its row alone gives."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 300, generator=g) * 3
+    kinds = ["greedy", "forced", "drawn", "partial", "greedy", "drawn", "forced"]
+    params = {i: SamplingParams(temperature=0.8 if k == "drawn" else 0.0, top_p=0.9 if k == "drawn" else 1.0)
+              for i, k in enumerate(kinds)}
+    chunks = tuple(ScheduledChunk(rid=i, token_ids=(1,), start=0, slots=(0,), block_table=(0,), last=k != "partial",
+                                  forced=17 + i if k == "forced" else None) for i, k in enumerate(kinds))
+    decision = StepDecision(chunks, (), (), (), WeightMoves(), 1)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner._params = params
+    runner._gens = {i: torch.Generator().manual_seed(10 + i) for i in params}
+    tokens, logprobs = runner.sample(decision, logits)
+    for i, k in enumerate(kinds):
+        row = logits[i]
+        if k == "partial":
+            assert tokens[i] is None and logprobs[i] is None
+        elif k == "forced":
+            assert tokens[i] == 17 + i
+            assert logprobs[i] == pytest.approx(float(torch.log_softmax(row, -1)[17 + i]), abs=1e-6)
+        elif k == "greedy":
+            assert tokens[i] == int(row.argmax()) and logprobs[i] is None
+        else:
+            want = int(sample(row[None], params[i], torch.Generator().manual_seed(10 + i))[0])
+            assert tokens[i] == want and logprobs[i] is None

@@ -32,7 +32,7 @@ from pwrun.runner.experts.dense import DenseExpertStore, ExpertSource
 from pwrun.runner.experts.store import ExpertStore
 from pwrun.runner.graphs import DecodeGraphs
 from pwrun.runner.kv_store import PooledKVCache
-from pwrun.runner.sampling import sample, token_logprob
+from pwrun.runner.sampling import sample, token_logprobs
 
 
 class ModelRunner:
@@ -175,19 +175,33 @@ class ModelRunner:
 
     def sample(self, decision: StepDecision, logits: torch.Tensor) -> tuple[list[int | None], list[float | None]]:
         """Per chunk: the sampled token (None where the chunk does not end its request's known tokens; the forced
-        token where one is given) and the log-probability of a forced token (nats; None otherwise)."""
-        tokens: list[int | None] = []
-        logprobs: list[float | None] = []
-        for c, row in zip(decision.chunks, logits, strict=True):
+        token where one is given) and the log-probability of a forced token (nats; None otherwise). Greedy rows
+        are decided by one argmax and forced rows scored by one log-softmax, each with one copy to the host (a
+        row at a time would wait for the device once per request)."""
+        n = len(decision.chunks)
+        tokens: list[int | None] = [None] * n
+        logprobs: list[float | None] = [None] * n
+        greedy, forced, drawn = [], [], []
+        for i, c in enumerate(decision.chunks):
             if not c.last:
-                tokens.append(None)
-                logprobs.append(None)
-            elif c.forced is not None:
-                tokens.append(c.forced)
-                logprobs.append(token_logprob(row, c.forced))
+                continue
+            if c.forced is not None:
+                forced.append(i)
+            elif self._params[c.rid].temperature == 0:
+                greedy.append(i)
             else:
-                tokens.append(int(sample(row[None], self._params[c.rid], self._gens[c.rid])[0]))
-                logprobs.append(None)
+                drawn.append(i)
+        if greedy:
+            rows = logits if len(greedy) == n else logits[torch.tensor(greedy, device=logits.device)]
+            for i, t in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = t
+        if forced:
+            want = [decision.chunks[i].forced for i in forced]
+            for i, t, lp in zip(forced, want, token_logprobs(logits, forced, want), strict=True):
+                tokens[i], logprobs[i] = t, lp
+        for i in drawn:  # each request's own seeded generator, in chunk order
+            c = decision.chunks[i]
+            tokens[i] = int(sample(logits[i][None], self._params[c.rid], self._gens[c.rid])[0])
         return tokens, logprobs
 
     def peak_bytes(self) -> int:

@@ -26,6 +26,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def token_logprob(logits: torch.Tensor, token: int) -> float:
-    """log p(``token``) in nats under logits [V] (teacher-forced scoring)."""
-    return float(torch.log_softmax(logits.float(), dim=-1)[token])
+def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int | None]) -> list[float]:
+    """log p(``tokens[j]``) in nats under ``logits[rows[j]]`` (teacher-forced scoring of several rows, one copy to
+    the host)."""
+    idx = torch.tensor(rows, device=logits.device)
+    tok = torch.tensor(tokens, device=logits.device)
+    return torch.log_softmax(logits[idx].float(), dim=-1).gather(1, tok[:, None]).squeeze(1).tolist()
