@@ -47,7 +47,7 @@ def _words(block_m: int, split: bool) -> dict[str, Any]:
 CANDIDATES: dict[str, dict[str, Any]] = {
     "decode S4": _decode(4),
     "words 16": _words(16, False), "words 16 split": _words(16, True),
-    "words 32 split": _words(32, True), "words 64 split": _words(64, True),
+    "words 32 split": _words(32, True),
     "mid 16x64x64": {"path": "mid", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4},
     "prefill 16x512": {"path": "prefill", "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
 }

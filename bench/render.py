@@ -258,12 +258,12 @@ def user_path_table(records: list[Record]) -> str:
             ("pwcal verify s", "verify_s"), ("artifact GB", lambda rs: _fmt(_gb(rs[-1].get("artifact_bytes")))),
             ("requests", "requests"), ("tokens/s", "tokens_per_second"),
             ("decode tokens/s", "decode_tokens_per_second")]
-    rows = latest([r for r in records if r.get("system") == USER_PATH], ("model", "policy", "gpu_memory"))
+    rows = latest([r for r in records if r.get("system") == USER_PATH], ("model", "gpu", "policy", "gpu_memory"))
     if not rows:
         return ""
     lines = ["User path (random checkpoint -> `pwcal quantize` -> `pwcal sensitivity` (-> `pwcal search-buckets`) -> "
              "`pwrun generate`):", "",
-             "| model | policy | budget | " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * (3 + len(cols))]
+             "| model | GPU | policy | budget | " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * (4 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)
 
@@ -284,14 +284,14 @@ def workload_table(records: list[Record]) -> str:
                                           lambda rs: f"{rs[-1].get('graph_captures_in_run')} / "
                                                      f"{rs[-1].get('triton_compiles_in_run')}"),
             ("mean bits", "mean_bits"), ("peak GiB", _gib("device_peak_bytes"))]
-    rows = latest([r for r in records if r.get("workload")], ("model", "workload", "request_rate", "policy"))
+    rows = latest([r for r in records if r.get("workload")], ("model", "gpu", "workload", "request_rate", "policy"))
     if not rows:
         return ""
     lines = ["Real workloads (`--workload`: requests arriving at the rate given, requests/s, or all at once where "
              "blank; W1 C4 prompts <= 1,024 tokens, W2 QMSum windows of 2,048-4,096; the floor: prompt FLOPs at the "
              "measured matmul rate + decode bytes at the copy bandwidth):",
-             "", "| model | workload | rate | policy | " + " | ".join(c for c, _ in cols) + " |",
-             "|" + "---|" * (4 + len(cols))]
+             "", "| model | GPU | workload | rate | policy | " + " | ".join(c for c, _ in cols) + " |",
+             "|" + "---|" * (5 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)
 

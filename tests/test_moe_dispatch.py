@@ -238,14 +238,18 @@ def test_every_shipped_bucket_resolves_to_a_path(shape: str) -> None:
 
 
 def test_the_tuned_shapes_route_as_tuned() -> None:
-    """Qwen1.5-MoE's routed experts (2048 x 1408): decode up to 95 tokens (sorted slots from 2), mid to 255, then
-    prefill; its shared expert (2048 x 5632): prefill at 9..16 tokens; Mixtral (4096 x 14336): mid from 17."""
-    kinds = {t: type(launch_config(t, 2048, 1408)) for t in (1, 2, 16, 32, 64, 95, 96, 255, 256)}
-    assert kinds == {1: DecodeConfig, 2: DecodeConfig, 16: DecodeConfig, 32: DecodeConfig, 64: DecodeConfig,
-                     95: DecodeConfig, 96: MidConfig, 255: MidConfig, 256: PrefillConfig}
+    """Qwen1.5-MoE's routed experts (2048 x 1408): decode up to 63 tokens (sorted slots from 2), the word-first mid
+    path to 1023 (BLOCK_M 16, then 32 with one launch per class of bitwidths from 256), then prefill; its shared
+    expert (2048 x 5632): prefill at 9..16 tokens; Mixtral (4096 x 14336): mid from 17."""
+    kinds = {t: type(launch_config(t, 2048, 1408)) for t in (1, 2, 16, 32, 63, 64, 255, 256, 1023, 1024)}
+    assert kinds == {1: DecodeConfig, 2: DecodeConfig, 16: DecodeConfig, 32: DecodeConfig, 63: DecodeConfig,
+                     64: MidConfig, 255: MidConfig, 256: MidConfig, 1023: MidConfig, 1024: PrefillConfig}
     one, two = launch_config(1, 2048, 1408), launch_config(2, 2048, 1408)
     assert isinstance(one, DecodeConfig) and isinstance(two, DecodeConfig)
     assert one.SLOTS == 0 and two.SLOTS == 1 and one.gate_up.RAW_SHFL
+    mid, wide = launch_config(64, 2048, 1408), launch_config(256, 2048, 1408)
+    assert isinstance(mid, MidConfig) and isinstance(wide, MidConfig)
+    assert mid.WORDS and not mid.SPLIT_Q and mid.BLOCK_M == 16 and wide.WORDS and wide.SPLIT_Q and wide.BLOCK_M == 32
     assert isinstance(launch_config(9, 2048, 5632), PrefillConfig) and isinstance(launch_config(17, 4096, 14336),
                                                                                  MidConfig)
 
@@ -262,7 +266,8 @@ def test_the_tuned_shapes_route_as_tuned() -> None:
      "unknown keys \\['X'\\] in the decode down tile"),
     ({**DECODE, "SLOTS": 3}, "SLOTS must be"),
     ({"path": "mid", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "WORDS": 1}, "BLOCK_K 512 or 1024"),
-    ({"path": "mid", "BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 512, "WORDS": 1}, "BLOCK_M >= 16"),
+    ({"path": "mid", "BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 512, "WORDS": 1}, "BLOCK_M 16 or 32"),
+    ({"path": "mid", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 512, "WORDS": 1}, "BLOCK_M 16 or 32"),
     ({"path": "mid", "BLOCK_M": 16, "BLOCK_N": 24, "BLOCK_K": 512, "WORDS": 1}, "BLOCK_N must be a power of 2"),
     ({"path": "mid", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 512, "WORDS": 1, "BLOCK_N_DOWN": 8}, "BLOCK_N_DOWN 0"),
     ({"path": "mid", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_N_DOWN": -1}, "BLOCK_N_DOWN must be"),

@@ -70,7 +70,8 @@ class MidConfig:
     WORDS: word-first dequantization (``pwkernels.moe.mid_words``): K steps of BLOCK_K = 512 or 1024 columns (16 or
     32 plane words), BLOCK_N intermediate columns per gate_up program and BLOCK_N_DOWN (0: BLOCK_N) output rows per
     down program, RAW_SHFL as in ``DecodeTile``, SPLIT_Q: one launch per class of bitwidths (q <= 4, 5, >= 6), each
-    compiled for its class only; BLOCK_M and 2 * BLOCK_N at least 16 (``tl.dot``)."""
+    compiled for its class only; BLOCK_M 16 or 32 (64 gave wrong sums natively on an H100 while Triton's
+    interpreter agreed with the reference) and 2 * BLOCK_N at least 16 (``tl.dot``)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -92,10 +93,10 @@ class MidConfig:
             raise ValueError(f"MidConfig.BLOCK_N_DOWN must be an integer >= 0, got {self.BLOCK_N_DOWN!r}")
         if self.WORDS:
             _powers_of_two(self, "BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN")
-            if self.BLOCK_K not in (512, 1024) or self.BLOCK_M < 16 or self.BLOCK_N < 8 \
+            if self.BLOCK_K not in (512, 1024) or self.BLOCK_M not in (16, 32) or self.BLOCK_N < 8 \
                     or 0 < self.BLOCK_N_DOWN < 16:
-                raise ValueError(f"a word-first MidConfig needs BLOCK_K 512 or 1024, BLOCK_M >= 16, BLOCK_N >= 8 and "
-                                 f"BLOCK_N_DOWN 0 or >= 16 (tl.dot), got {self}")
+                raise ValueError(f"a word-first MidConfig needs BLOCK_K 512 or 1024, BLOCK_M 16 or 32, BLOCK_N >= 8 "
+                                 f"and BLOCK_N_DOWN 0 or >= 16 (tl.dot), got {self}")
 
 
 @dataclass(frozen=True)
