@@ -69,12 +69,16 @@ def _decode(e: LLMEngine) -> bool:
     return r.step_tokens == r.running > 0 and not r.graph_captured
 
 
-def profile_steps(e: LLMEngine, steps: int, cuda: bool) -> dict[str, Any]:
-    """Serve ``e`` until 4 decode steps have run, then profile ``steps`` more; the record's timing fields."""
+def profile_steps(e: LLMEngine, steps: int, cuda: bool, batch: int) -> dict[str, Any]:
+    """Serve ``e`` until 4 decode steps of all ``batch`` requests have run, then profile ``steps`` more; the
+    record's timing fields."""
     seen = 0
     while seen < 4:
+        if e.idle:
+            raise RuntimeError("the requests finished before 4 decode steps of the whole batch: the budget holds "
+                               "fewer than --batches requests at once (raise --gpu-memory-gib)")
         e.step()
-        seen += _decode(e)
+        seen += _decode(e) and e.trace[-1].running == batch
     if cuda:
         torch.cuda.synchronize()
     first = len(e.trace)
@@ -127,9 +131,11 @@ def main() -> None:
         gc.collect()  # that engine's page pool goes before the profiled one takes its own
         if dev == "cuda":
             torch.cuda.empty_cache()
-        e = build(args.steps + 16)
+        # new tokens: the prompts' prefill steps (requests decode beside later prompts' chunks), then the warm-up
+        # and profiled decode steps of the whole batch
+        e = build(-(-b * args.prompt_len // 2048) + args.steps + 16)
         rec = {"model": args.config_dir.name, "batch": b, "graphs": not args.eager, "bits": args.bits,
-               "prompt_len": args.prompt_len, **profile_steps(e, args.steps, dev == "cuda")}
+               "prompt_len": args.prompt_len, **profile_steps(e, args.steps, dev == "cuda", b)}
         del e
         write_records("decode_profile", [rec], env, args.out)
         print(f"{rec['model']} b{b} {'graphs' if rec['graphs'] else 'eager'}: step {rec['step_ms']:.2f} ms, model "

@@ -263,7 +263,8 @@ def user_path_table(records: list[Record]) -> str:
         return ""
     lines = ["User path (random checkpoint -> `pwcal quantize` -> `pwcal sensitivity` (-> `pwcal search-buckets`) -> "
              "`pwrun generate`):", "",
-             "| model | GPU | policy | budget | " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * (4 + len(cols))]
+             "| model | GPU | policy | budget | " + " | ".join(c for c, _ in cols) + " |",
+             "|" + "---|" * (4 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)
 

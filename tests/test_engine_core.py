@@ -156,6 +156,19 @@ def test_static_weights_preempt_instead_of_demoting() -> None:
     assert core.scheduler.preemptions > 0 and any(d.preempted for d in runner.decisions)
 
 
+def test_a_step_after_the_last_request_says_so() -> None:
+    """Stepping an idle core names the cause (every request finished), not a KV shortage."""
+    core = _core(300, planner=False, max_batch=4, max_step_tokens=64)
+    with pytest.raises(RuntimeError, match="every request has finished"):
+        core.step()
+    runner = FakeRunner(core)
+    for r in _requests(2, 10, 3):
+        core.add_request(r)
+    runner.run()
+    with pytest.raises(RuntimeError, match="every request has finished"):
+        core.step()
+
+
 def test_requests_join_at_any_time_and_abort_returns_their_pages() -> None:
     core = _core(400, max_batch=4, max_step_tokens=64)
     runner = FakeRunner(core)

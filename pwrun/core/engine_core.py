@@ -117,7 +117,9 @@ class EngineCore:
     def step(self, reloads_done: Iterable[int] = ()) -> StepDecision:
         """The next step's decision. ``reloads_done``: reload batches whose copies the runner saw complete (their
         blocks commit first). Raises ``RuntimeError`` if no request can run (nothing fits the KV cache even with
-        every expert at its floor)."""
+        every expert at its floor, or every request has finished)."""
+        if self.scheduler.idle:
+            raise RuntimeError("no request waits or runs: every request has finished (step only while not idle)")
         if self.weights is not None:
             self.weights.step = StepActions()
             self.weights.commit(reloads_done)
