@@ -157,15 +157,18 @@ def test_static_weights_preempt_instead_of_demoting() -> None:
 
 
 def test_a_step_after_the_last_request_says_so() -> None:
-    """Stepping an idle core names the cause (every request finished), not a KV shortage."""
+    """Stepping an idle core says nothing waits or runs, not that the KV cache is short; negative token ids are
+    refused when the request is made."""
     core = _core(300, planner=False, max_batch=4, max_step_tokens=64)
-    with pytest.raises(RuntimeError, match="every request has finished"):
+    with pytest.raises(RuntimeError, match="no request waits or runs"):
         core.step()
+    with pytest.raises(ValueError, match="token ids must be >= 0"):
+        Request(9, (1, 2), SamplingParams(max_new_tokens=2), forced=(3, -1))
     runner = FakeRunner(core)
     for r in _requests(2, 10, 3):
         core.add_request(r)
     runner.run()
-    with pytest.raises(RuntimeError, match="every request has finished"):
+    with pytest.raises(RuntimeError, match="every one has finished"):
         core.step()
 
 

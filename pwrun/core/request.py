@@ -60,6 +60,8 @@ class Request:
             raise ValueError(f"request {self.rid} has an empty prompt")
         if self.forced is not None and not self.forced:
             raise ValueError(f"request {self.rid}: a forced continuation needs at least one token")
+        if min(self.prompt) < 0 or (self.forced is not None and min(self.forced) < 0):
+            raise ValueError(f"request {self.rid}: token ids must be >= 0")
 
     @property
     def budget(self) -> int:
