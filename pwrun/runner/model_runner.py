@@ -179,6 +179,8 @@ class ModelRunner:
         are decided by one argmax and forced rows scored by one log-softmax, each with one copy to the host (a
         row at a time would wait for the device once per request)."""
         n = len(decision.chunks)
+        if logits.shape[0] != n:
+            raise ValueError(f"{logits.shape[0]} rows of logits for {n} chunks")
         tokens: list[int | None] = [None] * n
         logprobs: list[float | None] = [None] * n
         greedy, forced, drawn = [], [], []
