@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,19 @@ def _raise_all(e: LLMEngine, bits: int) -> tuple[list[int], list[int]]:
     done = w.commit(store.finished_reloads())
     store.apply(e.core.take_moves())
     return started, done
+
+
+def test_startup_phases_add_up_to_the_build(calibrated_artifacts: Path) -> None:
+    """The summary's start-up phases name every step of the build, each timed once: together no longer than the
+    build measured around them, and most of it."""
+    t = time.perf_counter()
+    e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=2), [[1, 2, 3]],
+                     set(), device="cpu")
+    wall = time.perf_counter() - t
+    phases = summarize(e).startup_seconds
+    assert phases is not None and set(phases) == {"artifact_checks", "non_expert_weights", "tables",
+                                                  "kernel_precompile", "pool", "experts", "warm_up"}
+    assert all(v >= 0 for v in phases.values()) and 0.5 * wall <= sum(phases.values()) <= wall
 
 
 def test_demote_then_reload_is_bit_identical(calibrated_artifacts: Path) -> None:

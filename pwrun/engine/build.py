@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -131,6 +132,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     if cfg.policy.dense:
         raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: build it without an artifact "
                                "(build_dense_engine)")
+    t0 = time.perf_counter()
     art = APArtifact(artifact_dir)
     art.check_model(model_dir)
     cfg.policy.check_bits(art.bits)
@@ -140,9 +142,11 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     dt = resolve_dtype(dtype, dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    t1 = time.perf_counter()
     # the dense experts are never read: the non-expert weights go straight to the device, one layer at a time
     model = strip_experts(load_model(model_dir, device=str(dev), dtype=str(dt).removeprefix("torch."),
                                      experts="skip"), dev)
+    t2 = time.perf_counter()
     want = art.manifest.model.weights_served
     if want is not None and model.weights.source_digest != want:  # the sampled fingerprint can miss an edit
         raise PagedWeightError(f"the weights in {model_dir} differ from those artifact {art.path} was made from "
@@ -152,9 +156,10 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     if cfg.damage is not None:
         table = with_damage(table, cfg.damage)
     heads_df = read_table(art, "residual_heads")
-    return assemble_engine(model, art, table, bucket_policy(art), ResidualHeads(heads_df) if heads_df is not None
-                           else None, calib_features(art, table), cfg, params, requests, eos, forced,
-                           max_request_tokens, arrivals)
+    heads, features = ResidualHeads(heads_df) if heads_df is not None else None, calib_features(art, table)
+    phases = {"artifact_checks": t1 - t0, "non_expert_weights": t2 - t1, "tables": time.perf_counter() - t2}
+    return assemble_engine(model, art, table, bucket_policy(art), heads, features, cfg, params, requests, eos,
+                           forced, max_request_tokens, arrivals, startup=phases)
 
 
 def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
@@ -275,12 +280,14 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
                     heads: ResidualHeads | None, calib_features: np.ndarray | None, cfg: ServeConfig,
                     params: SamplingParams, requests: list[list[int]], eos: set[int],
                     forced: list[list[int]] | None = None, max_request_tokens: int = 0,
-                    arrivals: ArrivalSchedule | None = None) -> LLMEngine:
+                    arrivals: ArrivalSchedule | None = None, startup: dict[str, float] | None = None) -> LLMEngine:
     """The engine from in-memory parts: ``model`` (non-expert weights on the device, see ``strip_experts``),
     ``source`` (an ``APArtifact`` or any object with ``bits`` and ``layer_tensors(layer)``), the calibration
     ``table`` (M_i^b is re-derived in whole pages), bucket ``policy``, residual ``heads`` and calibration
     features (``forced``, ``max_request_tokens``, ``arrivals``: see ``build_engine``). Benchmarks use it with
-    synthetic parts.
+    synthetic parts. The seconds of each start-up phase (``startup``: the caller's, then kernel precompilation,
+    the page pool and runner, the experts' placement with the host mirror, the warm-up) go to the engine's info
+    as ``startup_seconds``.
     Raises ``PagedWeightError`` if the budget is too small.
     """
     dev, dt = model.device, model.dtype
@@ -305,12 +312,16 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         floor = floor_bits(table, policy.assign(table), policy, len(policy.floors) - 1)
     floor_bytes = table.total_bytes(floor)
     split.check(floor_bytes, "the experts at their floors need")
+    phases = dict(startup or {})
+    t = time.perf_counter()
     if dev.type == "cuda" and ecfg.precompile_workers != 0:  # before the pool takes the device's memory
         workers = None if ecfg.precompile_workers < 0 else ecfg.precompile_workers
         for msg in precompile_decode(moe_shapes(model), ecfg.max_batch, workers, ecfg.max_step_tokens) + \
                 precompile_gemv(linear_shapes(model), ecfg.max_batch, workers, ecfg.max_step_tokens):
             warnings.warn(f"decode kernels compile on first use instead: {msg}", stacklevel=2)
+    phases["kernel_precompile"], t = time.perf_counter() - t, time.perf_counter()
     pool, runner = split.pool_and_runner(model)
+    phases["pool"], t = time.perf_counter() - t, time.perf_counter()
     bit_list = [int(b) for b in table.bits]
     wpt = WeightPageTable(bit_list, *block_pages(table.shapes(spec), bit_list, page_bytes))
     assert np.array_equal(np.stack([wpt.pages_at(b) for b in bit_list], axis=1) * page_bytes, table.bytes)
@@ -337,6 +348,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         planner = Planner(table, policy, pcfg, heads, stats)
     store = runner.load_experts(source, table, wpt, pool, q0,
                                 observe=planner is not None and planner.stats is not None)
+    phases["experts"] = time.perf_counter() - t
     initial_weight_pages = pool.count(WEIGHT)
     placed_bytes = int(store.bytes_h2d)
     store.mirror.bytes_h2d = 0
@@ -355,6 +367,7 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     shared = table.expert == SHARED_EXPERT
     engine = LLMEngine(core, runner, info, (size * shared, size * ~shared))
     engine.warm_up(blocks_needed(longest + 1, ecfg.block_size))
+    engine.info["startup_seconds"] = phases | {"warm_up": engine.info.get("warm_up_seconds", 0.0)}
     add_requests(engine, params, requests, eos, forced, arrivals)
     return engine
 

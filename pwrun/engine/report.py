@@ -39,7 +39,8 @@ class RunSummary:
     """A finished run (bytes, seconds, tokens/s). Build fields come from ``build_engine``'s info; ``*_min/mean/max``
     are over steps, means weighted by step time; ``expert_share_16bit``: mean expert bytes / their 16-bit bytes;
     ``mean_bits``: time-averaged mean committed bits; ``final_bits_hist``: blocks by committed bits at the end;
-    ``warm_up_seconds`` / ``graphs_captured_at_start``: the start-up warm-up (CUDA), ``graph_captures_in_run``:
+    ``warm_up_seconds`` / ``graphs_captured_at_start``: the start-up warm-up (CUDA); ``startup_seconds``: seconds
+    of each phase of the engine's build (``assemble_engine``); ``graph_captures_in_run``:
     steps that captured a CUDA graph (0 after a complete warm-up); ``host_peak_rss_bytes``: the process's peak
     resident host memory so far (``peak_rss_bytes``), ``host_mirror_bytes``: the host mirror's planes and LUTs,
     ``host_model_bytes``: what ``pwformat.cost.HostMemory.serve`` predicts above the interpreter's baseline.
@@ -100,6 +101,7 @@ class RunSummary:
     planner_plans_fresh: int | None = None
     device_peak_bytes: int | None = None
     warm_up_seconds: float | None = None
+    startup_seconds: dict[str, float] | None = None
     graphs_captured_at_start: int | None = None
     graph_captures_in_run: int | None = None
     host_peak_rss_bytes: int | None = None
@@ -133,7 +135,7 @@ class RunSummary:
 
 
 _ARROW = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
-          "dict[int, int]": pa.map_(pa.int64(), pa.int64())}
+          "dict[int, int]": pa.map_(pa.int64(), pa.int64()), "dict[str, float]": pa.map_(pa.string(), pa.float64())}
 
 
 def summary_schema() -> pa.Schema:
