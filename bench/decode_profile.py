@@ -42,6 +42,7 @@ from pwrun.core.request import SamplingParams
 from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
 from pwrun.engine.llm_engine import LLMEngine
 
+STEP_TOKENS = 2048  # the engine's max_step_tokens: prompt tokens per prefill step
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of device work
 
 
@@ -120,7 +121,8 @@ def main() -> None:
     del model
     for b in (int(x) for x in args.batches.split(",")):
         cfg = ServeConfig(int(args.gpu_memory_gib * 2**30), Policy.named("uniform", args.bits),
-                          EngineConfig(max_batch=b, max_step_tokens=2048, cuda_graphs=not args.eager), BENCH_PLANNER)
+                          EngineConfig(max_batch=b, max_step_tokens=STEP_TOKENS, cuda_graphs=not args.eager),
+                          BENCH_PLANNER)
         reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
 
         def build(n: int, reqs: list[list[int]] = reqs, cfg: ServeConfig = cfg) -> LLMEngine:
@@ -133,7 +135,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         # new tokens: the prompts' prefill steps (requests decode beside later prompts' chunks), then the warm-up
         # and profiled decode steps of the whole batch
-        e = build(-(-b * args.prompt_len // 2048) + args.steps + 16)
+        e = build(-(-b * args.prompt_len // STEP_TOKENS) + args.steps + 16)
         rec = {"model": args.config_dir.name, "batch": b, "graphs": not args.eager, "bits": args.bits,
                "prompt_len": args.prompt_len, **profile_steps(e, args.steps, dev == "cuda", b)}
         del e

@@ -255,7 +255,8 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
         rec |= {"requests": args.user_requests, "max_batch": args.user_max_batch, "gpu_memory": args.user_gpu_memory,
                 **{k: s[k] for k in ("tokens_per_second", "decode_tokens_per_second", "prefill_tokens_per_second",
                                      "mean_bits", "demoted_blocks", "promoted_blocks", "preemptions",
-                                     "seconds", "startup_seconds") if k in s}}
+                                     "seconds") if k in s},
+                "startup_phases_s": s.get("startup_seconds")}
         emit(rec)
 
 

@@ -8,7 +8,7 @@ import torch
 from pwrun.core.decision import ScheduledChunk, StepDecision, WeightMoves
 from pwrun.core.request import SamplingParams
 from pwrun.runner.model_runner import ModelRunner
-from pwrun.runner.sampling import sample
+from pwrun.runner.sampling import sample, sample_rows
 
 
 def test_greedy_is_argmax() -> None:
@@ -80,3 +80,17 @@ def test_runner_samples_a_step_as_row_by_row() -> None:
         else:
             want = int(sample(row[None], params[i], torch.Generator().manual_seed(10 + i))[0])
             assert tokens[i] == want and logprobs[i] is None
+
+
+def test_sample_rows_equals_sample_row_by_row() -> None:
+    """Greedy rows (one argmax over the rows picked) and sampled rows (their own generators) of a subset of rows."""
+    logits = torch.randn(6, 80, generator=torch.Generator().manual_seed(1)) * 2
+    rows = [5, 0, 3, 2]
+    params = [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(),
+              SamplingParams(temperature=1.3)]
+    got = sample_rows(logits, rows, params, [torch.Generator().manual_seed(j) for j in range(4)])
+    want = [int(sample(logits[r][None], p, torch.Generator().manual_seed(j))[0])
+            for j, (r, p) in enumerate(zip(rows, params, strict=True))]
+    assert got == want
+    every = list(range(6))
+    assert sample_rows(logits, every, [SamplingParams()] * 6, [None] * 6) == logits.argmax(-1).tolist()

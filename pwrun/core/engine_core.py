@@ -118,7 +118,7 @@ class EngineCore:
         """The next step's decision. ``reloads_done``: reload batches whose copies the runner saw complete (their
         blocks commit first). Raises ``RuntimeError`` if no request can run (nothing fits the KV cache even with
         every expert at its floor, or no request waits or runs)."""
-        if self.scheduler.idle:
+        if self.idle:
             raise RuntimeError("no request waits or runs (none was added, every one has finished, or the next has not "
                                "arrived yet): step only while the engine is not idle")
         if self.weights is not None:

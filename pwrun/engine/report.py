@@ -40,7 +40,8 @@ class RunSummary:
     are over steps, means weighted by step time; ``expert_share_16bit``: mean expert bytes / their 16-bit bytes;
     ``mean_bits``: time-averaged mean committed bits; ``final_bits_hist``: blocks by committed bits at the end;
     ``warm_up_seconds`` / ``graphs_captured_at_start``: the start-up warm-up (CUDA); ``startup_seconds``: seconds
-    of each phase of the engine's build (``assemble_engine``); ``graph_captures_in_run``:
+    of each phase of the engine's build (``build_engine``, ``assemble_engine``; None for the 16-bit engine);
+    ``graph_captures_in_run``:
     steps that captured a CUDA graph (0 after a complete warm-up); ``host_peak_rss_bytes``: the process's peak
     resident host memory so far (``peak_rss_bytes``), ``host_mirror_bytes``: the host mirror's planes and LUTs,
     ``host_model_bytes``: what ``pwformat.cost.HostMemory.serve`` predicts above the interpreter's baseline.

@@ -32,7 +32,7 @@ from pwrun.runner.experts.dense import DenseExpertStore, ExpertSource
 from pwrun.runner.experts.store import ExpertStore
 from pwrun.runner.graphs import DecodeGraphs
 from pwrun.runner.kv_store import PooledKVCache
-from pwrun.runner.sampling import sample, token_logprobs
+from pwrun.runner.sampling import sample_rows, token_logprobs
 
 
 class ModelRunner:
@@ -183,27 +183,17 @@ class ModelRunner:
             raise ValueError(f"{logits.shape[0]} rows of logits for {n} chunks")
         tokens: list[int | None] = [None] * n
         logprobs: list[float | None] = [None] * n
-        greedy, forced, drawn = [], [], []
-        for i, c in enumerate(decision.chunks):
-            if not c.last:
-                continue
-            if c.forced is not None:
-                forced.append(i)
-            elif self._params[c.rid].temperature == 0:
-                greedy.append(i)
-            else:
-                drawn.append(i)
-        if greedy:
-            rows = logits if len(greedy) == n else logits[torch.tensor(greedy, device=logits.device)]
-            for i, t in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
-                tokens[i] = t
+        forced = [(i, c.forced) for i, c in enumerate(decision.chunks) if c.last and c.forced is not None]
+        free = [i for i, c in enumerate(decision.chunks) if c.last and c.forced is None]
         if forced:
-            want = [decision.chunks[i].forced for i in forced]
-            for i, t, lp in zip(forced, want, token_logprobs(logits, forced, want), strict=True):
+            rows, want = [i for i, _ in forced], [t for _, t in forced]
+            for i, t, lp in zip(rows, want, token_logprobs(logits, rows, want), strict=True):
                 tokens[i], logprobs[i] = t, lp
-        for i in drawn:  # each request's own seeded generator, in chunk order
-            c = decision.chunks[i]
-            tokens[i] = int(sample(logits[i][None], self._params[c.rid], self._gens[c.rid])[0])
+        if free:
+            rids = [decision.chunks[i].rid for i in free]
+            picked = sample_rows(logits, free, [self._params[r] for r in rids], [self._gens[r] for r in rids])
+            for i, t in zip(free, picked, strict=True):
+                tokens[i] = t
         return tokens, logprobs
 
     def peak_bytes(self) -> int:
