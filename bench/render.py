@@ -37,7 +37,9 @@ repository root (GPU machine unless noted):
 |---|---|
 | end-to-end serving | `python -m bench.serving --batches 1,4,16 --bits 3,4,5,8` (`--user-path`: checkpoint -> pwcal \
 -> pwrun generate; `--compare-commit REV --label NAME`: two builds in one session, then \
-`python -m bench.render --compare REV NAME`; `--http --skip-table`: W1 through `pwrun serve` vs in-process) |
+`python -m bench.render --compare REV NAME`; `--workload w1,w2 --skip-table --workload-policies \
+pagedweight,uniform,transformers`: real workloads in one budget beside transformers' batched generate; `--http \
+--skip-table`: W1 through `pwrun serve` vs in-process) |
 | MoE kernel | `python -m bench.moe_kernel [--cold-l2]` |
 | MoE launch configs | `python -m bench.moe_tune [--shape qwen1.5-moe] [--ts 16,32,64,128,256,512] [--write]` |
 | 16-bit MoE kernels | `python -m bench.dense_moe [--shapes qwen1.5-moe] [--ts 1,4,512]` |
@@ -136,9 +138,10 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                        "torch.profiler): GPU busy ms per step (union of kernel intervals) against the step's wall "
                        "under the profiler (its host overhead included: the serving suite has the unprofiled step), "
                        "kernels per step, and the three kernels that take the most time (us per step, launches per "
-                       "step); uniform AP bits, random weights at the real shape, 2,048-token prompts.",
-                       ("model", "batch", "graphs"),
-                       [("bits", "bits"), ("step ms", "step_ms"), ("model ms", "model_ms"),
+                       "step); uniform AP bits, random weights at the real shape.",
+                       ("model", "gpu", "batch", "graphs"),
+                       [("bits", "bits"), ("prompt tok", "prompt_len"), ("step ms", "step_ms"),
+                        ("model ms", "model_ms"),
                         ("GPU busy ms", "gpu_busy_ms"), ("kernels / step", "kernels_per_step"),
                         ("top kernels", lambda rows: "; ".join(f"{n[:40]} {us:.0f} us x{k:g}"
                                                                for n, us, k in rows[-1].get("kernels", [])[:3]))]),
@@ -168,6 +171,14 @@ def _fmt(x: Any) -> str:
     if isinstance(x, float):
         return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}" if abs(x) < 1 else f"{x:.1f}"
     return str(x)
+
+
+def _joined(sep: str, *keys: str) -> Callable[[list[Record]], str]:
+    """A cell of the latest record's ``keys`` joined by ``sep``; blank when none of them is recorded."""
+    def cell(rows: list[Record]) -> str:
+        vals = [rows[-1].get(k) for k in keys]
+        return "" if all(v is None for v in vals) else sep.join(_fmt(v) for v in vals)
+    return cell
 
 
 def _cell(rows: list[Record], f: str | Callable[[list[Record]], Any]) -> Any:
@@ -273,24 +284,25 @@ def workload_table(records: list[Record]) -> str:
     """Real workloads (``bench.serving --workload``): whole-run and per-kind throughput, latency, start-up, latest run
     per (model, workload, policy)."""
     cols: list[Column] = [("requests", "requests"), ("prompt tok", "prompt_tokens"), ("tok/s", "tokens_per_second"),
+            ("generated tok/s", lambda rs: rs[-1]["generated_tokens"] / rs[-1]["seconds"]
+             if rs[-1].get("generated_tokens") and rs[-1].get("seconds") else None),
             ("% of floor", "percent_of_floor"), ("prefill-step prompt tok/s", "prefill_prompt_tps"),
             ("mixed-step prompt tok/s", "mixed_prompt_tps"), ("decode tok/s", "decode_tps"),
-            ("prefill / mixed / decode s", lambda rs: "/".join(_fmt(rs[-1].get(f"{k}_s")) for k in
-                                                             ("prefill", "mixed", "decode"))),
-            ("TTFT p50 / p99 s", lambda rs: f"{_fmt(rs[-1].get('ttft_p50_s'))} / {_fmt(rs[-1].get('ttft_p99_s'))}"),
-            ("TPOT p50 / p99 ms", lambda rs: f"{_fmt(rs[-1].get('tpot_p50_ms'))} / {_fmt(rs[-1].get('tpot_p99_ms'))}"),
-            ("queueing p50 / p99 s", lambda rs: f"{_fmt(rs[-1].get('queue_p50_s'))} / "
-                                                f"{_fmt(rs[-1].get('queue_p99_s'))}"),
-            ("goodput req/s", "goodput_rps"), ("start-up s", "startup_s"), ("captures / compiles in run",
-                                          lambda rs: f"{rs[-1].get('graph_captures_in_run')} / "
-                                                     f"{rs[-1].get('triton_compiles_in_run')}"),
+            ("prefill / mixed / decode s", _joined("/", "prefill_s", "mixed_s", "decode_s")),
+            ("TTFT p50 / p99 s", _joined(" / ", "ttft_p50_s", "ttft_p99_s")),
+            ("TPOT p50 / p99 ms", _joined(" / ", "tpot_p50_ms", "tpot_p99_ms")),
+            ("queueing p50 / p99 s", _joined(" / ", "queue_p50_s", "queue_p99_s")),
+            ("goodput req/s", "goodput_rps"), ("start-up s", "startup_s"),
+            ("captures / compiles in run", _joined(" / ", "graph_captures_in_run", "triton_compiles_in_run")),
             ("mean bits", "mean_bits"), ("peak GiB", _gib("device_peak_bytes"))]
     rows = latest([r for r in records if r.get("workload")], ("model", "gpu", "workload", "request_rate", "policy"))
     if not rows:
         return ""
     lines = ["Real workloads (`--workload`: requests arriving at the rate given, requests/s, or all at once where "
              "blank; W1 C4 prompts <= 1,024 tokens, W2 QMSum windows of 2,048-4,096; the floor: prompt FLOPs at the "
-             "measured matmul rate + decode bytes at the copy bandwidth):",
+             "measured matmul rate + decode bytes at the copy bandwidth; transformers: its batched eager generate, "
+             "no memory budget (peak as measured), no arrival times, the first `--hf-requests` requests in batches "
+             "of `--hf-batch`):",
              "", "| model | GPU | workload | rate | policy | " + " | ".join(c for c, _ in cols) + " |",
              "|" + "---|" * (5 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]

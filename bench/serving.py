@@ -304,7 +304,13 @@ def main() -> None:
     ap.add_argument("--workload-max-batch", type=int, default=64, help="running requests at most")
     ap.add_argument("--workload-step-tokens", type=int, default=2048, help="tokens per step at most (prefill chunks)")
     ap.add_argument("--workload-policies", default="pagedweight,uniform",
-                    help="policies served per workload (uniform: 4 bits), in the same budget")
+                    help="policies served per workload (uniform: 4 bits), in the same budget; transformers: its "
+                         "batched eager generate (--hf-batch, --hf-requests)")
+    ap.add_argument("--hf-batch", type=int, default=0,
+                    help="--workload-policies ...,transformers: prompts per generate call (0: --workload-max-batch)")
+    ap.add_argument("--hf-requests", type=int, default=64,
+                    help="--workload-policies ...,transformers: only the first N requests (0: all); its batches run "
+                         "one after another, so a subset gives its tokens/s")
     ap.add_argument("--workload-gpu-memory", default="24GiB", help="the budget of both policies (e.g. 24GiB)")
     ap.add_argument("--request-rate", type=float, default=math.inf,
                     help="--workload: requests/s arriving as a Poisson process (first at t=0); inf: all at once")

@@ -157,12 +157,19 @@ def lean16_run(model: LeanMoEModel, reqs: list[list[int]], gen: int, device: str
             "decode_tps_measured": len(reqs) * (gen - 1) / (t2 - t1), "device_peak_bytes": peak(device)}
 
 
+def hf_random_model(config_dir: Path, device: str) -> Any:
+    """transformers' own model of the config in ``config_dir`` (a multimodal config: its text model), random bf16
+    weights built on ``device``, in eval mode."""
+    cfg = AutoConfig.from_pretrained(str(config_dir)).get_text_config()
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+
+
 def hf_run(config_dir: Path, batch: int, plen: int, gen: int) -> dict[str, Any]:
     """transformers' eager bf16 ``generate`` with random weights (CUDA): prefill from a 1-token run, decode from
     the difference to a ``gen``-token run."""
-    cfg = AutoConfig.from_pretrained(str(config_dir)).get_text_config()  # a multimodal config: its text model
-    with torch.device("cuda"):
-        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    m = hf_random_model(config_dir, "cuda")
+    cfg = m.config
     ids = torch.randint(100, cfg.vocab_size - 100, (batch, plen), device="cuda")
     times = {}
     with torch.inference_mode():

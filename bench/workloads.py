@@ -17,6 +17,7 @@ bf16 matmul rate plus its decode steps' bytes (``pwformat.cost``) at the copy ba
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import asdict
@@ -38,7 +39,7 @@ from bench.common import (
     triton_cache_dirs,
     triton_cache_entries,
 )
-from bench.serving_runs import non_expert_bytes, reset_peak
+from bench.serving_runs import hf_random_model, non_expert_bytes, peak, reset_peak
 from pwrun.core.arrivals import ArrivalSchedule
 from pwrun.core.config import EngineConfig
 from pwrun.core.latency import SLO
@@ -157,10 +158,53 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
     return rec
 
 
+def hf_workload_run(config_dir: Any, reqs: list[list[int]], gen: int, batch: int, device: str = "cuda",
+                    pad_id: int = 0) -> dict[str, Any]:
+    """transformers' batched eager bf16 ``generate`` (random weights, on ``device``) over ``reqs`` in batches of
+    ``batch`` taken in order, each left-padded to its longest prompt, ``gen`` new tokens each (greedy, no stop
+    token): the baseline a user already has. Tokens/s counts prompt + generated tokens over the batches' summed
+    wall time (``generated_tokens_per_second``: generated only). Unlike the engine's rows it has no memory budget
+    (its peak is in ``device_peak_bytes``, beside the engine's non-expert weights still resident), no arrival
+    times and no warm-up call; a subset of the requests gives its rate, as batches run one after another."""
+    t = time.perf_counter()
+    m = hf_random_model(config_dir, device)
+    startup = time.perf_counter() - t
+    wall = 0.0
+    gen_tokens = 0
+    with torch.inference_mode():
+        for i in range(0, len(reqs), batch):
+            chunk = reqs[i: i + batch]
+            n = max(map(len, chunk))
+            ids = torch.full((len(chunk), n), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), n), dtype=torch.long)
+            for j, r in enumerate(chunk):
+                ids[j, n - len(r):] = torch.tensor(r)
+                mask[j, n - len(r):] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            sync(device)
+            t = time.perf_counter()
+            out = m.generate(ids, attention_mask=mask, max_new_tokens=gen, min_new_tokens=gen, do_sample=False,
+                             pad_token_id=pad_id)
+            sync(device)
+            wall += time.perf_counter() - t
+            gen_tokens += (out.shape[1] - n) * len(chunk)
+    prompt_tokens = sum(map(len, reqs))
+    rec = {"policy": "transformers", "bits": 16, "requests": len(reqs), "prompt_tokens": prompt_tokens,
+           "generated_tokens": gen_tokens, "max_batch": batch, "seconds": wall, "startup_s": startup,
+           "tokens_per_second": (prompt_tokens + gen_tokens) / wall, "generated_tokens_per_second": gen_tokens / wall,
+           "device_peak_bytes": peak(device)}
+    del m
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rec
+
+
 def workload_rows(args: Any, emit: Any) -> None:
     """The rows of ``--workload``: for each workload, PagedWeight and uniform 4-bit in one budget
-    (``--workload-gpu-memory``), the requests arriving at ``--request-rate`` (the same times for every policy); a
-    failure becomes the row's error and the next row runs."""
+    (``--workload-gpu-memory``), the requests arriving at ``--request-rate`` (the same times for every policy), and
+    with ``transformers`` among the policies transformers' batched ``generate`` (``--hf-batch``, the first
+    ``--hf-requests``); a failure becomes the row's error and the next row runs."""
     dev = args.device
     bw = copy_bandwidth(dev)
     flops = matmul_flops(dev)
@@ -180,10 +224,15 @@ def workload_rows(args: Any, emit: Any) -> None:
             base = {"model": args.config_dir.name, "system": f"workload {name}", "workload": name,
                     "copy_bandwidth_TBps": round(bw / 1e12, 3), "matmul_TFLOPs": round(flops / 1e12, 1)}
             try:
-                emit({**base, **workload_run(model, src, table, policy, bits, budget, reqs, args.workload_gen,
-                                             args.workload_max_batch,
-                                             args.workload_step_tokens, flops, bw, ne, arrivals, slo),
-                      "arrival_seed": args.arrival_seed})
+                if policy == "transformers":  # all at once (no arrival times), the first --hf-requests of them
+                    hf_reqs = reqs[: args.hf_requests or len(reqs)]
+                    emit({**base, **hf_workload_run(args.config_dir, hf_reqs, args.workload_gen,
+                                                    args.hf_batch or args.workload_max_batch, dev)})
+                else:
+                    emit({**base, **workload_run(model, src, table, policy, bits, budget, reqs, args.workload_gen,
+                                                 args.workload_max_batch,
+                                                 args.workload_step_tokens, flops, bw, ne, arrivals, slo),
+                          "arrival_seed": args.arrival_seed})
             except Exception as exc:  # recorded; the other rows still run
                 emit({**base, "policy": policy, "bits": bits, "error": f"{type(exc).__name__}: {exc}"[:300]})
             reset_peak(dev)

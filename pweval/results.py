@@ -35,6 +35,7 @@ SCHEMA = pa.schema([
     ("workspace_bytes", pa.int64()),  # step activation bound
     ("pool_bytes", pa.int64()),  # page pool (expert planes + KV); 0 for the reference model
     ("expert_bytes_mean", pa.float64()),  # expert weights in force (planes + LUTs), time-averaged
+    ("expert_bytes_scored", pa.float64()),  # the same, averaged over the decode tokens (~ the scored ones)
     ("expert_bytes_16bit", pa.int64()),  # the same experts at 16 bits
     ("kv_bytes_max", pa.int64()),  # KV cache peak
     ("kv_bytes_mean", pa.float64()),  # KV cache, time-averaged

@@ -172,6 +172,7 @@ class Evaluator:
         row.update({
             "gpu_memory": budget, "fixed_bytes": s["fixed_bytes"], "workspace_bytes": s["workspace_bytes"],
             "pool_bytes": s["pool_bytes"], "expert_bytes_mean": s["weight_bytes_mean"],
+            "expert_bytes_scored": s["weight_bytes_decode_mean"],
             "expert_bytes_16bit": s["expert_bytes_16bit"], "kv_bytes_max": s["kv_bytes_max"],
             "kv_bytes_mean": s["kv_bytes_mean"], "mean_bits": s["mean_bits"],
             "preemptions": s["preemptions"], "demoted_blocks": s["demoted_blocks"],
@@ -189,7 +190,8 @@ class Evaluator:
         row = self._row(suite, scored, "16-bit" if bits == 16 else "dense", bits, "FP16" if bits == 16 else f"U{bits}")
         row.update({
             "gpu_memory": fp.total, "fixed_bytes": fp.fixed, "workspace_bytes": fp.workspace, "pool_bytes": 0,
-            "expert_bytes_mean": float(fp.experts), "expert_bytes_16bit": self.footprint(suite, 16).experts,
+            "expert_bytes_mean": float(fp.experts), "expert_bytes_scored": float(fp.experts),
+            "expert_bytes_16bit": self.footprint(suite, 16).experts,
             "kv_bytes_max": fp.kv, "kv_bytes_mean": math.nan, "mean_bits": float(bits), "preemptions": 0,
             "demoted_blocks": 0, "promoted_blocks": 0, "tokens_per_second": math.nan,
             "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),

@@ -38,8 +38,6 @@ from pwrun.engine.budget import format_budget
 from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
 from pwrun.model.loader import load_spec, load_tokenizer, resolve_device
-from pwrun.serve.generation import ServeLimits
-from pwrun.serve.server import LOG_LEVELS, Server, build_serving_engine, check_listen
 
 console = make_console(stderr=True)
 
@@ -93,6 +91,10 @@ def serve(
 ) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics (Prometheus)."""
+    # the HTTP stack (FastAPI, pydantic, uvicorn) loads only here: `pwrun generate` neither needs nor waits for it
+    from pwrun.serve.generation import ServeLimits
+    from pwrun.serve.server import LOG_LEVELS, Server, build_serving_engine, check_listen
+
     with user_errors():
         set_threads(threads)
         model_dir = model or default_model()

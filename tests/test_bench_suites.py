@@ -87,9 +87,14 @@ def test_real_workload_rows_account_for_every_token(tmp_path: Path) -> None:
     out = tmp_path / "serving.jsonl"
     _run("bench.serving", "--device", "cpu", "--config-dir", str(tmp_path), "--skip-table", "--workload", "w2",
          "--workload-requests", "3", "--workload-gen", "3", "--workload-max-batch", "2", "--workload-step-tokens",
-         "512", "--workload-gpu-memory", "1GiB", "--label", "t", "--out", str(out))
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+         "512", "--workload-gpu-memory", "1GiB", "--workload-policies", "pagedweight,uniform,transformers",
+         "--hf-requests", "0", "--label", "t", "--out", str(out))
+    *rows, hf = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["workload"], r["policy"]) for r in rows] == [("w2", "pagedweight"), ("w2", "uniform")]
+    # transformers' batched generate on the same prompts (ragged, left-padded): every token counted, none dropped
+    assert hf["policy"] == "transformers" and "error" not in hf and hf["max_batch"] == 2
+    assert hf["requests"] == 3 and hf["generated_tokens"] == 9 and hf["prompt_tokens"] == rows[0]["prompt_tokens"]
+    assert abs(hf["tokens_per_second"] * hf["seconds"] - (hf["prompt_tokens"] + 9)) < 1e-6 * hf["prompt_tokens"]
     for r in rows:
         assert "error" not in r and r["requests"] == 3 and r["generated_tokens"] == 9
         assert 3 * 2048 <= r["prompt_tokens"] <= 3 * 4096
@@ -176,7 +181,9 @@ def test_decode_profile_runs_on_a_shrunken_config(tmp_path: Path) -> None:
     assert r["batch"] == 2 and r["steps"] == 3 and not r["graphs"]
     assert 0 < r["model_ms"] <= r["step_ms"] and r["kernels_per_step"] == 0  # no device activity on the CPU
     _run("bench.render", "--results", str(tmp_path), "--out", str(tmp_path / "perf.md"))
-    assert f"| {tmp_path.name} | 2 | False | 4 |" in (tmp_path / "perf.md").read_text()
+    lines = (tmp_path / "perf.md").read_text().splitlines()
+    row = next(line for line in lines if line.startswith(f"| {tmp_path.name} |"))
+    assert row.split(" | ")[2:6] == ["2", "False", "4", "40"]  # after the GPU: batch, graphs, bits, prompt tokens
 
 
 def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None:

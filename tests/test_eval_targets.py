@@ -41,13 +41,27 @@ def test_target_a_compares_the_one_percent_points_and_interpolates() -> None:
     o = math.exp(np.interp(0.32, [0.30, 0.35, 0.45], np.log([103.0, 100.9, 100.0])))
     assert f"{100 * (102.0 / o - 1):+.2f}%" in md
     lines = {line.split(" |")[0]: line for line in md.splitlines() if line.startswith("| U")}
-    assert lines["| U3"].endswith("| met |") and "no oracle at this share" in lines["| U5"]
+    assert "| met |" in lines["| U3"] and "no oracle at this share" in lines["| U5"]
     late = _runs([("U5", 0.41, 100.5, 80.3)])
     assert "**1% point NOT met**" in "\n".join(target_a(late, ORACLE, REF))  # 41% > 35% + 5
     worse = _runs([("U4", 0.40, 101.0, 80.2)])  # within 1% of 16-bit, but +0.5%+ against the oracle there
     assert "| NOT met |" in "\n".join(target_a(worse, ORACLE, REF))
     assert "not evaluated" in "\n".join(target_a(pw, ORACLE.iloc[:0], REF))
     assert "never within 1%" in "\n".join(target_a(_runs([("U3", 0.3, 110.0, 90.0)]), ORACLE, REF))
+
+
+def test_target_a_also_compares_at_the_bytes_in_force_while_scoring() -> None:
+    """A dynamic run's scored tokens ran at fewer bytes than its time average: beside the verdict, the oracle is
+    read at that share too (outside the oracle's range: said so)."""
+    pw = _runs([("U3", 0.34, 102.0, 81.0), ("U4", 0.40, 100.8, 80.4)])
+    pw["expert_bytes_scored"] = [310.0, 250.0]  # shares 0.31 and 0.25 (below the oracle's 0.30)
+    md = "\n".join(target_a(pw, ORACLE, REF))
+    lines = {line.split(" |")[0]: line for line in md.splitlines() if line.startswith("| U")}
+    o = [math.exp(np.interp(0.31, [0.30, 0.35, 0.45], np.log(ORACLE[f"{c}_ppl"]))) for c in ("wikitext2", "c4")]
+    want = f"{100 * (102.0 / o[0] - 1):+.2f}% / {100 * (81.0 / o[1] - 1):+.2f}%"
+    assert "| 31.0% | " + want + " |" in lines["| U3"]
+    assert "| 25.0% | outside the oracle's range |" in lines["| U4"]
+    assert "while scoring: within 0.5% of the oracle at 1 of 1 runs" in md  # 102/102.4: -0.4%; 81/81.7: -0.9%
 
 
 def _table() -> BlockTable:

@@ -70,9 +70,10 @@ def test_pwformat_loads_without_torch() -> None:
 
 
 # imports inside functions: optional dependencies, matplotlib for the commands that draw, the console scripts'
-# CLI, imported after their SIGTERM handler is in place, and scikit-learn, which only fit-residual's heads use
+# CLI, imported after their SIGTERM handler is in place, scikit-learn, which only fit-residual's heads use, and
+# the HTTP stack (FastAPI, pydantic, uvicorn), which only `pwrun serve` loads
 DEFERRED = {"datasets", "nbformat", "nbclient", "pweval.figures", "pweval.notebooks", "pweval.cli", "pwcal.cli",
-            "sklearn"}
+            "sklearn", "pwrun.serve.generation", "pwrun.serve.server"}
 
 
 def test_imports_are_at_module_top() -> None:
@@ -100,6 +101,14 @@ def test_console_scripts_start_without_torch() -> None:
     """The entry points install their SIGTERM handler before anything slow is imported."""
     code = ("import sys; import pweval.main, pwcal.main; "
             "print(sorted(m for m in ('torch', 'pwrun.cli', 'pwcal.cli') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_pwrun_generate_does_not_load_the_http_stack() -> None:
+    """``pwrun serve``'s FastAPI / pydantic / uvicorn load when it runs, not for every ``pwrun`` command."""
+    code = ("import sys; import pwrun.cli; "
+            "print(sorted(m for m in ('fastapi', 'pydantic', 'uvicorn', 'pwrun.serve.server') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 

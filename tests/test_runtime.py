@@ -389,8 +389,17 @@ def test_prepared_plans_do_not_provision_past_the_last_token(calibrated_artifact
     e = build_engine(MODEL, calibrated_artifacts, cfg, params, reqs, set(), device="cpu", forced=cont)
     e.run_until_done()
     trace = [r for r in e.trace if r.running == 4]
-    assert summarize(e).demoted_blocks > 0 and min(r.mean_bits for r in trace) < 8
+    s = summarize(e)
+    assert s.demoted_blocks > 0 and min(r.mean_bits for r in trace) < 8
     assert max(r.free_blocks for r in trace) <= PlannerConfig().free_threshold + 2
+    # the bytes in force during the decode (scored) tokens: each step runs what the step before it committed
+    num = den = 0
+    for prev, row in zip(e.trace, e.trace[1:], strict=False):
+        num += prev.committed_weight_bytes * (row.step_tokens - row.prefill_tokens)
+        den += row.step_tokens - row.prefill_tokens
+    assert s.weight_bytes_decode_mean is not None and den > 0
+    assert s.weight_bytes_decode_mean == pytest.approx(num / den)
+    assert s.weight_bytes_min <= s.weight_bytes_decode_mean < s.weight_bytes_mean  # decodes run at the lower bits
 
 
 def test_overlapped_planner_work_is_one_planner_config_field(calibrated_artifacts: Path, tok) -> None:  # type: ignore[no-untyped-def]
