@@ -4,9 +4,10 @@ What it does: ``write_report`` reads ``results.parquet`` and writes into a folde
 ``quality_memory.png`` (perplexity vs total memory for every policy, WikiText-2 and C4),
 ``expert_memory.png`` (perplexity vs expert bytes in force, as a share of their 16-bit bytes),
 ``long_context.png`` (retrieval accuracy and QMSum perplexity at the long suite's fixed budgets),
-and the markdown tables ``quality_memory.md``, ``long_context.md``, ``ablations.md`` and
-``targets.md`` (the quality targets (a), (b), (c): SPEC section 8's claims at this model's scale, checked on the
-numbers). Pure reading and plotting (matplotlib, Agg backend); the sweep that makes the table is ``sweep.py``.
+and the markdown tables ``quality_memory.md`` (a per-budget comparison, then every run), ``long_context.md``,
+``ablations.md`` and ``targets.md`` (the quality targets (a), (b), (c): SPEC section 8's claims at this model's
+scale, checked on the numbers). Pure reading and plotting (matplotlib, Agg backend); the sweep that makes the
+table is ``sweep.py``.
 """
 
 from __future__ import annotations
@@ -196,6 +197,31 @@ def quality_memory_table(df: pd.DataFrame) -> str:
             continue
         q = [f"{r[f'{c}_ppl']:.3f} ({_pct(r[f'{c}_ppl'], ref[f'{c}_ppl'])})" for c in DATASETS]
         lines.append(f"| {name} | {r.budget} | " + " | ".join(_memory_cols(r) + q + _speed_cols(r)) + " |")
+    return "\n".join(lines)
+
+
+def glance_table(df: pd.DataFrame) -> str:
+    """Markdown: one row per PagedWeight budget (text suite), each policy's perplexity change against 16-bit
+    (WikiText-2 / C4) and expert bytes in force (share of 16-bit) at that total memory; uniform at its own
+    footprint, else the widest uniform that fits (paper Fig. 5 read as a table)."""
+    text = _ok(df[df.suite == "text"])
+    ref = _ref(df, "text")
+
+    def cell(r: pd.Series | None) -> str:
+        if r is None:
+            return ""
+        return (" / ".join(_pct(r[f"{c}_ppl"], ref[f"{c}_ppl"]) for c in DATASETS)
+                + f" ({100 * r.expert_bytes_mean / r.expert_bytes_16bit:.0f}%)")
+
+    lines = ["| total memory | uniform APL at that footprint | static (same budget) | oracle static (same budget) "
+             "| PagedWeight (same budget) |", "|---|---|---|---|---|"]
+    for _, r in text[text.policy == "pagedweight"].sort_values("gpu_memory").iterrows():
+        u = _at(text, "uniform", r.budget)
+        fits = _uniform_at(text, r.gpu_memory)
+        uni = (f"{int(u.bits)}-bit: {cell(u)}" if u is not None else
+               f"({int(fits.bits)}-bit fits)" if fits is not None else "none fits")
+        lines.append(f"| {r.budget} {r.gpu_memory / MIB:.1f} MiB | {uni} | {cell(_at(text, 'static', r.budget))} | "
+                     f"{cell(_at(text, 'oracle', r.budget))} | {cell(r)} |")
     return "\n".join(lines)
 
 
@@ -415,8 +441,10 @@ def write_report(results: Path, out_dir: Path) -> list[Path]:
     if (df.suite == "text").any():
         quality_memory_figure(df, out_dir / "quality_memory.png")
         quality_memory_figure(df, out_dir / "expert_memory.png", x="expert_share")
-        (out_dir / "quality_memory.md").write_text("# Quality vs memory (text suite)\n\n" + source
-                                                   + quality_memory_table(df) + "\n")
+        (out_dir / "quality_memory.md").write_text(
+            "# Quality vs memory (text suite)\n\n" + source + "## At a glance\n\nPerplexity change against 16-bit "
+            "(WikiText-2 / C4) and expert bytes in force (time-averaged share of their 16-bit bytes), per total "
+            "memory budget.\n\n" + glance_table(df) + "\n\n## Every run\n\n" + quality_memory_table(df) + "\n")
         (out_dir / "ablations.md").write_text("# Ablations (text suite)\n\n" + source + ablation_table(df) + "\n")
         (out_dir / "targets.md").write_text("# Quality targets, checked\n\n" + source
                                             + targets(df, read_scores(results)) + "\n")

@@ -2,6 +2,8 @@
 
 - ``target_a``: the 1% point of PagedWeight against the oracle's (met within 5 points, not met beyond), and
   each run's change against the oracle at the same expert share, interpolated between the oracle's runs.
+- ``glance_table``: per budget, each policy's change against 16-bit, uniform at its own footprint or the widest
+  that fits.
 - ``with_damage``: the sensitivities replaced by a damage table's KL block by block whatever the file's row order;
   a table lacking a block is refused in one line.
 """
@@ -15,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pweval.figures import target_a
+from pweval.figures import glance_table, target_a
 from pwformat.errors import PagedWeightError
 from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.engine.tables import with_damage
@@ -69,6 +71,25 @@ def _table() -> BlockTable:
     return BlockTable(bits=bits, layer=np.array([0, 0, 1]), expert=np.array([-1, 2, 2]), unit=np.array([0, 1, 0]),
                       sens=np.ones((3, 3)), bytes=np.ones((3, 3), np.int64), tokens=np.ones(3, np.int64),
                       mass=np.ones(3))
+
+
+def test_the_glance_table_reads_each_policy_at_each_budget() -> None:
+    """One row per PagedWeight budget; uniform at its own footprint, else the widest uniform that fits."""
+    rows = []
+    for policy, budget, mib, bits, share, w, c in [
+            ("16-bit", "FP16", 60.0, 16, 1.0, 100.0, 80.0), ("uniform", "U3", 40.0, 3, 0.23, 116.0, 92.0),
+            ("uniform", "U4", 42.0, 4, 0.31, 104.0, 82.4), ("static", "U3", 40.0, 3, 0.25, 108.0, 84.0),
+            ("pagedweight", "U3", 40.0, 3, 0.29, 107.0, 83.0), ("pagedweight", "U3.5", 41.0, 3, 0.30, 104.0, 81.6),
+            ("oracle", "U3.5", 41.0, 3, 0.27, 103.0, 81.0), ("pagedweight", "U4", 42.0, 4, 0.34, 101.0, 80.4)]:
+        rows.append({"suite": "text", "policy": policy, "budget": budget, "gpu_memory": mib * 2**20, "bits": bits,
+                     "expert_bytes_mean": share * 1000.0, "expert_bytes_16bit": 1000, "wikitext2_ppl": w,
+                     "c4_ppl": c, "note": None})
+    lines = glance_table(pd.DataFrame(rows)).splitlines()[2:]
+    assert [line.split(" | ")[0] for line in lines] == ["| U3 40.0 MiB", "| U3.5 41.0 MiB", "| U4 42.0 MiB"]
+    assert lines[0] == ("| U3 40.0 MiB | 3-bit: +16.00% / +15.00% (23%) | +8.00% / +5.00% (25%) |  | "
+                        "+7.00% / +3.75% (29%) |")
+    assert lines[1].startswith("| U3.5 41.0 MiB | (3-bit fits) |  | +3.00% / +1.25% (27%) | +4.00% / +2.00% (30%)")
+    assert "4-bit: +4.00% / +3.00% (31%)" in lines[2]
 
 
 def test_with_damage_replaces_the_sensitivities_block_by_block(tmp_path: Path) -> None:
