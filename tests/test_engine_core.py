@@ -130,6 +130,27 @@ def test_kv_pressure_demotes_then_reloads_and_every_request_completes() -> None:
     assert core.pool.count(KV) == 0 and core.alloc.num_used == 0
 
 
+@pytest.mark.parametrize("reserve", [None, 8])
+def test_the_reload_reserve_sets_how_far_ahead_reloads_leave_room(reserve: int | None) -> None:
+    """Demotion frees room for the next 32 tokens of each request; with ``reload_reserve_tokens`` 8 the planes
+    come back into what lies beyond the next 8 tokens while the requests run; with None only into what no running
+    request can ever take, so not before one finishes. Either way every token comes out and nothing is preempted."""
+    core = _core(300, max_batch=4, max_step_tokens=64, reload_reserve_tokens=reserve)  # type: ignore[arg-type]
+    runner = FakeRunner(core)
+    for r in _requests(4, 30, 40):
+        core.add_request(r)
+    w = core.weights
+    assert w is not None
+    promoted_while_all_ran = 0
+    while not core.idle:
+        outs = runner.step()
+        if len(core.scheduler.running) == 4 and not any(o.finish for o in outs):
+            promoted_while_all_ran = w.promoted_blocks
+    assert w.demoted_blocks > 0 and core.scheduler.preemptions == 0
+    assert (promoted_while_all_ran > 0) == (reserve is not None)
+    assert w.promoted_blocks > 0  # once the requests finished, planes came back either way
+
+
 def test_policy_is_a_function_of_its_inputs() -> None:
     """Two cores fed the same requests make the same decisions, step by step (no hidden state, no clock)."""
     runs = []

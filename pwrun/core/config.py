@@ -22,7 +22,10 @@ class EngineConfig:
     (None: on CUDA only; True on the CPU runs them in Triton's interpreter, for tests at tiny shapes);
     ``precompile_workers``: on CUDA, processes that compile the decode MoE kernels for 1..``max_batch`` tokens
     before the page pool is allocated (``pwkernels/warmup.py``; -1: one per CPU core up to 8, 0: compile on first
-    use); ``debug_checks``: assert page conservation and q_i <= resident planes after every step."""
+    use); ``debug_checks``: assert page conservation and q_i <= resident planes after every step;
+    ``reload_reserve_tokens``: tokens ahead of each running request whose KV blocks reloads leave free, as many as
+    a demotion provisions for (None: up to its last token, so reloads only use pages no running request can ever
+    take: less movement, but under steady load the planes lowered at a KV peak stay low while pages are free)."""
 
     block_size: int = 16
     max_batch: int = 16
@@ -35,12 +38,15 @@ class EngineConfig:
     fused_kernels: bool = True
     use_kernels: bool | None = None
     precompile_workers: int = -1
+    reload_reserve_tokens: int | None = 32
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_batch < 1 or self.max_step_tokens < 1 or self.lookahead_tokens < 0:
             raise ValueError("block_size, max_batch and max_step_tokens must be >= 1, lookahead_tokens >= 0")
         if self.stats_every < 1 or self.max_raise_blocks < 0:
             raise ValueError("stats_every must be >= 1 and max_raise_blocks >= 0")
+        if self.reload_reserve_tokens is not None and self.reload_reserve_tokens < 0:
+            raise ValueError(f"reload_reserve_tokens must be >= 0 or None, got {self.reload_reserve_tokens}")
         if (not isinstance(self.precompile_workers, int) or isinstance(self.precompile_workers, bool)
                 or self.precompile_workers < -1):
             raise ValueError(f"precompile_workers must be -1 (one per core, up to 8), 0 (off) or a process count, "
