@@ -187,16 +187,21 @@ def test_decode_profile_runs_on_a_shrunken_config(tmp_path: Path) -> None:
 
 
 def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None:
-    """``bench.headline`` on the shrunken config (its first 2 layers): the six systems serve the same requests in
-    full in one budget, FP16 at 16 bits and the uniform ones at theirs, the ratios are each system's throughput over
-    FP16's and uniform 4-bit's, the figure is written and the renderer gives a row per system."""
+    """``bench.headline`` on the shrunken config (its first 2 layers): the seven systems (the default six and
+    pagedweight-peak) serve the same requests in full in one budget, FP16 at 16 bits and the uniform ones at theirs,
+    the ratios are each system's throughput over FP16's and uniform 4-bit's, the figure is written and the renderer
+    gives a row per system."""
     _shrunken_qwen(tmp_path)
     out, png = tmp_path / "headline.jsonl", tmp_path / "memory.png"
     _run("bench.headline", "--device", "cpu", "--config-dir", str(tmp_path), "--layers", "1", "--requests", "4",
          "--lo", "300", "--hi", "600", "--gen", "3", "--request-rate", "20", "--max-batch", "4", "--step-tokens",
-         "256", "--gpu-memory", "40MiB", "--label", "t", "--out", str(out), "--figure", str(png))
+         "256", "--gpu-memory", "40MiB", "--label", "t", "--out", str(out), "--figure", str(png), "--systems",
+         "fp16,uniform4,pagedweight,uniform3,uniform8,static,pagedweight-peak")
     rows = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert list(rows) == ["fp16", "uniform4", "pagedweight", "uniform3", "uniform8", "static"]  # bases first
+    assert list(rows) == ["fp16", "uniform4", "pagedweight", "uniform3", "uniform8", "static",
+                          "pagedweight-peak"]  # bases first
+    assert rows["pagedweight"]["reload_reserve_tokens"] == 32
+    assert rows["pagedweight-peak"]["reload_reserve_tokens"] is None
     assert {r["prompt_tokens"] for r in rows.values()} == {rows["fp16"]["prompt_tokens"]}
     assert rows["fp16"]["x_vs_uniform4"] is None  # written before uniform 4-bit ran: each record as it ends
     for r in rows.values():
@@ -210,4 +215,4 @@ def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None
     md = tmp_path / "performance.md"
     _run("bench.render", "--results", str(tmp_path), "--out", str(md))
     text = md.read_text()
-    assert "## Headline experiment" in text and sum(f"| 0.04 | 20 | {s} |" in text for s in rows) == 6
+    assert "## Headline experiment" in text and sum(f"| 0.04 | 20 | {s} |" in text for s in rows) == 7
