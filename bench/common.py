@@ -60,6 +60,15 @@ BITS = [3, 4, 5, 6, 7, 8]  # bitwidths of the synthetic artifacts and tables
 # weights): two mass buckets, floors 4/5/6 then 3/4/5 bits
 BENCH_POLICY = BucketPolicy((0.5, 0.85), (1.0, 1.0, 1.0), ((4, 5, 6), (3, 4, 5)), (2, 2, 2))
 BENCH_PLANNER = PlannerConfig(free_threshold=4, reload_threshold=16)
+# bench-only policy names: a policy with engine settings of its own. pagedweight-peak: reloads leave room for every
+# running request up to its last token (the rule before the 32-token reload reserve): less movement, lower bits
+POLICY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "pagedweight-peak": ("pagedweight", {"reload_reserve_tokens": None})}
+
+
+def policy_variant(name: str) -> tuple[str, dict[str, Any]]:
+    """(the engine's policy name, EngineConfig settings) of a bench policy name."""
+    return POLICY_VARIANTS.get(name, (name, {}))
 
 
 # ---------------------------------------------------------------- environment and results

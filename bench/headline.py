@@ -36,10 +36,12 @@ import torch
 from bench.common import (
     BENCH_PLANNER,
     BENCH_POLICY,
+    POLICY_VARIANTS,
     QWEN,
     HostExperts,
     SyntheticAP,
     environment,
+    policy_variant,
     random_model,
     synthetic_table,
     write_records,
@@ -62,11 +64,8 @@ from pwrun.model.lean import LeanMoEModel
 SYSTEMS = {  # name -> (policy, uniform bits); "fp16" is the 16-bit engine; the ratios' bases first
     "fp16": ("16-bit", None), "uniform4": ("uniform", 4), "pagedweight": ("pagedweight", None),
     "uniform3": ("uniform", 3), "uniform8": ("uniform", 8), "static": ("static", None),
-    "pagedweight-peak": ("pagedweight", None)}
-DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "pagedweight-peak"]
-# engine settings of a system beside its policy: pagedweight-peak reloads only into pages no running request can
-# ever take (the rule before reloads reserved the next 32 tokens): less movement, against quality at KV peaks
-ENGINE_OVERRIDES: dict[str, dict[str, Any]] = {"pagedweight-peak": {"reload_reserve_tokens": None}}
+    "pagedweight-peak": ("pagedweight", None)}  # bench.common.POLICY_VARIANTS
+DEFAULT_SYSTEMS = [s for s in SYSTEMS if s not in POLICY_VARIANTS]
 PAPER = {"fp16_throughput_x": 1.94, "uniform_overhead_pct": 4.1, "memory_saving_pct": 72.0}
 
 
@@ -107,7 +106,7 @@ def run_system(name: str, model: LeanMoEModel, experts: HostExperts | None, src:
                ) -> tuple[dict[str, Any], dict[str, list[float]] | None]:
     """One system's timed run: its record and its memory series."""
     policy, bits = SYSTEMS[name]
-    ecfg = EngineConfig(max_batch=args.max_batch, max_step_tokens=args.step_tokens, **ENGINE_OVERRIDES.get(name, {}))
+    ecfg = EngineConfig(max_batch=args.max_batch, max_step_tokens=args.step_tokens, **policy_variant(name)[1])
     params = SamplingParams(max_new_tokens=args.gen)
     t = time.perf_counter()
     if policy == "16-bit":

@@ -305,7 +305,8 @@ def main() -> None:
     ap.add_argument("--workload-step-tokens", type=int, default=2048, help="tokens per step at most (prefill chunks)")
     ap.add_argument("--workload-policies", default="pagedweight,uniform",
                     help="policies served per workload (uniform: 4 bits), in the same budget; transformers: its "
-                         "batched eager generate (--hf-batch, --hf-requests)")
+                         "batched eager generate (--hf-batch, --hf-requests); pagedweight-peak: PagedWeight whose "
+                         "reloads leave room for every running request up to its last token")
     ap.add_argument("--hf-batch", type=int, default=0,
                     help="--workload-policies ...,transformers: prompts per generate call (0: --workload-max-batch)")
     ap.add_argument("--hf-requests", type=int, default=64,

@@ -33,6 +33,7 @@ from bench.common import (
     compiled_kernels,
     copy_bandwidth,
     decode_step_bytes,
+    policy_variant,
     random_model,
     sync,
     synthetic_table,
@@ -101,8 +102,9 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
     """One timed run of ``reqs`` (each arriving at its time of ``arrivals``, None: all at once; ``gen`` new tokens
     each, greedy, no stop token); the engine's start-up (build + warm-up) is timed apart. ``slo``: what the
     goodput counts."""
-    cfg = ServeConfig(budget, Policy.named(policy, bits),
-                      EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens), BENCH_PLANNER)
+    engine_policy, settings = policy_variant(policy)
+    cfg = ServeConfig(budget, Policy.named(engine_policy, bits),
+                      EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens, **settings), BENCH_PLANNER)
     t = time.perf_counter()
     e = assemble_engine(model, src, table, BENCH_POLICY, None, None, cfg, SamplingParams(max_new_tokens=gen), reqs,
                         set(), arrivals=arrivals)
@@ -126,8 +128,9 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
     dec_floor = sum(decode_step_bytes(spec, non_expert, s.get("mean_bits", 4.0), max(r["running"], 1),
                                       int(np.mean([len(q) for q in reqs])) + gen // 2) for r in kinds["decode"])
     rec: dict[str, Any] = {
-        "policy": policy, "bits": bits, "requests": len(reqs), "prompt_tokens": prompt_tokens,
-        "generated_tokens": gen_tokens, "max_batch": max_batch, "max_step_tokens": max_step_tokens,
+        "policy": policy, "bits": bits, "reload_reserve_tokens": cfg.engine.reload_reserve_tokens,
+        "requests": len(reqs), "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens, "max_batch": max_batch,
+        "max_step_tokens": max_step_tokens,
         "gpu_memory": budget, "seconds": wall, "startup_s": startup,
         "warm_up_s": s.get("warm_up_seconds"), "startup_phases_s": s.get("startup_seconds"),
         "graphs_captured_at_start": s.get("graphs_captured_at_start"),
