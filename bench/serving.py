@@ -57,6 +57,7 @@ import torch
 from bench.common import (
     GEMMA4,
     MIXTRAL,
+    POLICY_VARIANTS,
     QWEN,
     HostExperts,
     SyntheticAP,
@@ -77,6 +78,7 @@ from bench.render import serving_table
 from bench.serving_runs import dense_run, engine_run, hf_run, lean16_run, non_expert_bytes, reset_peak
 from bench.workloads import workload_rows
 from pwformat.errors import BudgetTooSmall
+from pwrun.core.policy import POLICIES
 from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.build import strip_experts
 from pwrun.model.lean import LeanMoEModel
@@ -328,6 +330,11 @@ def main() -> None:
                     help="--http: the server's engine modes to run, comma-separated (process: what pwrun serve runs)")
     ap.add_argument("--http-whole", action="store_true", help="--http: whole responses instead of streams")
     args = ap.parse_args()
+    policies = args.workload_policies.split(",")
+    allowed = [p for p in POLICIES if p != "16-bit"] + ["transformers", *POLICY_VARIANTS]
+    if any(p not in allowed for p in policies) or len(set(policies)) < len(policies):
+        ap.error(f"--workload-policies {args.workload_policies}: give each of {', '.join(allowed)} at most once, "
+                 "comma-separated")
     env = environment(args.label)
     out = args.out or Path("bench/results/serving.jsonl")
     done: list[dict[str, Any]] = []

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -216,3 +218,16 @@ def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None
     _run("bench.render", "--results", str(tmp_path), "--out", str(md))
     text = md.read_text()
     assert "## Headline experiment" in text and sum(f"| 0.04 | 20 | {s} |" in text for s in rows) == 7
+
+
+@pytest.mark.parametrize("policies", ["nonsense", "pagedweight,,uniform", "pagedweight-peak,pagedweight-peak"])
+def test_workload_policies_are_checked_before_anything_runs(policies: str) -> None:
+    """An unknown, empty or repeated --workload-policies name is an argument error naming the choices, not an error
+    row per workload after the model was built."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "bench.serving", "--device", "cpu", "--skip-table", "--workload",
+                           "w1", "--workload-policies", policies], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 2 and not done.stdout
+    assert f"--workload-policies {policies}: give each of pagedweight," in done.stderr
+    assert "pagedweight-peak at most once" in done.stderr and "Traceback" not in done.stderr
