@@ -262,6 +262,9 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
         emit(rec)
 
 
+WORKLOAD_POLICIES = [p for p in POLICIES if p != "16-bit"] + ["transformers", *POLICY_VARIANTS]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config-dir", type=Path, default=QWEN, help="seed config (tests/fixtures/configs/...)")
@@ -306,15 +309,18 @@ def main() -> None:
     ap.add_argument("--workload-max-batch", type=int, default=64, help="running requests at most")
     ap.add_argument("--workload-step-tokens", type=int, default=2048, help="tokens per step at most (prefill chunks)")
     ap.add_argument("--workload-policies", default="pagedweight,uniform",
-                    help="policies served per workload (uniform: 4 bits), in the same budget; transformers: its "
-                         "batched eager generate (--hf-batch, --hf-requests); pagedweight-peak: PagedWeight whose "
-                         "reloads leave room for every running request up to its last token")
+                    help="policies served per workload in the same budget, comma-separated (default "
+                         "pagedweight,uniform), of " + ", ".join(WORKLOAD_POLICIES) + " (uniform: 4 bits; "
+                         "transformers: its batched eager generate, --hf-batch, --hf-requests; pagedweight-peak: "
+                         "PagedWeight whose reloads leave room for every running request up to its last token, not "
+                         "only its next 32 tokens)")
     ap.add_argument("--hf-batch", type=int, default=0,
                     help="--workload-policies ...,transformers: prompts per generate call (0: --workload-max-batch)")
     ap.add_argument("--hf-requests", type=int, default=64,
                     help="--workload-policies ...,transformers: only the first N requests (0: all); its batches run "
                          "one after another, so a subset gives its tokens/s")
-    ap.add_argument("--workload-gpu-memory", default="24GiB", help="the budget of both policies (e.g. 24GiB)")
+    ap.add_argument("--workload-gpu-memory", default="24GiB",
+                    help="the one device budget of every --workload-policies run (e.g. 24GiB)")
     ap.add_argument("--request-rate", type=float, default=math.inf,
                     help="--workload: requests/s arriving as a Poisson process (first at t=0); inf: all at once")
     ap.add_argument("--arrival-seed", type=int, default=0, help="seed of the --request-rate arrival times")
@@ -330,11 +336,13 @@ def main() -> None:
                     help="--http: the server's engine modes to run, comma-separated (process: what pwrun serve runs)")
     ap.add_argument("--http-whole", action="store_true", help="--http: whole responses instead of streams")
     args = ap.parse_args()
+    names = args.workload.split(",") if args.workload else []
+    if any(n not in ("w1", "w2") for n in names) or len(set(names)) < len(names):
+        ap.error(f"--workload {args.workload}: give w1, w2 or w1,w2")
     policies = args.workload_policies.split(",")
-    allowed = [p for p in POLICIES if p != "16-bit"] + ["transformers", *POLICY_VARIANTS]
-    if any(p not in allowed for p in policies) or len(set(policies)) < len(policies):
-        ap.error(f"--workload-policies {args.workload_policies}: give each of {', '.join(allowed)} at most once, "
-                 "comma-separated")
+    if any(p not in WORKLOAD_POLICIES for p in policies) or len(set(policies)) < len(policies):
+        ap.error(f"--workload-policies {args.workload_policies}: give each of {', '.join(WORKLOAD_POLICIES)} at most "
+                 "once, comma-separated")
     env = environment(args.label)
     out = args.out or Path("bench/results/serving.jsonl")
     done: list[dict[str, Any]] = []

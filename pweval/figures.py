@@ -68,6 +68,11 @@ def check_workloads(df: pd.DataFrame) -> None:
 
 def _ref(df: pd.DataFrame, suite: str) -> pd.Series:
     ref = df[(df.suite == suite) & (df.policy == "16-bit")]
+    if not ref.empty and _ok(ref).empty:
+        raise ValueError(f"the {suite} suite's 16-bit run did not complete ({ref.note.iloc[-1]}): run it again with "
+                         f"`pwrun eval run --suite {suite} --policy 16-bit {_workload_flags(ref.iloc[-1])}` into the "
+                         "same --out table")
+    ref = _ok(ref)
     if ref.empty:
         any_row = df[df.suite == suite].iloc[-1]
         raise ValueError(f"the results have no 16-bit row for the {suite} suite: add one with `pwrun eval run "
@@ -87,7 +92,7 @@ def quality_memory_figure(df: pd.DataFrame, path: Path, x: str = "gpu_memory") -
     text["expert_share"] = text.expert_bytes_mean / text.expert_bytes_16bit
     ref = _ref(df, "text")
     scale = MIB if x == "gpu_memory" else 0.01
-    uni = text[text.policy == "uniform"].set_index("bits")
+    uni = text[text.policy == "uniform"].drop_duplicates("bits", keep="last").set_index("bits")
     zoom = {3, 4, 6} <= set(uni.index) and x == "gpu_memory"
     fig, axes = plt.subplots(2 if zoom else 1, len(DATASETS), figsize=(12, 8.6 if zoom else 4.6), squeeze=False)
     for row in range(axes.shape[0]):
@@ -200,29 +205,50 @@ def quality_memory_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+GLANCE_LEGEND = (
+    "U<b>: the static footprint of uniform b-bit experts (non-expert weights + workspace + b-bit experts + the "
+    "workload's peak KV); U4.5: midway between U4 and U5; min: the smallest budget PagedWeight accepts. Uniform APL "
+    "is read at its own footprint; between footprints the row names the widest uniform that fits (its numbers are "
+    "on that footprint's row). Oracle static: the static allocation ranked by the measured per-block damage "
+    "(`docs/eval/oracle/`; none below its floors, so none at min). Rows are matched by total memory.")
+
+
 def glance_table(df: pd.DataFrame) -> str:
     """Markdown: one row per PagedWeight budget (text suite), each policy's perplexity change against 16-bit
-    (WikiText-2 / C4) and expert bytes in force (share of 16-bit) at that total memory; uniform at its own
-    footprint, else the widest uniform that fits (paper Fig. 5 read as a table)."""
-    text = _ok(df[df.suite == "text"])
+    (WikiText-2 / C4) and expert bytes in force (share of 16-bit) at that total memory (rows matched by bytes, the
+    last run of a policy at a budget); uniform at its own footprint, else the widest uniform that fits (paper
+    Fig. 5 read as a table). A PagedWeight run that failed shows its note."""
+    every = df[df.suite == "text"]
+    text = _ok(every)
     ref = _ref(df, "text")
+
+    def at(policy: str, budget: int) -> pd.Series | None:
+        rows = text[(text.policy == policy) & (text.gpu_memory == budget)]
+        return None if rows.empty else rows.iloc[-1]
 
     def cell(r: pd.Series | None) -> str:
         if r is None:
             return ""
+        if isinstance(r.note, str):
+            return f"not run: {r.note}"
+        share = r.expert_bytes_mean / r.expert_bytes_16bit if r.expert_bytes_16bit else math.nan
         return (" / ".join(_pct(r[f"{c}_ppl"], ref[f"{c}_ppl"]) for c in DATASETS)
-                + f" ({100 * r.expert_bytes_mean / r.expert_bytes_16bit:.0f}%)")
+                + ("" if math.isnan(share) else f" ({100 * share:.0f}%)"))
 
+    pw = every[every.policy == "pagedweight"].sort_values("gpu_memory", kind="stable")
+    pw = pw.drop_duplicates("gpu_memory", keep="last")
+    if pw.empty:
+        return "No PagedWeight run of the text suite: nothing to compare (`pwrun eval run --policy pagedweight`)."
     lines = ["| total memory | uniform APL at that footprint | static (same budget) | oracle static (same budget) "
              "| PagedWeight (same budget) |", "|---|---|---|---|---|"]
-    for _, r in text[text.policy == "pagedweight"].sort_values("gpu_memory").iterrows():
-        u = _at(text, "uniform", r.budget)
+    for _, r in pw.iterrows():
+        u = at("uniform", r.gpu_memory)
         fits = _uniform_at(text, r.gpu_memory)
         uni = (f"{int(u.bits)}-bit: {cell(u)}" if u is not None else
                f"({int(fits.bits)}-bit fits)" if fits is not None else "none fits")
-        lines.append(f"| {r.budget} {r.gpu_memory / MIB:.1f} MiB | {uni} | {cell(_at(text, 'static', r.budget))} | "
-                     f"{cell(_at(text, 'oracle', r.budget))} | {cell(r)} |")
-    return "\n".join(lines)
+        lines.append(f"| {r.budget} {r.gpu_memory / MIB:.1f} MiB | {uni} | {cell(at('static', r.gpu_memory))} | "
+                     f"{cell(at('oracle', r.gpu_memory))} | {cell(r)} |")
+    return "\n".join(lines) + "\n\n" + GLANCE_LEGEND
 
 
 def long_context_table(df: pd.DataFrame) -> str:
@@ -230,7 +256,7 @@ def long_context_table(df: pd.DataFrame) -> str:
     lon = df[df.suite == "long"]
     ref = _ref(df, "long")
     note = (f"Retrieval: {int(ref.retrieval_questions)} questions of {int(ref.retrieval_candidates)} passages "
-            f"(chance {1 / ref.retrieval_candidates:.2f}); QMSum: {int(ref.qmsum_tokens)} scored tokens.\n\n")
+            f"(chance {1 / ref.retrieval_candidates:.3g}); QMSum: {int(ref.qmsum_tokens)} scored tokens.\n\n")
     head = (MEMORY_HEAD + " | retrieval top-1 | QMSum ppl (vs 16-bit) | tokens/s | preemptions |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for _, r in _order(lon).iterrows():
@@ -432,29 +458,42 @@ def targets(df: pd.DataFrame, scores: pd.DataFrame | None = None) -> str:
 
 
 def write_report(results: Path, out_dir: Path) -> list[Path]:
-    """Write every figure and table for the results table at ``results`` into ``out_dir``; returns their paths."""
+    """Write every figure and table for the results table at ``results`` into ``out_dir``; returns their paths.
+    Every table is made before any file is written, so a table that cannot be made leaves the folder as it was."""
     df = read_results(results)
     check_workloads(df)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    bad = _ok(df)[~(_ok(df).expert_bytes_16bit > 0)]
+    if not bad.empty:
+        raise ValueError(f"{len(bad)} completed runs have no 16-bit expert bytes (expert_bytes_16bit; first: "
+                         f"{bad.policy.iloc[0]} at {bad.budget.iloc[0]}): the table is damaged; make it again with "
+                         "`pwrun eval run` or `pwrun eval sweep`")
     source = f"Generated by `pwrun eval report` from `{results.name}`; every number is measured by `pwrun eval`.\n\n"
+    tables: dict[str, str] = {}
     if (df.suite == "text").any():
-        quality_memory_figure(df, out_dir / "quality_memory.png")
-        quality_memory_figure(df, out_dir / "expert_memory.png", x="expert_share")
-        (out_dir / "quality_memory.md").write_text(
+        tables["quality_memory.md"] = (
             "# Quality vs memory (text suite)\n\n" + source + "## At a glance\n\nPerplexity change against 16-bit "
             "(WikiText-2 / C4) and expert bytes in force (time-averaged share of their 16-bit bytes), per total "
             "memory budget.\n\n" + glance_table(df) + "\n\n## Every run\n\n" + quality_memory_table(df) + "\n")
-        (out_dir / "ablations.md").write_text("# Ablations (text suite)\n\n" + source + ablation_table(df) + "\n")
-        (out_dir / "targets.md").write_text("# Quality targets, checked\n\n" + source
-                                            + targets(df, read_scores(results)) + "\n")
-        written += [out_dir / n for n in ("quality_memory.png", "expert_memory.png", "quality_memory.md",
-                                          "ablations.md", "targets.md")]
+        tables["ablations.md"] = "# Ablations (text suite)\n\n" + source + ablation_table(df) + "\n"
+        tables["targets.md"] = ("# Quality targets, checked\n\n" + source + targets(df, read_scores(results))
+                                + "\n")
     if (df.suite == "long").any():
+        tables["long_context.md"] = ("# Long context (retrieval + QMSum)\n\n" + source + long_context_table(df)
+                                     + "\n")
+    if not tables:
+        raise ValueError(f"it holds no runs: add some with `pwrun eval run --out {results}`")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if "quality_memory.md" in tables:
+        quality_memory_figure(df, out_dir / "quality_memory.png")
+        quality_memory_figure(df, out_dir / "expert_memory.png", x="expert_share")
+        written += [out_dir / "quality_memory.png", out_dir / "expert_memory.png"]
+    if "long_context.md" in tables:
         long_context_figure(df, out_dir / "long_context.png")
-        (out_dir / "long_context.md").write_text("# Long context (retrieval + QMSum)\n\n" + source
-                                                 + long_context_table(df) + "\n")
-        written += [out_dir / "long_context.png", out_dir / "long_context.md"]
+        written.append(out_dir / "long_context.png")
+    for name, text in tables.items():
+        (out_dir / name).write_text(text)
+        written.append(out_dir / name)
     return written
 
 

@@ -74,8 +74,8 @@ def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | N
     columns = (TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
     with progress(console, *columns, transient=True) as bar:
-        # the task, its clock and its rate start at the first token (after loading, placement and warm-up), near the
-        # run summary's start, not at process start
+        # the task, its clock and its rate start with the run (after loading, placement and warm-up), as the run
+        # summary's clock does, not at process start
         first: list[tuple[TaskID, float, int]] = []
 
         def update(done: int, tokens: int) -> None:

@@ -127,8 +127,8 @@ def run_generation(engine: LLMEngine, tokenizer: Any, prompts: list[str],
     """Run ``engine`` (holding requests 0..n-1 for ``prompts``) to completion; generations in prompt order.
 
     ``on_text(i, new text)`` streams request i's text (whole characters only); ``on_progress(finished requests,
-    generated tokens)`` is called after every sampled token; ``on_wait(arrival, seconds to it)`` once per long idle
-    wait for an arrival (``LLMEngine.run_until_done``).
+    generated tokens)`` is called once before the first step and after every sampled token; ``on_wait(arrival,
+    seconds to it)`` once per long idle wait for an arrival (``LLMEngine.run_until_done``).
     """
     printed = [""] * len(prompts)
     counts = [0, 0]  # finished requests, generated tokens
@@ -146,6 +146,8 @@ def run_generation(engine: LLMEngine, tokenizer: Any, prompts: list[str],
             seen[o.rid] = len(o.token_ids)
             on_progress(counts[0], counts[1])
 
+    if on_progress is not None:  # the run starts now (the engine is built and warm): its clock starts here
+        on_progress(0, 0)
     try:
         engine.run_until_done(on_output, on_wait)
     except KeyboardInterrupt as exc:

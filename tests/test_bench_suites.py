@@ -223,7 +223,7 @@ def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None
 @pytest.mark.parametrize("policies", ["nonsense", "pagedweight,,uniform", "pagedweight-peak,pagedweight-peak"])
 def test_workload_policies_are_checked_before_anything_runs(policies: str) -> None:
     """An unknown, empty or repeated --workload-policies name is an argument error naming the choices, not an error
-    row per workload after the model was built."""
+    row per workload after the model was built; so is a workload other than w1 and w2."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "bench.serving", "--device", "cpu", "--skip-table", "--workload",
                            "w1", "--workload-policies", policies], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -231,3 +231,7 @@ def test_workload_policies_are_checked_before_anything_runs(policies: str) -> No
     assert done.returncode == 2 and not done.stdout
     assert f"--workload-policies {policies}: give each of pagedweight," in done.stderr
     assert "pagedweight-peak at most once" in done.stderr and "Traceback" not in done.stderr
+    if policies == "nonsense":
+        done = subprocess.run([sys.executable, "-m", "bench.serving", "--device", "cpu", "--skip-table", "--workload",
+                               "w9"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 2 and "--workload w9: give w1, w2 or w1,w2" in done.stderr

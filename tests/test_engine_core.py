@@ -151,6 +151,14 @@ def test_the_reload_reserve_sets_how_far_ahead_reloads_leave_room(reserve: int |
     assert w.promoted_blocks > 0  # once the requests finished, planes came back either way
 
 
+@pytest.mark.parametrize("bad", [-1, True, 1.5, float("nan"), "3"])
+def test_the_reload_reserve_is_a_token_count_or_none(bad: object) -> None:
+    with pytest.raises(ValueError, match="reload_reserve_tokens must be a token count >= 0 or None"):
+        EngineConfig(reload_reserve_tokens=bad)  # type: ignore[arg-type]
+    assert EngineConfig(reload_reserve_tokens=None).reload_reserve_tokens is None
+    assert EngineConfig().reload_reserve_tokens == 32
+
+
 def test_policy_is_a_function_of_its_inputs() -> None:
     """Two cores fed the same requests make the same decisions, step by step (no hidden state, no clock)."""
     runs = []

@@ -15,13 +15,17 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
-from pweval.figures import glance_table, target_a
+from pweval.figures import glance_table, target_a, write_report
+from pweval.results import _write, read_table
 from pwformat.errors import PagedWeightError
 from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.engine.tables import with_damage
 
+ROOT = Path(__file__).resolve().parents[1]
 REF = pd.Series({"wikitext2_ppl": 100.0, "c4_ppl": 80.0})
 
 
@@ -74,22 +78,32 @@ def _table() -> BlockTable:
 
 
 def test_the_glance_table_reads_each_policy_at_each_budget() -> None:
-    """One row per PagedWeight budget; uniform at its own footprint, else the widest uniform that fits."""
+    """One row per PagedWeight budget, the others matched by total memory (not by label: plain sizes all read
+    'custom'); uniform at its own footprint, else the widest uniform that fits; a repeated run: the last; a failed
+    PagedWeight run: its note."""
     rows = []
     for policy, budget, mib, bits, share, w, c in [
             ("16-bit", "FP16", 60.0, 16, 1.0, 100.0, 80.0), ("uniform", "U3", 40.0, 3, 0.23, 116.0, 92.0),
             ("uniform", "U4", 42.0, 4, 0.31, 104.0, 82.4), ("static", "U3", 40.0, 3, 0.25, 108.0, 84.0),
-            ("pagedweight", "U3", 40.0, 3, 0.29, 107.0, 83.0), ("pagedweight", "U3.5", 41.0, 3, 0.30, 104.0, 81.6),
-            ("oracle", "U3.5", 41.0, 3, 0.27, 103.0, 81.0), ("pagedweight", "U4", 42.0, 4, 0.34, 101.0, 80.4)]:
+            ("pagedweight", "U3", 40.0, 3, 0.29, 150.0, 150.0), ("pagedweight", "U3", 40.0, 3, 0.29, 107.0, 83.0),
+            ("pagedweight", "custom", 41.0, 3, 0.30, 104.0, 81.6), ("oracle", "custom", 41.0, 3, 0.27, 103.0, 81.0),
+            ("static", "custom", 45.0, 3, 0.40, 99.0, 79.2), ("pagedweight", "U4", 42.0, 4, 0.34, 101.0, 80.4)]:
         rows.append({"suite": "text", "policy": policy, "budget": budget, "gpu_memory": mib * 2**20, "bits": bits,
                      "expert_bytes_mean": share * 1000.0, "expert_bytes_16bit": 1000, "wikitext2_ppl": w,
                      "c4_ppl": c, "note": None})
-    lines = glance_table(pd.DataFrame(rows)).splitlines()[2:]
-    assert [line.split(" | ")[0] for line in lines] == ["| U3 40.0 MiB", "| U3.5 41.0 MiB", "| U4 42.0 MiB"]
+    rows.append({**rows[-1], "budget": "U5", "gpu_memory": 46.0 * 2**20, "note": "infeasible: budget too small"})
+    md = glance_table(pd.DataFrame(rows))
+    lines = [line for line in md.splitlines()[2:] if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in lines] == ["| U3 40.0 MiB", "| custom 41.0 MiB", "| U4 42.0 MiB",
+                                                        "| U5 46.0 MiB"]
     assert lines[0] == ("| U3 40.0 MiB | 3-bit: +16.00% / +15.00% (23%) | +8.00% / +5.00% (25%) |  | "
                         "+7.00% / +3.75% (29%) |")
-    assert lines[1].startswith("| U3.5 41.0 MiB | (3-bit fits) |  | +3.00% / +1.25% (27%) | +4.00% / +2.00% (30%)")
+    # the static run at 45 MiB shares the label 'custom' but not the memory: not in the 41 MiB row
+    assert lines[1] == "| custom 41.0 MiB | (3-bit fits) |  | +3.00% / +1.25% (27%) | +4.00% / +2.00% (30%) |"
     assert "4-bit: +4.00% / +3.00% (31%)" in lines[2]
+    assert lines[3].endswith("| not run: infeasible: budget too small |")
+    assert "U<b>: the static footprint of uniform b-bit experts" in md
+    assert "No PagedWeight run" in glance_table(pd.DataFrame([r for r in rows if r["policy"] != "pagedweight"]))
 
 
 def test_with_damage_replaces_the_sensitivities_block_by_block(tmp_path: Path) -> None:
@@ -126,9 +140,27 @@ def test_a_report_refuses_rows_of_different_workloads() -> None:
     from pweval.figures import _ref, check_workloads
 
     rows = pd.DataFrame([{"suite": "text", "policy": p, "requests": n, "prompt_tokens": 192, "continuation_tokens": 64,
-                          "seed": 0} for p, n in (("pagedweight", 8), ("16-bit", 96))])
+                          "seed": 0, "note": None} for p, n in (("pagedweight", 8), ("16-bit", 96))])
     with pytest.raises(ValueError, match=r"2 different workloads \(8 requests of 192 \+ 64 tokens"):
         check_workloads(rows)
     check_workloads(rows.assign(requests=8))
     with pytest.raises(ValueError, match="--policy 16-bit --requests 4 --prompt-tokens 192"):
         _ref(rows.iloc[:1], "text")
+
+
+def test_a_report_that_cannot_be_made_writes_nothing(tmp_path: Path) -> None:
+    """The long suite without its 16-bit row: the error names the command that adds it, and no table or figure of
+    the text suite was written before it; a text 16-bit run that failed is named as such."""
+    table = read_table(ROOT / "docs/eval/results.parquet")
+    no_long_ref = table.filter(pc.invert(pc.and_(pc.equal(table["suite"], "long"),
+                                                 pc.equal(table["policy"], "16-bit"))))
+    _write(no_long_ref, tmp_path / "r.parquet")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="no 16-bit row for the long suite: add one with `pwrun eval run --suite long"):
+        write_report(tmp_path / "r.parquet", out)
+    assert not out.exists() or not any(out.iterdir())
+    is_text_ref = pc.and_(pc.equal(table["suite"], "text"), pc.equal(table["policy"], "16-bit"))
+    notes = pc.if_else(is_text_ref, pa.scalar("killed"), table["note"])
+    _write(table.set_column(table.schema.get_field_index("note"), "note", notes), tmp_path / "f.parquet")
+    with pytest.raises(ValueError, match=r"text suite's 16-bit run did not complete \(killed\)"):
+        write_report(tmp_path / "f.parquet", out)

@@ -45,8 +45,10 @@ class EngineConfig:
             raise ValueError("block_size, max_batch and max_step_tokens must be >= 1, lookahead_tokens >= 0")
         if self.stats_every < 1 or self.max_raise_blocks < 0:
             raise ValueError("stats_every must be >= 1 and max_raise_blocks >= 0")
-        if self.reload_reserve_tokens is not None and self.reload_reserve_tokens < 0:
-            raise ValueError(f"reload_reserve_tokens must be >= 0 or None, got {self.reload_reserve_tokens}")
+        r = self.reload_reserve_tokens
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+            raise ValueError(f"reload_reserve_tokens must be a token count >= 0 or None (up to each request's last "
+                             f"token), got {r!r}")
         if (not isinstance(self.precompile_workers, int) or isinstance(self.precompile_workers, bool)
                 or self.precompile_workers < -1):
             raise ValueError(f"precompile_workers must be -1 (one per core, up to 8), 0 (off) or a process count, "
