@@ -65,6 +65,7 @@ class WeightPolicy:
         self._pending: dict[int, tuple[int, ...]] = {}  # reload batch id -> blocks, in flight
         self._next_batch = 0
         self._no_room: tuple[Any, ...] | None = None  # ``_room_key`` of the last request for room that failed
+        self._free_seen: list[int] = []  # free KV blocks after the last ``reload_window`` steps
 
     def take_moves(self) -> WeightMoves:
         moves, self.moves = self.moves, WeightMoves()
@@ -151,6 +152,7 @@ class WeightPolicy:
         """After sampling: pressure (Eq. 7) -> lower (not overlapped: else reload); then prepare the next plan."""
         if self.planner is None:
             return
+        self._free_seen = [*self._free_seen[-self.planner.cfg.reload_window:], self.alloc.num_free]
         d = self.planner.pressure(self.alloc.num_free, self.kv_block_bytes)
         self.step.pressure_bytes = d
         if d > 0:
@@ -186,8 +188,9 @@ class WeightPolicy:
         """Sustained slack -> start reloads (SPEC section 6); the runner's copies wait for the running step."""
         if self.planner is None or not self.planner.cfg.movement:
             return
-        free = self.alloc.num_free
         cfgp = self.planner.cfg
+        # the slack that lasted: the least free blocks now and after the last reload_window - 1 steps
+        free = min([self.alloc.num_free, *self._free_seen[max(0, len(self._free_seen) - cfgp.reload_window + 1):]])
         if free <= cfgp.reload_threshold or self.planner.pressure(free, self.kv_block_bytes) > 0:
             return
         t0 = time.perf_counter()
