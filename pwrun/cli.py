@@ -32,6 +32,7 @@ from pwrun.cli_common import (
     ModelOpt,
     NoVerifyOpt,
     PolicyOpt,
+    ReloadReserveOpt,
     ThreadsOpt,
     budget_bytes,
     check_writable_file,
@@ -39,6 +40,7 @@ from pwrun.cli_common import (
     make_console,
     open_artifact,
     policy_dtype,
+    reload_reserve,
     set_threads,
     user_errors,
     warn_missing_tables,
@@ -166,6 +168,7 @@ def generate(
                                                         "CPU).")] = None,
     debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
                                                "every step.")] = False,
+    reload_reserve_tokens: ReloadReserveOpt = "32",
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
     no_verify: NoVerifyOpt = False,
     threads: ThreadsOpt = None,
@@ -213,6 +216,7 @@ def generate(
         if dense and artifacts is not None:
             raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: drop --artifacts")
         budget = budget_bytes(gpu_memory)  # an empty or unreadable value is refused first
+        reserve = reload_reserve(reload_reserve_tokens)
         plain = artifacts is None and not dense  # the 16-bit model with the budget the run needs
         if plain and (gpu_memory is not None or bits is not None or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`), or "
@@ -259,7 +263,7 @@ def generate(
             warn_missing_tables(art, [policy], model_dir)
         cfg = ServeConfig(budget, serve_policy,
                           EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
-                                       debug_checks=debug_checks))
+                                       debug_checks=debug_checks, reload_reserve_tokens=reserve))
         with _progress(len(texts), not stream) as on_progress:
             try:
                 results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,

@@ -52,6 +52,24 @@ DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype:
                                        "--policy 16-bit, else fp32 on CPU), float32, bfloat16 or float16.")]
 
 
+ReloadReserveOpt = Annotated[str, typer.Option(
+    "--reload-reserve", help="With --policy pagedweight: tokens ahead of each running request whose KV blocks reloaded expert planes "
+         "must leave free (an integer >= 0); 'last' keeps room up to each request's last token (fewer copies back "
+         "to the GPU, lower bits while the KV cache is large). Larger: less movement; smaller: planes come back "
+         "sooner as the KV cache shrinks.")]
+
+
+def reload_reserve(value: str) -> int | None:
+    """``--reload-reserve`` as ``EngineConfig.reload_reserve_tokens``: a token count, or None for 'last'."""
+    text = value.strip().lower()
+    if text == "last":
+        return None
+    if not text.isdigit() or not text.isascii():
+        raise PagedWeightError(f"--reload-reserve {value!r} is not allowed: give a number of tokens >= 0 (default "
+                               "32) or 'last' (up to each request's last token)")
+    return int(text)
+
+
 DEFAULT_GPU_MEMORY = "4GiB"
 
 

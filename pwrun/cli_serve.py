@@ -22,12 +22,14 @@ from pwrun.cli_common import (
     ModelOpt,
     NoVerifyOpt,
     PolicyOpt,
+    ReloadReserveOpt,
     ThreadsOpt,
     budget_bytes,
     default_model,
     make_console,
     open_artifact,
     policy_dtype,
+    reload_reserve,
     set_threads,
     user_errors,
     warn_missing_tables,
@@ -84,6 +86,7 @@ def serve(
     dtype: DtypeOpt = "auto",
     debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
                                                "every step.")] = False,
+    reload_reserve_tokens: ReloadReserveOpt = "32",
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), "
                                            "debug.")] = "info",
     no_verify: NoVerifyOpt = False,
@@ -108,6 +111,7 @@ def serve(
         if dense and artifacts is not None:
             raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: drop --artifacts")
         budget = budget_bytes(gpu_memory)
+        reserve = reload_reserve(reload_reserve_tokens)
         if artifacts is None and not dense and (gpu_memory is not None or bits is not None
                                                  or policy != "pagedweight"):
             raise PagedWeightError("--gpu-memory, --policy and --bits need --artifacts DIR (from `pwcal run-all`), or "
@@ -137,7 +141,8 @@ def serve(
             serve_policy.check_bits(art.bits)
             warn_missing_tables(art, [policy], model_dir)
         cfg = ServeConfig(budget, serve_policy,
-                          EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens, debug_checks=debug_checks))
+                          EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens, debug_checks=debug_checks,
+                                       reload_reserve_tokens=reserve))
         name = served_model_name or Path(model_dir).resolve().name
         build = functools.partial(build_serving_engine, model_dir, artifacts, cfg, context, device, dtype)
         server = Server(build, tok, name, ServeLimits(context, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import re
@@ -13,9 +14,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import pwrun.cli
+import pwrun.serve.server
 from pwcal.cli import app as pwcal_app
 from pwrun.cli import app
 from pwrun.data import default_model_dir
+from pwrun.engine.build import ServeConfig
 
 MODEL = default_model_dir()
 runner = CliRunner()
@@ -175,6 +179,9 @@ NO_MODEL = ["--model", "/nonexistent/model"]  # an error about the model would m
         (["--prompt", "x", "--seed", "-1"], "--seed -1 is out of range"),
         (["--prompt", "x", "--policy", "16-bit", "--gpu-memory", ""], "--gpu-memory is empty"),  # an unset variable
         (["--prompt", "x", "--gpu-memory", " "], "--gpu-memory is empty"),
+        (["--prompt", "x", "--reload-reserve", "-1"], "--reload-reserve '-1' is not allowed"),
+        (["--prompt", "x", "--reload-reserve", "soon"], "give a number of tokens >= 0 (default 32) or 'last'"),
+        (["--prompt", "x", "--reload-reserve", "\u0663"], "is not allowed"),  # a digit, but not 0-9
     ],
 )
 def test_bad_generate_options_are_refused_before_loading(args: list[str], message: str) -> None:
@@ -689,3 +696,27 @@ def test_help_reads_at_80_columns(cli, args: list[str], sentence: str) -> None: 
     r = CliRunner().invoke(cli, args, env={"COLUMNS": "80"})
     assert r.exit_code == 0 and max(map(len, r.stdout.splitlines())) <= 80, r.stdout
     assert sentence in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(("value", "tokens"), [("last", None), ("7", 7), (" LAST ", None)])
+def test_reload_reserve_reaches_the_engine(calibrated_artifacts: Path, monkeypatch: pytest.MonkeyPatch, value: str,
+                                           tokens: int | None) -> None:
+    """``--reload-reserve`` of generate and serve becomes ``EngineConfig.reload_reserve_tokens`` (default 32)."""
+    seen = []
+
+    def generate(_model: object, _artifacts: object, _texts: object, _tok: object, cfg: ServeConfig,
+                 *args: object, **kwargs: object) -> None:
+        seen.append(cfg.engine.reload_reserve_tokens)
+        raise KeyboardInterrupt
+
+    def server(build: functools.partial[object], *args: object) -> None:  # the engine's builder, cfg its 3rd arg
+        seen.append(build.args[2].engine.reload_reserve_tokens)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pwrun.cli, "serve_prompts", generate)
+    monkeypatch.setattr(pwrun.serve.server, "Server", server)
+    art = ["--artifacts", str(calibrated_artifacts), "--device", "cpu"]
+    for extra in ([], ["--reload-reserve", value]):
+        runner.invoke(app, ["generate", "--prompt", "x", *art, *extra])
+        runner.invoke(app, ["serve", "--port", "0", *art, *extra])
+    assert seen == [32, 32, tokens, tokens]
