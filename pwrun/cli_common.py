@@ -53,7 +53,8 @@ DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype:
 
 
 ReloadReserveOpt = Annotated[str, typer.Option(
-    "--reload-reserve", help="With --policy pagedweight: tokens ahead of each running request whose KV blocks reloaded expert planes "
+    "--reload-reserve",
+    help="With --policy pagedweight: tokens ahead of each running request whose KV blocks reloaded expert planes "
          "must leave free (an integer >= 0); 'last' keeps room up to each request's last token (fewer copies back "
          "to the GPU, lower bits while the KV cache is large). Larger: less movement; smaller: planes come back "
          "sooner as the KV cache shrinks.")]
