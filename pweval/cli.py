@@ -29,11 +29,13 @@ from pwrun.cli_common import (
     DtypeOpt,
     ModelOpt,
     NoVerifyOpt,
+    ReloadReserveOpt,
     ThreadsOpt,
     check_writable_file,
     default_model,
     make_console,
     open_artifact,
+    reload_reserve,
     set_threads,
     user_errors,
     warn_missing_tables,
@@ -108,6 +110,7 @@ def run(
                                                 "bits, kl; tools/oracle_allocation.py) in place of the artifact's "
                                                 "sensitivities; rows are named 'oracle' (--policy static) or "
                                                 "'<policy>+oracle'.")] = None,
+    reload_reserve_tokens: ReloadReserveOpt = "32",
     artifacts: ArtifactsOpt = DEMO_ARTIFACTS,
     model: ModelOpt = None,
     device: DeviceOpt = "cpu",
@@ -136,6 +139,7 @@ def run(
         if damage is not None and (policy in ("16-bit", "uniform") or not POLICIES[policy].use_sensitivity):
             raise PagedWeightError(f"--damage: --policy {policy} does not rank blocks by damage, so it would not "
                                    "read the table (use static, pagedweight or an ablation that ranks)")
+        reserve = reload_reserve(reload_reserve_tokens)
         set_threads(threads)
         open_artifact(artifacts, model or default_model(), not no_verify)
         ev = Evaluator(model or default_model(), artifacts, device, dtype)
@@ -159,6 +163,10 @@ def run(
                                       continuation_tokens=continuation_tokens or ls.continuation_tokens, seed=seed,
                                       max_batch=concurrency or ls.max_batch,
                                       max_step_tokens=max_step_tokens or ls.max_step_tokens))
+        tag = ""  # rows served with another reload reserve than the default are named '<policy>+reserve<N|last>'
+        if reserve != s.engine.reload_reserve_tokens:
+            s = replace(s, engine=replace(s.engine, reload_reserve_tokens=reserve))
+            tag = f"+reserve{'last' if reserve is None else reserve}"
         show = _progress(time.perf_counter())
         if policy == "16-bit":
             ev.measure_peak_kv(s)
@@ -181,8 +189,9 @@ def run(
         known = {**budgets(ev, s, labels), **sizes}
         for x in specs:
             budget = known[x]
+            name = None if damage is None else "oracle" if policy == "static" else f"{policy}+oracle"
             row = ev.run(s, policy, budget, x if is_label(x) else "custom", bits, damage=damage,
-                         name=None if damage is None else "oracle" if policy == "static" else f"{policy}+oracle")
+                         name=(name or policy) + tag if tag else name)
             append_rows(out, [row], ev.scores(row))
             show(row)
         if trace is not None and ev.last.trace is not None:

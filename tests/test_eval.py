@@ -189,6 +189,7 @@ def _eval(*args: str) -> tuple[int, str]:
     (["run", "--out", "{tmp}/r.parquet", "--prompt-tokens", "4000"], "exceeds the model's context"),
     (["run", "--out", "{tmp}/missing/r.parquet"], "/missing does not exist; create it"),
     (["report", "--results", "{tmp}/none.parquet"], "does not exist"),
+    (["run", "--out", "{tmp}/r.parquet", "--reload-reserve", "soon"], "--reload-reserve 'soon' is not allowed"),
     (["run", "--out", "{tmp}/r.parquet", "--damage", "{tmp}/none.parquet"], "no such file"),
     (["run", "--out", "{tmp}/r.parquet", "--damage", "{tmp}", "--gpu-memory", "U4"], "no such file"),
     (["sweep", "--out", "{tmp}/s", "--oracle", "{tmp}/none.parquet"], "no such file"),
@@ -228,6 +229,12 @@ def test_cli_run_appends_rows_and_writes_a_trace(calibrated_artifacts: Path, tmp
                           str(tmp_path / "damage.parquet"), "--gpu-memory", "U4", *small)
         assert code == 0, err
     assert read_results(tmp_path / "o.parquet").policy.tolist() == ["oracle", "pagedweight+oracle"]
+    for extra in (["--reload-reserve", "last"], ["--reload-reserve", "32"],
+                  ["--reload-reserve", "16", "--damage", str(tmp_path / "damage.parquet")]):
+        code, err = _eval("run", "--out", str(tmp_path / "v.parquet"), "--gpu-memory", "U4", *extra, *small)
+        assert code == 0, err
+    assert read_results(tmp_path / "v.parquet").policy.tolist() == [  # the default 32 is plain pagedweight
+        "pagedweight+reservelast", "pagedweight", "pagedweight+oracle+reserve16"]
     t = pd.read_parquet(trace)
     assert {"free_blocks", "pressure_bytes", "mean_bits", "bits_hist"} <= set(t.columns)
     pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "foreign.parquet")
