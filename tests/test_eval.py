@@ -20,13 +20,13 @@ import pytest
 from typer.testing import CliRunner
 
 from pweval.cli import app
-from pweval.figures import paired_change
 from pweval.meetings import meeting_texts, qmsum_workload
 from pweval.results import SCHEMA, append_rows, read_results, read_scores, rename, request_scores
 from pweval.retrieval import RetrievalItem, RetrievalSpec, build_items, retrieval_workload, scores
 from pweval.retrieval import accuracy as retrieval_accuracy
 from pweval.runs import Evaluator, TextSpec
 from pweval.scoring import reference_logprobs
+from pweval.tables import paired_change, targets
 from pweval.workload import Request, Workload, text_workload
 from pwformat.cost import kv_block_bytes
 from pwformat.errors import PagedWeightError
@@ -280,8 +280,6 @@ def test_quick_sweep_writes_the_table_figures_and_markdown(quick_sweep: Path) ->
 
 
 def test_targets_without_uniform_runs_say_not_evaluated(quick_sweep: Path) -> None:
-    from pweval.figures import targets
-
     df = read_results(quick_sweep / "results.parquet")
     md = targets(df[df.policy != "uniform"])
     assert "**not evaluated: no uniform run" in md and "no uniform run | | | n/a" in md

@@ -19,8 +19,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from pweval.figures import glance_table, target_a, write_report
+from pweval.figures import write_report
 from pweval.results import _write, read_table
+from pweval.tables import check_workloads, glance_table, reference_row, target_a
 from pwformat.errors import PagedWeightError
 from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.engine.tables import with_damage
@@ -137,15 +138,13 @@ def test_with_damage_replaces_the_sensitivities_block_by_block(tmp_path: Path) -
 
 
 def test_a_report_refuses_rows_of_different_workloads() -> None:
-    from pweval.figures import _ref, check_workloads
-
     rows = pd.DataFrame([{"suite": "text", "policy": p, "requests": n, "prompt_tokens": 192, "continuation_tokens": 64,
                           "seed": 0, "note": None} for p, n in (("pagedweight", 8), ("16-bit", 96))])
     with pytest.raises(ValueError, match=r"2 different workloads \(8 requests of 192 \+ 64 tokens"):
         check_workloads(rows)
     check_workloads(rows.assign(requests=8))
     with pytest.raises(ValueError, match="--policy 16-bit --requests 4 --prompt-tokens 192"):
-        _ref(rows.iloc[:1], "text")
+        reference_row(rows.iloc[:1], "text")
 
 
 def test_a_report_that_cannot_be_made_writes_nothing(tmp_path: Path) -> None:
