@@ -25,6 +25,7 @@ from pweval.sweep import QUICK, SweepSpec, budgets, is_label, run_sweep
 from pwformat.errors import PagedWeightError
 from pwrun import cli as runtime_cli
 from pwrun.cli_common import (
+    DEFAULT_RELOAD_RESERVE,
     DeviceOpt,
     DtypeOpt,
     ModelOpt,
@@ -110,7 +111,7 @@ def run(
                                                 "bits, kl; tools/oracle_allocation.py) in place of the artifact's "
                                                 "sensitivities; rows are named 'oracle' (--policy static) or "
                                                 "'<policy>+oracle'.")] = None,
-    reload_reserve_tokens: ReloadReserveOpt = "32",
+    reload_reserve_tokens: ReloadReserveOpt = DEFAULT_RELOAD_RESERVE,
     artifacts: ArtifactsOpt = DEMO_ARTIFACTS,
     model: ModelOpt = None,
     device: DeviceOpt = "cpu",

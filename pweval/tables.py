@@ -24,6 +24,7 @@ ORACLE_MARGIN = 0.05  # target (a): the 1% point at most 5 points of the 16-bit 
 ORACLE_WITHIN = 0.005  # target (a): perplexity within 0.5% of the oracle's static allocation at the same bytes
 
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The runs of ``df`` (results rows, ``pweval.results.SCHEMA``) that completed: no ``note``."""
     return df[df.note.isna()]
 
 
@@ -52,6 +53,8 @@ def check_workloads(df: pd.DataFrame) -> None:
 
 
 def reference_row(df: pd.DataFrame, suite: str) -> pd.Series:
+    """The last completed 16-bit run of ``suite``, the base of every change; ``ValueError`` (naming the command that
+    adds it) if the suite has none or its 16-bit run failed."""
     ref = df[(df.suite == suite) & (df.policy == "16-bit")]
     if not ref.empty and ok_rows(ref).empty:
         raise ValueError(f"the {suite} suite's 16-bit run did not complete ({ref.note.iloc[-1]}): run it again with "
@@ -71,15 +74,14 @@ def _pct(x: float, base: float) -> str:
 
 
 def row_at(d: pd.DataFrame, policy: str, label: str) -> pd.Series | None:
-    """The row of ``policy`` at budget ``label``; uniform is taken at its own footprint U<b> = ``label``."""
-    if policy == "uniform":
-        rows = d[(d.policy == "uniform") & (d.budget == label)]
-    else:
-        rows = d[(d.policy == policy) & (d.budget == label)]
+    """The last row of ``policy`` at budget ``label`` (None: none); uniform b runs at its own footprint U<b>, so
+    uniform at ``label`` is the uniform run whose footprint that is."""
+    rows = d[(d.policy == policy) & (d.budget == label)]
     return None if rows.empty else rows.iloc[-1]
 
 
 def budget_of(d: pd.DataFrame, label: str) -> float:
+    """Total memory in bytes of budget ``label`` (e.g. U4) in ``d``, its first row's."""
     return float(d[d.budget == label].gpu_memory.iloc[0])
 
 

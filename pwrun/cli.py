@@ -25,6 +25,7 @@ from pwformat.atomic import write_atomic
 from pwformat.errors import PagedWeightError
 from pwrun.ap.dense import dense_model
 from pwrun.cli_common import (
+    DEFAULT_RELOAD_RESERVE,
     BitsOpt,
     DeviceOpt,
     DtypeOpt,
@@ -168,7 +169,7 @@ def generate(
                                                         "CPU).")] = None,
     debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
                                                "every step.")] = False,
-    reload_reserve_tokens: ReloadReserveOpt = "32",
+    reload_reserve_tokens: ReloadReserveOpt = DEFAULT_RELOAD_RESERVE,
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
     no_verify: NoVerifyOpt = False,
     threads: ThreadsOpt = None,

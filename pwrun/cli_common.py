@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 
 from pwformat.errors import PagedWeightError
 from pwrun.ap.artifact import APArtifact
+from pwrun.core.config import EngineConfig
 from pwrun.core.policy import POLICIES
 from pwrun.data import default_model_dir
 from pwrun.engine.budget import parse_size
@@ -52,6 +53,7 @@ DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype:
                                        "--policy 16-bit, else fp32 on CPU), float32, bfloat16 or float16.")]
 
 
+DEFAULT_RELOAD_RESERVE = str(EngineConfig.reload_reserve_tokens)  # the engine's default, as the CLI writes it
 ReloadReserveOpt = Annotated[str, typer.Option(
     "--reload-reserve",
     help="With --policy pagedweight: tokens ahead of each running request whose KV blocks reloaded expert planes "
@@ -61,13 +63,14 @@ ReloadReserveOpt = Annotated[str, typer.Option(
 
 
 def reload_reserve(value: str) -> int | None:
-    """``--reload-reserve`` as ``EngineConfig.reload_reserve_tokens``: a token count, or None for 'last'."""
+    """``--reload-reserve`` as ``EngineConfig.reload_reserve_tokens``: a token count (ASCII digits), or None for
+    'last' (any case, spaces around ignored). Raises ``PagedWeightError`` for anything else."""
     text = value.strip().lower()
     if text == "last":
         return None
     if not text.isdigit() or not text.isascii():
         raise PagedWeightError(f"--reload-reserve {value!r} is not allowed: give a number of tokens >= 0 (default "
-                               "32) or 'last' (up to each request's last token)")
+                               f"{DEFAULT_RELOAD_RESERVE}) or 'last' (up to each request's last token)")
     return int(text)
 
 

@@ -15,6 +15,7 @@ import typer
 
 from pwformat.errors import BudgetTooSmall, PagedWeightError
 from pwrun.cli_common import (
+    DEFAULT_RELOAD_RESERVE,
     BitsOpt,
     DeviceOpt,
     DtypeOpt,
@@ -86,7 +87,7 @@ def serve(
     dtype: DtypeOpt = "auto",
     debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
                                                "every step.")] = False,
-    reload_reserve_tokens: ReloadReserveOpt = "32",
+    reload_reserve_tokens: ReloadReserveOpt = DEFAULT_RELOAD_RESERVE,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), "
                                            "debug.")] = "info",
     no_verify: NoVerifyOpt = False,

@@ -65,7 +65,6 @@ class WeightPolicy:
         self._pending: dict[int, tuple[int, ...]] = {}  # reload batch id -> blocks, in flight
         self._next_batch = 0
         self._no_room: tuple[Any, ...] | None = None  # ``_room_key`` of the last request for room that failed
-        self._free_seen: list[int] = []  # free KV blocks after the last ``reload_window`` steps
 
     def take_moves(self) -> WeightMoves:
         moves, self.moves = self.moves, WeightMoves()
@@ -152,7 +151,6 @@ class WeightPolicy:
         """After sampling: pressure (Eq. 7) -> lower (not overlapped: else reload); then prepare the next plan."""
         if self.planner is None:
             return
-        self._free_seen = [*self._free_seen[-self.planner.cfg.reload_window:], self.alloc.num_free]
         d = self.planner.pressure(self.alloc.num_free, self.kv_block_bytes)
         self.step.pressure_bytes = d
         if d > 0:
@@ -179,18 +177,19 @@ class WeightPolicy:
         self._prepare_next([s for s in running if s.rid not in gone], gone, overlapped=True)
         self.step.refresh_seconds, self.step.prepare_seconds = t1 - t0, time.perf_counter() - t2
 
-    def _ahead(self, s: RequestState, tokens: int) -> int:
-        """Tokens ``s`` may hold ``lookahead_tokens`` from now: never past its last token (a request about to
-        finish needs no more blocks; provisioning past its end demoted experts for KV nobody would use)."""
-        return min(tokens + self.cfg.lookahead_tokens, s.total_tokens)
+    def _ahead(self, s: RequestState, tokens: int, ahead: int | None = None) -> int:
+        """Tokens ``s`` may hold ``ahead`` tokens (None: ``lookahead_tokens``) past ``tokens``: never
+        past its last token (a request about to finish needs no more blocks; provisioning past its end demoted
+        experts for KV nobody would use)."""
+        ahead = self.cfg.lookahead_tokens if ahead is None else ahead
+        return min(tokens + ahead, s.total_tokens)
 
     def reload(self, overlapped: bool = False) -> None:
         """Sustained slack -> start reloads (SPEC section 6); the runner's copies wait for the running step."""
         if self.planner is None or not self.planner.cfg.movement:
             return
+        free = self.alloc.num_free
         cfgp = self.planner.cfg
-        # the slack that lasted: the least free blocks now and after the last reload_window - 1 steps
-        free = min([self.alloc.num_free, *self._free_seen[max(0, len(self._free_seen) - cfgp.reload_window + 1):]])
         if free <= cfgp.reload_threshold or self.planner.pressure(free, self.kv_block_bytes) > 0:
             return
         t0 = time.perf_counter()
@@ -202,9 +201,9 @@ class WeightPolicy:
         slots = max(0, self.cfg.max_batch - len(self.scheduler.running))
         soon = sum(self.tables.extra_blocks(s.rid, self._ahead(s, len(s.tokens)))
                    for s in list(self.scheduler.waiting)[:slots])
-        horizon = self.cfg.reload_reserve_tokens
-        soon += sum(self.tables.extra_blocks(s.rid, s.total_tokens if horizon is None else
-                                             min(s.computed + horizon, s.total_tokens))
+        reserve = self.cfg.reload_reserve_tokens
+        soon += sum(self.tables.extra_blocks(s.rid, s.total_tokens if reserve is None else
+                                             self._ahead(s, s.computed, reserve))
                     for s in self.scheduler.running)
         allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
         # the head of the plan (benefit-per-byte order), kept across steps while it holds

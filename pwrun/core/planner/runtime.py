@@ -30,8 +30,7 @@ class PlannerConfig:
     """Named planner parameters (SPEC section 5 leaves them to us).
 
     ``free_threshold``: T_blk of Eq. 7 (KV blocks kept free); ``reload_threshold``: free blocks above
-    which planes are reloaded (hysteresis, > T_blk); ``reload_window``: steps over which a reload takes the free
-    blocks at their least (1: now; more: only slack that lasted); ``alpha``: the prompt factor's strength (Eq. 6);
+    which planes are reloaded (hysteresis, > T_blk); ``alpha``: the prompt factor's strength (Eq. 6);
     ``online_weight``: weight of the live routing mass against the offline mass; ``decay``: per-step
     decay of the live statistics. ``use_*``/``movement``: the paper's ablations. ``overlapped``: the runtime
     refreshes d_hat (``refresh_if_stale``) and plans reloads while the device computes each step, so plans use
@@ -42,7 +41,6 @@ class PlannerConfig:
 
     free_threshold: int = 2
     reload_threshold: int = 8
-    reload_window: int = 1
     alpha: float = 1.0
     online_weight: float = 0.5
     decay: float = 0.9
@@ -55,8 +53,6 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if self.free_threshold < 0 or self.reload_threshold <= self.free_threshold:
             raise ValueError("need 0 <= free_threshold < reload_threshold")
-        if self.reload_window < 1:
-            raise ValueError(f"reload_window must be >= 1 step, got {self.reload_window}")
         if not 0 <= self.online_weight <= 1 or not 0 < self.decay < 1 or self.alpha < 0:
             raise ValueError("online_weight must be in [0, 1], decay in (0, 1), alpha >= 0")
 
