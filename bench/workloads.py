@@ -145,7 +145,7 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
         "floor_s": prompt_tokens * active / flops + dec_floor / bandwidth,
         "device_peak_bytes": s.get("device_peak_bytes"), "mean_bits": s.get("mean_bits"),
         "demoted_blocks": s.get("demoted_blocks"), "promoted_blocks": s.get("promoted_blocks"),
-        "preemptions": s.get("preemptions")}
+        "preemptions": s.get("preemptions"), "host_peak_rss_bytes": s.get("host_peak_rss_bytes")}
     for k, rows in kinds.items():
         secs = sum(r["seconds"] for r in rows)
         rec[f"{k}_steps"] = len(rows)
