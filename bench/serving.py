@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,7 @@ from bench.common import (
     prompts,
     random_model,
     read_records,
+    seed_spec,
     synthetic_table,
     table_at,
     write_random_checkpoint,
@@ -81,6 +83,7 @@ from pwformat.errors import BudgetTooSmall
 from pwrun.core.policy import POLICIES
 from pwrun.engine.budget import workspace_bytes
 from pwrun.engine.build import strip_experts
+from pwrun.model.inventory import host_memory
 from pwrun.model.lean import LeanMoEModel
 
 EQUAL_MEMORY_BITS = (4, 3)  # uniform bitwidths tried in PagedWeight's budget, highest first
@@ -196,18 +199,43 @@ def decode_table(args: argparse.Namespace, emit: Any) -> None:
             row("transformers eager bf16", b, 0, hf_run, args.config_dir, b, args.prompt_len, min(args.gen, 32))
 
 
-def _cli(*argv: str) -> float:
-    """Run ``python -m argv...`` from the repository root; its wall seconds. Raises on a non-zero exit."""
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Run ``cmd`` (``env``: its environment, default ours): its wall seconds and peak resident host memory (bytes,
+    from ``wait4``). Raises on a non-zero exit."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", *argv], check=True)
-    return time.perf_counter() - t
+    proc = subprocess.Popen(cmd, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return time.perf_counter() - t, usage.ru_maxrss * 1024
+
+
+def _cli(*argv: str, rss: dict[str, int] | None = None, env: dict[str, str] | None = None) -> float:
+    """Run ``python -m argv...`` from the repository root; its wall seconds, its peak host RSS in ``rss[argv[1]]``
+    (the stage's name). Raises on a non-zero exit."""
+    wall, peak = _run([sys.executable, "-m", *argv], env)
+    if rss is not None:
+        rss[argv[1]] = peak
+    return wall
+
+
+def host_rss_bound(config_dir: Path, device: str) -> tuple[int, int]:
+    """The host-memory target of the user path (``pwformat.cost.HostMemory.bound``: the artifact of every bitwidth
+    3..8 plus the non-expert weights in bf16, plus 10%) and the baseline it sits on: the peak RSS of a process that
+    imports the CLI and puts a tensor on ``device`` (a CUDA context) (bytes)."""
+    spec, _ = seed_spec(config_dir)
+    _, base = _run([sys.executable, "-c", f"import torch, pwrun.cli, pwcal.cli; torch.zeros(1, device='{device}')"])
+    return host_memory(spec, list(range(3, 9)), 2).bound(), base
 
 
 def user_path(args: argparse.Namespace, emit: Any) -> None:
     """Checkpoint -> pwcal quantize -> pwcal sensitivity -> pwrun generate, as a user runs them; one record. ``pwrun
-    generate`` runs twice, with ``--no-verify`` and then as a user runs it (the artifact re-hashed at start-up), to
-    give verification's share of the start-up; ``pwcal verify`` alone is timed too."""
+    generate`` runs three times with a Triton cache of its own: with ``--no-verify`` on the empty cache (cold
+    start-up), with ``--no-verify`` again (warm) and as a user runs it (the artifact re-hashed at start-up); ``pwcal
+    verify`` alone is timed too. Every stage's peak host RSS is kept beside the target (``host_rss_bound``)."""
     dev = args.device
+    rss: dict[str, int] = {}
     with tempfile.TemporaryDirectory(dir=args.workdir) as d:
         ckpt, art, p = Path(d) / "ckpt", Path(d) / "art", Path(d) / "prompts.jsonl"
         t = time.perf_counter()
@@ -215,10 +243,11 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
         rec: dict[str, Any] = {"model": args.config_dir.name, "system": "user path", "policy": args.user_policy,
                                "checkpoint_s": round(time.perf_counter() - t, 1)}
         cal = ["--samples", str(args.user_samples), "--seq-len", str(args.user_seq_len), "--device", dev]
-        rec["quantize_s"] = round(_cli("pwcal", "quantize", str(ckpt), "--out", str(art), *cal), 1)
+        rec["quantize_s"] = round(_cli("pwcal", "quantize", str(ckpt), "--out", str(art), *cal, rss=rss), 1)
         print(f"user path: checkpoint {rec['checkpoint_s']} s, quantize {rec['quantize_s']} s", flush=True)
         if args.user_policy != "uniform":  # uniform bits read no calibration table
-            rec["sensitivity_s"] = round(_cli("pwcal", "sensitivity", str(ckpt), "--artifacts", str(art), *cal), 1)
+            rec["sensitivity_s"] = round(_cli("pwcal", "sensitivity", str(ckpt), "--artifacts", str(art), *cal,
+                                              rss=rss), 1)
         if args.user_search:  # its defaults, as a user runs it (held-out windows of the sensitivity's --seq-len)
             rec["search_buckets_s"] = round(_cli("pwcal", "search-buckets", str(ckpt), "--artifacts", str(art),
                                                  "--device", dev), 1)
@@ -235,24 +264,33 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
         summary = Path(d) / "summary.json"
         policy = ["--policy", "uniform", "--bits", "4"] if args.user_policy == "uniform" else []
 
-        def generate(*extra: str) -> tuple[float, float]:
-            """Wall seconds of ``pwrun generate`` and its start-up (everything before the run's first step)."""
+        env = {**os.environ, "TRITON_CACHE_DIR": str(Path(d) / "triton")}  # empty: the first start-up is cold
+        starts: dict[str, dict[str, Any]] = {}
+
+        def generate(name: str, *extra: str) -> None:
+            """``pwrun generate`` as run ``name``: wall seconds, start-up (everything before the run's first step),
+            its phases and its peak host RSS."""
             wall = _cli("pwrun", "generate", "--model", str(ckpt), "--artifacts", str(art), "--prompts", str(p),
                         "--output", str(Path(d) / "out.jsonl"), "--gpu-memory", args.user_gpu_memory,
                         "--max-new-tokens", str(args.gen), "--max-batch", str(args.user_max_batch), "--device", dev,
-                        "--summary-json", str(summary), *policy, *extra)
-            return wall, wall - float(json.loads(summary.read_text())["wall_seconds"])
+                        "--summary-json", str(summary), *policy, *extra, rss=rss, env=env)
+            s = json.loads(summary.read_text())
+            starts[name] = {"wall_s": round(wall, 1), "startup_s": round(wall - float(s["wall_seconds"]), 1),
+                            "phases_s": {k: round(v, 1) for k, v in (s.get("startup_seconds") or {}).items()},
+                            "host_peak_rss_bytes": rss["generate"]}
+            print(f"user path: generate {name}: {starts[name]}", flush=True)
 
         rec["verify_s"] = round(_cli("pwcal", "verify", str(art)), 1)
-        # the artifact's checksums are re-hashed at every start unless --no-verify: its share of the start-up
-        bare, bare_start = generate("--no-verify")
-        print(f"user path: pwcal verify {rec['verify_s']} s; generate --no-verify {bare:.1f} s "
-              f"(start-up {bare_start:.1f} s)", flush=True)
-        wall, start = generate()
-        rec |= {"generate_s": round(wall, 1), "startup_s": round(start, 1),
-                "startup_no_verify_s": round(bare_start, 1), "generate_no_verify_s": round(bare, 1),
-                "verify_share_of_startup": round((start - bare_start) / bare_start, 3),
-                "artifact_bytes": sum(f.stat().st_size for f in art.rglob("*") if f.is_file())}
+        generate("cold", "--no-verify")
+        generate("warm", "--no-verify")
+        generate("user")  # the artifact's checksums are re-hashed at every start unless --no-verify
+        bound, base = host_rss_bound(args.config_dir, dev)
+        rec |= {"starts": starts, "generate_s": starts["user"]["wall_s"], "startup_s": starts["user"]["startup_s"],
+                "startup_cold_s": starts["cold"]["startup_s"], "startup_warm_s": starts["warm"]["startup_s"],
+                "startup_no_verify_s": starts["warm"]["startup_s"],
+                "artifact_bytes": sum(f.stat().st_size for f in art.rglob("*") if f.is_file()),
+                "host_rss_bound_bytes": bound, "host_rss_baseline_bytes": base,
+                **{f"{k}_rss_bytes": v for k, v in rss.items()}}
         s = json.loads(summary.read_text())
         rec |= {"requests": args.user_requests, "max_batch": args.user_max_batch, "gpu_memory": args.user_gpu_memory,
                 **{k: s[k] for k in ("tokens_per_second", "decode_tokens_per_second", "prefill_tokens_per_second",

@@ -7,10 +7,16 @@ kernel (``kernels_at``), and per 16-bit linear one GEMV per padded token count (
 processes run each needed call once on random weights of that shape, so the kernels land in Triton's on-disk
 cache (``TRITON_CACHE_DIR``), from which the serving process loads them. Given the engine's ``max_step_tokens``
 it also covers steps that mix decodes with a prompt's last chunk (any token count). CUDA only.
+
+A job that compiled is recorded beside Triton's cache (``warm_record``), keyed by the kernels' sources and configs,
+Triton's and torch's versions and the GPU: a later process skips it without starting a worker, so a start-up with a
+warm cache spawns no compile processes at all. Clearing Triton's cache clears the records with it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import multiprocessing as mp
 import os
 import sys
@@ -19,6 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -157,22 +164,76 @@ def check_workers(workers: int | None) -> None:
         raise ValueError(f"workers must be an integer >= 0 (or None: one per core, up to 8), got {workers!r}")
 
 
+def triton_cache_dir() -> Path:
+    """Triton's on-disk kernel cache: ``triton.knobs.cache.dir`` where this Triton has it, else
+    ``$TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache`` (``$TRITON_HOME`` defaulting to the home folder)."""
+    knobs = getattr(triton, "knobs", None)
+    cache = getattr(knobs, "cache", None)
+    if getattr(cache, "dir", None):
+        return Path(cache.dir)
+    env = os.environ.get("TRITON_CACHE_DIR")
+    return Path(env) if env else Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
+
+
+@functools.cache
+def kernels_fingerprint() -> str:
+    """What decides the kernels a warm-up job compiles, hashed: every source and config file of ``pwkernels``,
+    Triton's and torch's versions."""
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".json") and "__pycache__" not in f.parts:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(f"triton {triton.__version__} torch {torch.__version__}".encode())
+    return h.hexdigest()[:20]
+
+
+def warm_record(fn: Callable[..., str], job: Any, device: str, root: Path | None = None) -> Path:
+    """The file that says warm-up job ``job`` of worker ``fn`` compiled on GPU ``device`` (its name and compute
+    capability) under this ``kernels_fingerprint``: in ``root`` (default ``triton_cache_dir()``), beside the
+    kernels it stands for."""
+    key = hashlib.sha256(repr((fn.__name__, job, device)).encode()).hexdigest()[:32]
+    return (root or triton_cache_dir()) / "pagedweight-warm" / kernels_fingerprint() / key
+
+
+def gpu_name() -> str:
+    """The current CUDA device's name and compute capability (what Triton compiles for)."""
+    major, minor = torch.cuda.get_device_capability()
+    return f"{torch.cuda.get_device_name()} sm_{major}{minor}"
+
+
 def compile_in_workers(fn: Callable[[J], str], jobs: Sequence[J], done: set[J], workers: int | None,
                        what: str) -> list[str]:
-    """Run ``fn`` over the ``jobs`` not in ``done`` in ``workers`` processes (None: ``default_workers()``; 0:
-    nothing), on CUDA only, saying on stderr that ``what`` compiles; adds the jobs to ``done`` if none failed (a
-    failed one is tried again by the next call, its kernels compile on first use meanwhile). Returns the failures'
-    messages."""
-    todo = [j for j in jobs if j not in done]
+    """Run ``fn`` over the ``jobs`` not in ``done`` and without a ``warm_record`` in ``workers`` processes (None:
+    ``default_workers()``; 0: nothing), on CUDA only, saying on stderr that ``what`` compiles; adds the jobs to
+    ``done`` and writes their records if none failed (a failed one is tried again by the next call, its kernels
+    compile on first use meanwhile). Returns the failures' messages."""
     n = default_workers() if workers is None else workers
-    if not todo or n <= 0 or not torch.cuda.is_available():
+    if n <= 0 or not torch.cuda.is_available():
+        return []
+    device = gpu_name()
+    todo = [j for j in jobs if j not in done and not warm_record(fn, j, device).exists()]
+    if not todo:
         return []
     print(f"compiling {what} ({len(todo)} jobs on {min(n, len(todo))} processes; a warm Triton cache makes this "
           f"quick)", file=sys.stderr, flush=True)
     errors = run_in_workers(fn, todo, n)
     if not errors:
         done.update(todo)
+        mark_warm(fn, todo, device)
     return errors
+
+
+def mark_warm(fn: Callable[..., str], jobs: Sequence[Any], device: str, root: Path | None = None) -> None:
+    """Write the ``warm_record`` of each job; a cache folder that cannot be written only costs the next start-up
+    its workers."""
+    for j in jobs:
+        path = warm_record(fn, j, device, root)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(repr(j) + "\n")
+        except OSError:
+            return
 
 
 def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | None = None,

@@ -157,3 +157,40 @@ def test_engine_config_refuses_a_negative_worker_count() -> None:
     for bad in (-2, 2.5, True):
         with pytest.raises(ValueError, match="precompile_workers"):
             EngineConfig(precompile_workers=bad)  # type: ignore[arg-type]
+
+
+def test_a_warm_cache_starts_no_workers(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Jobs that compiled are recorded beside Triton's cache: a later process (a fresh ``done`` set) skips them,
+    a new GPU, kernel source or a failed run does not (the workers are a stand-in: no GPU here)."""
+    import pwkernels.warmup as wg
+
+    runs: list[list] = []
+    fail = [False]
+    monkeypatch.setattr(wg.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(wg, "gpu_name", lambda: "H100 sm_90")
+    monkeypatch.setattr(wg, "triton_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(wg, "run_in_workers",
+                        lambda fn, jobs, n: runs.append(list(jobs)) or (["boom"] if fail[0] else []))
+    jobs = [(64, 32, 2, "bfloat16", "silu", t) for t in (1, 2, 5)]
+    fail[0] = True
+    assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == ["boom"]
+    fail[0] = False
+    assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == []  # the failed run recorded nothing
+    assert runs == [jobs, jobs]
+    new = (64, 32, 2, "bfloat16", "silu", 9)
+    assert wg.compile_in_workers(wg._warm, [*jobs, new], set(), 2, "x") == []
+    assert runs[-1] == [new]  # only the new job
+    assert wg.compile_in_workers(wg._warm_gemv, jobs, set(), 2, "x") == []  # another worker: its own records
+    assert runs[-1] == jobs
+    n = len(runs)
+    assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == [] and len(runs) == n
+    monkeypatch.setattr(wg, "gpu_name", lambda: "H200 sm_90")
+    assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == [] and runs[-1] == jobs
+    wg.kernels_fingerprint.cache_clear()
+    monkeypatch.setattr(wg, "kernels_fingerprint", lambda: "another-source")
+    assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == [] and runs[-1] == jobs
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    wg.mark_warm(wg._warm, jobs, "H100 sm_90", root=blocked)  # cannot write: no error, nothing recorded
+    assert not wg.warm_record(wg._warm, jobs[0], "H100 sm_90", root=blocked).exists()
+
