@@ -363,11 +363,18 @@ def prompts(batch: int, n: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for _ in range(batch)]
 
 
-def write_random_checkpoint(config_dir: Path, out: Path, device: str) -> None:
+def write_random_checkpoint(config_dir: Path, out: Path, device: str, layers: int | None = None) -> None:
     """A Hugging Face checkpoint (safetensors, bf16) of the config in ``config_dir`` with transformers' random
     initialisation, built on ``device``, and the bundled tiny model's tokenizer (its ids are below any seed
-    model's vocabulary size): what a user hands ``pwcal``, at the real shape."""
+    model's vocabulary size): what a user hands ``pwcal``, at the real shape (``layers``: only the first that many
+    decoder layers, where the whole model does not fit the GPU or the disk)."""
     cfg = AutoConfig.from_pretrained(str(config_dir))
+    if layers is not None:
+        if not 1 <= layers <= cfg.num_hidden_layers:
+            raise ValueError(f"{config_dir.name} has {cfg.num_hidden_layers} layers, cannot keep {layers}")
+        cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:layers]
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True, max_shard_size="4GB")

@@ -239,8 +239,9 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as d:
         ckpt, art, p = Path(d) / "ckpt", Path(d) / "art", Path(d) / "prompts.jsonl"
         t = time.perf_counter()
-        write_random_checkpoint(args.config_dir, ckpt, dev)
+        write_random_checkpoint(args.config_dir, ckpt, dev, args.user_layers)
         rec: dict[str, Any] = {"model": args.config_dir.name, "system": "user path", "policy": args.user_policy,
+                               "layers": seed_spec(ckpt)[0].num_layers,
                                "checkpoint_s": round(time.perf_counter() - t, 1)}
         cal = ["--samples", str(args.user_samples), "--seq-len", str(args.user_seq_len), "--device", dev]
         rec["quantize_s"] = round(_cli("pwcal", "quantize", str(ckpt), "--out", str(art), *cal, rss=rss), 1)
@@ -284,7 +285,7 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
         generate("cold", "--no-verify")
         generate("warm", "--no-verify")
         generate("user")  # the artifact's checksums are re-hashed at every start unless --no-verify
-        bound, base = host_rss_bound(args.config_dir, dev)
+        bound, base = host_rss_bound(ckpt, dev)
         rec |= {"starts": starts, "generate_s": starts["user"]["wall_s"], "startup_s": starts["user"]["startup_s"],
                 "startup_cold_s": starts["cold"]["startup_s"], "startup_warm_s": starts["warm"]["startup_s"],
                 "startup_no_verify_s": starts["warm"]["startup_s"],
@@ -338,6 +339,8 @@ def main() -> None:
     ap.add_argument("--user-requests", type=int, default=16, help="prompts of the user path's generate (0: none)")
     ap.add_argument("--user-search", action="store_true", help="also time `pwcal search-buckets` (its defaults)")
     ap.add_argument("--user-max-batch", type=int, default=16)
+    ap.add_argument("--user-layers", type=int, default=None,
+                    help="cut the checkpoint to its first N decoder layers (where the GPU or disk cannot hold it)")
     ap.add_argument("--user-gpu-memory", default="24GiB")
     ap.add_argument("--user-policy", choices=("pagedweight", "uniform"), default="pagedweight")
     ap.add_argument("--workdir", type=Path, default=None, help="where the user path writes its checkpoint")
