@@ -260,22 +260,31 @@ def _gb(n: Any) -> float | None:
 def user_path_table(records: list[Record]) -> str:
     """Wall seconds of each stage a user runs (``bench.serving --user-path``), latest run per model; start-up:
     ``pwrun generate``'s wall time before its run, as a user runs it (the artifact re-hashed) and with
-    ``--no-verify``."""
+    ``--no-verify`` (on a warm Triton cache), and with an empty cache where measured; peak host RSS of the stages
+    beside ``HostMemory.bound`` and the baseline process it sits on."""
     cols: list[Column] = [("checkpoint s", "checkpoint_s"), ("pwcal quantize s", "quantize_s"),
             ("pwcal sensitivity s", "sensitivity_s"), ("pwcal search-buckets s", "search_buckets_s"),
             ("pwrun generate s", "generate_s"),
             ("start-up s (--no-verify)", lambda rs: f"{_fmt(rs[-1].get('startup_s'))} "
                                                     f"({_fmt(rs[-1].get('startup_no_verify_s'))})"),
+            ("cold-cache start-up s", "startup_cold_s"),
+            ("peak host RSS GiB quantize / generate", lambda rs: " / ".join(
+                _fmt(_gib(k)(rs)) for k in ("quantize_rss_bytes", "generate_rss_bytes")) if rs[-1].get(
+                "generate_rss_bytes") else None),
+            ("RSS bound GiB (+ baseline)", lambda rs: f"{_fmt(_gib('host_rss_bound_bytes')(rs))} "
+                                                      f"(+ {_fmt(_gib('host_rss_baseline_bytes')(rs))})"
+             if rs[-1].get("host_rss_bound_bytes") else None),
             ("pwcal verify s", "verify_s"), ("artifact GB", lambda rs: _fmt(_gb(rs[-1].get("artifact_bytes")))),
             ("requests", "requests"), ("tokens/s", "tokens_per_second"),
             ("decode tokens/s", "decode_tokens_per_second")]
-    rows = latest([r for r in records if r.get("system") == USER_PATH], ("model", "gpu", "policy", "gpu_memory"))
+    rows = latest([r for r in records if r.get("system") == USER_PATH],
+                  ("model", "layers", "gpu", "policy", "gpu_memory"))
     if not rows:
         return ""
     lines = ["User path (random checkpoint -> `pwcal quantize` -> `pwcal sensitivity` (-> `pwcal search-buckets`) -> "
              "`pwrun generate`):", "",
-             "| model | GPU | policy | budget | " + " | ".join(c for c, _ in cols) + " |",
-             "|" + "---|" * (4 + len(cols))]
+             "| model | layers | GPU | policy | budget | " + " | ".join(c for c, _ in cols) + " |",
+             "|" + "---|" * (5 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)
 
@@ -295,7 +304,9 @@ def workload_table(records: list[Record]) -> str:
             ("goodput req/s", "goodput_rps"), ("start-up s", "startup_s"),
             ("captures / compiles in run", _joined(" / ", "graph_captures_in_run", "triton_compiles_in_run")),
             ("mean bits", "mean_bits"), ("peak GiB", _gib("device_peak_bytes"))]
-    rows = latest([r for r in records if r.get("workload")], ("model", "gpu", "workload", "request_rate", "policy"))
+    with_budget = [{**r, "budget_gib": r["gpu_memory"] / 2**30 if isinstance(r.get("gpu_memory"), int) else None}
+                   for r in records if r.get("workload")]
+    rows = latest(with_budget, ("model", "gpu", "workload", "request_rate", "budget_gib", "policy"))
     if not rows:
         return ""
     lines = ["Real workloads (`--workload`: requests arriving at the rate given, requests/s, or all at once where "
@@ -303,8 +314,8 @@ def workload_table(records: list[Record]) -> str:
              "measured matmul rate + decode bytes at the copy bandwidth; transformers: its batched eager generate, "
              "no memory budget (peak as measured), no arrival times, the first `--hf-requests` requests in batches "
              "of `--hf-batch`):",
-             "", "| model | GPU | workload | rate | policy | " + " | ".join(c for c, _ in cols) + " |",
-             "|" + "---|" * (5 + len(cols))]
+             "", "| model | GPU | workload | rate | budget GiB | policy | " + " | ".join(c for c, _ in cols) + " |",
+             "|" + "---|" * (6 + len(cols))]
     lines += ["| " + " | ".join([*map(_fmt, k), *(_fmt(_cell(rs, f)) for _, f in cols)]) + " |" for k, rs in rows]
     return "\n".join(lines)
 
