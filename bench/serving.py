@@ -276,8 +276,13 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
                         "--max-new-tokens", str(args.gen), "--max-batch", str(args.user_max_batch), "--device", dev,
                         "--summary-json", str(summary), *policy, *extra, rss=rss, env=env)
             s = json.loads(summary.read_text())
-            starts[name] = {"wall_s": round(wall, 1), "startup_s": round(wall - float(s["wall_seconds"]), 1),
-                            "phases_s": {k: round(v, 1) for k, v in (s.get("startup_seconds") or {}).items()},
+            phases = s.get("startup_seconds") or {}
+            startup = wall - float(s["wall_seconds"])
+            starts[name] = {"wall_s": round(wall, 1), "startup_s": round(startup, 1),
+                            "phases_s": {k: round(v, 1) for k, v in phases.items()},
+                            # outside the timed phases: writing the outputs and the process's exit after the run
+                            "after_run_s": round(startup - sum(phases.values()), 1) if "before_build" in phases
+                            else None,
                             "host_peak_rss_bytes": rss["generate"]}
             print(f"user path: generate {name}: {starts[name]}", flush=True)
 

@@ -37,7 +37,7 @@ from pwrun.core.weight_policy import WeightPolicy
 from pwrun.data import default_model_dir, read_text
 from pwrun.engine.build import ServeConfig, build_engine
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.engine.report import summarize, summary_schema, summary_table
+from pwrun.engine.report import process_age_seconds, summarize, summary_schema, summary_table
 from pwrun.generate import generate
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.loader import load_model, load_tokenizer
@@ -204,14 +204,18 @@ def _raise_all(e: LLMEngine, bits: int) -> tuple[list[int], list[int]]:
 
 def test_startup_phases_add_up_to_the_build(calibrated_artifacts: Path) -> None:
     """The summary's start-up phases name every step of the build, each timed once: together no longer than the
-    build measured around them, and most of it."""
+    build measured around them, and most of it; before it, the process's age when the build began."""
     t = time.perf_counter()
     e = build_engine(MODEL, calibrated_artifacts, ServeConfig(2**30), SamplingParams(max_new_tokens=2), [[1, 2, 3]],
                      set(), device="cpu")
     wall = time.perf_counter() - t
+    age = process_age_seconds()
     phases = summarize(e).startup_seconds
-    assert phases is not None and set(phases) == {"artifact_checks", "non_expert_weights", "tables",
-                                                  "kernel_precompile", "pool", "experts", "warm_up"}
+    assert phases is not None
+    before = phases.pop("before_build")
+    assert age is not None and age - wall - 0.1 <= before <= age - wall + 0.1
+    assert set(phases) == {"artifact_checks", "non_expert_weights", "tables", "kernel_precompile", "pool", "experts",
+                           "warm_up"}
     assert all(v >= 0 for v in phases.values()) and 0.5 * wall <= sum(phases.values()) <= wall
 
 

@@ -43,6 +43,7 @@ from pwrun.core.request import Request, SamplingParams
 from pwrun.core.weight_table import WeightPageTable
 from pwrun.engine.budget import dtype_label, format_size, workspace_bytes
 from pwrun.engine.llm_engine import LLMEngine
+from pwrun.engine.report import process_age_seconds
 from pwrun.engine.tables import (
     block_table,
     bucket_policy,
@@ -132,7 +133,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     if cfg.policy.dense:
         raise PagedWeightError("--policy 16-bit serves the checkpoint's own experts: build it without an artifact "
                                "(build_dense_engine)")
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), process_age_seconds()
     art = APArtifact(artifact_dir)
     art.check_model(model_dir)
     cfg.policy.check_bits(art.bits)
@@ -158,6 +159,8 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
     heads_df = read_table(art, "residual_heads")
     heads, features = ResidualHeads(heads_df) if heads_df is not None else None, calib_features(art, table)
     phases = {"artifact_checks": t1 - t0, "non_expert_weights": t2 - t1, "tables": time.perf_counter() - t2}
+    if before is not None:  # the process's start, imports, tokenizer, prompts, the artifact's re-hash
+        phases = {"before_build": before} | phases
     return assemble_engine(model, art, table, bucket_policy(art), heads, features, cfg, params, requests, eos,
                            forced, max_request_tokens, arrivals, startup=phases)
 

@@ -15,6 +15,7 @@ Parquet (``trace.trace_schema``; zstd, atomic) for the notebooks.
 from __future__ import annotations
 
 import math
+import os
 import resource
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -43,7 +44,8 @@ class RunSummary:
     last chunk; they run late, at the largest KV cache; None: no decode);
     ``mean_bits``: time-averaged mean committed bits; ``final_bits_hist``: blocks by committed bits at the end;
     ``warm_up_seconds`` / ``graphs_captured_at_start``: the start-up warm-up (CUDA); ``startup_seconds``: seconds
-    of each phase of the engine's build (``build_engine``, ``assemble_engine``; None for the 16-bit engine);
+    of each phase of the engine's build (``build_engine``, ``assemble_engine``; None for the 16-bit engine), after
+    ``before_build``: the process's age when the build began (``process_age_seconds``; Linux);
     ``graph_captures_in_run``:
     steps that captured a CUDA graph (0 after a complete warm-up); ``host_peak_rss_bytes``: the process's peak
     resident host memory so far (``peak_rss_bytes``), ``host_mirror_bytes``: the host mirror's planes and LUTs,
@@ -169,6 +171,19 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def process_age_seconds() -> float | None:
+    """Seconds since this process started (Linux: its start time in /proc/self/stat against /proc/uptime, 10 ms
+    steps; None elsewhere): the interpreter's start, imports and everything before a phase that is timed."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def latency_fields(engine: LLMEngine, slo: SLO | None = None) -> dict[str, Any]:
