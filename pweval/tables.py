@@ -248,6 +248,19 @@ def _vs_oracle(r: pd.Series, sh: float, oracle: pd.DataFrame, o_share: np.ndarra
             for c in DATASETS]
 
 
+def _suite_noise(ref: pd.Series) -> str:
+    """What the text suite's size says about the resolution of a 0.5% comparison (from the 16-bit run's scored
+    tokens: target (b)'s paired intervals are about +-0.5% at 3,072 tokens and shrink as 1 / sqrt(tokens))."""
+    tokens = ref.get("wikitext2_tokens")
+    if tokens is None or not tokens == tokens or tokens < 1:  # not recorded (NaN)
+        return "A paired 95% interval of a change between two runs is about +-0.5% at 3,072 scored tokens per text."
+    noise = 0.005 * math.sqrt(3072 / float(tokens))
+    return (f"This text suite scores {int(tokens):,} tokens per dataset: the paired 95% interval of a change between "
+            f"two runs is about +-{100 * noise:.2f}% at these budgets (+-0.5% at 3,072 tokens, target (b)'s "
+            "intervals, shrinking as 1 / sqrt(tokens))" + (", as wide as this target." if noise >= ORACLE_WITHIN
+                                                           else "."))
+
+
 def target_a(pw: pd.DataFrame, oracle: pd.DataFrame, ref: pd.Series) -> list[str]:
     """Markdown lines of target (a): the smallest expert share at which PagedWeight is within 1% of 16-bit against
     the oracle's (its static allocation ranked by the measured per-block damage, policy ``oracle``), and at each
@@ -301,14 +314,9 @@ def target_a(pw: pd.DataFrame, oracle: pd.DataFrame, ref: pd.Series) -> list[str
         out.append(f"| {r.budget} | {r.gpu_memory / MIB:.2f} | {100 * sh:.1f}% | {cells[0]} | {cells[1]} | "
                    f"{'yes' if w else 'no'} | {vs_cells[0]} | {vs_cells[1]} | {verdict} | "
                    f"{'' if math.isnan(sc) else f'{100 * sc:.1f}%'} | {sc_cells} |")
-    tokens = int(ref["wikitext2_tokens"])
-    noise = 0.005 * math.sqrt(3072 / max(tokens, 1))
     if verdicts:
         out += ["", f"Within {100 * ORACLE_WITHIN:.1f}% of the oracle at {sum(v == 'met' for v in verdicts)} of "
-                f"{len(verdicts)} runs in the oracle's range. This text suite scores {tokens:,} tokens per "
-                f"dataset: the paired 95% interval of a change between two runs is about "
-                f"+-{100 * noise:.2f}% at these budgets (+-0.5% at 3,072 tokens, target (b)'s intervals, shrinking "
-                "as 1 / sqrt(tokens))" + (", as wide as this target." if noise >= ORACLE_WITHIN else ".")]
+                f"{len(verdicts)} runs in the oracle's range. {_suite_noise(ref)}"]
     if at_scored:
         out += ["", f"At the expert bytes in force while scoring: within {100 * ORACLE_WITHIN:.1f}% of the oracle at "
                 f"{sum(at_scored)} of {len(at_scored)} runs in the oracle's range."]

@@ -168,9 +168,9 @@ def triton_cache_dir() -> Path:
     """Triton's on-disk kernel cache: ``triton.knobs.cache.dir`` where this Triton has it, else
     ``$TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache`` (``$TRITON_HOME`` defaulting to the home folder)."""
     knobs = getattr(triton, "knobs", None)
-    cache = getattr(knobs, "cache", None)
-    if getattr(cache, "dir", None):
-        return Path(cache.dir)
+    known = getattr(getattr(knobs, "cache", None), "dir", None)
+    if known:
+        return Path(known)
     env = os.environ.get("TRITON_CACHE_DIR")
     return Path(env) if env else Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
 

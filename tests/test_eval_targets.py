@@ -21,6 +21,7 @@ import pytest
 
 from pweval.figures import write_report
 from pweval.results import _write, read_table
+from pweval.tables import _suite_noise
 from pweval.tables import check_workloads, glance_table, reference_row, target_a
 from pwformat.errors import PagedWeightError
 from pwrun.core.planner.tables import UNITS, BlockTable
@@ -163,3 +164,14 @@ def test_a_report_that_cannot_be_made_writes_nothing(tmp_path: Path) -> None:
     _write(table.set_column(table.schema.get_field_index("note"), "note", notes), tmp_path / "f.parquet")
     with pytest.raises(ValueError, match=r"text suite's 16-bit run did not complete \(killed\)"):
         write_report(tmp_path / "f.parquet", out)
+
+
+def test_the_noise_statement_follows_the_suite_size() -> None:
+    """The 0.5% verdicts are qualified by the suite's own resolution: +-0.5% at 3,072 scored tokens (target (b)'s
+    paired intervals there), half that at 4x the tokens; unknown token counts give the generic statement."""
+    assert "+-0.50%" in _suite_noise(pd.Series({"wikitext2_tokens": 3072})) and "as wide as" in _suite_noise(
+        pd.Series({"wikitext2_tokens": 3072}))
+    big = _suite_noise(pd.Series({"wikitext2_tokens": 12288}))
+    assert "12,288 tokens" in big and "+-0.25%" in big and "as wide as" not in big
+    assert "3,072 scored tokens" in _suite_noise(pd.Series({"wikitext2_tokens": float("nan")}))
+    assert "3,072 scored tokens" in _suite_noise(pd.Series({"c4_ppl": 1.0}))
