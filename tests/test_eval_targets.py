@@ -21,8 +21,7 @@ import pytest
 
 from pweval.figures import write_report
 from pweval.results import _write, read_table
-from pweval.tables import _suite_noise
-from pweval.tables import check_workloads, glance_table, reference_row, target_a
+from pweval.tables import _suite_noise, check_workloads, glance_table, reference_row, target_a
 from pwformat.errors import PagedWeightError
 from pwrun.core.planner.tables import UNITS, BlockTable
 from pwrun.engine.tables import with_damage
