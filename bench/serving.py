@@ -269,20 +269,21 @@ def user_path(args: argparse.Namespace, emit: Any) -> None:
         starts: dict[str, dict[str, Any]] = {}
 
         def generate(name: str, *extra: str) -> None:
-            """``pwrun generate`` as run ``name``: wall seconds, start-up (everything before the run's first step),
-            its phases and its peak host RSS."""
+            """``pwrun generate`` as run ``name``: wall seconds, start-up (the process's start to the run's first
+            step; earlier records: the whole wall time outside the run, its exit included), its phases, what
+            followed the run (writing the outputs, the exit) and its peak host RSS."""
             wall = _cli("pwrun", "generate", "--model", str(ckpt), "--artifacts", str(art), "--prompts", str(p),
                         "--output", str(Path(d) / "out.jsonl"), "--gpu-memory", args.user_gpu_memory,
                         "--max-new-tokens", str(args.gen), "--max-batch", str(args.user_max_batch), "--device", dev,
                         "--summary-json", str(summary), *policy, *extra, rss=rss, env=env)
             s = json.loads(summary.read_text())
             phases = s.get("startup_seconds") or {}
-            startup = wall - float(s["wall_seconds"])
+            outside = wall - float(s["wall_seconds"])  # everything but the run: start-up, outputs, the exit
+            # start-up: the process's start to the first step, where the build says when it began (before_build)
+            startup = sum(phases.values()) if "before_build" in phases else outside
             starts[name] = {"wall_s": round(wall, 1), "startup_s": round(startup, 1),
                             "phases_s": {k: round(v, 1) for k, v in phases.items()},
-                            # outside the timed phases: writing the outputs and the process's exit after the run
-                            "after_run_s": round(startup - sum(phases.values()), 1) if "before_build" in phases
-                            else None,
+                            "after_run_s": round(outside - startup, 1) if "before_build" in phases else None,
                             "host_peak_rss_bytes": rss["generate"]}
             print(f"user path: generate {name}: {starts[name]}", flush=True)
 

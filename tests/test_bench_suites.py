@@ -47,11 +47,11 @@ def test_render_shows_the_latest_run_of_each_measurement(tmp_path: Path) -> None
         "bench.render", "--results", str(tmp_path), "--compare", "base", "new")
 
 
-def _shrunken_qwen(tmp_path: Path) -> None:
+def _shrunken_qwen(tmp_path: Path, vocab_size: int = 1000) -> None:
     cfg = json.loads((ROOT / "tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B/config.json").read_text())
     cfg.update(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=256,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
-               num_experts_per_tok=2, vocab_size=1000)
+               num_experts_per_tok=2, vocab_size=vocab_size)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
 
 
@@ -79,6 +79,33 @@ def test_serving_suite_on_a_shrunken_config(tmp_path: Path) -> None:
         # 2 x 64 + 2 x 256 prompt tokens + 4 x 4 generated
         assert abs(r["served_tokens_per_second"] * r["seconds"] - (2 * 64 + 2 * 256 + 4 * 4)) < 1e-6
         assert r["decode_tps_measured"] > 0
+
+
+def test_user_path_times_cold_and_warm_starts_and_keeps_host_memory(tmp_path: Path) -> None:
+    """``--user-path`` on a shrunken Qwen1.5-MoE config cut to one layer: checkpoint -> pwcal quantize -> three
+    ``pwrun generate`` runs on a Triton cache of their own; each start-up is its phases (the process's start to the
+    first step) and the rest of the wall time outside the run follows it; every stage's peak RSS is recorded beside
+    the bound; the rendered table has the row with its layer count."""
+    _shrunken_qwen(tmp_path, vocab_size=4096)  # the checkpoint gets the bundled tokenizer (4,096 ids)
+    out = tmp_path / "serving.jsonl"
+    _run("bench.serving", "--device", "cpu", "--config-dir", str(tmp_path), "--user-path", "--skip-table",
+         "--user-policy", "uniform", "--user-requests", "2", "--gen", "3", "--user-gpu-memory", "256MiB",
+         "--user-samples", "2", "--user-seq-len", "32", "--user-layers", "1", "--workdir", str(tmp_path),
+         "--label", "t", "--out", str(out))
+    (r,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "error" not in r and r["layers"] == 1 and set(r["starts"]) == {"cold", "warm", "user"}
+    for s in r["starts"].values():
+        phases = s["phases_s"]
+        assert {"before_build", "kernel_precompile", "experts", "warm_up"} <= set(phases)
+        assert abs(s["startup_s"] - sum(phases.values())) <= 0.05 * len(phases) + 0.1  # rounded per phase
+        assert s["after_run_s"] >= -0.2 and s["startup_s"] + s["after_run_s"] <= s["wall_s"] + 0.2
+        assert s["host_peak_rss_bytes"] == r["generate_rss_bytes"] or s is not r["starts"]["user"]
+    assert r["startup_warm_s"] == r["starts"]["warm"]["startup_s"] and r["startup_cold_s"] > 0
+    assert r["quantize_rss_bytes"] > 0 and r["generate_rss_bytes"] > 0 and r["host_rss_baseline_bytes"] > 0
+    assert 0 < r["host_rss_bound_bytes"] and r["artifact_bytes"] <= r["host_rss_bound_bytes"]
+    md = tmp_path / "performance.md"
+    _run("bench.render", "--results", str(tmp_path), "--out", str(md))
+    assert f"| {tmp_path.name} | 1 | cpu | uniform | 256MiB |" in md.read_text()
 
 
 def test_real_workload_rows_account_for_every_token(tmp_path: Path) -> None:
@@ -125,7 +152,7 @@ def test_real_workload_arriving_at_a_request_rate(tmp_path: Path) -> None:
     assert abs(sum(r[f"{k}_s"] for k in ("prefill", "mixed", "decode")) - r["busy_s"]) < 1e-6 * r["busy_s"] + 1e-6
     md = tmp_path / "performance.md"
     _run("bench.render", "--results", str(tmp_path), "--out", str(md))
-    assert "| w1 | 40 | uniform |" in md.read_text()
+    assert "| w1 | 40 | 1 | uniform |" in md.read_text()  # workload, rate, budget GiB, policy
 
 
 def test_serving_http_mode_serves_w1_through_the_server(tmp_path: Path) -> None:

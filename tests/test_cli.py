@@ -121,6 +121,18 @@ def test_missing_tokenizer_and_wrong_weights(tmp_path: Path) -> None:
     assert code == 2 and "belong to another config" in err
 
 
+def test_a_tokenizer_of_another_model_is_refused(tmp_path: Path) -> None:
+    """A checkpoint whose tokenizer has more tokens than its embedding rows (a tokenizer copied from another model)
+    gets one line saying so, before any text reaches the model (it was an IndexError from the embedding)."""
+    d = tmp_path / "m"
+    shutil.copytree(MODEL, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run("generate", "--prompt", "x", "--model", str(d))
+    assert code == 2 and "has 4096 tokens but the model embeds only 1000" in err and len(err.strip().splitlines()) == 1
+
+
 def test_unwritable_output_is_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "no" / "o.jsonl"
     code, _, err = run("generate", "--prompt", "x", "--max-new-tokens", "2", "--output", str(out))

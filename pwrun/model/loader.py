@@ -169,7 +169,13 @@ def load_tokenizer(model_dir: str | Path) -> Any:
                                "model's tokenizer files into the checkpoint directory")
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # like AutoConfig, it raises many types for bad files
         raise PagedWeightError(f"cannot load the tokenizer in {path} ({_root_cause(exc)}): restore the model's "
                                "tokenizer files (tokenizer.json, tokenizer_config.json)") from exc
+    rows = load_spec(path)[0].vocab_size  # ordinary text must map to rows of the embedding (added tokens may not)
+    if isinstance(getattr(tok, "vocab_size", None), int) and tok.vocab_size > rows:
+        raise PagedWeightError(f"the tokenizer in {path} has {tok.vocab_size} tokens but the model embeds only {rows} "
+                               "(config.json vocab_size): it belongs to another model; copy this model's tokenizer "
+                               "files into the checkpoint directory")
+    return tok
