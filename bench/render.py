@@ -259,8 +259,9 @@ def _gb(n: Any) -> float | None:
 
 def user_path_table(records: list[Record]) -> str:
     """Wall seconds of each stage a user runs (``bench.serving --user-path``), latest run per model; start-up:
-    ``pwrun generate``'s wall time before its run, as a user runs it (the artifact re-hashed) and with
-    ``--no-verify`` (on a warm Triton cache), and with an empty cache where measured; peak host RSS of the stages
+    ``pwrun generate``'s process start to its first step (records before the ``before_build`` phase: its wall time
+    outside the run, the exit included), as a user runs it (the artifact re-hashed) and with ``--no-verify`` (on a
+    warm Triton cache), and with an empty cache where measured; peak host RSS of the stages
     beside ``HostMemory.bound`` and the baseline process it sits on."""
     cols: list[Column] = [("checkpoint s", "checkpoint_s"), ("pwcal quantize s", "quantize_s"),
             ("pwcal sensitivity s", "sensitivity_s"), ("pwcal search-buckets s", "search_buckets_s"),
