@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -368,13 +369,19 @@ def write_random_checkpoint(config_dir: Path, out: Path, device: str, layers: in
     initialisation, built on ``device``, and the bundled tiny model's tokenizer (its ids are below any seed
     model's vocabulary size): what a user hands ``pwcal``, at the real shape (``layers``: only the first that many
     decoder layers, where the whole model does not fit the GPU or the disk)."""
-    cfg = AutoConfig.from_pretrained(str(config_dir))
-    if layers is not None:
-        if not 1 <= layers <= cfg.num_hidden_layers:
-            raise ValueError(f"{config_dir.name} has {cfg.num_hidden_layers} layers, cannot keep {layers}")
-        cfg.num_hidden_layers = layers
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = cfg.layer_types[:layers]
+    if layers is None:
+        cfg = AutoConfig.from_pretrained(str(config_dir))
+    else:  # cut the raw config.json (a multimodal one, Gemma-4, keeps its decoder's layers in text_config)
+        raw = json.loads((config_dir / "config.json").read_text())
+        text = raw.get("text_config", raw)
+        if not 1 <= layers <= text["num_hidden_layers"]:
+            raise ValueError(f"{config_dir.name} has {text['num_hidden_layers']} layers, cannot keep {layers}")
+        text["num_hidden_layers"] = layers
+        if text.get("layer_types"):
+            text["layer_types"] = text["layer_types"][:layers]
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "config.json").write_text(json.dumps(raw))
+            cfg = AutoConfig.from_pretrained(d)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True, max_shard_size="4GB")

@@ -229,6 +229,13 @@ def host_rss_bound(config_dir: Path, device: str) -> tuple[int, int]:
     return host_memory(spec, list(range(3, 9)), 2).bound(), base
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return int(text)
+
+
 def user_path(args: argparse.Namespace, emit: Any) -> None:
     """Checkpoint -> pwcal quantize -> pwcal sensitivity -> pwrun generate, as a user runs them; one record. ``pwrun
     generate`` runs three times with a Triton cache of its own: with ``--no-verify`` on the empty cache (cold
@@ -345,7 +352,7 @@ def main() -> None:
     ap.add_argument("--user-requests", type=int, default=16, help="prompts of the user path's generate (0: none)")
     ap.add_argument("--user-search", action="store_true", help="also time `pwcal search-buckets` (its defaults)")
     ap.add_argument("--user-max-batch", type=int, default=16)
-    ap.add_argument("--user-layers", type=int, default=None,
+    ap.add_argument("--user-layers", type=_positive_int, default=None,
                     help="cut the checkpoint to its first N decoder layers (where the GPU or disk cannot hold it)")
     ap.add_argument("--user-gpu-memory", default="24GiB")
     ap.add_argument("--user-policy", choices=("pagedweight", "uniform"), default="pagedweight")

@@ -174,7 +174,7 @@ def run_all(
     model: ModelArg,
     out: Annotated[Path, typer.Option(help="Artifact directory.")],
     device: DeviceOpt = "auto",
-    force: ForceOpt = False,
+    force: Annotated[bool, typer.Option(help="Redo every stage even if complete.")] = False,
     residual_heads: Annotated[bool, typer.Option(
         "--residual-heads/--no-residual-heads",
         help="Also fit the prompt-residual heads (served by --policy residual only; off: on the bundled model they "

@@ -178,21 +178,26 @@ def triton_cache_dir() -> Path:
 @functools.cache
 def kernels_fingerprint() -> str:
     """What decides the kernels a warm-up job compiles, hashed: every source and config file of ``pwkernels``,
-    Triton's and torch's versions."""
+    Triton's and torch's versions and Triton's compile settings (``TRITON_*`` variables other than the cache's
+    location)."""
     h = hashlib.sha256()
     root = Path(__file__).parent
     for f in sorted(root.rglob("*")):
         if f.suffix in (".py", ".json") and "__pycache__" not in f.parts:
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     h.update(f"triton {triton.__version__} torch {torch.__version__}".encode())
+    # Triton's compile settings (fp fusion, ptxas, ...) change its kernels; where the cache lives does not
+    h.update(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_")
+                         and k not in ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_INTERPRET"))).encode())
     return h.hexdigest()[:20]
 
 
 def warm_record(fn: Callable[..., str], job: Any, device: str, root: Path | None = None) -> Path:
-    """The file that says warm-up job ``job`` of worker ``fn`` compiled on GPU ``device`` (its name and compute
-    capability) under this ``kernels_fingerprint``: in ``root`` (default ``triton_cache_dir()``), beside the
-    kernels it stands for."""
-    key = hashlib.sha256(repr((fn.__name__, job, device)).encode()).hexdigest()[:32]
+    """The file that says warm-up job ``job`` of worker ``fn`` (by module and qualified name) compiled on GPU
+    ``device`` (its name and compute capability) under this ``kernels_fingerprint``: in ``root`` (default
+    ``triton_cache_dir()``), beside the kernels it stands for."""
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+    key = hashlib.sha256(repr((name, job, device)).encode()).hexdigest()[:32]
     return (root or triton_cache_dir()) / "pagedweight-warm" / kernels_fingerprint() / key
 
 
@@ -212,7 +217,7 @@ def compile_in_workers(fn: Callable[[J], str], jobs: Sequence[J], done: set[J], 
     if n <= 0 or not torch.cuda.is_available():
         return []
     device = gpu_name()
-    todo = [j for j in jobs if j not in done and not warm_record(fn, j, device).exists()]
+    todo = [j for j in jobs if j not in done and not _recorded(warm_record(fn, j, device))]
     if not todo:
         return []
     print(f"compiling {what} ({len(todo)} jobs on {min(n, len(todo))} processes; a warm Triton cache makes this "
@@ -224,6 +229,14 @@ def compile_in_workers(fn: Callable[[J], str], jobs: Sequence[J], done: set[J], 
     return errors
 
 
+def _recorded(path: Path) -> bool:
+    """``path`` exists; an unreadable records folder counts as no record (the job is compiled again)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def mark_warm(fn: Callable[..., str], jobs: Sequence[Any], device: str, root: Path | None = None) -> None:
     """Write the ``warm_record`` of each job; a cache folder that cannot be written only costs the next start-up
     its workers."""
@@ -231,7 +244,7 @@ def mark_warm(fn: Callable[..., str], jobs: Sequence[Any], device: str, root: Pa
         path = warm_record(fn, j, device, root)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(repr(j) + "\n")
+            path.write_text(repr(j)[:200] + "\n")
         except OSError:
             return
 

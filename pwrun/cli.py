@@ -55,7 +55,7 @@ from pwrun.data import document_prompts, read_text
 from pwrun.engine.build import ServeConfig
 from pwrun.engine.report import format_summary
 from pwrun.generate import Generation, GenerationStopped, serve_prompts
-from pwrun.model.loader import load_model, load_spec, load_tokenizer, resolve_device
+from pwrun.model.loader import check_token_ids, load_model, load_spec, load_tokenizer, resolve_device
 from pwrun.ppl import perplexity
 from pwrun.progress import progress
 from pwrun.prompt_file import prompt_arrivals, read_prompts
@@ -324,7 +324,7 @@ def ppl(
     artifacts: Annotated[Path | None, typer.Option(help="AP artifact directory (from `pwcal quantize`) to read "
                                                    "expert weights from.")] = None,
     uniform_bits: Annotated[int | None, typer.Option(help="With --artifacts: every expert block at this many "
-                                                     "bits (seed..8).")] = None,
+                                                     "bits (3..8).")] = None,
     no_verify: NoVerifyOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -346,6 +346,7 @@ def ppl(
         if art is not None and uniform_bits is not None:
             lm = dense_model(art, lm, uniform_bits)
         ids = tok(read_text(dataset), add_special_tokens=False, verbose=False).input_ids
+        check_token_ids(ids, lm.spec.vocab_size, tok, f"--dataset {dataset}")
         total = min(len(ids) // seq_len, max_windows) if max_windows else len(ids) // seq_len
         with progress(console, transient=True) as bar:
             task = bar.add_task(f"ppl {dataset}", total=total)

@@ -49,8 +49,9 @@ PolicyOpt = Annotated[str, typer.Option(help="pagedweight (default), uniform (ne
                                         "--artifacts).")]
 BitsOpt = Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
-DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA and for "
-                                       "--policy 16-bit, else fp32 on CPU), float32, bfloat16 or float16.")]
+DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA and with "
+                                       "--policy 16-bit; otherwise fp32 on the CPU, also for the checkpoint's "
+                                       "model without --artifacts), float32, bfloat16 or float16.")]
 
 
 DEFAULT_RELOAD_RESERVE = str(EngineConfig.reload_reserve_tokens)  # the engine's default, as the CLI writes it

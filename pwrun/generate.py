@@ -27,7 +27,7 @@ from pwrun.engine.build_dense import build_dense_engine
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.report import RunSummary, summarize, write_trace
 from pwrun.model.lean import LeanMoEModel
-from pwrun.model.loader import load_spec
+from pwrun.model.loader import check_token_ids, load_spec
 
 
 @dataclass
@@ -94,8 +94,10 @@ class GenerationStats:
         return self.decode_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new_tokens: int) -> list[list[int]]:
-    """Token ids of each prompt; raises ``PagedWeightError`` if a prompt (plus generation) exceeds the context."""
+def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new_tokens: int,
+                   vocab_size: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt; raises ``PagedWeightError`` if a prompt (plus generation) exceeds the context or
+    holds a token the model does not embed (an id >= ``vocab_size``, where given)."""
     out = []
     for i, p in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)} (its first words: " \
@@ -103,6 +105,8 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new
         ids = tokenizer(p, add_special_tokens=True, verbose=False).input_ids
         if not ids:
             raise PagedWeightError(f"{which} is empty after tokenization: give some text")
+        if vocab_size is not None:
+            check_token_ids(ids, vocab_size, tokenizer, which)
         if len(ids) + max_new_tokens > max_context:
             raise PagedWeightError(
                 f"{which} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it needs "
@@ -179,7 +183,8 @@ def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: Sa
     """Generate with ``model``'s own 16-bit experts (``dense_engine``), request i arriving at ``arrivals.times[i]``
     (None: all at t=0); the generations and timing stats (``slo``: what the goodput counts; ``on_wait``: see
     ``run_generation``)."""
-    ids = encode_prompts(tokenizer, prompts, model.spec.max_position_embeddings, params.max_new_tokens)
+    ids = encode_prompts(tokenizer, prompts, model.spec.max_position_embeddings, params.max_new_tokens,
+                         model.spec.vocab_size)
     engine = dense_engine(model, params, ids, eos_ids(model.spec.eos_token_ids, tokenizer), block_size, arrivals)
     gens = run_generation(engine, tokenizer, prompts, on_text, on_progress, on_wait)
     prefill = sum(r.seconds for r in engine.trace if r.prefill_tokens)
@@ -203,7 +208,7 @@ def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str]
     policy without ``artifact_dir``, and ``GenerationStopped`` with the summary so far (the trace written) on a stop.
     """
     spec, _ = load_spec(Path(model_dir))
-    ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens)
+    ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens, spec.vocab_size)
     eos = eos_ids(spec.eos_token_ids, tokenizer)
     if cfg.policy.dense:
         engine = build_dense_engine(Path(model_dir), cfg, params, ids, eos, device, dtype, arrivals=arrivals)

@@ -133,6 +133,25 @@ def test_a_tokenizer_of_another_model_is_refused(tmp_path: Path) -> None:
     assert code == 2 and "has 4096 tokens but the model embeds only 1000" in err and len(err.strip().splitlines()) == 1
 
 
+def test_added_tokens_the_model_does_not_embed(tmp_path: Path) -> None:
+    """A tokenizer may add special tokens past the embedding rows: the checkpoint loads and plain text serves, but a
+    prompt or a perplexity text holding one is refused in one line (it was an IndexError from the embedding)."""
+    d = tmp_path / "m"
+    shutil.copytree(MODEL, d)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["added_tokens"].append({"id": 4096, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    code, _, err = run("generate", "--prompt", "plain text", "--max-new-tokens", "2", "--model", str(d))
+    assert code == 0, err
+    code, _, err = run("generate", "--prompt", "a <|extra|> b", "--max-new-tokens", "2", "--model", str(d))
+    assert code == 2 and "token id 4096 ('<|extra|>')" in err and len(err.strip().splitlines()) == 1
+    text = tmp_path / "t.txt"
+    text.write_text("some words <|extra|> and more words here\n")
+    code, _, err = run("ppl", "--model", str(d), "--dataset", str(text), "--seq-len", "4")
+    assert code == 2 and "token id 4096" in err and len(err.strip().splitlines()) == 1
+
+
 def test_unwritable_output_is_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "no" / "o.jsonl"
     code, _, err = run("generate", "--prompt", "x", "--max-new-tokens", "2", "--output", str(out))

@@ -187,8 +187,23 @@ def test_a_warm_cache_starts_no_workers(monkeypatch, tmp_path) -> None:  # type:
     monkeypatch.setattr(wg, "gpu_name", lambda: "H200 sm_90")
     assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == [] and runs[-1] == jobs
     wg.kernels_fingerprint.cache_clear()
-    monkeypatch.setattr(wg, "kernels_fingerprint", lambda: "another-source")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")  # a compile setting: other kernels, no record yet
     assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == [] and runs[-1] == jobs
+    n = len(runs)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))  # only where the cache lives: same records
+    wg.kernels_fingerprint.cache_clear()
+    assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == [] and len(runs) == n
+
+    def unreadable(self):  # type: ignore[no-untyped-def]
+        raise PermissionError(13, "Permission denied")
+
+    is_file = wg.Path.is_file
+    monkeypatch.setattr(wg.Path, "is_file", unreadable)  # a records folder this user cannot read: compile again
+    assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == [] and len(runs) == n + 1
+    monkeypatch.setattr(wg.Path, "is_file", is_file)
+    assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == [] and len(runs) == n + 1
+    monkeypatch.setattr(wg, "kernels_fingerprint", lambda: "another-source")
+    assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == [] and len(runs) == n + 2
     blocked = tmp_path / "file"
     blocked.write_text("")
     wg.mark_warm(wg._warm, jobs, "H100 sm_90", root=blocked)  # cannot write: no error, nothing recorded

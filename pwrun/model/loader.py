@@ -156,6 +156,16 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto",
     return LeanMoEModel(spec, weights, StreamedExperts(path, spec, names, dt, dev) if experts == "stream" else None)
 
 
+def check_token_ids(ids: list[int], vocab_size: int, tokenizer: Any, what: str) -> None:
+    """Raise ``PagedWeightError`` if ``what``'s token ids reach past the model's ``vocab_size`` embedding rows: a
+    tokenizer may add tokens (special ones) that its model never embeds."""
+    bad = max(ids, default=-1)
+    if bad >= vocab_size:
+        token = tokenizer.convert_ids_to_tokens(bad) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+        raise PagedWeightError(f"{what} holds token id {bad} ({token!r}), which the tokenizer adds but the model does "
+                               f"not embed (ids 0..{vocab_size - 1}): remove that text from it")
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The checkpoint's tokenizer (``transformers.AutoTokenizer``, offline).
 
