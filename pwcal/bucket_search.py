@@ -194,6 +194,7 @@ def run_search_buckets(model_dir: Path, artifact_dir: Path, cfg: SearchConfig, d
     base = load_model(model_dir, device=device, dtype=dtype, experts="skip")  # the artifact's experts are scored
     windows = calibration_windows(tok, sens_cfg.dataset, cfg.heldout_windows + cfg.confirm_windows,
                                   sens_cfg.seq_len, sens_cfg.seed, skip=sens_cfg.samples + res_cfg.prompts,
+                                  vocab_size=base.spec.vocab_size,
                                   flags="--heldout-windows / --confirm-windows")
     select_text, confirm = windows[: cfg.heldout_windows], windows[cfg.heldout_windows:]
     space = search_space(art.seed_bits)

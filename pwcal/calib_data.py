@@ -15,6 +15,7 @@ import numpy as np
 
 from pwformat.errors import PagedWeightError
 from pwrun.data import read_documents
+from pwrun.model.loader import check_token_ids
 
 HUB_C4 = "allenai/c4"
 
@@ -34,11 +35,13 @@ def _hub_documents(name: str, limit: int) -> list[str]:
 
 
 def calibration_windows(tokenizer: Any, dataset: str = "c4-calib", samples: int = 64, seq_len: int = 512,
-                        seed: int = 0, skip: int = 0, flags: str = "--samples or --seq-len") -> list[list[int]]:
+                        seed: int = 0, skip: int = 0, flags: str = "--samples or --seq-len",
+                        vocab_size: int | None = None) -> list[list[int]]:
     """``samples`` windows of ``seq_len`` token ids each, after skipping ``skip`` windows.
 
     Raises ``PagedWeightError`` if the dataset holds fewer than ``skip + samples`` windows; the message tells the
-    user to lower ``flags`` (the caller's options that set samples / skip).
+    user to lower ``flags`` (the caller's options that set samples / skip); or, given the model's ``vocab_size``,
+    if a window holds a token the tokenizer adds but the model does not embed.
     """
     if samples < 1 or seq_len < 2:
         raise PagedWeightError("--samples must be >= 1 and --seq-len >= 2")
@@ -57,4 +60,7 @@ def calibration_windows(tokenizer: Any, dataset: str = "c4-calib", samples: int 
     if have < skip + samples:
         raise PagedWeightError(f"{dataset} gives {have} windows of {seq_len} tokens, fewer than the "
                                f"{skip + samples} needed: lower {flags}, or give more text")
-    return [ids[(skip + j) * seq_len:(skip + j + 1) * seq_len] for j in range(samples)]
+    windows = [ids[(skip + j) * seq_len:(skip + j + 1) * seq_len] for j in range(samples)]
+    if vocab_size is not None:
+        check_token_ids([t for w in windows for t in w], vocab_size, tokenizer, f"the calibration text {dataset}")
+    return windows

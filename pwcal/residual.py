@@ -159,7 +159,7 @@ def run_fit_residual(model_dir: Path, artifact_dir: Path, cfg: ResidualConfig, d
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, device=device, dtype="float32", experts="stream")  # experts layer by layer
     windows = calibration_windows(tok, sens_cfg.dataset, cfg.prompts, sens_cfg.seq_len, sens_cfg.seed,
-                                  skip=sens_cfg.samples, flags="--prompts")
+                                  skip=sens_cfg.samples, flags="--prompts", vocab_size=model.spec.vocab_size)
     per_prompt = []
     for i, w in enumerate(windows):
         hess, feats = HessianDiag(), NormFeatures()

@@ -234,7 +234,8 @@ def run_sensitivity(model_dir: Path, artifact_dir: Path, cfg: SensitivityConfig,
     # the Fisher differentiates through every layer's experts at once: it loads them; else layer by layer
     model = load_model(model_dir, device=device, dtype="float32",
                        experts="load" if cfg.importance == "fisher" else "stream")
-    windows = calibration_windows(tok, cfg.dataset, cfg.samples, cfg.seq_len, cfg.seed)
+    windows = calibration_windows(tok, cfg.dataset, cfg.samples, cfg.seq_len, cfg.seed,
+                                  vocab_size=model.spec.vocab_size)
     blocks = expert_blocks(model.spec)
     moe = next(layer.moe for layer in model.spec.layers if layer.moe is not None)
     assert moe is not None

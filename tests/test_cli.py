@@ -16,10 +16,13 @@ from typer.testing import CliRunner
 
 import pwrun.cli
 import pwrun.serve.server
+from pwcal.calib_data import calibration_windows
 from pwcal.cli import app as pwcal_app
+from pwformat.errors import PagedWeightError
 from pwrun.cli import app
 from pwrun.data import default_model_dir
 from pwrun.engine.build import ServeConfig
+from pwrun.model.loader import load_tokenizer
 
 MODEL = default_model_dir()
 runner = CliRunner()
@@ -150,6 +153,10 @@ def test_added_tokens_the_model_does_not_embed(tmp_path: Path) -> None:
     text.write_text("some words <|extra|> and more words here\n")
     code, _, err = run("ppl", "--model", str(d), "--dataset", str(text), "--seq-len", "4")
     assert code == 2 and "token id 4096" in err and len(err.strip().splitlines()) == 1
+    tok = load_tokenizer(d)  # pwcal's calibration windows, from a text holding it
+    assert calibration_windows(tok, str(text), 2, 4)  # without the model's rows nothing is checked
+    with pytest.raises(PagedWeightError, match=r"calibration text .* token id 4096"):
+        calibration_windows(tok, str(text), 2, 4, vocab_size=4096)
 
 
 def test_unwritable_output_is_a_clear_error(tmp_path: Path) -> None:

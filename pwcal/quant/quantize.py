@@ -319,7 +319,7 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
     model_fp["weights_served"] = model.weights.source_digest  # the non-expert reads, as serving makes them
     assert model_fp["weights_served"], "experts='stream' loads with a digest"
     windows = calibration_windows(tok, cfg.calib, cfg.samples, min(cfg.seq_len, model.spec.max_position_embeddings),
-                                  cfg.calib_seed)
+                                  cfg.calib_seed, vocab_size=model.spec.vocab_size)
     blocks = expert_blocks(model.spec)
     groups = ([sorted({b.layer for b in blocks})] if cfg.method == "kmeans" else
               layer_groups(blocks, int(cfg.hessian_memory_gib * 2**30)))
