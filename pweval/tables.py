@@ -9,6 +9,7 @@ per-request scores). ``figures.write_report`` writes them beside the figures.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -106,15 +107,21 @@ def quality_memory_table(df: pd.DataFrame) -> str:
     """Markdown: every text-suite run (policy x budget) with its memory split and perplexities."""
     text = df[df.suite == "text"]
     ref = reference_row(df, "text")
-    head = (MEMORY_HEAD + " | WikiText-2 ppl (vs 16-bit) | C4 ppl (vs 16-bit) | tokens/s | preemptions |")
+    return _run_rows(text, " | WikiText-2 ppl (vs 16-bit) | C4 ppl (vs 16-bit) |", lambda r: [
+        f"{r[f'{c}_ppl']:.3f} ({_pct(r[f'{c}_ppl'], ref[f'{c}_ppl'])})" for c in DATASETS])
+
+
+def _run_rows(d: pd.DataFrame, quality_head: str, quality: Callable[[pd.Series], list[str]]) -> str:
+    """Markdown: one row per run of ``d`` (policy order, then budget): its memory split, ``quality(r)`` under
+    ``quality_head`` and its speed; a run that did not serve shows its note instead."""
+    head = MEMORY_HEAD + quality_head + " tokens/s | preemptions |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for _, r in _order(text).iterrows():
+    for _, r in _order(d).iterrows():
         name = f"uniform {int(r.bits)}-bit" if r.policy == "uniform" else r.policy
         if isinstance(r.note, str):
             lines.append(f"| {name} | {r.budget} | {r.gpu_memory / MIB:.2f} | {r.note} |" + " |" * 9)
             continue
-        q = [f"{r[f'{c}_ppl']:.3f} ({_pct(r[f'{c}_ppl'], ref[f'{c}_ppl'])})" for c in DATASETS]
-        lines.append(f"| {name} | {r.budget} | " + " | ".join(_memory_cols(r) + q + _speed_cols(r)) + " |")
+        lines.append(f"| {name} | {r.budget} | " + " | ".join(_memory_cols(r) + quality(r) + _speed_cols(r)) + " |")
     return "\n".join(lines)
 
 
@@ -170,16 +177,8 @@ def long_context_table(df: pd.DataFrame) -> str:
     ref = reference_row(df, "long")
     note = (f"Retrieval: {int(ref.retrieval_questions)} questions of {int(ref.retrieval_candidates)} passages "
             f"(chance {1 / ref.retrieval_candidates:.3g}); QMSum: {int(ref.qmsum_tokens)} scored tokens.\n\n")
-    head = (MEMORY_HEAD + " | retrieval top-1 | QMSum ppl (vs 16-bit) | tokens/s | preemptions |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for _, r in _order(lon).iterrows():
-        name = f"uniform {int(r.bits)}-bit" if r.policy == "uniform" else r.policy
-        if isinstance(r.note, str):
-            lines.append(f"| {name} | {r.budget} | {r.gpu_memory / MIB:.2f} | {r.note} |" + " |" * 9)
-            continue
-        q = [f"{r.retrieval_acc:.3f}", f"{r.qmsum_ppl:.3f} ({_pct(r.qmsum_ppl, ref.qmsum_ppl)})"]
-        lines.append(f"| {name} | {r.budget} | " + " | ".join(_memory_cols(r) + q + _speed_cols(r)) + " |")
-    return note + "\n".join(lines)
+    return note + _run_rows(lon, " | retrieval top-1 | QMSum ppl (vs 16-bit) |", lambda r: [
+        f"{r.retrieval_acc:.3f}", f"{r.qmsum_ppl:.3f} ({_pct(r.qmsum_ppl, ref.qmsum_ppl)})"])
 
 
 def ablation_table(df: pd.DataFrame) -> str:

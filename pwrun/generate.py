@@ -95,9 +95,9 @@ class GenerationStats:
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new_tokens: int,
-                   vocab_size: int | None = None) -> list[list[int]]:
-    """Token ids of each prompt; raises ``PagedWeightError`` if a prompt (plus generation) exceeds the context or
-    holds a token the model does not embed (an id >= ``vocab_size``, where given)."""
+                   vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt; raises ``PagedWeightError`` if a prompt (plus generation) exceeds the context
+    (``max_context`` tokens) or holds a token the model does not embed (an id >= ``vocab_size``)."""
     out = []
     for i, p in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)} (its first words: " \
@@ -105,8 +105,7 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new
         ids = tokenizer(p, add_special_tokens=True, verbose=False).input_ids
         if not ids:
             raise PagedWeightError(f"{which} is empty after tokenization: give some text")
-        if vocab_size is not None:
-            check_token_ids(ids, vocab_size, tokenizer, which)
+        check_token_ids(ids, vocab_size, tokenizer, which)
         if len(ids) + max_new_tokens > max_context:
             raise PagedWeightError(
                 f"{which} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it needs "
