@@ -8,9 +8,16 @@ and copy intervals), kernels per step, their summed ms, and the kernels by name 
 a step far from its floor with a busy GPU needs faster kernels; one with many small kernels needs fusion; one whose
 wall exceeds its busy time has host gaps. On the CPU (no CUDA activity) the kernel fields are empty.
 
+``--phase mixed`` profiles the steps that run prompt chunks beside decodes instead (``--batches`` requests, all
+arriving at once, chunked into ``max_step_tokens`` steps), with the kernels' time grouped into attention, MoE
+and the rest; ``--policy pagedweight`` serves mixed bitwidths (the planner's choice under the budget) instead of
+uniform ``--bits``.
+
 Usage (GPU machine)::
 
     python -m bench.decode_profile --config-dir tests/fixtures/configs/google__gemma-4-26B-A4B [--batches 1,4]
+    python -m bench.decode_profile --config-dir tests/fixtures/configs/Qwen__Qwen1.5-MoE-A2.7B --phase mixed \
+        --batches 64 --prompt-len 1024 --policy pagedweight --gpu-memory-gib 16
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ from pwrun.engine.llm_engine import LLMEngine
 
 STEP_TOKENS = 2048  # the engine's max_step_tokens: prompt tokens per prefill step
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of device work
+# kernel-name fragments of each group of ``--phase mixed`` (first match wins; the rest is "other")
+# (pwkernels' kernels by name; torch._grouped_mm's CUTLASS kernels count as MoE, cuBLAS GEMMs as "other")
+GROUPS = (("attention", ("_varlen_kernel", "_decode_kernel", "_merge_kernel", "_rope_kv", "flash", "attn")),
+          ("moe", ("_dequant_kernel", "_silu_mul", "_gather_sum", "_sort_pairs", "_combine_kernel", "_route_kernel",
+                   "gate_up_kernel", "_down_kernel", "group", "cutlass")))
 
 
 def kernel_summary(events: list[dict[str, Any]], steps: int, top: int = 25) -> dict[str, Any]:
@@ -60,8 +72,13 @@ def kernel_summary(events: list[dict[str, Any]], steps: int, top: int = 25) -> d
             busy += stop - max(start, end)
             end = stop
     ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    groups: dict[str, float] = defaultdict(float)
+    for name, (us, _) in by.items():
+        low = name.lower()
+        groups[next((g for g, keys in GROUPS if any(k in low for k in keys)), "other")] += us / steps / 1e3
     return {"gpu_busy_ms": busy / steps / 1e3, "kernels_per_step": len(dev) / steps,
             "kernel_sum_ms": sum(v[0] for v in by.values()) / steps / 1e3,
+            "group_ms": {g: round(v, 3) for g, v in sorted(groups.items())},
             "kernels": [[name[:120], round(us / steps, 2), round(n / steps, 2)] for name, (us, n) in ranked]}
 
 
@@ -70,16 +87,21 @@ def _decode(e: LLMEngine) -> bool:
     return r.step_tokens == r.running > 0 and not r.graph_captured
 
 
-def profile_steps(e: LLMEngine, steps: int, cuda: bool, batch: int) -> dict[str, Any]:
-    """Serve ``e`` until 4 decode steps of all ``batch`` requests have run, then profile ``steps`` more; the
-    record's timing fields."""
-    seen = 0
+def _mixed(e: LLMEngine) -> bool:
+    r = e.trace[-1]
+    return 0 < r.prefill_tokens < r.step_tokens
+
+
+def profile_steps(e: LLMEngine, steps: int, cuda: bool, batch: int, phase: str = "decode") -> dict[str, Any]:
+    """Serve ``e`` until 4 steps of ``phase`` (decode: of all ``batch`` requests) have run, then profile ``steps``
+    more; the record's timing fields."""
+    seen, want = 0, _decode if phase == "decode" else _mixed
     while seen < 4:
         if e.idle:
-            raise RuntimeError("the requests finished before 4 decode steps of the whole batch: the budget holds "
-                               "fewer than --batches requests at once (raise --gpu-memory-gib)")
+            raise RuntimeError(f"the requests finished before 4 {phase} steps: the budget holds fewer than "
+                               "--batches requests at once (raise --gpu-memory-gib) or the prompts are too short")
         e.step()
-        seen += _decode(e) and e.trace[-1].running == batch
+        seen += want(e) and (phase != "decode" or e.trace[-1].running == batch)
     if cuda:
         torch.cuda.synchronize()
     first = len(e.trace)
@@ -90,14 +112,20 @@ def profile_steps(e: LLMEngine, steps: int, cuda: bool, batch: int) -> dict[str,
         if cuda:
             torch.cuda.synchronize()
     rows = e.trace[first:]
-    if not all(r.step_tokens == r.running > 0 for r in rows):
-        raise RuntimeError("a profiled step was not a decode step: raise --gen or lower --steps")
+    if not all(r.step_tokens == r.running > 0 if phase == "decode" else 0 < r.prefill_tokens < r.step_tokens
+               for r in rows):
+        raise RuntimeError(f"a profiled step was not a {phase} step: lower --steps (or raise --batches for mixed)")
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
     return {"steps": steps, "step_ms": 1e3 * sum(r.seconds for r in rows) / steps,
-            "model_ms": 1e3 * sum(r.model_seconds for r in rows) / steps, **kernel_summary(events, steps)}
+            "model_ms": 1e3 * sum(r.model_seconds for r in rows) / steps,
+            "step_tokens": sum(r.step_tokens for r in rows) / steps,
+            "prefill_tokens": sum(r.prefill_tokens for r in rows) / steps,
+            "mean_bits": sum(sum(b * n for b, n in enumerate(r.bits_hist)) / max(sum(r.bits_hist), 1)
+                             for r in rows) / steps,
+            **kernel_summary(events, steps)}
 
 
 def main() -> None:
@@ -106,6 +134,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1", help="requests per run, comma-separated")
     ap.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt")
     ap.add_argument("--bits", type=int, default=4, help="uniform bitwidth of every expert block")
+    ap.add_argument("--policy", choices=("uniform", "pagedweight"), default="uniform",
+                    help="uniform --bits, or the planner's mixed bitwidths under --gpu-memory-gib")
+    ap.add_argument("--phase", choices=("decode", "mixed"), default="decode",
+                    help="profile decode steps, or steps that run prompt chunks beside decodes")
     ap.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     ap.add_argument("--eager", action="store_true", help="without CUDA graphs (host launch gaps show)")
     ap.add_argument("--gpu-memory-gib", type=float, default=40.0, help="the engine's device budget, GiB")
@@ -120,7 +152,8 @@ def main() -> None:
     stripped = strip_experts(model, torch.device(dev))
     del model
     for b in (int(x) for x in args.batches.split(",")):
-        cfg = ServeConfig(int(args.gpu_memory_gib * 2**30), Policy.named("uniform", args.bits),
+        pol = Policy.named("uniform", args.bits) if args.policy == "uniform" else Policy.named("pagedweight")
+        cfg = ServeConfig(int(args.gpu_memory_gib * 2**30), pol,
                           EngineConfig(max_batch=b, max_step_tokens=STEP_TOKENS, cuda_graphs=not args.eager),
                           BENCH_PLANNER)
         reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
@@ -136,13 +169,15 @@ def main() -> None:
         # new tokens: the prompts' prefill steps (requests decode beside later prompts' chunks), then the warm-up
         # and profiled decode steps of the whole batch
         e = build(-(-b * args.prompt_len // STEP_TOKENS) + args.steps + 16)
-        rec = {"model": args.config_dir.name, "batch": b, "graphs": not args.eager, "bits": args.bits,
-               "prompt_len": args.prompt_len, **profile_steps(e, args.steps, dev == "cuda", b)}
+        rec = {"model": args.config_dir.name, "batch": b, "graphs": not args.eager, "phase": args.phase,
+               "policy": args.policy, "bits": args.bits if args.policy == "uniform" else None,
+               "prompt_len": args.prompt_len, **profile_steps(e, args.steps, dev == "cuda", b, args.phase)}
         del e
         write_records("decode_profile", [rec], env, args.out)
         print(f"{rec['model']} b{b} {'graphs' if rec['graphs'] else 'eager'}: step {rec['step_ms']:.2f} ms, model "
               f"{rec['model_ms']:.2f} ms, GPU busy {rec['gpu_busy_ms']:.2f} ms, {rec['kernels_per_step']:.0f} "
-              f"kernels/step")
+              f"kernels/step, {rec['step_tokens']:.0f} tokens/step ({rec['prefill_tokens']:.0f} prompt), mean bits "
+              f"{rec['mean_bits']:.2f}, groups ms {rec['group_ms']}")
         for name, us, n in rec["kernels"][:15]:
             print(f"  {us:9.1f} us/step {n:6.1f}/step  {name[:90]}")
 
