@@ -49,7 +49,6 @@ from pwrun.core.request import SamplingParams
 from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
 from pwrun.engine.llm_engine import LLMEngine
 
-STEP_TOKENS = 2048  # the engine's max_step_tokens: prompt tokens per prefill step
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of device work
 # kernel-name fragments of each group of ``--phase mixed`` (first match wins; the rest is "other")
 # (pwkernels' kernels by name; torch._grouped_mm's CUTLASS kernels count as MoE, cuBLAS GEMMs as "other")
@@ -119,7 +118,17 @@ def profile_steps(e: LLMEngine, steps: int, cuda: bool, batch: int, phase: str =
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
+    host: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # CUDA runtime/driver calls: [us, calls]
+    for ev in events:
+        if ev.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in ev:
+            host[ev["name"]][0] += ev["dur"]
+            host[ev["name"]][1] += 1
+    ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
     return {"steps": steps, "step_ms": 1e3 * sum(r.seconds for r in rows) / steps,
+            "runtime_calls": [[n[:80], round(us / steps / 1e3, 3), round(c / steps, 1)]
+                              for n, (us, c) in sorted(host.items(), key=lambda kv: -kv[1][0])[:10]],
+            "cpu_ops_self_ms": [[a.key[:80], round(a.self_cpu_time_total / steps / 1e3, 3), round(a.count / steps, 1)]
+                                for a in ops],
             "model_ms": 1e3 * sum(r.model_seconds for r in rows) / steps,
             "step_tokens": sum(r.step_tokens for r in rows) / steps,
             "prefill_tokens": sum(r.prefill_tokens for r in rows) / steps,
@@ -133,6 +142,8 @@ def main() -> None:
     ap.add_argument("--config-dir", type=Path, required=True, help="a directory with the model's config.json")
     ap.add_argument("--batches", default="1", help="requests per run, comma-separated")
     ap.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt")
+    ap.add_argument("--step-tokens", default="2048", help="the engine's max_step_tokens (tokens per step at most), "
+                    "comma-separated: one run each")
     ap.add_argument("--bits", type=int, default=4, help="uniform bitwidth of every expert block")
     ap.add_argument("--policy", choices=("uniform", "pagedweight"), default="uniform",
                     help="uniform --bits, or the planner's mixed bitwidths under --gpu-memory-gib")
@@ -151,10 +162,10 @@ def main() -> None:
     src, table = SyntheticAP(spec, torch.bfloat16, dev), synthetic_table(spec)
     stripped = strip_experts(model, torch.device(dev))
     del model
-    for b in (int(x) for x in args.batches.split(",")):
+    for b, st in ((int(x), int(y)) for x in args.batches.split(",") for y in args.step_tokens.split(",")):
         pol = Policy.named("uniform", args.bits) if args.policy == "uniform" else Policy.named("pagedweight")
         cfg = ServeConfig(int(args.gpu_memory_gib * 2**30), pol,
-                          EngineConfig(max_batch=b, max_step_tokens=STEP_TOKENS, cuda_graphs=not args.eager),
+                          EngineConfig(max_batch=b, max_step_tokens=st, cuda_graphs=not args.eager),
                           BENCH_PLANNER)
         reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
 
@@ -168,18 +179,22 @@ def main() -> None:
             torch.cuda.empty_cache()
         # new tokens: the prompts' prefill steps (requests decode beside later prompts' chunks), then the warm-up
         # and profiled decode steps of the whole batch
-        e = build(-(-b * args.prompt_len // STEP_TOKENS) + args.steps + 16)
+        e = build(-(-b * args.prompt_len // st) + args.steps + 16)
         rec = {"model": args.config_dir.name, "batch": b, "graphs": not args.eager, "phase": args.phase,
                "policy": args.policy, "bits": args.bits if args.policy == "uniform" else None,
-               "prompt_len": args.prompt_len, **profile_steps(e, args.steps, dev == "cuda", b, args.phase)}
+               "prompt_len": args.prompt_len, "step_tokens_max": st,
+               **profile_steps(e, args.steps, dev == "cuda", b, args.phase)}
         del e
         write_records("decode_profile", [rec], env, args.out)
-        print(f"{rec['model']} b{b} {'graphs' if rec['graphs'] else 'eager'}: step {rec['step_ms']:.2f} ms, model "
+        print(f"{rec['model']} b{b} step tokens {st} {'graphs' if rec['graphs'] else 'eager'}: step "
+              f"{rec['step_ms']:.2f} ms, model "
               f"{rec['model_ms']:.2f} ms, GPU busy {rec['gpu_busy_ms']:.2f} ms, {rec['kernels_per_step']:.0f} "
               f"kernels/step, {rec['step_tokens']:.0f} tokens/step ({rec['prefill_tokens']:.0f} prompt), mean bits "
               f"{rec['mean_bits']:.2f}, groups ms {rec['group_ms']}")
         for name, us, n in rec["kernels"][:15]:
             print(f"  {us:9.1f} us/step {n:6.1f}/step  {name[:90]}")
+        for title, key in (("CUDA runtime calls", "runtime_calls"), ("CPU ops by self time", "cpu_ops_self_ms")):
+            print(f"  {title} (ms/step, calls/step): " + "; ".join(f"{n} {ms:.2f} x{c:g}" for n, ms, c in rec[key]))
 
 
 if __name__ == "__main__":
