@@ -2,7 +2,8 @@
 
 What it computes, per token t, from the router logits [T, E] (x's dtype; a column E may hold the
 shared expert's gate logit, when ``has_gate``), the softmax over the E experts in fp32, the top-k
-experts (ties: lowest id), optionally renormalised to sum 1; weights are rounded to x's dtype
+experts (ties: lowest id), optionally renormalised to sum 1, optionally times a per-expert scale (Gemma-4's
+``per_expert_scale``, in fp32 before the one rounding); weights are rounded to x's dtype
 (as ``pwrun.model.moe.route`` returns them) and handed out as fp32 [T, k] with ids int64 [T, k];
 the shared expert's weight is ``sigmoid(gate logit)`` (fp32 [T]) or 1.
 With ``stats`` it also adds the live routing statistics of SPEC section 6 for this layer
@@ -51,17 +52,20 @@ def accumulate_routing_stats(mass: torch.Tensor, acc: torch.Tensor, x: torch.Ten
 
 
 def route_topk_ref(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_k: int, renorm: bool,
-                   has_gate: bool, stats: tuple[torch.Tensor, torch.Tensor] | None = None, has_shared: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   has_gate: bool, stats: tuple[torch.Tensor, torch.Tensor] | None = None, has_shared: bool = True,
+                   scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference: (weights [T, k] fp32, ids [T, k] int64, shared weight [T] fp32); see module docstring.
 
     logits [T, >= E(+1)] in x's dtype; x [T, H]; stats = (mass [E+1] fp32, acc [E+1, 4] fp32), updated in place
-    (column E, the shared expert, only if ``has_shared``).
+    (column E, the shared expert, only if ``has_shared``) with the scaled weights; ``scale`` [E] multiplies each
+    (renormalised) weight before it is rounded.
     """
     probs = torch.softmax(logits[:, :num_experts].float(), dim=-1)
     w, ids = torch.topk(probs, top_k, dim=-1)
     if renorm:
         w = w / w.sum(dim=-1, keepdim=True)
+    if scale is not None:
+        w = w * scale.float()[ids]
     w = w.to(x.dtype).float()
     t = logits.shape[0]
     shared = torch.sigmoid(logits[:, num_experts].float()) if has_gate else torch.ones(t, device=x.device)
@@ -79,6 +83,7 @@ def _route_kernel(
     shared_ptr,  # [T] out: fp32 shared-expert weight
     mass_ptr,  # [E+1] fp32 routing-mass accumulator of this layer (when STATS)
     acc_ptr,  # [E+1, 4] fp32 (sum w, sum w*n, sum w*n^2, max n) accumulator (when STATS)
+    scale_ptr,  # [E] per-expert scale of the weights (when SCALE)
     E,  # routed experts
     H,  # hidden size
     stride_lm,  # elements between rows of logits
@@ -88,6 +93,7 @@ def _route_kernel(
     HAS_GATE: tl.constexpr,  # logits column E is the shared expert's gate
     STATS: tl.constexpr,  # accumulate routing statistics
     HAS_SHARED: tl.constexpr,  # the family has a shared expert: add its statistics in column E
+    SCALE: tl.constexpr,  # multiply each weight by scale[id] before rounding
     K_PAD: tl.constexpr,  # next power of 2 >= TOPK
     BLOCK_E: tl.constexpr,  # next power of 2 >= E
     BLOCK_H: tl.constexpr,  # H chunk for the norm
@@ -110,6 +116,8 @@ def _route_kernel(
         p = tl.where(e == i, -1.0, p)
     if RENORM:
         top_w = top_w / tl.sum(top_w, axis=0)
+    if SCALE:
+        top_w = top_w * tl.load(scale_ptr + top_i, mask=km, other=0.0).to(tl.float32)
     top_w = round_to(top_w, x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(w_ptr + t * TOPK + kk, top_w, mask=km)
     tl.store(ids_ptr + t * TOPK + kk, top_i, mask=km)
@@ -139,8 +147,8 @@ def _route_kernel(
 
 
 def route_topk(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_k: int, renorm: bool,
-               has_gate: bool, stats: tuple[torch.Tensor, torch.Tensor] | None = None, has_shared: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               has_gate: bool, stats: tuple[torch.Tensor, torch.Tensor] | None = None, has_shared: bool = True,
+               scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of ``route_topk_ref`` (same arguments and results; stats sums use atomics).
 
     Raises ``ValueError`` on bad shapes, dtypes or a top-k outside [1, E].
@@ -153,6 +161,9 @@ def route_topk(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_k: i
         raise ValueError("rows of logits and x must be contiguous")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}]; got {top_k}")
+    if scale is not None and (scale.shape != (num_experts,) or not scale.is_contiguous()
+                              or scale.device != logits.device):
+        raise ValueError(f"scale must be a contiguous [{num_experts}] tensor on {logits.device}")
     if stats is not None:
         mass, acc = stats
         if mass.shape != (num_experts + 1,) or acc.shape != (num_experts + 1, 4) or not acc.is_contiguous() \
@@ -166,9 +177,10 @@ def route_topk(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_k: i
         return w, ids, shared
     mass, acc = stats if stats is not None else (w, w)
     block_h = min(1024, triton.next_power_of_2(x.shape[1]))
-    _route_kernel[(t,)](logits, x, w, ids, shared, mass, acc, num_experts, x.shape[1], logits.stride(0),
-                        x.stride(0), TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), RENORM=renorm,
-                        HAS_GATE=has_gate, STATS=stats is not None, HAS_SHARED=has_shared,
+    _route_kernel[(t,)](logits, x, w, ids, shared, mass, acc, w if scale is None else scale, num_experts,
+                        x.shape[1], logits.stride(0), x.stride(0), TOPK=top_k, K_PAD=triton.next_power_of_2(top_k),
+                        RENORM=renorm,
+                        HAS_GATE=has_gate, STATS=stats is not None, HAS_SHARED=has_shared, SCALE=scale is not None,
                         BLOCK_E=triton.next_power_of_2(num_experts),
                         BLOCK_H=block_h, num_warps=1)
     return w, ids, shared

@@ -207,3 +207,26 @@ def test_route_topk_without_stats_and_bad_input() -> None:
         route_topk(logits, x, 6, 7, True, False)
     with pytest.raises(ValueError, match="logits"):
         route_topk(logits, x, 6, 2, True, True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (9, 12, 3)])
+def test_route_topk_expert_scale(dtype: torch.dtype, t: int, e: int, k: int) -> None:
+    """Gemma-4's per-expert scale: the kernel and its reference equal the model's eager router (one rounding after
+    the scale), and the statistics take the scaled weights."""
+    g = torch.Generator().manual_seed(t + e)
+    x = torch.randn(t, 40, generator=g).to(dtype).to(DEV)
+    logits = torch.stack([(torch.randperm(e, generator=g) - e / 2) / 16 for _ in range(t)]).to(dtype).to(DEV)
+    scale = (0.5 + torch.rand(e, generator=g)).to(dtype).to(DEV)
+    spec = MoESpec(num_experts=e, top_k=k, norm_topk_prob=True, expert_intermediate=8)
+    w_eager, ids_eager = route(torch.eye(t, dtype=dtype, device=DEV), logits.T.contiguous(), spec, scale)
+    unscaled, _, _ = route_topk_ref(logits, x, e, k, True, False)
+    assert not torch.equal(unscaled, w_eager.float())  # the scale changes the weights
+    for fn in (route_topk_ref, route_topk):
+        mass, acc = torch.zeros(e + 1, device=DEV), torch.zeros(e + 1, 4, device=DEV)
+        w, ids, _ = fn(logits, x, e, k, True, False, (mass, acc), has_shared=False, scale=scale)
+        assert torch.equal(ids, ids_eager)
+        assert torch.allclose(w, w_eager.float(), rtol=torch.finfo(dtype).eps, atol=0)
+        assert float(mass.sum()) == pytest.approx(float(w_eager.float().sum()), rel=1e-3)
+    with pytest.raises(ValueError, match="scale"):
+        route_topk(logits, x, e, k, True, False, scale=scale[:-1])

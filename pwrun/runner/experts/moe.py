@@ -88,13 +88,10 @@ class PooledMoE:
         has_gate = lw.shared_gate is not None
         weight = self._router_gate.get(layer, lw.router)
         logits = linear(r, weight)
-        scaled = lw.expert_scale is not None  # the statistics take the weights after the per-expert scale
-        stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max and not scaled \
-            else None
+        # the statistics take the weights after the per-expert scale (applied in the kernel, as ``route`` does)
+        stats = (self.mass_acc[layer], self.norm_acc[layer]) if self.observe and e == self.e_max else None
         w, ids, shared_w = route_topk(logits, x, e, spec.top_k, spec.norm_topk_prob, has_gate, stats,
-                                      has_shared=lw.shared is not None)
-        if lw.expert_scale is not None:
-            w = (w * lw.expert_scale.float()[ids]).to(x.dtype).float()
+                                      has_shared=lw.shared is not None, scale=lw.expert_scale)
         if self.observe and stats is None:
             self._observe(layer, x, ids, w, e, lw.shared is not None)
         return self.run_experts(x, layer, ids, w, None if lw.shared is None else shared_w[:, None], spec.activation)
