@@ -16,7 +16,7 @@ from pwkernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_re
 from pwkernels.rope_kv import rope_kv_write, rope_kv_write_ref
 from pwkernels.route_topk import route_topk, route_topk_ref
 from pwrun.model.moe import route
-from pwrun.model.ops import apply_rope, rope_cos_sin, rope_inv_freq
+from pwrun.model.ops import apply_rope, norm, rope_cos_sin, rope_inv_freq
 from pwrun.model.spec import MoESpec
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,6 +76,30 @@ def test_rms_norm_of_rows_and_strided_heads(dtype: torch.dtype, shape: tuple[int
     got = rms_norm(x, w, 1e-6)
     assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
     assert _ulps(got, ref) <= 2.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,d", [(1, 96), (5, 1416)])
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_rms_norm_with_residual_and_scale(dtype: torch.dtype, t: int, d: int, with_scale: bool) -> None:
+    """A sandwich layer's post-norm in one launch: ``(residual + norm(x)) * scale`` equals the eager ops on the
+    kernel's own norm bit for bit (each op rounded to the dtype), and ``pwrun.model.ops.norm``'s eager path is
+    those ops."""
+    g = torch.Generator().manual_seed(t + d)
+    x = (3 * torch.randn(t, d + 8, generator=g)).to(dtype).to(DEV)[:, 8:]  # strided rows
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEV)
+    res = torch.randn(t, d, generator=g).to(dtype).to(DEV)
+    scale = torch.tensor([0.37], dtype=dtype, device=DEV) if with_scale else None
+    y = rms_norm(x, w, 1e-6)
+    want = res + y if scale is None else (res + y) * scale
+    assert torch.equal(rms_norm(x, w, 1e-6, res, scale), want)
+    eager = res + rms_norm_ref(x, w, 1e-6)
+    assert torch.equal(norm(x, w, 1e-6, False, res, scale), eager if scale is None else eager * scale)
+    assert _ulps(norm(x, w, 1e-6, True, res, scale), norm(x, w, 1e-6, False, res, scale)) <= 4.0
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, w, 1e-6, res[:, :-1])
+    with pytest.raises(ValueError, match="scale"):
+        rms_norm(x, w, 1e-6, res, torch.ones(2, dtype=dtype, device=DEV))
 
 
 def test_rms_norm_rejects_bad_input() -> None:

@@ -109,7 +109,7 @@ class LeanMoEModel:
             f = self._sandwich_ffn(h, x, ls, lw, observer, moe, fused, split)
             if split is not None and lw.moe is not None and moe is not None:
                 h = split(h)
-            return (h + rms(f, sw.post_ffn, eps, fused)) * sw.scalar, None
+            return rms(f, sw.post_ffn, eps, fused, residual=h, scale=sw.scalar), None
         h, x = norm(h, a, lw.ffn_norm, eps)
         if lw.moe is None:
             assert lw.mlp is not None
@@ -149,4 +149,4 @@ class LeanMoEModel:
         else:
             mw = lw.moe if self.experts is None else self.experts.moe(ls.index, lw.moe)
             e = moe_forward(x2, mw, ls.moe, ls.index, observer, r)
-        return f + rms(e, sw.moe_post, eps, fused)
+        return rms(e, sw.moe_post, eps, fused, residual=f)
