@@ -138,11 +138,16 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                        "torch.profiler): GPU busy ms per step (union of kernel intervals) against the step's wall "
                        "under the profiler (its host overhead included: the serving suite has the unprofiled step), "
                        "kernels per step, and the three kernels that take the most time (us per step, launches per "
-                       "step); uniform AP bits, random weights at the real shape.",
-                       ("model", "gpu", "batch", "graphs"),
-                       [("bits", "bits"), ("prompt tok", "prompt_len"), ("step ms", "step_ms"),
-                        ("model ms", "model_ms"),
+                       "step); uniform AP bits (or the planner's under the budget: policy pagedweight), random "
+                       "weights at the real shape. Phase mixed: steps that run prompt chunks beside decodes, their "
+                       "kernel time grouped into MoE / attention / other.",
+                       ("model", "gpu", "phase", "batch", "graphs", "step_tokens_max"),
+                       [("policy", "policy"), ("bits", "bits"), ("prompt tok", "prompt_len"),
+                        ("step tokens", "step_tokens"), ("step ms", "step_ms"), ("model ms", "model_ms"),
                         ("GPU busy ms", "gpu_busy_ms"), ("kernels / step", "kernels_per_step"),
+                        ("MoE / attention / other ms", lambda rows: " / ".join(
+                            f"{rows[-1]['group_ms'].get(g, 0):.1f}" for g in ("moe", "attention", "other"))
+                         if rows[-1].get("group_ms") else ""),
                         ("top kernels", lambda rows: "; ".join(f"{n[:40]} {us:.0f} us x{k:g}"
                                                                for n, us, k in rows[-1].get("kernels", [])[:3]))]),
     "calibration": ("Calibration", "`pwcal` stages on random weights at the model's real shape "
@@ -204,6 +209,8 @@ def latest(records: list[Record], key: tuple[str, ...]) -> list[tuple[tuple[Any,
 def table(suite: str, records: list[Record]) -> str:
     """The markdown section of ``suite``: title, description, one row per key, then the runs it came from."""
     title, what, key, cols = SUITES[suite]
+    if suite == "decode_profile":  # records from before --phase / --step-tokens profiled decode steps at 2048
+        records = [{"phase": "decode", "step_tokens_max": 2048, **r} for r in records]
     rows = latest(records, key)
     lines = [f"## {title}", "", what, ""]
     if suite == "serving":  # the user path, real workloads and HTTP records have tables of their own
