@@ -212,7 +212,24 @@ def test_decode_profile_runs_on_a_shrunken_config(tmp_path: Path) -> None:
     _run("bench.render", "--results", str(tmp_path), "--out", str(tmp_path / "perf.md"))
     lines = (tmp_path / "perf.md").read_text().splitlines()
     row = next(line for line in lines if line.startswith(f"| {tmp_path.name} |"))
-    assert row.split(" | ")[2:6] == ["2", "False", "4", "40"]  # after the GPU: batch, graphs, bits, prompt tokens
+    # after the GPU: phase, batch, graphs, step tokens at most, policy, bits, prompt tokens, tokens per step
+    assert row.split(" | ")[2:10] == ["decode", "2", "False", "2048", "uniform", "4", "40", "2"]
+
+
+def test_decode_profile_mixed_phase(tmp_path: Path) -> None:
+    """``--phase mixed``: only steps that run prompt chunks beside decodes are profiled, at each ``--step-tokens``;
+    the records carry the host's CPU ops and the planner's bits under ``--policy pagedweight``."""
+    _shrunken_qwen(tmp_path)
+    out = tmp_path / "decode_profile.jsonl"
+    _run("bench.decode_profile", "--device", "cpu", "--config-dir", str(tmp_path), "--batches", "24",
+         "--prompt-len", "40", "--steps", "2", "--gpu-memory-gib", "1", "--eager", "--phase", "mixed",
+         "--policy", "pagedweight", "--step-tokens", "64,96", "--label", "t", "--out", str(out))
+    recs = list(map(json.loads, out.read_text().splitlines()))
+    assert [r["step_tokens_max"] for r in recs] == [64, 96]
+    for r in recs:
+        assert r["phase"] == "mixed" and r["policy"] == "pagedweight" and r["bits"] is None
+        assert 0 < r["prefill_tokens"] < r["step_tokens"] <= r["step_tokens_max"]
+        assert 3 <= r["mean_bits"] <= 8 and r["cpu_ops_self_ms"] and r["group_ms"] == {}
 
 
 def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None:
