@@ -109,10 +109,11 @@ def _rms_norm_kernel(
     stride_g,  # elements between rows of a token of x
     eps,  # RMSNorm epsilon
     res_ptr,  # [T, G, D] contiguous residual added after the norm (when HAS_RES)
-    scale_ptr,  # [1] multiplies the result (when HAS_SCALE)
+    scale_ptr,  # [1] multiplies the result (when HAS_SCALE == 1)
+    scale_f,  # fp32 number that multiplies the result (when HAS_SCALE == 2)
     HAS_W: tl.constexpr,
     HAS_RES: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,  # 0: none, 1: the tensor at scale_ptr, 2: the number scale_f
     BLOCK_D: tl.constexpr,  # next power of 2 >= D
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -128,17 +129,20 @@ def _rms_norm_kernel(
     if HAS_RES:  # each step rounded to the dtype, as the eager ops round
         res = tl.load(res_ptr + (t * G + g) * D + cols, mask=mask, other=0.0)
         y = round_to(res.to(tl.float32) + y.to(tl.float32), y_ptr.dtype.element_ty)
-    if HAS_SCALE:
+    if HAS_SCALE == 1:
         y = round_to(y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32), y_ptr.dtype.element_ty)
+    if HAS_SCALE == 2:
+        y = round_to(y.to(tl.float32) * scale_f, y_ptr.dtype.element_ty)
     tl.store(y_ptr + (t * G + g) * D + cols, y, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
-             scale: torch.Tensor | None = None) -> torch.Tensor:
+             scale: torch.Tensor | float | None = None) -> torch.Tensor:
     """Triton version of ``rms_norm_ref`` (``weight`` [D]) and ``rms_unit_ref`` (``weight`` None) for x [T, D] or
     [T, G, D] whose last dim is contiguous (other strides free); a new contiguous tensor of x's shape and dtype.
-    With ``residual`` (x's shape and dtype, contiguous) and ``scale`` ([1], x's dtype): ``(residual + y) * scale``
-    in the same launch, each op rounded to the dtype as eagerly (a sandwich layer's post-norms).
+    With ``residual`` (x's shape and dtype, contiguous) and ``scale`` ([1] of x's dtype, or a Python number):
+    ``(residual + y) * scale`` in the same launch, each op rounded to the dtype as eagerly (a sandwich layer's
+    post-norms; Gemma-4's router input).
     Raises ``ValueError`` on other shapes, a weight of another length, dtype or device, or a strided last dim."""
     if x.dim() not in (2, 3) or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, D] or [T, G, D] with a contiguous last dim; got {tuple(x.shape)} "
@@ -150,7 +154,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.device != x.device or not residual.is_contiguous()):
         raise ValueError(f"residual must be a contiguous {tuple(x.shape)} {x.dtype} tensor on {x.device}")
-    if scale is not None and (scale.numel() != 1 or scale.dtype != x.dtype or scale.device != x.device):
+    if isinstance(scale, torch.Tensor) and (scale.numel() != 1 or scale.dtype != x.dtype
+                                            or scale.device != x.device):
         raise ValueError(f"scale must be one {x.dtype} element on {x.device}")
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     t, g = x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
@@ -158,8 +163,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
         return y
     stride_g = x.stride(1) if x.dim() == 3 else 0
     _rms_norm_kernel[(t, g)](x, weight if weight is not None else x, y, g, d, x.stride(0), stride_g, eps,
-                             x if residual is None else residual, x if scale is None else scale,
-                             HAS_W=weight is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
+                             x if residual is None else residual, scale if isinstance(scale, torch.Tensor) else x,
+                             float(scale) if isinstance(scale, int | float) else 1.0,
+                             HAS_W=weight is not None, HAS_RES=residual is not None,
+                             HAS_SCALE=0 if scale is None else 1 if isinstance(scale, torch.Tensor) else 2,
                              BLOCK_D=triton.next_power_of_2(d),
                              num_warps=1 if d <= 512 else 4 if d <= 4096 else 8)
     return y

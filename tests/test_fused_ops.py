@@ -84,7 +84,7 @@ def test_rms_norm_of_rows_and_strided_heads(dtype: torch.dtype, shape: tuple[int
 def test_rms_norm_with_residual_and_scale(dtype: torch.dtype, t: int, d: int, with_scale: bool) -> None:
     """A sandwich layer's post-norm in one launch: ``(residual + norm(x)) * scale`` equals the eager ops on the
     kernel's own norm bit for bit (each op rounded to the dtype), and ``pwrun.model.ops.norm``'s eager path is
-    those ops."""
+    those ops. Also Gemma-4's router input: ``norm(x) * weight * number`` (no residual)."""
     g = torch.Generator().manual_seed(t + d)
     x = (3 * torch.randn(t, d + 8, generator=g)).to(dtype).to(DEV)[:, 8:]  # strided rows
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEV)
@@ -96,6 +96,11 @@ def test_rms_norm_with_residual_and_scale(dtype: torch.dtype, t: int, d: int, wi
     eager = res + rms_norm_ref(x, w, 1e-6)
     assert torch.equal(norm(x, w, 1e-6, False, res, scale), eager if scale is None else eager * scale)
     assert _ulps(norm(x, w, 1e-6, True, res, scale), norm(x, w, 1e-6, False, res, scale)) <= 4.0
+    c = d ** -0.5  # a number: multiplied in fp32, as eager bf16 * float
+    assert torch.equal(rms_norm(x, w, 1e-6, None, c), y * c)
+    unit = rms_unit_ref(x, 1e-6)
+    assert torch.equal(norm(x, w, 1e-6, False, scale=c), unit * w * c)  # the router input's eager ops, any order
+    assert _ulps(norm(x, w, 1e-6, True, scale=c), unit * w * c) <= 4.0
     with pytest.raises(ValueError, match="residual"):
         rms_norm(x, w, 1e-6, res[:, :-1])
     with pytest.raises(ValueError, match="scale"):

@@ -119,12 +119,6 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
         if o is not None:
             return _linear(o.reshape(t, hq * d), w.o, None, fused)
 
-    varlen = getattr(cache, "varlen_attention", None)
-    if varlen is not None:
-        o = varlen(layer, q, step, d**-0.5)
-        if o is not None:
-            return _linear(o.reshape(t, hq * d), w.o, None, fused)
-
     out = torch.empty_like(q)
     groups = hq // hkv
     for s in range(step.num_seqs):

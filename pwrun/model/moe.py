@@ -39,7 +39,7 @@ def router_input(h: torch.Tensor, w: MoEWeights, spec: MoESpec, eps: float, fuse
     """What the router of a ``gemma4`` block reads: the residual stream h [T, H] RMS-normalised without weight,
     times ``router_scale`` and H^-0.5 (other routers read the MoE input itself: callers pass it)."""
     assert spec.router == "gemma4" and w.router_scale is not None
-    return norm(h, None, eps, fused) * w.router_scale * h.shape[-1] ** -0.5
+    return norm(h, w.router_scale, eps, fused, scale=h.shape[-1] ** -0.5)  # one launch where fused
 
 
 def route(x: torch.Tensor, router: torch.Tensor, spec: MoESpec, expert_scale: torch.Tensor | None = None

@@ -60,14 +60,14 @@ def add_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bool = False,
-         residual: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, scale: torch.Tensor | float | None = None) -> torch.Tensor:
     """RMSNorm of x's last dim, with ``weight`` or without (None), then ``(residual + y) * scale`` where given: one
     Triton launch (``pwkernels.norm.rms_norm``) when ``fused`` and x is [T, D] or [T, G, D], the eager ops
     otherwise."""
     if fused and x.dim() in (2, 3) and x.stride(-1) == 1 and (weight is None or weight.dtype == x.dtype) and (
             residual is None or (residual.dtype == x.dtype and residual.is_contiguous()
                                  and residual.shape == x.shape)) and (
-            scale is None or (scale.numel() == 1 and scale.dtype == x.dtype)):
+            not isinstance(scale, torch.Tensor) or (scale.numel() == 1 and scale.dtype == x.dtype)):
         return rms_norm(x, weight, eps, residual, scale)
     y = rms_unit_ref(x, eps) if weight is None else rms_norm_ref(x, weight, eps)
     if residual is not None:
