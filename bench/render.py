@@ -127,7 +127,7 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                  "at up to 72% less memory; Qwen1.5-MoE at sequence 2048, tok/s at B=1 / B=4: FP16 67.1 / 258.0, "
                  "APL 3.25-bit 134.5 / 429.9, PagedWeight (7.63 GB) 130.1 / 419.4. Quality at each memory "
                  "fraction: [docs/eval/](eval/README.md).",
-                 ("model", "layers", "gpu_memory_gib", "request_rate", "system"),
+                 ("model", "gpu", "layers", "gpu_memory_gib", "request_rate", "system"),
                  [("output tok/s", "output_tokens_per_second"), ("x FP16", "x_vs_fp16"),
                   ("x uniform 4", "x_vs_uniform4"), ("TTFT p50 s", "ttft_p50_s"), ("TTFT p99 s", "ttft_p99_s"),
                   ("TPOT p50 ms", "tpot_p50_ms"), ("TPOT p99 ms", "tpot_p99_ms"), ("queue p50 s", "queue_p50_s"),
