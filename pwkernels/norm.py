@@ -164,7 +164,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
     stride_g = x.stride(1) if x.dim() == 3 else 0
     _rms_norm_kernel[(t, g)](x, weight if weight is not None else x, y, g, d, x.stride(0), stride_g, eps,
                              x if residual is None else residual, scale if isinstance(scale, torch.Tensor) else x,
-                             float(scale) if isinstance(scale, int | float) else 1.0,
+                             1.0 if scale is None or isinstance(scale, torch.Tensor) else float(scale),
                              HAS_W=weight is not None, HAS_RES=residual is not None,
                              HAS_SCALE=0 if scale is None else 1 if isinstance(scale, torch.Tensor) else 2,
                              BLOCK_D=triton.next_power_of_2(d),

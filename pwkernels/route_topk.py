@@ -161,9 +161,10 @@ def route_topk(logits: torch.Tensor, x: torch.Tensor, num_experts: int, top_k: i
         raise ValueError("rows of logits and x must be contiguous")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}]; got {top_k}")
-    if scale is not None and (scale.shape != (num_experts,) or not scale.is_contiguous()
-                              or scale.device != logits.device):
-        raise ValueError(f"scale must be a contiguous [{num_experts}] tensor on {logits.device}")
+    if scale is not None:
+        if scale.shape != (num_experts,) or scale.device != logits.device:
+            raise ValueError(f"scale must be a [{num_experts}] tensor on {logits.device}")
+        scale = scale.contiguous()
     if stats is not None:
         mass, acc = stats
         if mass.shape != (num_experts + 1,) or acc.shape != (num_experts + 1, 4) or not acc.is_contiguous() \

@@ -9,6 +9,7 @@ E 60, top-k 1..8), bf16 and fp16, strided inputs, outputs poisoned with NaN befo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,10 @@ def test_rms_norm_with_residual_and_scale(dtype: torch.dtype, t: int, d: int, wi
     assert _ulps(norm(x, w, 1e-6, True, res, scale), norm(x, w, 1e-6, False, res, scale)) <= 4.0
     c = d ** -0.5  # a number: multiplied in fp32, as eager bf16 * float
     assert torch.equal(rms_norm(x, w, 1e-6, None, c), y * c)
+    assert torch.equal(rms_norm(x, w, 1e-6, None, np.float32(2.0)), y * 2.0)  # any real number
+    # a residual the kernel cannot take (strided): the norm still in the kernel, the add eager
+    strided = torch.zeros(t, 2 * d, dtype=dtype, device=DEV)[:, ::2]
+    assert torch.equal(norm(x, w, 1e-6, True, strided, scale), y if scale is None else y * scale)
     unit = rms_unit_ref(x, 1e-6)
     assert torch.equal(norm(x, w, 1e-6, False, scale=c), unit * w * c)  # the router input's eager ops, any order
     assert _ulps(norm(x, w, 1e-6, True, scale=c), unit * w * c) <= 4.0

@@ -64,12 +64,16 @@ def norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bool =
     """RMSNorm of x's last dim, with ``weight`` or without (None), then ``(residual + y) * scale`` where given: one
     Triton launch (``pwkernels.norm.rms_norm``) when ``fused`` and x is [T, D] or [T, G, D], the eager ops
     otherwise."""
-    if fused and x.dim() in (2, 3) and x.stride(-1) == 1 and (weight is None or weight.dtype == x.dtype) and (
-            residual is None or (residual.dtype == x.dtype and residual.is_contiguous()
-                                 and residual.shape == x.shape)) and (
-            not isinstance(scale, torch.Tensor) or (scale.numel() == 1 and scale.dtype == x.dtype)):
+    kernel = fused and x.dim() in (2, 3) and x.stride(-1) == 1 and (weight is None or weight.dtype == x.dtype)
+    if kernel and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()
+                                        and residual.shape == x.shape)) and (
+            not isinstance(scale, torch.Tensor) or (scale.numel() == 1 and scale.dtype == x.dtype
+                                                    and scale.device == x.device)):
         return rms_norm(x, weight, eps, residual, scale)
-    y = rms_unit_ref(x, eps) if weight is None else rms_norm_ref(x, weight, eps)
+    if kernel:  # the norm in its kernel, the residual or scale it cannot take eagerly
+        y = rms_norm(x, weight, eps)
+    else:
+        y = rms_unit_ref(x, eps) if weight is None else rms_norm_ref(x, weight, eps)
     if residual is not None:
         y = residual + y
     return y if scale is None else y * scale
