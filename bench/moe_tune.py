@@ -34,9 +34,9 @@ from pwkernels.moe.ref import ap_moe_ref
 CONFIG_FILE = Path(__file__).resolve().parents[1] / "pwkernels" / "configs" / "ap_moe.json"
 
 
-def _decode(slots: int) -> dict[str, Any]:
-    return {"path": "decode", "gate_up": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "RAW_SHFL": 1},
-            "down": {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "SPLIT_K": 1, "RAW_SHFL": 1}, "SLOTS": slots}
+def _decode(slots: int, gate_up_k: int = 1024, down_k: int = 512) -> dict[str, Any]:
+    return {"path": "decode", "gate_up": {"BLOCK_N": 8, "BLOCK_K": gate_up_k, "num_warps": 4, "RAW_SHFL": 1},
+            "down": {"BLOCK_N": 32, "BLOCK_K": down_k, "num_warps": 4, "SPLIT_K": 1, "RAW_SHFL": 1}, "SLOTS": slots}
 
 
 def _words(block_m: int, split: bool) -> dict[str, Any]:
@@ -46,6 +46,9 @@ def _words(block_m: int, split: bool) -> dict[str, Any]:
 
 CANDIDATES: dict[str, dict[str, Any]] = {
     "decode S4": _decode(4),
+    # narrow experts (Gemma-4: I = 704 columns for down, H = 2,816 for gate_up): K steps that waste fewer columns
+    "decode S1 k512/256": _decode(1, 512, 256), "decode S2 k1024/256": _decode(2, 1024, 256),
+    "decode tokens k512/256": _decode(0, 512, 256),
     "words 16": _words(16, False), "words 16 split": _words(16, True),
     "words 32 split": _words(32, True),
     "mid 16x64x64": {"path": "mid", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4},
