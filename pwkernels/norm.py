@@ -108,6 +108,9 @@ def _rms_norm_kernel(
     stride_t,  # elements between tokens of x
     stride_g,  # elements between rows of a token of x
     eps,  # RMSNorm epsilon
+    w2_ptr,  # [D] weight of rows W_ROWS <= g < W2_ROWS (x's dtype; rows from W2_ROWS on take none)
+    W_ROWS,  # rows g < W_ROWS of each token take w (G: all)
+    W2_ROWS,  # rows W_ROWS <= g < W2_ROWS take w2
     res_ptr,  # [T, G, D] contiguous residual added after the norm (when HAS_RES)
     scale_ptr,  # [1] multiplies the result (when HAS_SCALE == 1)
     scale_f,  # fp32 number that multiplies the result (when HAS_SCALE == 2)
@@ -124,8 +127,12 @@ def _rms_norm_kernel(
     r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
     y = round_to(xf * r, y_ptr.dtype.element_ty)
     if HAS_W:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        y = round_to(w.to(tl.float32) * y.to(tl.float32), y_ptr.dtype.element_ty)
+        if g < W_ROWS:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+            y = round_to(w.to(tl.float32) * y.to(tl.float32), y_ptr.dtype.element_ty)
+        elif g < W2_ROWS:
+            w = tl.load(w2_ptr + cols, mask=mask, other=0.0)
+            y = round_to(w.to(tl.float32) * y.to(tl.float32), y_ptr.dtype.element_ty)
     if HAS_RES:  # each step rounded to the dtype, as the eager ops round
         res = tl.load(res_ptr + (t * G + g) * D + cols, mask=mask, other=0.0)
         y = round_to(res.to(tl.float32) + y.to(tl.float32), y_ptr.dtype.element_ty)
@@ -163,10 +170,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
         return y
     stride_g = x.stride(1) if x.dim() == 3 else 0
     _rms_norm_kernel[(t, g)](x, weight if weight is not None else x, y, g, d, x.stride(0), stride_g, eps,
-                             x if residual is None else residual, scale if isinstance(scale, torch.Tensor) else x,
+                             x, g, g, x if residual is None else residual,
+                             scale if isinstance(scale, torch.Tensor) else x,
                              1.0 if scale is None or isinstance(scale, torch.Tensor) else float(scale),
                              HAS_W=weight is not None, HAS_RES=residual is not None,
                              HAS_SCALE=0 if scale is None else 1 if isinstance(scale, torch.Tensor) else 2,
                              BLOCK_D=triton.next_power_of_2(d),
+                             num_warps=1 if d <= 512 else 4 if d <= 4096 else 8)
+    return y
+
+
+def rms_norm_heads(x: torch.Tensor, w: torch.Tensor, rows: int, w2: torch.Tensor, rows2: int, eps: float
+                   ) -> torch.Tensor:
+    """Per-head RMSNorms of one projection's heads in one launch: x [T, G, D] (last dim contiguous) -> a new
+    contiguous [T, G, D] whose heads g < ``rows`` are ``rms_norm_ref(x[:, g], w)``, ``rows`` <= g < ``rows2``
+    with ``w2``, the rest without a weight (``rms_unit_ref``): q, k and v of a fused projection with their own
+    norms (Gemma-4's sliding layers), each head as ``rms_norm`` computes it. Raises ``ValueError`` on bad shapes,
+    dtypes or row bounds."""
+    if x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, G, D] with a contiguous last dim; got {tuple(x.shape)} strides {x.stride()}")
+    t, g, d = x.shape
+    for v in (w, w2):
+        if v.shape != (d,) or v.dtype != x.dtype or v.device != x.device or v.stride(-1) != 1:
+            raise ValueError(f"weights must be [{d}] of x's dtype and device; got {tuple(v.shape)} {v.dtype}")
+    if not 0 <= rows <= rows2 <= g:
+        raise ValueError(f"row bounds must satisfy 0 <= rows <= rows2 <= {g}; got {rows}, {rows2}")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    _rms_norm_kernel[(t, g)](x, w, y, g, d, x.stride(0), x.stride(1), eps, w2, rows, rows2, x, x, 1.0,
+                             HAS_W=True, HAS_RES=False, HAS_SCALE=0, BLOCK_D=triton.next_power_of_2(d),
                              num_warps=1 if d <= 512 else 4 if d <= 4096 else 8)
     return y

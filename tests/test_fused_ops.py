@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pwkernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, rms_unit_ref
+from pwkernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_heads, rms_norm_ref, rms_unit_ref
 from pwkernels.rope_kv import rope_kv_write, rope_kv_write_ref
 from pwkernels.route_topk import route_topk, route_topk_ref
 from pwrun.model.moe import route
@@ -110,6 +110,24 @@ def test_rms_norm_with_residual_and_scale(dtype: torch.dtype, t: int, d: int, wi
         rms_norm(x, w, 1e-6, res[:, :-1])
     with pytest.raises(ValueError, match="scale"):
         rms_norm(x, w, 1e-6, res, torch.ones(2, dtype=dtype, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 32), (5, 6, 1, 72)])
+def test_rms_norm_heads_equals_one_norm_per_part(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int) -> None:
+    """q, k and v heads of one fused projection normalised in one launch: bit for bit the three separate norms
+    (q and k with their weights, v without), read from the projection's strided views."""
+    g = torch.Generator().manual_seed(t * hq + d)
+    qkv = (3 * torch.randn(t, (hq + 2 * hkv) * d, generator=g)).to(dtype).to(DEV)
+    wq, wk = ((1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEV) for _ in range(2))
+    q, k, v = (z.view(t, -1, d) for z in qkv.split((hq * d, hkv * d, hkv * d), dim=-1))
+    out = rms_norm_heads(qkv.view(t, hq + 2 * hkv, d), wq, hq, wk, hq + hkv, 1e-6)
+    assert out.is_contiguous() and out.shape == (t, hq + 2 * hkv, d)
+    assert torch.equal(out[:, :hq], rms_norm(q, wq, 1e-6)) and torch.equal(out[:, hq:hq + hkv], rms_norm(k, wk, 1e-6))
+    assert torch.equal(out[:, hq + hkv:], rms_norm(v, None, 1e-6))
+    assert _ulps(out[:, :hq], rms_norm_ref(q, wq, 1e-6)) <= 2.0 and _ulps(out[:, hq + hkv:], rms_unit_ref(v, 1e-6)) <= 2
+    with pytest.raises(ValueError, match="row bounds"):
+        rms_norm_heads(qkv.view(t, hq + 2 * hkv, d), wq, hq + 1, wk, hq, 1e-6)
 
 
 def test_rms_norm_rejects_bad_input() -> None:

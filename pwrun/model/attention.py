@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pwkernels.dense_gemv import linear
+from pwkernels.norm import rms_norm_heads
 from pwrun.model.ops import apply_rope, norm, rope_cos_sin
 from pwrun.model.spec import AttentionSpec
 from pwrun.model.step import StepTensors
@@ -82,6 +83,13 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
     """
     t = x.shape[0]
     hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    if (fused and w.qkv is not None and spec.qk_norm == "per_head" and spec.v_norm and spec.clip_qkv is None
+            and w.q_norm is not None and w.k_norm is not None and w.q_norm.dtype == w.k_norm.dtype == x.dtype):
+        # q, k and v normalised per head in one launch (Gemma-4's sliding layers)
+        qkv = _linear(x, w.qkv, w.qkv_bias, fused).view(t, hq + 2 * hkv, d)
+        qkv = rms_norm_heads(qkv, w.q_norm, hq, w.k_norm, hq + hkv, eps)
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        return _attend(x, q, k, v, w, spec, layer, step, cache, fused)
     if w.qkv is not None:
         q, k, v = _linear(x, w.qkv, w.qkv_bias, fused).split((hq * d, hkv * d, hkv * d), dim=-1)
     else:
@@ -98,6 +106,14 @@ def attention_forward(x: torch.Tensor, w: AttentionWeights, spec: AttentionSpec,
         q, k = norm(q, w.q_norm, eps, fused), norm(k, w.k_norm, eps, fused)
     if spec.v_norm:
         v = norm(v, None, eps, fused)
+    return _attend(x, q, k, v, w, spec, layer, step, cache, fused)
+
+
+def _attend(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: AttentionWeights,
+            spec: AttentionSpec, layer: int, step: StepTensors, cache: PagedKVCache, fused: bool) -> torch.Tensor:
+    """RoPE, the KV write and attention of the normalised q [T, Hq, D], k / v [T, Hkv, D]; the output projection."""
+    t = x.shape[0]
+    hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     write_rope = getattr(cache, "write_rope", None) if fused else None
     rotated = write_rope(layer, step, q, k, v, spec.rope_theta, spec.rotary_dim) if write_rope is not None else None
     if rotated is not None:
