@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 from pwcal.quant.quantize import QuantizeConfig, quantize
 from pwformat.cost import artifact_bytes
 from pwrun.ap.artifact import APArtifact
+from pwrun.core.weight_table import CopyOrder
 from pwrun.data import default_model_dir
 from pwrun.model.checkpoint import safetensors_files
 from pwrun.model.inventory import expert_blocks, host_memory
@@ -74,7 +75,9 @@ def test_the_host_mirror_holds_exactly_the_artifact_bytes(tmp_path: Path) -> Non
     spec = load_model(d, device="cpu", experts="skip").spec
     blocks = sorted(expert_blocks(spec), key=lambda b: (b.layer, b.expert, b.unit))
     keys, shapes = [(b.layer, b.expert, b.unit) for b in blocks], [(b.n, b.k) for b in blocks]
-    mirror = HostMirror(a, keys, shapes, a.bits, torch.float16, torch.zeros(1, dtype=torch.uint8), 4096)
+    page = 4096
+    pool = torch.zeros(256 * page, dtype=torch.uint8)
+    mirror = HostMirror(a, keys, shapes, a.bits, torch.float16, pool, page)
     stored = sum(t.numel() * t.element_size() for la in range(spec.num_layers) for t in a.layer_tensors(la).values())
     assert mirror.host_bytes == stored == artifact_bytes(shapes, a.bits)
     assert mirror.buffer.numel() == stored  # one buffer, no rounding
@@ -83,6 +86,15 @@ def test_the_host_mirror_holds_exactly_the_artifact_bytes(tmp_path: Path) -> Non
         name = APArtifact.key(blocks[i])
         assert torch.equal(mirror.planes[i], t[f"{name}.planes"])
         assert all(torch.equal(mirror.luts[i][q], t[f"{name}.lut{q}"]) for q in a.bits)
+    # copy orders put exactly a plane's or a LUT's bytes at their page (last block: its last plane, its widest LUT)
+    last, q = len(keys) - 1, max(a.bits)
+    orders = [CopyOrder(0, "plane", 0, 0), CopyOrder(last, "plane", 7, 64), CopyOrder(last, "lut", q, 128)]
+    mirror.copy(orders)
+    for o, src in zip(orders, (mirror.planes[0][0], mirror.planes[last][7], mirror.luts[last][q]), strict=True):
+        raw = src.reshape(-1).view(torch.uint8)
+        assert torch.equal(pool[o.page * page: o.page * page + raw.numel()], raw) and raw.any()
+    assert mirror.bytes_h2d == sum(s.numel() * s.element_size() for s in (mirror.planes[0][0], mirror.planes[last][7],
+                                                                         mirror.luts[last][q]))
 
 
 _REPORT = """

@@ -45,6 +45,10 @@ class HostMirror:
                               "reloads copy synchronously", stacklevel=2)
         self.planes: list[torch.Tensor] = []
         self.luts: list[dict[int, torch.Tensor]] = []
+        # byte spans in the buffer, so that a copy order costs two slices (a reload step issues hundreds):
+        # (first plane's offset, bytes per plane) per block and (offset, bytes) per block and LUT bitwidth
+        self._plane_at: list[tuple[int, int]] = []
+        self._lut_at: list[dict[int, tuple[int, int]]] = []
         at = 0
 
         def take(nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -54,8 +58,14 @@ class HostMirror:
             return view
 
         for (n, k), (pb, lbs) in zip(shapes, sizes, strict=True):
+            self._plane_at.append((at, pb // 8))
             self.planes.append(take(pb, torch.int32, (8, n, words_per_row(k))))
-            self.luts.append({b: take(lb, lut_dtype, (n, 2**b)) for b, lb in zip(bits, lbs, strict=True)})
+            spans = {}
+            for b, lb in zip(bits, lbs, strict=True):
+                spans[b] = (at, lb)
+                at += lb
+            self._lut_at.append(spans)
+            self.luts.append({b: self.buffer[o:o + lb].view(lut_dtype).view(n, 2**b) for b, (o, lb) in spans.items()})
         for layer in sorted({k[0] for k in keys}):
             t = artifact.layer_tensors(layer)  # views of the mapped file: unmapped once dropped
             for i in (i for i, k in enumerate(keys) if k[0] == layer):
@@ -76,11 +86,14 @@ class HostMirror:
     def copy(self, orders: list[CopyOrder] | tuple[CopyOrder, ...]) -> None:
         """Execute copy orders on the current stream (host mirror -> pool pages)."""
         for o in orders:
-            src = self.planes[o.block][o.index] if o.what == "plane" else self.luts[o.block][o.index]
-            raw = src.reshape(-1).view(torch.uint8)
+            if o.what == "plane":
+                at, n = self._plane_at[o.block]
+                at += o.index * n
+            else:
+                at, n = self._lut_at[o.block][o.index]
             start = o.page * self.page_bytes
-            self.memory[start:start + raw.numel()].copy_(raw, non_blocking=True)
-            self.bytes_h2d += raw.numel()
+            self.memory[start:start + n].copy_(self.buffer[at:at + n], non_blocking=True)
+            self.bytes_h2d += n
 
     def start(self, reloads: list[Reload]) -> None:
         """Start the copies of ``reloads`` (side stream on CUDA, after the work queued so far)."""
