@@ -158,9 +158,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=256, help="new tokens per request")
     ap.add_argument("--request-rate", type=float, default=8.0,
                     help="Poisson arrivals, requests/s (inf: at once); the default saturates the 40 GiB budget: the "
-                         "64 requests arrive within ~8 s and every system serves longer than that (at 2/s on an "
-                         "H100 each system's run ended 3-7 s after the last arrival at 32.8 s: throughput was the "
-                         "offered load)")
+                         "64 requests arrive within ~8 s, less than any system takes to serve them (at a rate whose "
+                         "arrivals outlast the serving, every system's throughput is the offered load)")
     ap.add_argument("--arrival-seed", type=int, default=0, help="seed of the arrival times and prompt windows")
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS)
                     + " (pagedweight-peak: PagedWeight whose reloads leave room for every running request up to its "

@@ -165,19 +165,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
                                             or scale.device != x.device):
         raise ValueError(f"scale must be one {x.dtype} element on {x.device}")
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    t, g = x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
+    g = x.shape[1] if x.dim() == 3 else 1
     if y.numel() == 0:
         return y
-    stride_g = x.stride(1) if x.dim() == 3 else 0
-    _rms_norm_kernel[(t, g)](x, weight if weight is not None else x, y, g, d, x.stride(0), stride_g, eps,
-                             x, g, g, x if residual is None else residual,
-                             scale if isinstance(scale, torch.Tensor) else x,
-                             1.0 if scale is None or isinstance(scale, torch.Tensor) else float(scale),
-                             HAS_W=weight is not None, HAS_RES=residual is not None,
-                             HAS_SCALE=0 if scale is None else 1 if isinstance(scale, torch.Tensor) else 2,
-                             BLOCK_D=triton.next_power_of_2(d),
-                             num_warps=1 if d <= 512 else 4 if d <= 4096 else 8)
+    _launch(x, y, weight, None, g, g, eps, residual, scale)
     return y
+
+
+def _launch(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, w2: torch.Tensor | None, rows: int,
+            rows2: int, eps: float, residual: torch.Tensor | None, scale: torch.Tensor | float | None) -> None:
+    """One ``_rms_norm_kernel`` launch over x [T, D] or [T, G, D] into y (arguments checked by the callers)."""
+    t, g, d = x.shape[0], (x.shape[1] if x.dim() == 3 else 1), x.shape[-1]
+    tensor_scale = isinstance(scale, torch.Tensor)
+    _rms_norm_kernel[(t, g)](x, x if w is None else w, y, g, d, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
+                             eps, x if w2 is None else w2, rows, rows2, x if residual is None else residual,
+                             scale if tensor_scale else x,
+                             1.0 if scale is None or tensor_scale else float(scale),
+                             HAS_W=w is not None, HAS_RES=residual is not None,
+                             HAS_SCALE=0 if scale is None else 1 if tensor_scale else 2,
+                             BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 512 else 4 if d <= 4096 else 8)
 
 
 def rms_norm_heads(x: torch.Tensor, w: torch.Tensor, rows: int, w2: torch.Tensor, rows2: int, eps: float
@@ -189,7 +195,7 @@ def rms_norm_heads(x: torch.Tensor, w: torch.Tensor, rows: int, w2: torch.Tensor
     dtypes or row bounds."""
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, G, D] with a contiguous last dim; got {tuple(x.shape)} strides {x.stride()}")
-    t, g, d = x.shape
+    _, g, d = x.shape
     for v in (w, w2):
         if v.shape != (d,) or v.dtype != x.dtype or v.device != x.device or v.stride(-1) != 1:
             raise ValueError(f"weights must be [{d}] of x's dtype and device; got {tuple(v.shape)} {v.dtype}")
@@ -198,7 +204,5 @@ def rms_norm_heads(x: torch.Tensor, w: torch.Tensor, rows: int, w2: torch.Tensor
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    _rms_norm_kernel[(t, g)](x, w, y, g, d, x.stride(0), x.stride(1), eps, w2, rows, rows2, x, x, 1.0,
-                             HAS_W=True, HAS_RES=False, HAS_SCALE=0, BLOCK_D=triton.next_power_of_2(d),
-                             num_warps=1 if d <= 512 else 4 if d <= 4096 else 8)
+    _launch(x, y, w, w2, rows, rows2, eps, None, None)
     return y
