@@ -52,7 +52,14 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "words 16": _words(16, False), "words 16 split": _words(16, True),
     "words 32 split": _words(32, True),
     "mid 16x64x64": {"path": "mid", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4},
+    "mid 64x64x64": {"path": "mid", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8},
+    # prefill: the dequantize kernel's tile (writes every used expert in 16-bit once per step)
     "prefill 16x512": {"path": "prefill", "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
+    "prefill 8x1024": {"path": "prefill", "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4},
+    "prefill 32x256": {"path": "prefill", "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4},
+    "prefill 32x512 w8": {"path": "prefill", "BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8},
+    "prefill 64x256 w8": {"path": "prefill", "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8},
+    "prefill 16x256 w2": {"path": "prefill", "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 2},
 }
 
 
