@@ -49,10 +49,10 @@ RUN192 = OMP_NUM_THREADS=1 $(BIN)/pwrun eval run --out $(SUITE192)/results.parqu
 	--artifacts artifacts/runs/tiny-ap
 eval-suite192: setup
 	rm -f $(SUITE192)/results.parquet
-	$(RUN192) --gpu-memory U3,U3.5,U4,U4.25,U4.5,U4.75,U5
+	$(RUN192) --gpu-memory U3,U3.5,U4,U4.25,U4.375,U4.5,U4.625,U4.75,U5
 	$(RUN192) --policy 16-bit
 	$(RUN192) --policy static --damage docs/eval/oracle/damage_kmeans.parquet \
-		--gpu-memory U3,U3.25,U3.5,U4,U4.25,U4.5,U4.75,U5
+		--gpu-memory U3,U3.25,U3.5,U4,U4.25,U4.375,U4.5,U4.625,U4.75,U5
 	$(BIN)/pwrun eval report --results $(SUITE192)/results.parquet --out artifacts/runs/suite192-report
 	cp artifacts/runs/suite192-report/targets.md $(SUITE192)/targets.md
 
