@@ -11,7 +11,7 @@ wall exceeds its busy time has host gaps. On the CPU (no CUDA activity) the kern
 ``--phase mixed`` profiles the steps that run prompt chunks beside decodes instead (``--batches`` requests, all
 arriving at once, chunked into ``max_step_tokens`` steps), with the kernels' time grouped into attention, MoE
 and the rest; ``--policy pagedweight`` serves mixed bitwidths (the planner's choice under the budget) instead of
-uniform ``--bits``.
+uniform ``--bits``; ``--policy 16-bit`` the model's own bf16 experts in the page pool (``--policy 16-bit``).
 
 Usage (GPU machine)::
 
@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import (
     BENCH_PLANNER,
     BENCH_POLICY,
+    HostExperts,
     SyntheticAP,
     environment,
     prompts,
@@ -47,6 +48,7 @@ from pwrun.core.config import EngineConfig
 from pwrun.core.policy import Policy
 from pwrun.core.request import SamplingParams
 from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
+from pwrun.engine.build_dense import assemble_dense_engine
 from pwrun.engine.llm_engine import LLMEngine
 
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of device work
@@ -145,8 +147,8 @@ def main() -> None:
     ap.add_argument("--step-tokens", default="2048", help="the engine's max_step_tokens (tokens per step at most), "
                     "comma-separated: one run each")
     ap.add_argument("--bits", type=int, default=4, help="uniform bitwidth of every expert block")
-    ap.add_argument("--policy", choices=("uniform", "pagedweight"), default="uniform",
-                    help="uniform --bits, or the planner's mixed bitwidths under --gpu-memory-gib")
+    ap.add_argument("--policy", choices=("uniform", "pagedweight", "16-bit"), default="uniform",
+                    help="uniform --bits, the planner's mixed bitwidths under --gpu-memory-gib, or the 16-bit experts")
     ap.add_argument("--phase", choices=("decode", "mixed"), default="decode",
                     help="profile decode steps, or steps that run prompt chunks beside decodes")
     ap.add_argument("--steps", type=int, default=10, help="decode steps profiled")
@@ -160,16 +162,19 @@ def main() -> None:
     model = random_model(args.config_dir, torch.bfloat16, dev)
     spec = model.spec
     src, table = SyntheticAP(spec, torch.bfloat16, dev), synthetic_table(spec)
+    experts = HostExperts(model) if args.policy == "16-bit" else None
     stripped = strip_experts(model, torch.device(dev))
     del model
     for b, st in ((int(x), int(y)) for x in args.batches.split(",") for y in args.step_tokens.split(",")):
-        pol = Policy.named("uniform", args.bits) if args.policy == "uniform" else Policy.named("pagedweight")
+        pol = Policy.named("uniform", args.bits) if args.policy == "uniform" else Policy.named(args.policy)
         cfg = ServeConfig(int(args.gpu_memory_gib * 2**30), pol,
                           EngineConfig(max_batch=b, max_step_tokens=st, cuda_graphs=not args.eager),
                           BENCH_PLANNER)
         reqs = prompts(b, args.prompt_len, spec.vocab_size, b)
 
         def build(n: int, reqs: list[list[int]] = reqs, cfg: ServeConfig = cfg) -> LLMEngine:
+            if experts is not None:
+                return assemble_dense_engine(stripped, experts, cfg, SamplingParams(max_new_tokens=n), reqs, set())
             return assemble_engine(stripped, src, table, BENCH_POLICY, None, None, cfg,
                                    SamplingParams(max_new_tokens=n), reqs, set())
 
@@ -185,6 +190,8 @@ def main() -> None:
                "prompt_len": args.prompt_len, "step_tokens_max": st,
                **profile_steps(e, args.steps, dev == "cuda", b, args.phase)}
         del e
+        if experts is not None:
+            rec["mean_bits"] = 16.0  # the trace's bit histogram covers AP blocks only
         write_records("decode_profile", [rec], env, args.out)
         print(f"{rec['model']} b{b} step tokens {st} {'graphs' if rec['graphs'] else 'eager'}: step "
               f"{rec['step_ms']:.2f} ms, model "
