@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 
 from pwkernels.moe.activation import check_activation, gate_act
+from pwkernels.moe.align import align_by_expert
 from pwkernels.moe.dense_grouped import grouped_mm_moe
 from pwkernels.moe.experts import DenseExperts
 from pwkernels.moe.launch import DenseGemmTile, DenseGemvTile, DenseMoEConfig
-from pwkernels.moe.mid import align_by_expert
 from pwkernels.rounding import round_to
 
 DEFAULT_CONFIG = DenseMoEConfig()

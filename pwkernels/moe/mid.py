@@ -4,7 +4,7 @@ Per tile of BLOCK_M (token, slot) pairs of one expert (pairs sorted by expert, e
 BLOCK_M, as fused MoE kernels do) and BLOCK_N rows, a [BLOCK_N, BLOCK_K] weight tile is dequantized once in
 registers (``pwkernels.moe.tile.weight_tile``) and multiplied on tensor cores (``tl.dot``): act(gate) * up ->
 ``inter`` [T*k, I] in x's dtype, then down times the routing weight -> [T*k, H] fp32, summed over k by the
-launcher (deterministic, no atomics). The pair sort (``align_by_expert``) needs no host sync.
+launcher (deterministic, no atomics). The pair sort (``pwkernels.moe.align``) needs no host sync.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from pwkernels.moe.activation import check_activation, gate_act
+from pwkernels.moe.align import align_by_expert
 from pwkernels.moe.experts import APExperts
 from pwkernels.moe.launch import MidConfig
 from pwkernels.moe.tile import lut_rows, weight_tile
@@ -115,27 +116,6 @@ def _down_kernel(
         acc += tl.dot(ht, tl.trans(wd))
     wt = tl.load(w_ptr + pairs, mask=pmask, other=0.0)
     tl.store(out_ptr + pairs[:, None] * H + n[None, :], acc * wt[:, None], mask=pmask[:, None] & nmask[None, :])
-
-
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pair ids sorted by expert, each expert's segment padded to ``block_m`` with T*k; tile -> expert.
-
-    Returns ``sorted_pairs`` [num_tiles * block_m] int32 and ``tile_expert`` [num_tiles] int32, where
-    num_tiles = min(E, T*k) + T*k // block_m is an upper bound known without a host sync: experts that receive
-    no token get no tile, and the spare tiles at the end have expert ``num_experts`` and only padding.
-    """
-    flat = topk_ids.flatten().to(torch.int64)
-    num_pairs, dev = flat.numel(), flat.device
-    sorted_ids, order = torch.sort(flat, stable=True)
-    bounds = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=dev))
-    tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0)
-    max_tiles = min(num_experts, num_pairs) + num_pairs // block_m
-    tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=dev), right=True)
-    rank = torch.arange(num_pairs, device=dev) - bounds[sorted_ids]
-    sorted_pairs = torch.full((max_tiles * block_m,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_pairs[(tile_end - tiles)[sorted_ids] * block_m + rank] = order.to(torch.int32)
-    return sorted_pairs, tile_expert.to(torch.int32)
 
 
 def mid_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,

@@ -19,13 +19,13 @@ import triton
 import triton.language as tl
 
 from pwkernels.moe.activation import check_activation, gate_act
+from pwkernels.moe.align import align_by_expert
 from pwkernels.moe.bit_transpose import _transpose4, _transpose8
 from pwkernels.moe.decode import _entries, _raw
 from pwkernels.moe.experts import APExperts
 from pwkernels.moe.launch import MidConfig
 from pwkernels.moe.layout import combine, padded_words, word_major
 from pwkernels.moe.lut_shuffle import _lut, _shfl
-from pwkernels.moe.mid import align_by_expert
 from pwkernels.moe.tile import _plane
 
 
