@@ -14,6 +14,7 @@ compares them).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -78,8 +79,10 @@ def _nll_sums(model: LeanMoEModel, h: torch.Tensor, delta: torch.Tensor | None, 
 
 
 def score_pass(base: LeanMoEModel, weights: WeightCache, bits: np.ndarray, prefix: np.ndarray,
-               seq_alloc: np.ndarray, seq_window: np.ndarray, windows: list[list[int]]) -> np.ndarray:
-    """Summed NLL [S] (nats) of each sequence s: allocation ``seq_alloc[s]`` on window ``seq_window[s]``."""
+               seq_alloc: np.ndarray, seq_window: np.ndarray, windows: list[list[int]],
+               on_layer: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """Summed NLL [S] (nats) of each sequence s: allocation ``seq_alloc[s]`` on window ``seq_window[s]``;
+    ``on_layer(layers_done, layers)`` after each layer (a pass can take a minute)."""
     L, dev, spec = len(windows[0]), base.device, base.spec
     classes = prefix_classes(prefix, seq_alloc, seq_window, len(spec.layers))
     first = [np.unique(c, return_index=True)[1] for c in classes]  # a sequence of each class
@@ -91,9 +94,16 @@ def score_pass(base: LeanMoEModel, weights: WeightCache, bits: np.ndarray, prefi
         moe = SplitExperts(base, weights, L, len(first[la]), classes[la][kids], kid_bits)
         h, delta = base.layer(h, delta, ls, lw, windows_step(len(first[la]), L, dev), WindowsKV(L), moe=moe,
                               split=moe.split)
+        if on_layer is not None:
+            on_layer(la + 1, len(spec.layers))
     last = first[-1]
     ids = torch.tensor([windows[w] for w in seq_window[last]], dtype=torch.int64, device=dev)
     return _nll_sums(base, h, delta, ids).cpu().numpy()[classes[-1]]
+
+
+def _tick(progress: Callable[[int, int], None], done: int, seqs: int, total: int, layers_done: int,
+          layers: int) -> None:
+    progress(done + seqs * layers_done // layers, total)
 
 
 def score_allocations(artifact: APArtifact, base: LeanMoEModel, table: BlockTable, allocations: list[np.ndarray],
@@ -104,7 +114,8 @@ def score_allocations(artifact: APArtifact, base: LeanMoEModel, table: BlockTabl
 
     ``max_step_tokens``: tokens of one pass (sequences = allocations x windows, as many rows as its last layer
     has at most); ``cache_bytes``: dense weights kept between passes; ``progress(done, total)``: sequences scored,
-    after each pass; ``weights``: a cache to use (and keep) across calls instead of a new one of ``cache_bytes``.
+    after each layer of a pass (its sequences counted in proportion);
+    ``weights``: a cache to use (and keep) across calls instead of a new one of ``cache_bytes``.
     ``base``'s expert weights are not used.
     """
     seq_len, n_alloc = len(windows[0]), len(allocations)
@@ -121,8 +132,8 @@ def score_allocations(artifact: APArtifact, base: LeanMoEModel, table: BlockTabl
         for wlo in range(0, len(windows), win_group):
             wins = np.arange(wlo, min(len(windows), wlo + win_group))
             seq_alloc, seq_window = np.repeat(allocs, len(wins)), np.tile(wins, len(allocs))
-            sums[seq_alloc, seq_window] = score_pass(base, cache, bits, prefix, seq_alloc, seq_window, windows)
+            tick = None if progress is None else functools.partial(_tick, progress, done, len(seq_alloc), total)
+            sums[seq_alloc, seq_window] = score_pass(base, cache, bits, prefix, seq_alloc, seq_window, windows,
+                                                     tick)
             done += len(seq_alloc)
-            if progress is not None:
-                progress(done, total)
     return sums / (seq_len - 1)

@@ -55,13 +55,15 @@ def test_batched_scores_equal_one_model_per_allocation(parts) -> None:  # type: 
     ticks: list[tuple[int, int]] = []
     one_step = score_allocations(art, base, table, qs, windows, progress=lambda d, t: ticks.append((d, t)))
     np.testing.assert_allclose(one_step, ref, rtol=0, atol=2e-5)
-    assert ticks == [(18, 18)]
+    n_layers = len(base.spec.layers)  # one pass: a tick per layer, its 18 sequences counted in proportion
+    assert ticks == [(18 * la // n_layers, 18) for la in range(1, n_layers + 1)]
     assert np.array_equal(one_step[0], one_step[5])  # the repeat shares every row with the first
     # steps of 2 sequences (allocations split across steps) and a weight cache that keeps one tensor
     small = score_allocations(art, base, table, qs, windows, max_step_tokens=80, cache_bytes=1,
                               progress=lambda d, t: ticks.append((d, t)))
     np.testing.assert_allclose(small, ref, rtol=0, atol=2e-5)
-    assert ticks[-1] == (18, 18) and len(ticks) == 1 + 9
+    done = [d for d, _ in ticks[n_layers:]]
+    assert ticks[-1] == (18, 18) and len(done) == 9 * n_layers and done == sorted(done)
 
 
 def _tree(art: APArtifact, table: BlockTable, rng: np.random.Generator) -> list[np.ndarray]:

@@ -333,6 +333,8 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
         partial.mkdir(parents=True)
         layers = sorted({b.layer for b in blocks})
         done = 0
+        if progress:
+            progress("quantize", 0, len(layers))
         for group in groups:
             full: HessianFull | None = None
             if cfg.method == "gptq":  # one calibration pass per group of layers whose full Hessians fit

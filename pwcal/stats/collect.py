@@ -40,6 +40,8 @@ def observe(model: LeanMoEModel, windows: list[list[int]], observer: MoEObserver
     """
     flat = [t for w in windows for t in w]
     done = 0
+    if progress is not None:  # the task starts with the work: its rate and ETA count from here
+        progress(label, 0, len(windows))
 
     def step(n: int) -> None:
         nonlocal done

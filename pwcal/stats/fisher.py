@@ -81,6 +81,8 @@ def fisher_diagonal(model: LeanMoEModel, windows: list[list[int]], blocks: list[
     try:
         for t in tensors.values():
             t.requires_grad_(True)
+        if progress is not None:  # the task starts with the work: its rate and ETA count from here
+            progress(label, 0, len(windows))
         for n, w in enumerate(windows, 1):
             # a fresh KV cache per window: the keys/values written into it are nodes of this window's graph
             logits = prefill_logits(model, [w], 16, with_grad=True)

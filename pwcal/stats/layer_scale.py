@@ -49,6 +49,8 @@ def layer_kl(model: LeanMoEModel, art: APArtifact, windows: list[list[int]], bit
     layers = list(model.spec.moe_layers)
     total = dict.fromkeys(layers, 0.0)
     tokens = 0
+    if progress is not None:  # the task starts with the work: its rate and ETA count from here
+        progress(label, 0, len(windows))
     for lo in range(0, len(windows), batch):
         part = windows[lo: lo + batch]
         ref = _logprobs(model, part)
