@@ -17,6 +17,7 @@ from pwcal import cli_calib, cli_quant, cli_verify
 from pwformat.layout import PARENT_BITS
 from pwrun.cli_common import make_console, user_errors
 from pwrun.engine.budget import format_size
+from pwrun.model.checkpoint import TensorReader, safetensors_files
 from pwrun.model.inventory import expert_blocks, host_memory, parameter_counts
 from pwrun.model.loader import load_spec
 
@@ -50,6 +51,7 @@ def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face check
     peak host memory that calibration and serving are expected to take."""
     with user_errors():
         spec, _ = load_spec(model)
+        TensorReader(safetensors_files(model), None, "cpu")  # every shard present and readable (headers only)
         counts = parameter_counts(spec)
         total = sum(counts.values())
         moe = [layer for layer in spec.layers if layer.moe is not None]

@@ -26,8 +26,8 @@ from pwformat.errors import PagedWeightError
 from pwrun import cli as runtime_cli
 from pwrun.cli_common import (
     DEFAULT_RELOAD_RESERVE,
-    DeviceOpt,
     DtypeOpt,
+    EvalDeviceOpt,
     ModelOpt,
     NoVerifyOpt,
     ReloadReserveOpt,
@@ -59,14 +59,14 @@ DEMO_ARTIFACTS = Path("artifacts/runs/tiny-ap")
 
 def _progress(t0: float) -> Any:
     def show(r: dict[str, Any]) -> None:
-        q = " ".join(f"{k.removesuffix('_ppl')} {r[k]:.3f}" for k in ("wikitext2_ppl", "c4_ppl", "qmsum_ppl")
+        q = " ".join(f"{k.removesuffix('_ppl')} ppl {r[k]:.3f}" for k in ("wikitext2_ppl", "c4_ppl", "qmsum_ppl")
                      if r.get(k) is not None)
         if r.get("retrieval_acc") is not None:
             q += f" retrieval {r['retrieval_acc']:.3f}"
         name = r["policy"] + (f" {r['bits']}-bit" if r["policy"] == "uniform" else "")
-        console.print(f"[dim]{time.perf_counter() - t0:7.1f}s {r['suite']:5s} {name:18s} {r['budget']:6s} "
-                      f"{r['gpu_memory'] / 2**20:8.2f} MiB  {q or r.get('note', '')}[/dim]", highlight=False,
-                      soft_wrap=True)
+        console.print(f"[dim]{time.perf_counter() - t0:7.1f} s  suite {r['suite']:5s} {name:18s} budget "
+                      f"{r['budget']:6s} {r['gpu_memory'] / 2**20:8.2f} MiB  {q or r.get('note', '')}[/dim]",
+                      highlight=False, soft_wrap=True)
     return show
 
 
@@ -81,7 +81,8 @@ def _check_out(path: Path, suffix: str | None) -> None:
 
 @app.command()
 def run(
-    out: Annotated[Path, typer.Option(help="Results table (.parquet) to append one row per budget to.")],
+    out: Annotated[Path, typer.Option(help="Results table (.parquet) to append one row per budget to; each "
+                                      "request's scores go beside it, in <name>.scores.parquet.")],
     gpu_memory: Annotated[str | None, typer.Option(help="Budget(s), comma-separated: sizes (48MiB, 1.5GB) or "
                                                    "labels: U<b> (uniform b's static footprint for this workload; "
                                                    "U4.5: midway between U4 and U5), "
@@ -114,13 +115,13 @@ def run(
     reload_reserve_tokens: ReloadReserveOpt = DEFAULT_RELOAD_RESERVE,
     artifacts: ArtifactsOpt = DEMO_ARTIFACTS,
     model: ModelOpt = None,
-    device: DeviceOpt = "cpu",
+    device: EvalDeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
     no_verify: NoVerifyOpt = False,
 ) -> None:
     """Score one suite under each budget with one policy; append one row per budget to --out."""
-    with user_errors():
+    with user_errors(kept=f"each budget that finished is already a row of {out}"):
         _check_out(out, ".parquet")
         if trace is not None:
             _check_out(trace, ".parquet")
@@ -217,7 +218,7 @@ def sweep(
                                                 "oracle), the yardstick of target (a).")] = None,
     artifacts: ArtifactsOpt = DEMO_ARTIFACTS,
     model: ModelOpt = None,
-    device: DeviceOpt = "cpu",
+    device: EvalDeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
     no_verify: NoVerifyOpt = False,
@@ -225,7 +226,7 @@ def sweep(
     """Every policy x budget on both suites -> results.parquet, then every figure and table (one command)."""
     from pweval.figures import write_report  # matplotlib: only the commands that draw load it
 
-    with user_errors():
+    with user_errors(kept=f"the runs that finished are in {out / 'results.partial.parquet'}; a rerun starts over"):
         _check_out(out, None)
         set_threads(threads)
         open_artifact(artifacts, model or default_model(), not no_verify)

@@ -33,6 +33,7 @@ from pwrun.cli_common import (
     ModelOpt,
     NoVerifyOpt,
     PolicyOpt,
+    PplDtypeOpt,
     ReloadReserveOpt,
     ThreadsOpt,
     budget_bytes,
@@ -106,9 +107,9 @@ def _write_results(results: list[Generation], output: Path | None) -> None:
         return
     try:
         _write_file("--output", output, lines)
-    except PagedWeightError as exc:  # the generations are not lost: they go to stdout instead
+    except PagedWeightError:  # the generations are not lost: they go to stdout (the caller's error line says so)
         sys.stdout.write(lines)
-        raise PagedWeightError(f"{exc} (the results were printed on stdout instead)") from exc
+        raise
 
 
 def _stopped(stop: GenerationStopped, total: int, output: Path | None, stream: bool,
@@ -302,7 +303,7 @@ def generate(
         if stop is not None:
             raise _stopped(stop, len(texts), output, stream, failed)
         if failed:
-            where = "printed above" if printed else f"in {output}"
+            where = "printed on stdout above" if printed else f"in {output}"
             raise PagedWeightError("; ".join(failed) + f" (the results are {where})")
         return
 
@@ -319,7 +320,7 @@ def ppl(
     batch: Annotated[int, typer.Option(min=1, help="Windows per forward step.")] = 8,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
+    dtype: PplDtypeOpt = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
     artifacts: Annotated[Path | None, typer.Option(help="AP artifact directory (from `pwcal quantize`) to read "
                                                    "expert weights from.")] = None,

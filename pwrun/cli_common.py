@@ -15,6 +15,7 @@ import errno
 import os
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -49,9 +50,14 @@ PolicyOpt = Annotated[str, typer.Option(help="pagedweight (default), uniform (ne
                                         "--artifacts).")]
 BitsOpt = Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
-DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA and with "
-                                       "--policy 16-bit; otherwise fp32 on the CPU, also for the checkpoint's "
-                                       "model without --artifacts), float32, bfloat16 or float16.")]
+DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, and on the "
+                                       "CPU for --artifacts with --policy 16-bit; otherwise fp32 on the CPU, so the "
+                                       "checkpoint's own experts without --artifacts are held at 32 bits), float32, "
+                                       "bfloat16 or float16.")]
+PplDtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, fp32 on the "
+                                          "CPU), float32, bfloat16 or float16.")]
+EvalDeviceOpt = Annotated[str, typer.Option(help="cpu (the default: the evaluation's published numbers are CPU "
+                                            "runs), cuda, cuda:N, or auto (cuda if present, else cpu).")]
 
 
 DEFAULT_RELOAD_RESERVE = str(EngineConfig.reload_reserve_tokens)  # the engine's default, as the CLI writes it
@@ -172,9 +178,21 @@ def check_writable_file(flag: str, path: Path) -> None:
                                "give a path in an existing directory")
     if not parent.is_dir():
         raise PagedWeightError(f"{what}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)) or not _can_create(parent):
         raise PagedWeightError(f"{what}: {path if path.exists() else parent} is not writable; give a path you can "
                                "write")
+
+
+def _can_create(directory: Path) -> bool:
+    """Whether a file can be created in ``directory`` (tried, then removed: ``os.access`` says yes to root even
+    where the file system refuses, e.g. /proc)."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".pw-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
 
 
 def open_artifact(path: Path, model_dir: Path, verify: bool = True) -> APArtifact:

@@ -71,9 +71,22 @@ def test_ppl_json_on_bundled_text() -> None:
     assert 10 < row["ppl"] < 1000  # the oracle unigram perplexity of this text is ~ 1,000+
 
 
-def test_pwcal_inspect() -> None:
+def test_pwcal_inspect(tmp_path: Path) -> None:
     r = runner.invoke(pwcal_app, ["inspect", str(MODEL)])
     assert r.exit_code == 0 and "qwen2_moe" in r.stdout and "routed_experts" in r.stdout
+    # a checkpoint with a truncated shard, then with one missing: one error line each, exit 2
+    for f in MODEL.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, tmp_path / f.name)
+    shards = sorted(MODEL.glob("*.safetensors"))
+    for f in shards[:-1]:
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / shards[-1].name).write_bytes(shards[-1].read_bytes()[:4096])
+    r = runner.invoke(pwcal_app, ["inspect", str(tmp_path)])
+    assert r.exit_code == 2 and "is not a readable safetensors file" in r.stderr, r.stderr
+    (tmp_path / shards[0].name).unlink()
+    r = runner.invoke(pwcal_app, ["inspect", str(tmp_path)])
+    assert r.exit_code == 2 and "listed in the index are missing" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(

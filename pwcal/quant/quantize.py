@@ -243,7 +243,7 @@ def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[
         bits=cfg.bits,
         lut_dtype="float16",
         packing="planes int32 [8, N, ceil(K/32)], plane p = bit 7-p, column k at word k//32 bit k%32",
-        model=ModelRecord(path=str(model_dir), family=family, **model_fp),
+        model=ModelRecord(path=str(Path(model_dir).resolve()), family=family, **model_fp),  # hints work from anywhere
         package_version=package_version(),
         files={str(layer): layer_file(layer) for layer in layers},
         run_id=run_id,
