@@ -253,6 +253,8 @@ def _status(err: openai.APIStatusError) -> tuple[int, str]:
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, ["stop", "at most 4"]),
     ({"prompt": [1, 2, 10**6]}, 400, ["token id 1000000", "vocabulary"]),
     ({"prompt": []}, 400, ["prompt"]),
+    ({"max_tokens": "8"}, 400, ["max_tokens"]),  # a string is not a number, as for OpenAI's API
+    ({"extra_body": {"stream": "yes"}}, 400, ["stream"]),
 ])
 def test_bad_requests_say_what_is_wrong(big: Server, kwargs: dict[str, Any], status: int, words: list[str]) -> None:
     args: dict[str, Any] = {"model": NAME, "prompt": "The river", "max_tokens": 4, **kwargs}

@@ -36,7 +36,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields both endpoints serve; unknown fields are kept (``extra``) so that ``unsupported`` can name them."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # "8" is not a number, "yes" not a boolean (as OpenAI)
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
