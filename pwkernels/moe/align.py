@@ -39,7 +39,7 @@ def _align_kernel(
     E,  # experts
     num_tiles,  # tiles
     BLOCK_M: tl.constexpr,  # tile height
-    E_P2: tl.constexpr,  # E rounded up to a power of 2
+    E_P2: tl.constexpr,  # E rounded up to a power of 2, at least 16 (no 1-wide reductions to compile)
     BLOCK: tl.constexpr,  # positions per program
     BLOCK_J: tl.constexpr,  # pairs compared per step
 ):
@@ -97,7 +97,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     tile_expert = torch.empty(n, dtype=torch.int32, device=flat.device)
     _align_kernel[(triton.cdiv(n * block_m, BLOCK),)](
         flat.contiguous(), sorted_pairs, tile_expert, p, num_experts, n, BLOCK_M=block_m,
-        E_P2=triton.next_power_of_2(num_experts), BLOCK=BLOCK, BLOCK_J=BLOCK_J)
+        E_P2=max(16, triton.next_power_of_2(num_experts)), BLOCK=BLOCK, BLOCK_J=BLOCK_J)
     return sorted_pairs, tile_expert
 
 
