@@ -12,6 +12,7 @@ def main() -> None:
     exit_quietly_on_sigterm()
     started = quiet_interrupt_while_starting()
     from pwcal.cli import app  # after the handlers (module docstring)
+    from pwrun.cli_common import run_cli
 
     started()
-    app()
+    run_cli(app, "pwcal")

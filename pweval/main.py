@@ -14,7 +14,7 @@ def main() -> None:
     exit_quietly_on_sigterm()
     started = quiet_interrupt_while_starting()
     from pweval.cli import runtime_cli  # after the handlers (module docstring); mounts `eval` on the runtime CLI
+    from pwrun.cli_common import run_cli
 
     started()
-
-    runtime_cli.app()
+    run_cli(runtime_cli.app, "pwrun")

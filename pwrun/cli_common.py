@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
+import click
 import torch
 import typer
 from rich.console import Console
@@ -164,6 +165,26 @@ def user_errors(kept: str = "completed pwcal stages are; rerun to resume") -> It
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+# click's exceptions: typer >= 0.22 raises its vendored copy's (based on ``typer.TyperException``), older typer click's
+_CLICK_ERRORS = tuple({click.ClickException, getattr(typer, "TyperException", click.ClickException)})
+
+
+def run_cli(app: typer.Typer, name: str) -> None:
+    """Run console script ``name``'s ``app``; a bad option or argument (click's usage errors, e.g. ``--count 0``) is one
+    ``error:`` line naming the command's ``--help``, exit 2, like every other bad input."""
+    try:
+        code = app(prog_name=name, standalone_mode=False)
+    except _CLICK_ERRORS as exc:
+        ctx = getattr(exc, "ctx", None)
+        where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        typer.echo(f"error: {exc.format_message()}{where}", err=True)
+        sys.exit(getattr(exc, "exit_code", 2))
+    except (click.Abort, typer.Abort):
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def check_writable_file(flag: str, path: Path) -> None:

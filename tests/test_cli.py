@@ -771,3 +771,21 @@ def test_reload_reserve_reaches_the_engine(calibrated_artifacts: Path, monkeypat
         runner.invoke(app, ["generate", "--prompt", "x", *art, *extra])
         runner.invoke(app, ["serve", "--port", "0", *art, *extra])
     assert seen == [32, 32, tokens, tokens]
+
+
+@pytest.mark.parametrize(("script", "args", "words"), [
+    ("pweval.main", ["prompts", "--count", "0", "--out", "x.jsonl"], ["'--count'", "`pwrun prompts --help`"]),
+    ("pweval.main", ["generate", "--bogus"], ["No such option: --bogus"]),
+    ("pwcal.main", ["quantize"], ["Missing argument", "`pwcal quantize --help`"]),
+])
+def test_console_scripts_print_usage_errors_on_one_line(tmp_path: Path, script: str, args: list[str],
+                                                       words: list[str]) -> None:
+    """The console scripts (``run_cli``): a bad option is one ``error:`` line and exit 2, as other bad input."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", f"from {script} import main; main()", *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert all(w in lines[0] for w in words), lines[0]
