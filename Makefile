@@ -43,7 +43,7 @@ eval: setup
 	$(MAKE) eval-suite192
 
 # Target (a) on 4x the text suite (192 windows per text): the 48-window suite's noise (+-0.5%) is as wide as its
-# "within 0.5% of the oracle"; about 15 minutes on one core. Needs artifacts/runs/tiny-ap (make eval makes it).
+# "within 0.5% of the oracle"; about 18 minutes on one core. Needs artifacts/runs/tiny-ap (make eval makes it).
 SUITE192 = docs/eval/oracle/suite192
 RUN192 = OMP_NUM_THREADS=1 $(BIN)/pwrun eval run --out $(SUITE192)/results.parquet --requests 192 --threads 1 \
 	--artifacts artifacts/runs/tiny-ap
