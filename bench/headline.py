@@ -28,6 +28,7 @@ import json
 import math
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from bench.common import (
     write_records,
 )
 from bench.serving_runs import reset_peak
-from bench.workloads import w2
+from bench.workloads import phase_times, w2
 from pweval.figures import memory_split_figure
 from pwformat.errors import PagedWeightError
 from pwrun.core.arrivals import ArrivalSchedule
@@ -130,6 +131,7 @@ def run_system(name: str, model: LeanMoEModel, experts: HostExperts | None, src:
            "startup_s": startup, "seconds": wall,
            "completed": sum(o.finished for o in outs.values()), "generated_tokens": generated,
            "output_tokens_per_second": generated / wall, **{k: s.get(k) for k in keep}}
+    rec.update(phase_times([asdict(r) for r in e.trace]))  # where the time went: prefill, mixed, decode, planner
     series = memory_series(e) if name in ("fp16", "pagedweight") else None
     del e
     return rec, series

@@ -58,6 +58,14 @@ def _median(rows: list[Record], field: str) -> Any:
     return statistics.median(vals) if vals else None
 
 
+def _joined(sep: str, *keys: str) -> Callable[[list[Record]], str]:
+    """A cell of the latest record's ``keys`` joined by ``sep``; blank when none of them is recorded."""
+    def cell(rows: list[Record]) -> str:
+        vals = [rows[-1].get(k) for k in keys]
+        return "" if all(v is None for v in vals) else sep.join(_fmt(v) for v in vals)
+    return cell
+
+
 def _gib(field: str) -> Callable[[list[Record]], Any]:
     return lambda rows: None if _median(rows, field) is None else _median(rows, field) / 2**30
 
@@ -133,6 +141,8 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                   ("TPOT p50 ms", "tpot_p50_ms"), ("TPOT p99 ms", "tpot_p99_ms"), ("queue p50 s", "queue_p50_s"),
                   ("preemptions", "preemptions"), ("mean bits", "mean_bits"),
                   ("expert share", "expert_share_16bit"), ("KV GiB (mean)", _gib("kv_bytes_mean")),
+                  ("prefill / mixed / decode s", _joined("/", "prefill_s", "mixed_s", "decode_s")),
+                  ("decode ms / running", _joined(" / ", "decode_step_ms", "decode_running_mean")),
                   ("completed", "completed")]),
     "decode_profile": ("Decode-step profile", "Where a decode step's time goes (`python -m bench.decode_profile`, "
                        "torch.profiler): GPU busy ms per step (union of kernel intervals) against the step's wall "
@@ -176,14 +186,6 @@ def _fmt(x: Any) -> str:
     if isinstance(x, float):
         return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}" if abs(x) < 1 else f"{x:.1f}"
     return str(x)
-
-
-def _joined(sep: str, *keys: str) -> Callable[[list[Record]], str]:
-    """A cell of the latest record's ``keys`` joined by ``sep``; blank when none of them is recorded."""
-    def cell(rows: list[Record]) -> str:
-        vals = [rows[-1].get(k) for k in keys]
-        return "" if all(v is None for v in vals) else sep.join(_fmt(v) for v in vals)
-    return cell
 
 
 def _cell(rows: list[Record], f: str | Callable[[list[Record]], Any]) -> Any:

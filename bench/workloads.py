@@ -95,6 +95,27 @@ def matmul_flops(device: str) -> float:
     return 10 * 2 * n**3 / (time.perf_counter() - t)
 
 
+def phase_times(trace: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per kind of step (prefill: prompt chunks only; mixed: prompt chunks beside decodes; decode): steps, seconds,
+    prompt tokens/s and tokens/s; decode steps' mean running requests and ms; the planner's host seconds on the
+    steps' critical path. ``trace``: the engine's trace rows as dicts."""
+    kinds = {"prefill": [r for r in trace if r["prefill_tokens"] == r["step_tokens"]],
+             "mixed": [r for r in trace if 0 < r["prefill_tokens"] < r["step_tokens"]],
+             "decode": [r for r in trace if r["prefill_tokens"] == 0]}
+    out: dict[str, Any] = {}
+    for k, rows in kinds.items():
+        secs = sum(r["seconds"] for r in rows)
+        out[f"{k}_steps"] = len(rows)
+        out[f"{k}_s"] = secs
+        out[f"{k}_prompt_tps"] = sum(r["prefill_tokens"] for r in rows) / max(secs, 1e-9)
+        out[f"{k}_tps"] = sum(r["step_tokens"] for r in rows) / max(secs, 1e-9)
+    dec = kinds["decode"]
+    out["decode_running_mean"] = float(np.mean([r["running"] for r in dec])) if dec else None
+    out["decode_step_ms"] = 1e3 * out["decode_s"] / len(dec) if dec else None
+    out["planner_s"] = sum(r["planner_seconds"] for r in trace)
+    return out
+
+
 def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str, bits: int | None, budget: int,
                  reqs: list[list[int]], gen: int, max_batch: int, max_step_tokens: int, flops: float,
                  bandwidth: float, non_expert: int, arrivals: ArrivalSchedule | None = None,
@@ -116,9 +137,7 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
     wall = time.perf_counter() - t0
     s = summarize(e, slo).to_dict()
     tr = [asdict(r) for r in e.trace]
-    kinds = {"prefill": [r for r in tr if r["prefill_tokens"] == r["step_tokens"]],
-             "mixed": [r for r in tr if 0 < r["prefill_tokens"] < r["step_tokens"]],
-             "decode": [r for r in tr if r["prefill_tokens"] == 0]}
+    decode_rows = [r for r in tr if r["prefill_tokens"] == 0]
     spec = model.spec
     prompt_tokens = sum(len(r) for r in reqs)
     gen_tokens = sum(len(o.token_ids) for o in outs.values())
@@ -126,7 +145,7 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
         3 * spec.hidden_size * (ls.moe.expert_intermediate * ls.moe.top_k + ls.moe.shared_intermediate)
         for ls in spec.layers if ls.moe is not None)
     dec_floor = sum(decode_step_bytes(spec, non_expert, s.get("mean_bits", 4.0), max(r["running"], 1),
-                                      int(np.mean([len(q) for q in reqs])) + gen // 2) for r in kinds["decode"])
+                                      int(np.mean([len(q) for q in reqs])) + gen // 2) for r in decode_rows)
     rec: dict[str, Any] = {
         "policy": policy, "bits": bits, "reload_reserve_tokens": cfg.engine.reload_reserve_tokens,
         "requests": len(reqs), "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens, "max_batch": max_batch,
@@ -146,13 +165,7 @@ def workload_run(model: LeanMoEModel, src: SyntheticAP, table: Any, policy: str,
         "device_peak_bytes": s.get("device_peak_bytes"), "mean_bits": s.get("mean_bits"),
         "demoted_blocks": s.get("demoted_blocks"), "promoted_blocks": s.get("promoted_blocks"),
         "preemptions": s.get("preemptions"), "host_peak_rss_bytes": s.get("host_peak_rss_bytes")}
-    for k, rows in kinds.items():
-        secs = sum(r["seconds"] for r in rows)
-        rec[f"{k}_steps"] = len(rows)
-        rec[f"{k}_s"] = secs
-        rec[f"{k}_prompt_tps"] = sum(r["prefill_tokens"] for r in rows) / max(secs, 1e-9)
-        rec[f"{k}_tps"] = sum(r["step_tokens"] for r in rows) / max(secs, 1e-9)
-    rec["planner_s"] = sum(r["planner_seconds"] for r in tr)
+    rec.update(phase_times(tr))
     rec["slowest_steps"] = sorted(({"step": r["step"], "s": round(r["seconds"], 4), "tokens": r["step_tokens"],
                                     "prefill": r["prefill_tokens"], "running": r["running"],
                                     "captured": r["graph_captured"]} for r in tr), key=lambda x: -x["s"])[:5]
