@@ -250,14 +250,31 @@ def warn_missing_tables(art: APArtifact, policies: Iterable[str], model_dir: Pat
                 typer.echo(f"warning: {warning}", err=True)
 
 
-ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="CPU threads for torch (default: one per core; 1 or 2 "
-                                                "avoid oversubscription when other jobs share the cores).")]
+ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="CPU threads for torch (default: the cores that other "
+                                                "jobs leave idle, by the 1-minute load average, at least 1; "
+                                                "oversubscribed, torch's threads wait on each other).")]
+
+
+def idle_cores(cores: int | None = None, load: float | None = None) -> int:
+    """The cores other jobs leave idle: ``cores`` (default: those this process may run on) minus the 1-minute load
+    average (default: the system's), at least 1."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(cores, cores - round(load)))
+
+
+TORCH_THREADS = torch.get_num_threads()  # torch's default, before any command changes it
 
 
 def set_threads(threads: int | None) -> None:
-    """Use ``threads`` CPU threads for torch (None: torch's default). Fewer threads than cores keep a run steady when
-    other jobs share the cores (oversubscribed, torch's threads wait on each other)."""
-    if threads is not None:
-        if threads < 1:
-            raise PagedWeightError("--threads must be >= 1")
-        torch.set_num_threads(threads)
+    """Use ``threads`` CPU threads for torch (None: ``idle_cores()``, at most torch's default). Fewer threads than
+    cores keep a run steady when other jobs share the cores: oversubscribed, every parallel op waits for a thread
+    the scheduler has put aside, and a small model's steps slow down tens of times."""
+    if threads is None:
+        torch.set_num_threads(min(TORCH_THREADS, idle_cores()))
+        return
+    if threads < 1:
+        raise PagedWeightError("--threads must be >= 1")
+    torch.set_num_threads(threads)

@@ -18,6 +18,7 @@ from pwcal.calib_data import calibration_windows
 from pwcal.cli import app as pwcal_app
 from pwformat.errors import PagedWeightError
 from pwrun.cli import app
+from pwrun.cli_common import idle_cores
 from pwrun.data import default_model_dir
 from pwrun.engine.build import ServeConfig
 from pwrun.model.loader import load_tokenizer
@@ -425,6 +426,14 @@ def test_threads_option_sets_torch_threads_and_refuses_zero() -> None:
     for cmd in (["generate", "--prompt", "x"], ["ppl"]):
         code, _, err = run(*cmd, "--threads", "0", *NO_MODEL)
         assert code == 2 and "--threads" in err and "/nonexistent" not in err, err
+
+
+@pytest.mark.parametrize(("cores", "load", "want"), [(2, 0.0, 2), (2, 0.8, 1), (2, 1.4, 1), (2, 5.0, 1),
+                                                     (16, 3.2, 13), (1, 0.0, 1)])
+def test_default_threads_are_the_idle_cores(cores: int, load: float, want: int) -> None:
+    """Without --threads: the cores the load average leaves idle, at least 1 (2 threads beside another job on 2
+    cores wait on each other)."""
+    assert idle_cores(cores, load) == want
 
 
 @pytest.mark.parametrize(("cli", "args", "sentence"), [
