@@ -199,7 +199,13 @@ def check_writable_file(flag: str, path: Path) -> None:
                                "give a path in an existing directory")
     if not parent.is_dir():
         raise PagedWeightError(f"{what}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)) or not _can_create(parent):
+    target = path.resolve() if path.is_symlink() else path
+    if target.exists() and not target.is_file():  # a device or FIFO (/dev/null) is written in place
+        ok = os.access(target, os.W_OK)
+    else:  # a regular file is written beside it (.tmp) and renamed over it
+        ok = (not target.exists() or os.access(target, os.W_OK)) and os.access(target.parent, os.W_OK) \
+            and _can_create(target.parent)
+    if not ok:
         raise PagedWeightError(f"{what}: {path if path.exists() else parent} is not writable; give a path you can "
                                "write")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -265,6 +266,11 @@ def test_output_path_errors_say_what_is_wrong(tmp_path: Path) -> None:
         assert code == 2 and f"the directory {missing.parent} does not exist; create it" in err, err
     code, _, err = run("prompts", "--out", str(tmp_path))
     assert code == 2 and "it is a directory" in err, err
+    # a directory whose file system refuses new files even to root (os.access says yes there): refused up front
+    for flag, cmd in (("--out", ["prompts"]), ("--trace", ["generate", "--prompt", "x", *NO_MODEL])):
+        code, _, err = run(*cmd, flag, "/proc/out.parquet")
+        assert code == 2 and f"cannot write {flag} /proc/out.parquet: /proc is not writable" in err, err
+    assert run("prompts", "--out", os.devnull, "--count", "2")[0] == 0  # a device is written in place
 
 
 def test_progress_bar_only_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
