@@ -59,7 +59,7 @@ from pwrun.generate import Generation, GenerationStopped, serve_prompts
 from pwrun.model.loader import check_token_ids, load_model, load_spec, load_tokenizer, resolve_device
 from pwrun.ppl import perplexity
 from pwrun.progress import progress
-from pwrun.prompt_file import prompt_arrivals, read_prompts
+from pwrun.prompt_file import prompt_arrivals, read_prompts, unread_fields
 from pwrun.signals import exit_quietly_on_sigterm
 
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
@@ -208,6 +208,8 @@ def generate(
         if not 0 <= seed < 2**63:
             raise PagedWeightError(f"--seed {seed} is out of range: give an integer in [0, 2^63)")
         texts = [prompt] if prompt is not None else read_prompts(prompts)  # type: ignore[arg-type]
+        if prompts is not None and (unread := unread_fields(prompts)) is not None:
+            typer.echo(f"warning: {unread}", err=True)
         arrivals = prompt_arrivals(prompts, len(texts), request_rate, arrival_seed)
         for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
             if ms is not None and not (math.isfinite(ms) and ms > 0):

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from pwformat.errors import PagedWeightError
+from pwformat.jsonl import jsonl_rows
 from pwrun.core.arrivals import ArrivalSchedule, read_trace_arrivals
 from pwrun.data import read_jsonl_field
 
@@ -19,6 +20,24 @@ def read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise PagedWeightError(f"{path} holds no prompts (one JSON object with a 'prompt' field per line)")
     return prompts
+
+
+READ_FIELDS = ("prompt", "arrival_s")  # what a prompts file's line may set
+
+
+def unread_fields(path: Path) -> str | None:
+    """A one-line warning naming the fields of ``path``'s lines that ``generate`` does not read (e.g. a
+    ``max_tokens`` meant per request), with the first line that has them; None if there are none."""
+    extra: dict[str, int] = {}
+    for lineno, row in jsonl_rows(path):
+        if isinstance(row, dict):
+            for key in row.keys() - set(READ_FIELDS):
+                extra.setdefault(key, lineno)
+    if not extra:
+        return None
+    first = min(extra.values())
+    return (f"{path}:{first}: field(s) {', '.join(sorted(extra))} are not read (a line sets only "
+            f"{' and '.join(READ_FIELDS)}; every request's length is --max-new-tokens)")
 
 
 MAX_ARRIVAL_S = 7 * 86400  # a later arrival is a unit mistake (ms, epoch seconds), not a workload

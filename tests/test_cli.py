@@ -123,6 +123,21 @@ def test_bad_prompts_file_names_the_line(tmp_path: Path) -> None:
     assert code == 2 and f"{f}:2" in err
 
 
+def test_prompt_fields_that_are_not_read_are_named() -> None:
+    """A line's fields beyond 'prompt' and 'arrival_s' (e.g. a per-request max_tokens) get one warning naming
+    them and their first line; the run goes on."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "p.jsonl"
+        f.write_text('{"prompt": "The river", "arrival_s": 0}\n{"prompt": "A cat", "max_tokens": 50, "arrival_s": 0}\n')
+        code, out, err = run("generate", "--prompts", str(f), "--max-new-tokens", "2")
+        assert code == 0 and len([x for x in out.splitlines() if x.startswith("{")]) == 2, err
+        assert f"warning: {f}:2: field(s) max_tokens are not read" in err and "--max-new-tokens" in err, err
+        f.write_text('{"prompt": "The river", "arrival_s": 0}\n')
+        assert "are not read" not in run("generate", "--prompts", str(f), "--max-new-tokens", "2")[2]
+
+
 def test_missing_tokenizer_and_wrong_weights(tmp_path: Path) -> None:
     d = tmp_path / "m"
     shutil.copytree(MODEL, d)
