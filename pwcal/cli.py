@@ -15,7 +15,7 @@ from rich.table import Table
 
 from pwcal import cli_calib, cli_quant, cli_verify
 from pwformat.layout import PARENT_BITS
-from pwrun.cli_common import make_console, user_errors
+from pwrun.cli_common import make_console, run_cli, user_errors
 from pwrun.engine.budget import format_size
 from pwrun.model.checkpoint import TensorReader, safetensors_files
 from pwrun.model.inventory import expert_blocks, host_memory, parameter_counts
@@ -90,3 +90,8 @@ def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face check
                           f"{format_size(cal.calibrate(True))} on the CPU; serving "
                           f"{format_size(serve.serve(False))} on CUDA (bf16), target at most "
                           f"{format_size(serve.bound())} (artifact + non-expert weights + 10%)")
+
+
+def console_main() -> None:
+    """The ``pwcal`` console script (``pwcal.main``)."""
+    run_cli(app, "pwcal")

@@ -11,8 +11,7 @@ from pwrun.signals import exit_quietly_on_sigterm, quiet_interrupt_while_startin
 def main() -> None:
     exit_quietly_on_sigterm()
     started = quiet_interrupt_while_starting()
-    from pwcal.cli import app  # after the handlers (module docstring)
-    from pwrun.cli_common import run_cli
+    from pwcal.cli import console_main  # after the handlers (module docstring)
 
     started()
-    run_cli(app, "pwcal")
+    console_main()

@@ -37,6 +37,7 @@ from pwrun.cli_common import (
     make_console,
     open_artifact,
     reload_reserve,
+    run_cli,
     set_threads,
     user_errors,
     warn_missing_tables,
@@ -293,3 +294,8 @@ def notebooks(
 
 
 runtime_cli.app.add_typer(app, name="eval")
+
+
+def console_main() -> None:
+    """The ``pwrun`` console script: the runtime's commands and ``eval`` (``pweval.main``)."""
+    run_cli(runtime_cli.app, "pwrun")

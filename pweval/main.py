@@ -13,8 +13,7 @@ from pwrun.signals import exit_quietly_on_sigterm, quiet_interrupt_while_startin
 def main() -> None:
     exit_quietly_on_sigterm()
     started = quiet_interrupt_while_starting()
-    from pweval.cli import runtime_cli  # after the handlers (module docstring); mounts `eval` on the runtime CLI
-    from pwrun.cli_common import run_cli
+    from pweval.cli import console_main  # after the handlers (module docstring); mounts `eval` on the runtime CLI
 
     started()
-    run_cli(runtime_cli.app, "pwrun")
+    console_main()

@@ -40,6 +40,14 @@ try:
     def calibrated_artifacts(tmp_path_factory):  # type: ignore[no-untyped-def]
         """The whole pwcal pipeline on the bundled tiny MoE with small settings (once per test session)."""
         return _calibrate(tmp_path_factory.mktemp("cal") / "ap")
+
+    @pytest.fixture(autouse=True)
+    def _torch_threads():  # type: ignore[no-untyped-def]
+        """A command run in-process sets torch's thread count (``--threads``, or the idle cores by default): put
+        it back, so that later tests' floating-point sums keep the session's order."""
+        before = torch.get_num_threads()
+        yield
+        torch.set_num_threads(before)
 except ImportError:  # pragma: no cover
     pass
 
@@ -49,7 +57,7 @@ GPU_MODULES = {
     "test_cuda", "test_kernel_wiring", "test_moe_decode", "test_moe_mid", "test_moe_prefill", "test_moe_dispatch",
     "test_paged_attention", "test_pooled_attention", "test_warmup", "test_warmup_gemv", "test_dense_gemv",
     "test_fused_ops", "test_pair_sort", "test_varlen_attention", "test_gemma4", "test_moe_gelu", "test_moe_dense",
-    "test_dense_serving",
+    "test_dense_serving", "test_moe_align",
 }
 
 
