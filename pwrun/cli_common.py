@@ -279,7 +279,8 @@ def set_threads(threads: int | None) -> None:
     cores keep a run steady when other jobs share the cores: oversubscribed, every parallel op waits for a thread
     the scheduler has put aside, and a small model's steps slow down tens of times."""
     if threads is None:
-        torch.set_num_threads(min(TORCH_THREADS, idle_cores()))
+        if idle_cores() < TORCH_THREADS:  # else torch's own default stays untouched
+            torch.set_num_threads(idle_cores())
         return
     if threads < 1:
         raise PagedWeightError("--threads must be >= 1")

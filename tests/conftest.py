@@ -9,6 +9,10 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # every test starts at the session's thread count (``_torch_threads``): a command run in-process, also inside a
+    # module-scoped fixture, may change it, and sums compared at 1e-9 (the Fisher test) change with it
+    SESSION_THREADS = torch.get_num_threads()
+    torch.set_num_threads(SESSION_THREADS)
 except ImportError:  # pragma: no cover
     pass
 
@@ -43,11 +47,11 @@ try:
 
     @pytest.fixture(autouse=True)
     def _torch_threads():  # type: ignore[no-untyped-def]
-        """A command run in-process sets torch's thread count (``--threads``, or the idle cores by default): put
-        it back, so that later tests' floating-point sums keep the session's order."""
-        before = torch.get_num_threads()
+        """A command run in-process sets torch's thread count (``--threads``, or the idle cores by default): each
+        test starts and ends at the session's, so that floating-point sums keep one order across tests."""
+        torch.set_num_threads(SESSION_THREADS)
         yield
-        torch.set_num_threads(before)
+        torch.set_num_threads(SESSION_THREADS)
 except ImportError:  # pragma: no cover
     pass
 
