@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
-import click
 import torch
 import typer
 from rich.console import Console
@@ -167,23 +166,23 @@ def user_errors(kept: str = "completed pwcal stages are; rerun to resume") -> It
             signal.signal(signal.SIGTERM, previous)
 
 
-# click's exceptions: typer >= 0.22 raises its vendored copy's (based on ``typer.TyperException``), older typer click's
-_CLICK_ERRORS = tuple({click.ClickException, getattr(typer, "TyperException", click.ClickException)})
-
-
 def run_cli(app: typer.Typer, name: str) -> None:
     """Run console script ``name``'s ``app``; a bad option or argument (click's usage errors, e.g. ``--count 0``) is one
-    ``error:`` line naming the command's ``--help``, exit 2, like every other bad input."""
+    ``error:`` line naming the command's ``--help``, exit 2, like every other bad input. Click's exceptions are
+    told by their shape (``format_message``, ``exit_code``) and name: typer raises those of the click it vendors,
+    older typer those of click itself."""
     try:
         code = app(prog_name=name, standalone_mode=False)
-    except _CLICK_ERRORS as exc:
+    except Exception as exc:
+        if type(exc).__name__ == "Abort":  # click's Ctrl-C at a prompt
+            typer.echo("interrupted", err=True)
+            sys.exit(130)
+        if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
+            raise
         ctx = getattr(exc, "ctx", None)
         where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         typer.echo(f"error: {exc.format_message()}{where}", err=True)
-        sys.exit(getattr(exc, "exit_code", 2))
-    except (click.Abort, typer.Abort):
-        typer.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(exc.exit_code)
     sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -279,8 +278,9 @@ def set_threads(threads: int | None) -> None:
     cores keep a run steady when other jobs share the cores: oversubscribed, every parallel op waits for a thread
     the scheduler has put aside, and a small model's steps slow down tens of times."""
     if threads is None:
-        if idle_cores() < TORCH_THREADS:  # else torch's own default stays untouched
-            torch.set_num_threads(idle_cores())
+        idle = idle_cores()
+        if idle < TORCH_THREADS:  # else torch's own default stays untouched
+            torch.set_num_threads(idle)
         return
     if threads < 1:
         raise PagedWeightError("--threads must be >= 1")

@@ -5,7 +5,7 @@ What it computes (``align_by_expert``): for expert ids [T, k] and a tile height 
 multiple of ``block_m`` with T*k) and ``tile_expert`` [num_tiles] int32 (tile -> expert), where num_tiles =
 min(E, T*k) + T*k // block_m is an upper bound known without a host sync: experts without pairs get no tile and the
 spare tiles at the end have expert E and only padding. The mid-size, word-first and 16-bit grouped-GEMM MoE
-kernels read tiles of one expert from it.
+kernels (SPEC section 7's expert-grouped paths) read tiles of one expert from it.
 
 Why a kernel: the reference (``torch.sort``, two ``searchsorted``, a ``cumsum``, a fill and a scatter) is about
 fifteen launches per MoE call, each a few us, on a path whose layer takes ~0.5 ms at decode batch sizes. Here
