@@ -39,6 +39,21 @@ def test_silu_mul(dtype: torch.dtype, m: int, inter: int, scaled: bool) -> None:
     assert torch.allclose(ref.double(), eager, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
 
 
+@pytest.mark.parametrize(("m", "p"), [(1, 1), (37, 50), (5, 5)])
+def test_silu_mul_gathers_its_scale_through_an_index(m: int, p: int) -> None:
+    """``index``: row m's scale is scale[index[m]] (the routing weight of pair ``order[m]``), exactly the scale
+    gathered first; bad index or scale refused."""
+    g = torch.Generator().manual_seed(m + p)
+    h = (3 * torch.randn(m, 2 * 24, generator=g)).to(torch.bfloat16).to(DEV)
+    scale = torch.rand(p, generator=g).to(DEV)
+    index = torch.randint(0, p, (m,), generator=g).to(torch.int32).to(DEV)
+    assert torch.equal(silu_mul(h, scale, index=index), silu_mul(h, scale[index.long()].contiguous()))
+    _close(silu_mul(h, scale, index=index), silu_mul_ref(h, scale[index.long()]))
+    for bad_scale, bad_index in ((None, index), (scale.double(), index), (scale, index.long()), (scale, index[:-1])):
+        with pytest.raises(ValueError):
+            silu_mul(h, bad_scale, index=bad_index)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("t", "k", "hidden"), [(1, 1, 8), (9, 2, 72), (33, 4, 2048 + 8), (5, 8, 96), (0, 4, 16)])
 def test_gather_sum(dtype: torch.dtype, t: int, k: int, hidden: int) -> None:
@@ -76,10 +91,13 @@ def test_prefill_dequant_path_matches_reference(dtype: torch.dtype) -> None:
     ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(20)]).to(DEV)
     w = torch.rand(20, 2, generator=g).to(DEV)
     cfg = {"path": "prefill", "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
-    got = ap_moe(x, ids, w, ex, config=cfg).float()
-    ref = ap_moe_ref(x, ids, w, ex).float()
     tol = (2**-7 if dtype == torch.bfloat16 else 2**-10) * 4
-    assert (got - ref).abs().max() <= tol * ref.abs().max()
+    # every expert used; then the middle ones only (the first and last experts have no pair: their blocks are
+    # skipped and their grouped-GEMM groups empty)
+    for route in (ids, torch.stack([torch.randperm(3, generator=g)[:2] + 1 for _ in range(20)]).to(DEV)):
+        got = ap_moe(x, route, w, ex, config=cfg).float()
+        ref = ap_moe_ref(x, route, w, ex).float()
+        assert (got - ref).abs().max() <= tol * ref.abs().max()
 
 
 def test_dequant_blocks_match_reference_dequantization() -> None:
@@ -88,6 +106,14 @@ def test_dequant_blocks_match_reference_dequantization() -> None:
     for j, b in enumerate([2, 0, 4]):
         planes, lut, _, k = ex.block(b)
         assert torch.equal(got[j], dequantize(planes, lut, k, planes.shape[0], torch.bfloat16))
+    # ends: blocks whose expert has pairs (its cumulative count grows) are written as without
+    blocks = torch.tensor([0, 2, 4], device=DEV)
+    full = dequant_blocks(ex, blocks, "gate_up", torch.bfloat16)
+    for ends, live in (([0, 3, 3], [1]), ([2, 2, 5], [0, 2])):
+        got = dequant_blocks(ex, blocks, "gate_up", torch.bfloat16, torch.tensor(ends, dtype=torch.int32, device=DEV))
+        assert all(torch.equal(got[j], full[j]) for j in live)
+    with pytest.raises(ValueError, match="ends must be int32"):
+        dequant_blocks(ex, blocks, "gate_up", torch.bfloat16, torch.tensor([1, 2, 3], device=DEV))
 
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pwkernels.moe.pair_sort import sort_pairs, sort_pairs_ref
+from pwkernels.moe import pair_sort
+from pwkernels.moe.pair_sort import group_pairs, group_pairs_ref, sort_pairs, sort_pairs_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,3 +37,30 @@ def test_strided_empty_and_bad_ids() -> None:
     for bad in (ids, torch.rand(4, device=DEV), torch.ones(4, dtype=torch.bool, device=DEV)):
         with pytest.raises(ValueError, match="1-D integer"):
             sort_pairs(bad)
+
+
+@pytest.mark.parametrize(("p", "experts"), [(1, 4), (63, 60), (200, 7), (300, 1), (130, 200)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_group_pairs_is_a_stable_grouping_with_ends_and_inverse(p: int, experts: int, dtype: torch.dtype) -> None:
+    """``group_pairs`` (kernel + searchsorted) equals its reference exactly and means what it says: order is the
+    stable sort by expert, ends[e] the number of pairs of experts <= e (empty experts included), inv its inverse."""
+    g = torch.Generator().manual_seed(p + experts)
+    ids = torch.randint(0, min(experts, 9), (p,), generator=g).to(dtype).to(DEV)  # experts past 9 stay empty
+    got, ref = group_pairs(ids, experts), group_pairs_ref(ids, experts)
+    assert all(t.dtype == torch.int32 for t in got)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref, strict=True))
+    order, ends, inv = (t.cpu().long() for t in got)
+    flat = ids.cpu().long()
+    assert torch.equal(order, torch.sort(flat, stable=True)[1])
+    assert ends.tolist() == [int((flat <= e).sum()) for e in range(experts)]
+    assert torch.equal(order[inv], torch.arange(p))
+
+
+def test_group_pairs_above_the_kernel_limit_takes_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = torch.randint(0, 5, (40,), generator=torch.Generator().manual_seed(3)).to(DEV)
+    want = group_pairs(ids, 5)
+    monkeypatch.setattr(pair_sort, "MAX_PAIRS", 16)
+    monkeypatch.setattr(pair_sort, "_launch", None)  # the kernel path would fail: it must not run
+    assert all(torch.equal(a, b) for a, b in zip(group_pairs(ids, 5), want, strict=True))
+    with pytest.raises(ValueError, match="1-D integer"):
+        group_pairs(ids.view(8, 5), 5)

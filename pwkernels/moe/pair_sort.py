@@ -13,7 +13,12 @@ for P <= 512), and the first count is also the start of e_i's run. No host sync.
 ``_slots_of`` (Triton, called by the decode kernels) reads the sorted pairs: S consecutive pairs of one expert per
 program.
 
-Reference twin: ``sort_pairs_ref`` (``torch.sort(stable=True)`` + ``torch.searchsorted``), also the CPU path.
+``group_pairs`` gives the prefill path's grouping (``pwkernels.moe.prefill``): the order, each expert's end in it
+(grouped GEMM offsets) and the inverse permutation (pair -> sorted position), from the same launch plus one
+``searchsorted``; up to ``MAX_PAIRS`` pairs (above, the P^2 comparisons cost more than ``torch.sort``'s passes).
+
+Reference twins: ``sort_pairs_ref`` (``torch.sort(stable=True)`` + ``torch.searchsorted``), also the CPU path, and
+``group_pairs_ref`` (the same and a scatter).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import triton.language as tl
 
 BLOCK_I = 64  # pairs ranked per program
 BLOCK_J = 64  # pairs compared per step
+MAX_PAIRS = 8192  # group_pairs above this: the reference
 
 
 @triton.jit
@@ -34,9 +40,11 @@ def _sort_pairs_kernel(
     sorted_ptr,  # [P] out: ids in ascending order (stable)
     order_ptr,  # [P] int32 out: sorted position -> pair
     seg_ptr,  # [P] int32 out: sorted position -> first position of its expert's run
+    inv_ptr,  # [P] int32 out (with HAS_INV): pair -> sorted position
     P,  # pairs
     BLOCK_I: tl.constexpr,  # pairs ranked per program
     BLOCK_J: tl.constexpr,  # pairs compared per step
+    HAS_INV: tl.constexpr,  # write inv
 ):
     """Rank pairs i of this program among all P (stable, by expert id) and scatter them to their sorted positions."""
     i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -54,6 +62,8 @@ def _sort_pairs_kernel(
     tl.store(sorted_ptr + pos, e_i, mask=im)
     tl.store(order_ptr + pos, i, mask=im)
     tl.store(seg_ptr + pos, less, mask=im)
+    if HAS_INV:
+        tl.store(inv_ptr + i, pos, mask=im)
 
 
 def sort_pairs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,17 +72,26 @@ def sort_pairs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     for ids that are not 1-D integers."""
     if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"ids must be 1-D integer expert ids, got {tuple(ids.shape)} {ids.dtype}")
-    if not ids.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not _kernel_runs(ids):
         return sort_pairs_ref(ids)
+    sorted_ids, order, seg, _ = _launch(ids, False)
+    return sorted_ids, order, seg
+
+
+def _kernel_runs(ids: torch.Tensor) -> bool:
+    return ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launch(ids: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = ids.contiguous()
     p = ids.numel()
     sorted_ids = torch.empty_like(ids)
-    order = torch.empty(p, dtype=torch.int32, device=ids.device)
-    seg = torch.empty(p, dtype=torch.int32, device=ids.device)
+    order, seg, inv = (torch.empty(p if inverse or n < 2 else 0, dtype=torch.int32, device=ids.device)
+                       for n in range(3))
     if p:
-        _sort_pairs_kernel[(triton.cdiv(p, BLOCK_I),)](ids, sorted_ids, order, seg, p, BLOCK_I=BLOCK_I,
-                                                      BLOCK_J=BLOCK_J)
-    return sorted_ids, order, seg
+        _sort_pairs_kernel[(triton.cdiv(p, BLOCK_I),)](ids, sorted_ids, order, seg, inv if inverse else seg, p,
+                                                      BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, HAS_INV=inverse)
+    return sorted_ids, order, seg, inv
 
 
 def sort_pairs_ref(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,6 +100,39 @@ def sort_pairs_ref(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     sorted_ids, order = torch.sort(ids.contiguous(), stable=True)
     seg = torch.searchsorted(sorted_ids, sorted_ids)
     return sorted_ids, order.to(torch.int32), seg.to(torch.int32)
+
+
+def group_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order [P] int32: sorted position -> pair, a stable sort by expert; ends [E] int32: the end of each expert's
+    run in it (a cumulative count, the offsets of a grouped GEMM); inv [P] int32: pair -> sorted position) of expert
+    ids [P] (1-D, integer, each in [0, num_experts)), without a host sync: one Triton launch and a ``searchsorted``
+    on CUDA or in the interpreter up to ``MAX_PAIRS`` pairs, else ``group_pairs_ref``. Raises ``ValueError`` for
+    ids that are not 1-D integers."""
+    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be 1-D integer expert ids, got {tuple(ids.shape)} {ids.dtype}")
+    if not _kernel_runs(ids) or ids.numel() > MAX_PAIRS:
+        return group_pairs_ref(ids, num_experts)
+    sorted_ids, order, _, inv = _launch(ids, True)
+    return order, _ends(sorted_ids, num_experts), inv
+
+
+def group_pairs_ref(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``group_pairs`` by ``torch.sort(stable=True)``, ``searchsorted`` and a scatter."""
+    sorted_ids, order = torch.sort(ids.contiguous(), stable=True)
+    inv = torch.empty(ids.numel(), dtype=torch.int32, device=ids.device)
+    inv[order] = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device)
+    return order.to(torch.int32), _ends(sorted_ids, num_experts), inv
+
+
+_EXPERT_ENDS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}  # 1..E per (E, dtype, device)
+
+
+def _ends(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    key = (num_experts, sorted_ids.dtype, sorted_ids.device)
+    upto = _EXPERT_ENDS.get(key)
+    if upto is None:
+        upto = _EXPERT_ENDS[key] = torch.arange(1, num_experts + 1, dtype=sorted_ids.dtype, device=sorted_ids.device)
+    return torch.searchsorted(sorted_ids, upto, out_int32=True)
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import triton.language as tl
 from pwkernels.moe.activation import check_activation, gate_act, gate_act_ref
 from pwkernels.moe.experts import APExperts
 from pwkernels.moe.launch import PrefillConfig
+from pwkernels.moe.pair_sort import group_pairs
 from pwkernels.moe.tile import lut_rows, weight_tile
 from pwkernels.rounding import round_to
 
@@ -42,10 +43,12 @@ def gather_sum_ref(y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _silu_mul_kernel(
     h_ptr,  # [M, 2I] gate_up output, contiguous (gate then up)
-    scale_ptr,  # [M] fp32 per-row scale (unused when not HAS_SCALE)
+    scale_ptr,  # [M] fp32 per-row scale (unused when not HAS_SCALE), or [P] read through index_ptr
+    index_ptr,  # [M] int32: row m's scale is scale[index[m]] (with HAS_INDEX)
     out_ptr,  # [M, I] out, h's dtype
     inter,  # I
     HAS_SCALE: tl.constexpr,  # multiply by scale
+    HAS_INDEX: tl.constexpr,  # gather the scale through index
     BLOCK: tl.constexpr,  # columns per program
     GELU: tl.constexpr,  # GELU-tanh instead of SiLU
 ):
@@ -56,7 +59,10 @@ def _silu_mul_kernel(
     u = tl.load(h_ptr + m * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
     a = gate_act(g, GELU) * u
     if HAS_SCALE:
-        a = a * tl.load(scale_ptr + m)
+        if HAS_INDEX:
+            a = a * tl.load(scale_ptr + tl.load(index_ptr + m).to(tl.int64)).to(tl.float32)
+        else:
+            a = a * tl.load(scale_ptr + m)
     tl.store(out_ptr + m * inter + cols, round_to(a, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -84,25 +90,35 @@ def _rows(z: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a contiguous 2-D tensor, got {tuple(z.shape)} strides {z.stride()}")
 
 
-def silu_mul(h: torch.Tensor, scale: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
-    """Triton version of ``silu_mul_ref``: h [M, 2I] bf16/fp16/fp32 contiguous, scale [M] fp32 or None.
+def silu_mul(h: torch.Tensor, scale: torch.Tensor | None = None, activation: str = "silu",
+             index: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of ``silu_mul_ref``: h [M, 2I] bf16/fp16/fp32 contiguous, scale [M] fp32 or None; with
+    ``index`` [M] int32, row m's scale is ``scale[index[m]]`` (scale 1-D contiguous fp32, not range-checked: that
+    would sync), i.e. ``silu_mul_ref(h, scale[index])`` without the gather's launch.
 
     Returns a new [M, I] tensor in h's dtype. Raises ``ValueError`` on an odd width, a non-contiguous h or a
-    scale that is not [M] fp32 on h's device.
+    scale (index) that is not [M] fp32 ([M] int32) on h's device.
     """
     _rows(h, "h")
     m, two_i = h.shape
     if two_i % 2:
         raise ValueError(f"h must be [M, 2I] (gate then up), got width {two_i}")
-    if scale is not None and (scale.shape != (m,) or scale.dtype != torch.float32 or scale.device != h.device):
+    if index is not None:
+        if scale is None or scale.dim() != 1 or not scale.is_contiguous() or scale.dtype != torch.float32 \
+                or scale.device != h.device:
+            raise ValueError("with an index, scale must be a contiguous 1-D float32 tensor on h's device")
+        if index.shape != (m,) or index.dtype != torch.int32 or index.device != h.device:
+            raise ValueError(f"index must be [M] = [{m}] int32 on {h.device}, got {tuple(index.shape)} {index.dtype}")
+    elif scale is not None and (scale.shape != (m,) or scale.dtype != torch.float32 or scale.device != h.device):
         raise ValueError(f"scale must be [M] = [{m}] float32 on {h.device}, got {tuple(scale.shape)} {scale.dtype}")
     inter = two_i // 2
     out = torch.empty(m, inter, dtype=h.dtype, device=h.device)
     if m == 0 or inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(m, triton.cdiv(inter, block))](h, h if scale is None else scale, out, inter,
-                                                    HAS_SCALE=scale is not None, BLOCK=block,
+    _silu_mul_kernel[(m, triton.cdiv(inter, block))](h, h if scale is None else scale, h if index is None else index,
+                                                    out, inter, HAS_SCALE=scale is not None,
+                                                    HAS_INDEX=index is not None, BLOCK=block,
                                                     GELU=check_activation(activation), num_warps=4)
     return out
 
@@ -131,7 +147,8 @@ def gather_sum(y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 def _dequant_kernel(
     out_ptr,  # [num_listed, N, K] dense weights (x's dtype)
     blocks_ptr,  # int32 [num_listed] block ids to dequantize
-    live_ptr,  # int32 [num_listed]: 0 = skip this block (its output is left unwritten)
+    ends_ptr,  # int32 [num_listed] (with HAS_ENDS): cumulative pair counts; skip block j (left unwritten) when
+    # it has none (ends[j] == ends[j - 1], or ends[0] == 0)
     pool_ptr,  # int32 plane pool
     plane_off_ptr,  # int64 [2E, 8] word offsets
     lut_ptr,  # LUT pool
@@ -141,9 +158,13 @@ def _dequant_kernel(
     K: tl.constexpr,  # columns of each block
     BLOCK_N: tl.constexpr,  # rows per program
     BLOCK_K: tl.constexpr,  # columns per program, a multiple of 32
+    HAS_ENDS: tl.constexpr,  # skip blocks without pairs (else every listed block is written)
 ):
     j = tl.program_id(0)
-    if tl.load(live_ptr + j) != 0:
+    live = j >= 0
+    if HAS_ENDS:
+        live = tl.load(ends_ptr + j) > tl.load(ends_ptr + j - 1, mask=j > 0, other=0)
+    if live:
         blk = tl.load(blocks_ptr + j)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(2) * BLOCK_K
@@ -156,54 +177,68 @@ def _dequant_kernel(
 
 
 def dequant_blocks(experts: APExperts, blocks: torch.Tensor, unit: str, dtype: torch.dtype,
-                   live: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+                   ends: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
     """Dense weights [len(blocks), N, K] in ``dtype`` of the listed blocks (all gate_up or all down).
 
-    ``live`` [len(blocks)] bool/int: blocks to skip (0) are left unwritten (no host sync to drop them).
-    ``config``: the dequantize kernel's tile (default ``PrefillConfig()``). Raises ``ValueError`` for another unit.
+    ``ends`` [len(blocks)] int32: the cumulative pair count of the listed blocks' experts (``group_pairs``); a block
+    whose expert has no pair is left unwritten (no host sync to drop it). ``config``: the dequantize kernel's tile
+    (default ``PrefillConfig()``). Raises ``ValueError`` for another unit or ``ends`` of another length or dtype.
     """
     ex = experts
     cfg = config or PrefillConfig()
     if unit not in ("gate_up", "down"):
         raise ValueError(f"unit must be gate_up or down, got {unit!r}")
+    if ends is not None and (ends.shape != blocks.shape or ends.dtype != torch.int32):
+        raise ValueError(f"ends must be int32 of blocks' shape {tuple(blocks.shape)}, got {tuple(ends.shape)} "
+                         f"{ends.dtype}")
     n, kk = (2 * ex.inter, ex.hidden) if unit == "gate_up" else (ex.hidden, ex.inter)
     out = torch.empty(blocks.numel(), n, kk, dtype=dtype, device=ex.pool.device)
-    live_i = torch.ones(blocks.numel(), dtype=torch.int32, device=out.device) if live is None else live.to(torch.int32)
+    blocks = blocks.to(torch.int32)
     _dequant_kernel[(blocks.numel(), triton.cdiv(n, cfg.BLOCK_N), triton.cdiv(kk, cfg.BLOCK_K))](
-        out, blocks.to(torch.int32), live_i, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits, N=n,
-        K=kk, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps)
+        out, blocks, blocks if ends is None else ends, ex.pool, ex.plane_offset, ex.lut_pool, ex.lut_offset, ex.bits,
+        N=n, K=kk, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, HAS_ENDS=ends is not None, num_warps=cfg.num_warps)
     return out
+
+
+_BLOCK_IDS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # per (E, device)
+
+
+def _block_ids(num_experts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 (gate_up blocks 2e, down blocks 2e + 1) of experts 0..E-1, made once per (E, device)."""
+    ids = _BLOCK_IDS.get((num_experts, device))
+    if ids is None:
+        e = torch.arange(num_experts, dtype=torch.int32, device=device)
+        ids = _BLOCK_IDS[(num_experts, device)] = (2 * e, 2 * e + 1)
+    return ids
 
 
 def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: APExperts,
                 cfg: PrefillConfig, activation: str = "silu") -> torch.Tensor:
     """MoE output y [T, H] in x's dtype; x [T, H], ids / weights [T, k] as checked by ``pwkernels.moe.dispatch``.
 
-    One grouped GEMM per unit over the expert-sorted pairs (experts without tokens get an empty group); where
-    ``torch._grouped_mm`` is unavailable, a per-expert loop. A single expert with k = 1 (a shared expert) skips
-    the sorting: two plain GEMMs around the same SiLU-and-mul (one term per token, rounded once, as grouped).
-    ``cfg`` as in ``dequant_blocks``; ``activation``: ``silu`` or ``gelu_tanh``.
+    One grouped GEMM per unit over the expert-sorted pairs (experts without tokens get an empty group; the grouping
+    is ``group_pairs``: one launch and a ``searchsorted``); where ``torch._grouped_mm`` is unavailable, a per-expert
+    loop. A single expert with k = 1 (a shared expert) skips the sorting: two plain GEMMs around the same
+    SiLU-and-mul (one term per token, rounded once, as grouped). ``cfg`` as in ``dequant_blocks``; ``activation``:
+    ``silu`` or ``gelu_tanh``.
     """
     ex = experts
     t, k = topk_ids.shape
-    e_all = torch.arange(ex.num_experts, device=x.device)
     if ex.num_experts == 1 and k == 1:
-        w_gu = dequant_blocks(ex, e_all, "gate_up", x.dtype, None, cfg)[0]
-        w_dn = dequant_blocks(ex, e_all + 1, "down", x.dtype, None, cfg)[0]
+        w_gu = dequant_blocks(ex, _block_ids(1, x.device)[0], "gate_up", x.dtype, None, cfg)[0]
+        w_dn = dequant_blocks(ex, _block_ids(1, x.device)[1], "down", x.dtype, None, cfg)[0]
         return F.linear(silu_mul(F.linear(x, w_gu), topk_w.reshape(t).float().contiguous(), activation), w_dn)
-    sorted_ids, order = torch.sort(topk_ids.flatten())
-    offs = torch.searchsorted(sorted_ids, e_all + 1).to(torch.int32)  # end of each expert's rows
-    live = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
-    w_gu = dequant_blocks(ex, 2 * e_all, "gate_up", x.dtype, live, cfg)
-    w_dn = dequant_blocks(ex, 2 * e_all + 1, "down", x.dtype, live, cfg)
+    gate_up_ids, down_ids = _block_ids(ex.num_experts, x.device)
+    order, offs, inv = group_pairs(topk_ids.flatten(), ex.num_experts)
+    w_gu = dequant_blocks(ex, gate_up_ids, "gate_up", x.dtype, offs, cfg)
+    w_dn = dequant_blocks(ex, down_ids, "down", x.dtype, offs, cfg)
     if hasattr(torch, "_grouped_mm"):  # CUDA; CPU too since torch 2.9
         try:
             h = torch._grouped_mm(x[order // k], w_gu.transpose(1, 2), offs=offs)
-            act = silu_mul(h, topk_w.flatten()[order].float(), activation)  # routing weight applied before down
+            # the routing weight applied before down (linear), gathered in the kernel
+            act = silu_mul(h, topk_w.float().flatten().contiguous(), activation, order)
             y = torch._grouped_mm(act, w_dn.transpose(1, 2), offs=offs)
-            pos = torch.empty_like(order)
-            pos[order] = torch.arange(t * k, device=x.device)  # where pair (token, slot) sits in y
-            return gather_sum(y, pos.view(t, k))
+            return gather_sum(y, inv.view(t, k))  # inv: where pair (token, slot) sits in y
         except RuntimeError:
             pass  # layout or dtype not supported by this build: per-expert loop below
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
