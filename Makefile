@@ -12,6 +12,7 @@ DEMO_BUDGET ?= 48MiB
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+	@echo "setting up $(VENV): torch==2.13.0 and the project's dependencies (about 3 GB on disk; a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0

@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,9 +76,11 @@ def main() -> None:
                     help="an artifact of the bundled model with every stage done (`make demo` makes the default)")
     ap.add_argument("--baseline", help="a git revision to time beside this tree in the same session")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each variant (interleaved)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    # SIGTERM ends the run like Ctrl-C: the temporary copies and the baseline worktree are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not (args.artifacts / "manifest.json").is_file():
         raise SystemExit(f"{args.artifacts} has no manifest: run `make demo` (or `pwcal run-all {MODEL} --out "
                          f"{args.artifacts}`) first")
@@ -98,6 +101,7 @@ def main() -> None:
             for rep in range(args.repeats):  # interleaved: builds and variants see the same load
                 for build, label, tree in trees:
                     for v in (variants if tree == ROOT else ["default"]):
+                        print(f"{label} {v} run {rep + 1} of {args.repeats} ...", file=sys.stderr, flush=True)
                         rec = {"build": build, "label": label, "variant": v, "repeat": rep, "cpu": cpu_name(),
                                **run_once(tree, args.artifacts, VARIANTS[v])}
                         print(json.dumps(rec), flush=True)

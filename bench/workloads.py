@@ -18,7 +18,6 @@ bf16 matmul rate plus its decode steps' bytes (``pwformat.cost``) at the copy ba
 from __future__ import annotations
 
 import gc
-import json
 import time
 from dataclasses import asdict
 from typing import Any
@@ -46,7 +45,7 @@ from pwrun.core.config import EngineConfig
 from pwrun.core.latency import SLO
 from pwrun.core.policy import Policy
 from pwrun.core.request import SamplingParams
-from pwrun.data import artifacts_dir, default_model_dir, read_documents
+from pwrun.data import default_model_dir, read_documents
 from pwrun.engine.budget import parse_size
 from pwrun.engine.build import ServeConfig, assemble_engine, strip_experts
 from pwrun.engine.report import summarize
@@ -68,10 +67,7 @@ def w1(count: int, cap: int = 1024) -> list[list[int]]:
 
 def w2(count: int, lo: int = 2048, hi: int = 4096, seed: int = 0) -> list[list[int]]:
     """``count`` windows of lo..hi tokens (uniform) from the concatenated QMSum meeting transcripts."""
-    path = artifacts_dir() / "data" / "qmsum" / "test.jsonl"
-    meetings = [" ".join(f"{t['speaker']}: {t['content']}" for t in json.loads(line)["meeting_transcripts"])
-                for line in path.read_text().splitlines() if line.strip()]
-    ids = [i for m in _tokenize(meetings) for i in m]
+    ids = [i for m in _tokenize(read_documents("qmsum")) for i in m]
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):

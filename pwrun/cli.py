@@ -59,7 +59,7 @@ from pwrun.generate import Generation, GenerationStopped, serve_prompts
 from pwrun.model.loader import check_token_ids, load_model, load_spec, load_tokenizer, resolve_device
 from pwrun.ppl import perplexity
 from pwrun.progress import progress
-from pwrun.prompt_file import prompt_arrivals, read_prompts, unread_fields
+from pwrun.prompt_file import PromptFile, prompt_arrivals
 from pwrun.signals import exit_quietly_on_sigterm
 
 app = typer.Typer(help="PagedWeight runtime: serve an MoE model (generation, perplexity).", no_args_is_help=True,
@@ -207,10 +207,11 @@ def generate(
                                        "or pass it in a UTF-8 --prompts file") from exc
         if not 0 <= seed < 2**63:
             raise PagedWeightError(f"--seed {seed} is out of range: give an integer in [0, 2^63)")
-        texts = [prompt] if prompt is not None else read_prompts(prompts)  # type: ignore[arg-type]
-        if prompts is not None and (unread := unread_fields(prompts)) is not None:
-            typer.echo(f"warning: {unread}", err=True)
-        arrivals = prompt_arrivals(prompts, len(texts), request_rate, arrival_seed)
+        pfile = None if prompts is None else PromptFile.read(prompts)
+        texts: list[str] = [prompt or ""] if pfile is None else pfile.prompts
+        if pfile is not None and pfile.unread is not None:
+            typer.echo(f"warning: {pfile.unread}", err=True)
+        arrivals = prompt_arrivals(pfile, len(texts), request_rate, arrival_seed)
         for flag, ms in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
             if ms is not None and not (math.isfinite(ms) and ms > 0):
                 raise PagedWeightError(f"{flag} {ms} is not allowed: give a number of milliseconds > 0")
@@ -243,7 +244,7 @@ def generate(
         max_step_tokens = max_step_tokens or (GPU_STEP_TOKENS if gpu else CPU_STEP_TOKENS)
         tok = load_tokenizer(model_dir)
         params = SamplingParams(max_new_tokens, temperature, top_p, seed)
-        stream = len(texts) == 1 and output is None
+        stream = prompt is not None and output is None  # a prompts file gives JSONL, however many lines
 
         started = [False]
 
@@ -289,7 +290,7 @@ def generate(
                 failed.append(str(exc))
                 printed = True
             reasons = collections.Counter(r.finish_reason for r in results)
-            console.print(f"{len(results)} of {len(texts)} requests completed ("
+            console.print(f"{len(results)} of {len(texts)} requests completed (finish reason "
                           + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())) + ")"
                           + (f" -> {output}" if output is not None and not failed else ""),
                           style="dim", highlight=False, soft_wrap=True)
@@ -315,8 +316,8 @@ app.command()(serve)
 
 @app.command()
 def ppl(
-    dataset: Annotated[str, typer.Option(help="Bundled name (wikitext2, wikitext2-val, c4, c4-calib) or a local "
-                                         ".txt/.json/.jsonl/.json.gz/.parquet file with text.")] = "wikitext2",
+    dataset: Annotated[str, typer.Option(help="Bundled name (wikitext2, wikitext2-val, c4, c4-calib, qmsum) or a "
+                                         "local .txt/.json/.jsonl/.json.gz/.parquet file with text.")] = "wikitext2",
     seq_len: Annotated[int, typer.Option(help="Window length in tokens (non-overlapping windows).")] = 512,
     max_windows: Annotated[int | None, typer.Option(help="Score at most this many windows (default: all).")] = None,
     batch: Annotated[int, typer.Option(min=1, help="Windows per forward step.")] = 8,
@@ -356,19 +357,23 @@ def ppl(
             res = perplexity(lm, ids, seq_len=seq_len, max_windows=max_windows, batch=batch,
                              on_window=lambda k: bar.advance(task, k))
         bits = uniform_bits or 16
-        row = {"dataset": dataset, "model": str(model_dir), "expert_bits": bits, "seq_len": seq_len,
+        compute = str(lm.dtype).removeprefix("torch.")  # the checkpoint's 16-bit experts compute in it
+        row = {"dataset": dataset, "model": str(model_dir), "expert_bits": bits, "dtype": compute, "seq_len": seq_len,
                "windows": res.windows, "tokens": res.tokens, "nll": round(res.nll, 5), "ppl": round(res.ppl, 3)}
         if json_out:
             typer.echo(json.dumps(row))
         else:
-            typer.echo(f"{dataset} (experts at {bits} bits): perplexity {res.ppl:.3f} over {res.tokens} tokens "
+            typer.echo(f"{dataset} (experts at {bits} bits, computed in {compute}): perplexity {res.ppl:.3f} over "
+                       f"{res.tokens} tokens "
                        f"({res.windows} windows of {seq_len})")
 
 
 @app.command()
 def prompts(
     out: Annotated[Path, typer.Option(help="JSONL file to write ({\"prompt\": ...} per line).")],
-    dataset: Annotated[str, typer.Option(help="Bundled name (c4, wikitext2, ...) or a local text file.")] = "c4",
+    dataset: Annotated[str, typer.Option(help="Bundled name (c4, c4-calib, wikitext2, wikitext2-val, or qmsum: "
+                                         "meeting transcripts for long prompts with a large --max-chars) or a local "
+                                         "text file.")] = "c4",
     count: Annotated[int, typer.Option(min=1, help="Number of prompts (one per document).")] = 24,
     max_chars: Annotated[int, typer.Option(min=16, help="Characters per prompt at most (cut at a word).")] = 1200,
 ) -> None:

@@ -34,7 +34,7 @@ from pwrun.core.config import EngineConfig
 from pwrun.core.policy import POLICIES
 from pwrun.data import default_model_dir
 from pwrun.engine.budget import parse_size
-from pwrun.engine.tables import missing_tables
+from pwrun.engine.tables import has_calibration, missing_tables, no_calibration
 from pwrun.progress import progress
 from pwrun.signals import Terminated, raise_terminated, reset_terminated, terminated
 
@@ -246,7 +246,10 @@ def warn_missing_tables(art: APArtifact, policies: Iterable[str], model_dir: Pat
     """Print ``warning: <line>`` on stderr once per optional calibration table that one of ``policies`` would
     read but whose pwcal stage has not run (``pwrun.engine.build.missing_tables``). ``policies``: names of
     ``pwrun.core.policy.POLICIES``. Raises ``PagedWeightError`` for a damaged artifact (a table its manifest
-    records)."""
+    records), or for an artifact without the sensitivity and routing tables that a policy but uniform needs (the
+    optional tables would not help it)."""
+    if any(POLICIES[p].placement not in ("uniform", "dense") for p in policies) and not has_calibration(art):
+        raise no_calibration(art)
     shown: list[str] = []
     for policy in policies:
         for warning in missing_tables(art, POLICIES[policy], model_dir):

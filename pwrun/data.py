@@ -10,7 +10,9 @@ calibration stage's business.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 
@@ -48,6 +50,7 @@ BUNDLED = {
     "wikitext2-val": "data/wikitext-2-raw-v1/validation.json",
     "c4": "data/c4/c4_sample.json",
     "c4-calib": "data/c4/c4-sample.00000-of-00001.json.gz",
+    "qmsum": "data/qmsum/test.jsonl",  # meeting transcripts, thousands of tokens each: long-context prompts
 }
 
 
@@ -72,8 +75,13 @@ def read_jsonl_field(path: Path, field: str, nonempty: bool = False) -> list[str
     Raises ``PagedWeightError`` naming the file and line of the first bad row: not JSON, no string
     ``field``, ``field`` blank (with ``nonempty``), or not UTF-8.
     """
+    return jsonl_field(path, jsonl_rows(path), field, nonempty)
+
+
+def jsonl_field(path: Path, rows: Iterable[tuple[int, Any]], field: str, nonempty: bool = False) -> list[str]:
+    """``read_jsonl_field`` over ``path``'s already parsed ``rows`` ((line number, value), ``jsonl_rows``)."""
     out = []
-    for lineno, row in jsonl_rows(path):
+    for lineno, row in rows:
         if not isinstance(row, dict) or not isinstance(row.get(field), str):
             raise PagedWeightError(f"{path}:{lineno} needs a string field '{field}'")
         if nonempty and not row[field].strip():
@@ -95,12 +103,25 @@ def read_documents(name_or_path: str) -> list[str]:
                 raise PagedWeightError(f"{p} has no 'text' column (columns: {', '.join(table.column_names)})")
             return [str(t) for t in table.column("text").to_pylist()]
         if name.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")):
-            return read_jsonl_field(p, "text")
+            rows = list(jsonl_rows(p))
+            if rows and isinstance(rows[0][1], dict) and "meeting_transcripts" in rows[0][1]:
+                return [_meeting(p, lineno, row) for lineno, row in rows]
+            return jsonl_field(p, rows, "text")
     except UnicodeDecodeError as exc:  # a ValueError too: before the generic case
         raise not_utf8(p) from exc
     except (OSError, EOFError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise PagedWeightError(f"cannot read {p}: {(str(exc).splitlines() or [''])[0]}") from exc
     raise PagedWeightError(f"unsupported file type {p.name}: use .txt, .json, .jsonl, .json.gz or .parquet")
+
+
+def _meeting(path: Path, lineno: int, row: Any) -> str:
+    """A QMSum meeting (its ``meeting_transcripts`` turns) as one document: "speaker: content" turns joined by a
+    space."""
+    try:
+        return " ".join(f"{t['speaker']}: {t['content']}" for t in row["meeting_transcripts"])
+    except (KeyError, TypeError) as exc:
+        raise PagedWeightError(f"{path}:{lineno} is not a QMSum meeting (a 'meeting_transcripts' list of "
+                               "'speaker' / 'content' turns)") from exc
 
 
 def read_text(name_or_path: str) -> str:
@@ -116,7 +137,8 @@ def document_prompts(name_or_path: str, count: int, max_chars: int, min_chars: i
     """
     docs = [d.strip() for d in read_documents(name_or_path) if len(d.strip()) >= min_chars]
     if len(docs) < count:
-        raise PagedWeightError(f"{name_or_path} has {len(docs)} documents of >= {min_chars} characters, "
+        raise PagedWeightError(f"{name_or_path} has {len(docs)} document{'' if len(docs) == 1 else 's'} of >= "
+                               f"{min_chars} characters, "
                                f"{count} asked: lower --count or give a dataset with more such documents")
     out = []
     for d in docs[:count]:

@@ -62,6 +62,21 @@ def test_missing_optional_tables_warn_once_or_error(calibrated_artifacts: Path, 
     code, err = _serve(never_ran, "--policy", "uniform", "--bits", "4")
     assert code == 0 and "warning:" not in err, err
 
+    # quantize only: the calibration error alone (no advice to run a stage that needs sensitivity first), naming
+    # the artifact's own model
+    quantized = tmp_path / "quantized"
+    shutil.copytree(never_ran, quantized)
+    manifest = json.loads((quantized / "manifest.json").read_text())
+    del manifest["stages"]["sensitivity"]
+    (quantized / "manifest.json").write_text(json.dumps(manifest))
+    for name in ("sensitivity.parquet", "routing.parquet"):
+        (quantized / name).unlink(missing_ok=True)
+    code, err = _serve(quantized)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "has no complete calibration tables" in lines[0], err
+    assert f"`pwcal run-all {manifest['model']['path']} --out {quantized}`" in lines[0], err
+    assert _serve(quantized, "--policy", "uniform", "--bits", "4")[0] == 0
+
     damaged = tmp_path / "damaged"
     shutil.copytree(calibrated_artifacts, damaged)
     (damaged / "buckets.parquet").unlink()

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -78,10 +80,15 @@ def read_trace_arrivals(path: Path) -> list[float] | None:
     """The ``arrival_s`` of every non-empty line of the JSONL file ``path`` (the lines ``read_jsonl_field``
     reads, in order), or None if no line has one. Raises ``PagedWeightError`` naming ``path:line`` when a value is
     not a finite number >= 0, or when some lines have one and others do not (give every line one, or none)."""
+    return trace_arrivals(path, jsonl_rows(path))
+
+
+def trace_arrivals(path: Path, rows: Iterable[tuple[int, Any]]) -> list[float] | None:
+    """``read_trace_arrivals`` over ``path``'s already parsed ``rows`` ((line number, value), ``jsonl_rows``)."""
     out: list[float | None] = []
     first_with: int | None = None
     first_without: int | None = None
-    for lineno, row in jsonl_rows(path):
+    for lineno, row in rows:
         if not isinstance(row, dict) or ARRIVAL_FIELD not in row:
             first_without = first_without or lineno
             out.append(None)

@@ -83,14 +83,24 @@ def read_table(art: APArtifact, name: str) -> pd.DataFrame | None:
     return art.table(name) if path.is_file() and _stale(art, name) is None else None
 
 
+def has_calibration(art: APArtifact) -> bool:
+    """Whether ``art`` has complete, current sensitivity and routing tables (what every policy but uniform needs)."""
+    return all((art.path / f"{n}.parquet").is_file() and _stale(art, n) is None for n in ("sensitivity", "routing"))
+
+
+def no_calibration(art: APArtifact) -> PagedWeightError:
+    return PagedWeightError(f"{art.path} has no complete calibration tables (sensitivity/routing): run "
+                            f"`pwcal run-all {art.manifest.model.path} --out {art.path}` first, or use --policy "
+                            "uniform --bits B")
+
+
 def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) -> BlockTable:
     """Calibration tables as a ``BlockTable``; for a uniform policy without calibration, a neutral one."""
     sens, routing = read_table(art, "sensitivity"), read_table(art, "routing")
     if sens is not None and routing is not None:
         return BlockTable.from_frames(sens, routing)
     if need_calibration:
-        raise PagedWeightError(f"{art.path} has no complete calibration tables (sensitivity/routing): run "
-                               f"`pwcal run-all MODEL --out {art.path}` first, or use --policy uniform --bits B")
+        raise no_calibration(art)
     blocks = sorted(expert_blocks(model.spec), key=lambda b: (b.layer, b.expert, b.unit))
     bits = np.asarray(art.bits)
     return BlockTable(bits=bits, layer=np.array([b.layer for b in blocks]), expert=np.array([b.expert for b in blocks]),
