@@ -7,15 +7,12 @@ the uniform-bits quality table.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
 import typer
 from rich.table import Table
 
 from pwcal import cli_calib, cli_quant, cli_verify
 from pwformat.layout import PARENT_BITS
-from pwrun.cli_common import make_console, run_cli, user_errors
+from pwrun.cli_common import ModelArg, make_console, run_cli, user_errors
 from pwrun.engine.budget import format_size
 from pwrun.model.checkpoint import TensorReader, safetensors_files
 from pwrun.model.inventory import expert_blocks, host_memory, parameter_counts
@@ -46,7 +43,7 @@ def _root() -> None:
 
 
 @app.command()
-def inspect(model: Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]) -> None:
+def inspect(model: ModelArg) -> None:
     """Describe a checkpoint: family, MoE layers, expert linear blocks, parameters by kind (16-bit bytes) and the
     peak host memory that calibration and serving are expected to take."""
     with user_errors():

@@ -12,11 +12,10 @@ from pwcal import cli_quant
 from pwcal.bucket_search import SearchConfig, run_search_buckets
 from pwcal.residual import ResidualConfig, run_fit_residual
 from pwcal.sensitivity import SensitivityConfig, run_sensitivity
-from pwrun.cli_common import DeviceOpt, make_console, user_errors
+from pwrun.cli_common import DeviceOpt, ModelArg, make_console, user_errors
 from pwrun.progress import progress
 
 console = make_console(stderr=True)
-ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
 ArtifactsOpt = Annotated[Path, typer.Option(help="Artifact directory made by `pwcal quantize`.")]
 ForceOpt = Annotated[bool, typer.Option(help="Redo the stage even if it is complete.")]
 

@@ -16,11 +16,18 @@ from pwcal.quant.eval_uniform import markdown_table
 from pwcal.quant.quantize import QuantizeConfig
 from pwcal.quant.quantize import quantize as run_quantize
 from pwformat.atomic import write_atomic
-from pwrun.cli_common import DeviceOpt, NoVerifyOpt, check_writable_file, make_console, open_artifact, user_errors
+from pwrun.cli_common import (
+    DeviceOpt,
+    ModelArg,
+    NoVerifyOpt,
+    check_writable_file,
+    make_console,
+    open_artifact,
+    user_errors,
+)
 from pwrun.progress import progress as progress_bars
 
 console = make_console(stderr=True)
-ModelArg = Annotated[Path, typer.Argument(help="Local Hugging Face checkpoint directory.")]
 
 
 def quantize(

@@ -37,6 +37,16 @@ def not_utf8(path: Path) -> PagedWeightError:
     return PagedWeightError(f"{path}{where} is not UTF-8 text: re-encode it as UTF-8, e.g. `{cmd}`")
 
 
+def _unicode(value: Any) -> bool:
+    """Whether every string in a parsed JSON value is valid Unicode (JSON's \\uXXXX escapes may encode a lone
+    surrogate, which no tokenizer or UTF-8 writer takes)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed JSON) of every non-empty line of ``path``; raises ``PagedWeightError`` naming
     ``path:line`` for a line that is not JSON, or the file for one that cannot be read or is not UTF-8."""
@@ -50,6 +60,10 @@ def jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise PagedWeightError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
+                if "\\u" in line and not _unicode(row):
+                    raise PagedWeightError(f"{path}:{lineno} has text that is not valid Unicode (an escape of a lone "
+                                           "surrogate, e.g. \\ud800, that no character pairs): fix or delete that "
+                                           "line")
                 yield lineno, row
     except UnicodeDecodeError as exc:  # decoding runs ahead of the lines read: not_utf8 finds the line
         raise not_utf8(path) from exc

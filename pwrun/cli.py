@@ -55,7 +55,7 @@ from pwrun.core.request import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 from pwrun.data import document_prompts, read_text
 from pwrun.engine.build import ServeConfig
 from pwrun.engine.report import format_summary
-from pwrun.generate import Generation, GenerationStopped, serve_prompts
+from pwrun.generate import Generation, GenerationStopped, kept_aside, serve_prompts
 from pwrun.model.loader import check_token_ids, load_model, load_spec, load_tokenizer, resolve_device
 from pwrun.ppl import perplexity
 from pwrun.progress import progress
@@ -113,15 +113,18 @@ def _write_results(results: list[Generation], output: Path | None) -> None:
 
 
 def _stopped(stop: GenerationStopped, total: int, output: Path | None, stream: bool,
-             failed: list[str]) -> KeyboardInterrupt:
+             failed: list[str], asked: Path | None = None) -> KeyboardInterrupt:
     """The interrupt that ends a stopped run once its finished requests are written, of ``stop.cause``'s kind (its
-    exit code) with the stop line: how many of the ``total`` requests were written where, and that the rest were
-    not run to completion (left out of the results); ``failed``: outputs that could not be written."""
+    exit code) with the stop line: how many of the ``total`` requests were written where (``output``: beside
+    ``asked`` when that existed, which is kept), and that the rest were not run to completion (left out of the
+    results); ``failed``: outputs that could not be written."""
     if stream:
         line = "the request was not run to completion (its text so far is above)"
     else:
         written = len(stop.finished)
         where = "printed on stdout" if output is None or failed else f"written to {output}"
+        if output is not None and asked is not None and output != asked and not failed:
+            where += f" (the existing {asked.name} is kept)"
         line = (f"{written} of {total} requests finished and were {where}; the rest ({total - written}) were not run "
                 "to completion and are left out")
     return type(stop.cause)("; ".join([line, *failed]))
@@ -138,7 +141,8 @@ def _write_file(flag: str, path: Path, text: str) -> None:
 
 @app.command()
 def generate(
-    prompt: Annotated[str | None, typer.Option(help="One prompt; its continuation is streamed to stdout.")] = None,
+    prompt: Annotated[str | None, typer.Option(help="One prompt; it and its continuation are streamed to "
+                                               "stdout.")] = None,
     prompts: Annotated[Path | None, typer.Option(help="JSONL file, one {\"prompt\": ...} per line; all arrive "
                                                  "at t=0 unless --request-rate or a line's 'arrival_s' says "
                                                  "otherwise; up to --max-batch run at once.")] = None,
@@ -280,7 +284,12 @@ def generate(
                 stop, results, summary = exc, exc.finished, exc.summary
         if stream:
             end_stream()
-        # every output is attempted; failures are reported together, after (nothing is dropped for one)
+        # every output is attempted; failures are reported together, after (nothing is dropped for one). A stopped
+        # run writes beside an existing output instead of replacing it (the trace: serve_prompts)
+        asked = output
+        if stop is not None:
+            output = None if output is None else kept_aside(output)
+            summary_json = None if summary_json is None else kept_aside(summary_json)
         failed: list[str] = []
         printed = output is None  # where the results are, for the error line
         if not stream:
@@ -304,7 +313,7 @@ def generate(
         if summary.trace_error:
             failed.append(summary.trace_error)
         if stop is not None:
-            raise _stopped(stop, len(texts), output, stream, failed)
+            raise _stopped(stop, len(texts), output, stream, failed, asked)
         if failed:
             where = "printed on stdout above" if printed else f"in {output}"
             raise PagedWeightError("; ".join(failed) + f" (the results are {where})")

@@ -40,15 +40,19 @@ from pwrun.signals import Terminated, raise_terminated, reset_terminated, termin
 
 ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="Local Hugging Face checkpoint directory "
                                         "(config.json, *.safetensors, tokenizer). Default: the bundled tiny MoE.")]
+ModelArg = Annotated[Path, typer.Argument(metavar="MODEL", help="Local Hugging Face checkpoint directory.")]
 GpuMemoryOpt = Annotated[str | None, typer.Option(help="With --artifacts or --policy 16-bit: the device memory "
                                                  "budget of the whole process, e.g. 10GiB, 48MiB (binary units), "
-                                                 "1.5GB (decimal), or a bare number of bytes (default 4GiB).")]
+                                                 "1.5GB (decimal), or a bare number of bytes (default 4GiB; "
+                                                 "without either, what the 16-bit run needs).")]
 PolicyOpt = Annotated[str, typer.Option(help="pagedweight (default), uniform (needs --bits), static, residual "
                                         "(pagedweight with the prompt-residual heads of `pwcal fit-residual`), or "
                                         "an ablation: no-routing, no-movement, no-sensitivity; 16-bit: the "
                                         "checkpoint's own experts in the page pool under --gpu-memory (no "
                                         "--artifacts).")]
-BitsOpt = Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits.")]
+BitsOpt = Annotated[int | None, typer.Option(help="With --policy uniform: every expert block at this many bits "
+                                             "(one of the artifact's bitwidths: 3..8 from `pwcal run-all`'s "
+                                             "defaults).")]
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, and on the "
                                        "CPU for --artifacts with --policy 16-bit; otherwise fp32 on the CPU, so the "
@@ -276,6 +280,9 @@ def idle_cores(cores: int | None = None, load: float | None = None) -> int:
 TORCH_THREADS = torch.get_num_threads()  # torch's default, before any command changes it
 
 
+MAX_THREADS_PER_CORE = 4  # more only oversubscribes (and tens of thousands exhaust the thread pools' memory)
+
+
 def set_threads(threads: int | None) -> None:
     """Use ``threads`` CPU threads for torch (None: ``idle_cores()``, at most torch's default). Fewer threads than
     cores keep a run steady when other jobs share the cores: oversubscribed, every parallel op waits for a thread
@@ -287,4 +294,9 @@ def set_threads(threads: int | None) -> None:
         return
     if threads < 1:
         raise PagedWeightError("--threads must be >= 1")
+    cores = os.cpu_count() or 1
+    if threads > MAX_THREADS_PER_CORE * cores:
+        raise PagedWeightError(f"--threads {threads} is more than {MAX_THREADS_PER_CORE} per core of this machine's "
+                               f"{cores}: give at most {MAX_THREADS_PER_CORE * cores} (or leave it out: the idle "
+                               "cores)")
     torch.set_num_threads(threads)

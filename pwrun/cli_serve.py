@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from pwformat.errors import BudgetTooSmall, PagedWeightError
+from pwformat.jsonl import not_utf8
 from pwrun.cli_common import (
     DEFAULT_RELOAD_RESERVE,
     BitsOpt,
@@ -129,7 +130,10 @@ def serve(
         if chat_template is not None:
             if not chat_template.is_file():
                 raise PagedWeightError(f"--chat-template {chat_template} is not a file: give a Jinja template file")
-            tok.chat_template = chat_template.read_text()
+            try:
+                tok.chat_template = chat_template.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise not_utf8(chat_template) from exc
             try:
                 tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
                                         add_generation_prompt=True)

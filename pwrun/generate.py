@@ -193,6 +193,12 @@ def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: Sa
                                  engine.trace[-1].t_s if engine.trace else 0.0)
 
 
+def kept_aside(path: Path) -> Path:
+    """Where a stopped run writes an output meant for ``path``: ``path`` itself if it does not exist, else beside it
+    (``out.jsonl`` -> ``out.stopped.jsonl``), so that a stopped run never replaces a complete earlier output."""
+    return path.with_name(f"{path.stem}.stopped{path.suffix}") if path.exists() else path
+
+
 def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str], tokenizer: Any, cfg: ServeConfig,
                   params: SamplingParams, device: str = "auto", dtype: str = "auto",
                   on_text: Callable[[int, str], None] | None = None, trace: Path | None = None,
@@ -204,7 +210,8 @@ def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str]
     seconds from the start of the run (None: all at t=0); generations (in prompt order) and the run summary
     (``slo``: what its goodput counts; ``on_wait``: see ``run_generation``). A ``trace`` that cannot be written
     does not lose the generations: the summary's ``trace_error`` says why. Raises ``PagedWeightError`` for an AP
-    policy without ``artifact_dir``, and ``GenerationStopped`` with the summary so far (the trace written) on a stop.
+    policy without ``artifact_dir``, and ``GenerationStopped`` with the summary so far (the trace written, beside an
+    existing one: ``kept_aside``) on a stop.
     """
     spec, _ = load_spec(Path(model_dir))
     ids = encode_prompts(tokenizer, prompts, spec.max_position_embeddings, params.max_new_tokens, spec.vocab_size)
@@ -219,7 +226,7 @@ def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str]
     try:
         gens = run_generation(engine, tokenizer, prompts, on_text, on_progress, on_wait)
     except GenerationStopped as stop:
-        stop.summary = _summary(engine, slo, trace)
+        stop.summary = _summary(engine, slo, None if trace is None else kept_aside(trace))
         stop.summary.requests_unfinished = len(prompts) - len(stop.finished)
         raise
     return gens, _summary(engine, slo, trace)

@@ -268,7 +268,8 @@ main()
 def test_a_stop_writes_the_finished_requests(tmp_path: Path, sig: str, code: int, extra: list[str]) -> None:
     """Ctrl-C / SIGTERM after some requests finished: --output holds exactly those, with the text of an
     uninterrupted run of the same prompts; the stop line says how many of N were written; the summary and trace
-    (when asked) are written too; the exit code is the interrupt's."""
+    (when asked) are written too; the exit code is the interrupt's. Outputs that exist already (the SIGTERM case)
+    are kept: the stopped run writes beside them (NAME.stopped.EXT)."""
     import subprocess
     import sys
 
@@ -282,12 +283,21 @@ def test_a_stop_writes_the_finished_requests(tmp_path: Path, sig: str, code: int
     ref_in.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (prompts[0], prompts[2])))
     opts = ["--max-new-tokens", "6", "--device", "cpu", *[x.format(tmp=tmp_path) for x in extra]]
     out = tmp_path / "out.jsonl"
+    earlier = ["out.jsonl", "s.json", "t.parquet"] if extra else []
+    for name in earlier:
+        (tmp_path / name).write_text("complete earlier output\n")
     proc = subprocess.run([sys.executable, "-c", _STOP_CHILD.format(sig=sig), "generate", "--prompts", str(timed),
                            "--output", str(out), *opts], capture_output=True, text=True, timeout=300)
     assert proc.returncode == code, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("terminated (SIGTERM): " if sig == "SIGTERM" else "interrupted: "), proc.stderr
-    assert f"2 of 3 requests finished and were written to {out}; the rest (1) were not run to completion" in last
+    for name in earlier:
+        assert (tmp_path / name).read_text() == "complete earlier output\n"
+    if earlier:
+        out = tmp_path / "out.stopped.jsonl"
+    kept = " (the existing out.jsonl is kept)" if earlier else ""
+    assert f"2 of 3 requests finished and were written to {out}{kept}; the rest (1) were not run to completion" \
+        in last, last
     assert "Traceback" not in proc.stderr
     waits = [x for x in proc.stderr.splitlines() if x.startswith("idle: ")]
     assert len(waits) == 1 and re.fullmatch(r"idle: the next request arrives at t=3600 s; the engine waits 3[56]\d\d "
@@ -302,10 +312,10 @@ def test_a_stop_writes_the_finished_requests(tmp_path: Path, sig: str, code: int
         (x["prompt"], x["text"], x["new_tokens"]) for x in want]
     assert all(x["finish_s"] is not None for x in rows)
     if "--summary-json" in extra:
-        s = json.loads((tmp_path / "s.json").read_text())
+        s = json.loads((tmp_path / "s.stopped.json").read_text())
         assert s["requests_completed"] == 2 and s["requests_unfinished"] == 1
         assert "; 1 more not run to completion (stopped)" in proc.stderr, proc.stderr
-        assert pq.read_table(tmp_path / "t.parquet").num_rows == s["steps"] > 0
+        assert pq.read_table(tmp_path / "t.stopped.parquet").num_rows == s["steps"] > 0
 
 
 def test_sigterm_inside_native_code_still_ends_with_143(capsys: pytest.CaptureFixture[str]) -> None:

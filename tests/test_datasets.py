@@ -46,3 +46,13 @@ def test_a_prompts_file_is_parsed_once(tmp_path: Path, monkeypatch: pytest.Monke
     f.write_text('{"prompt": "a", "arrival_s": 0.5}\n{"prompt": "b"}\n')
     with pytest.raises(PagedWeightError, match=f"{f}:2 has no 'arrival_s'"):
         PromptFile.read(f)
+
+
+def test_a_lone_surrogate_escape_is_named_by_file_and_line(tmp_path: Path) -> None:
+    """JSON may escape a lone surrogate (\\ud800): valid JSON, but no text a tokenizer or a UTF-8 writer takes."""
+    f = tmp_path / "s.jsonl"
+    f.write_text('{"prompt": "fine \\u00e9 \\ud83d\\ude00"}\n{"prompt": "bad \\ud800 x"}\n')
+    with pytest.raises(PagedWeightError, match=f"{f}:2 has text that is not valid Unicode"):
+        PromptFile.read(f)
+    f.write_text('{"text": "fine \\u00e9 \\ud83d\\ude00"}\n')
+    assert read_documents(str(f)) == ["fine \u00e9 \U0001f600"]  # escaped pairs and characters are text

@@ -263,3 +263,22 @@ def test_writer_lock_taken_over_from_a_run_that_just_finished(tmp_path: Path) ->
     wl.lock_path(out).mkdir()
     with pytest.raises(PagedWeightError, match=r"remove .*OUT\.lock"), wl.writer_lock(out):
         pass
+
+
+def test_a_full_disk_while_saving_a_layer_is_an_os_error_naming_the_file(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors reports a failed write as its own error; the layer writer turns it into the OSError every other
+    write gives (the CLI's one line then names the file and says to free some space)."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    import pwcal.quant.quantize as q
+
+    def full(*_: object, **__: object) -> None:
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(q, "save_file", full)
+    with pytest.raises(OSError) as info:
+        q._save_layer({"x": torch.zeros(2)}, tmp_path / "layer_000.safetensors", {})
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "layer_000.safetensors")

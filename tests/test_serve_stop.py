@@ -41,12 +41,13 @@ def tok() -> Any:
     return load_tokenizer(MODEL)
 
 
-def _serve_process(artifacts: Path, port: int, drain: float, context: int = 128) -> subprocess.Popen[str]:
+def _serve_process(artifacts: Path, port: int, drain: float, context: int = 128,
+                   group: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pwrun", "serve", "--artifacts", str(artifacts), "--gpu-memory",
                              "1GiB", "--max-model-len", str(context), "--port", str(port), "--device", "cpu",
                              "--drain-seconds", str(drain), "--served-model-name", NAME, "--log-level", "warning"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=group)
     end = time.monotonic() + 120
     while time.monotonic() < end:
         try:
@@ -78,14 +79,20 @@ def _stream_in_thread(url: str, got: list[Any], first: threading.Event, max_toke
     return reader
 
 
-def test_sigterm_lets_the_running_request_finish_then_exits(calibrated_artifacts: Path) -> None:
+@pytest.mark.parametrize("group", [False, True])
+def test_sigterm_lets_the_running_request_finish_then_exits(calibrated_artifacts: Path, group: bool) -> None:
+    """SIGTERM to the server, or to its whole process group (systemd, `timeout`, `kill -- -PGID`: the engine
+    process gets it too and leaves the stop to the server): the running request finishes, exit 0."""
     port = free_port()
-    proc = _serve_process(calibrated_artifacts, port, 20)
+    proc = _serve_process(calibrated_artifacts, port, 20, group=group)
     got: list[Any] = []
     first = threading.Event()
     reader = _stream_in_thread(f"http://127.0.0.1:{port}", got, first)
     assert first.wait(60)
-    proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     reader.join(30)
     assert proc.returncode == 0, err
@@ -175,6 +182,8 @@ def test_serve_command_refuses_bad_options(calibrated_artifacts: Path, tmp_path:
     """One ``error:`` line and exit 2, before the engine is built where it can be."""
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}{{ m.role ")
+    latin = tmp_path / "latin.jinja"
+    latin.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -186,6 +195,7 @@ def test_serve_command_refuses_bad_options(calibrated_artifacts: Path, tmp_path:
             (["--gpu-memory", "1GiB"], "need --artifacts"),
             (["--chat-template", str(tmp_path / "none.jinja")], "is not a file"),
             (["--chat-template", str(broken)], "does not render one user message (TemplateSyntaxError"),
+            (["--chat-template", str(latin)], "is not UTF-8 text: re-encode it as UTF-8"),
             (["--artifacts", str(calibrated_artifacts), "--gpu-memory", "20MiB"],
              "(or lower --max-model-len, now 2048, or --max-batch, now 16)"),
         ]
@@ -194,3 +204,14 @@ def test_serve_command_refuses_bad_options(calibrated_artifacts: Path, tmp_path:
             lines = r.stderr.strip().splitlines()
             assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], (
                 args, r.stderr)
+
+
+def test_a_page_pool_larger_than_the_machine_is_one_line() -> None:
+    """The 16-bit server sizes its pool for --max-batch requests of the whole context: far more than the memory
+    there is fails in the engine process, which says so in one line (no traceback on the shared stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "pwrun", "serve", "--device", "cpu", "--max-batch", "1000000",
+                        "--port", str(free_port())], capture_output=True, text=True, env=env, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "not enough memory to build the engine" in lines[0], r.stderr
+    assert "--max-batch, now 1000000" in lines[0]

@@ -19,6 +19,7 @@ metadata names the format, the layer and the run's id (``run_id``, also in the m
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from pwcal.calib_data import calibration_windows
@@ -225,6 +227,17 @@ def _result_keys(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in unused}
 
 
+def _save_layer(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``save_file`` whose I/O failures (a full disk) are ``OSError``s naming the file, as every other write's:
+    safetensors reports them as its own error with the OS message inside."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        msg = str(exc)
+        code = errno.ENOSPC if "No space left" in msg else errno.EDQUOT if "quota" in msg.lower() else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from exc
+
+
 def _first(lookup: Callable[[LinearBlock, int], tuple[torch.Tensor | None, int]], min_tokens: int
            ) -> Callable[[LinearBlock], torch.Tensor | None]:
     """``block -> lookup(block, min_tokens)[0]``: a Hessian observer's tensor for a block, without its count."""
@@ -349,8 +362,8 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
                     full_of=None if full is None else _first(full.matrix_for, cfg.min_tokens))
                 fallback += fb
                 path = partial / layer_file(layer)
-                save_file(tensors, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION),
-                                                        "layer": str(layer), "run_id": run_id})
+                _save_layer(tensors, path, {"format": FORMAT, "format_version": str(FORMAT_VERSION),
+                                            "layer": str(layer), "run_id": run_id})
                 default_mode(path)
                 fault_point()
                 sums[path.name] = file_sum(path, "quantize", layer)  # read back while in the page cache

@@ -36,7 +36,7 @@ def parse_size(text: str) -> int:
         raise PagedWeightError(f"cannot read the size {text!r}: write e.g. 10GiB, 512MiB or 1.5GB")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value <= 0:
-        raise PagedWeightError(f"the size {text!r} must be positive")
+        raise PagedWeightError(f"the size {text!r} must be positive: write e.g. 10GiB, 512MiB or 1.5GB")
     if value > 2**50:
         raise PagedWeightError(f"the size {text!r} is larger than any device (over 1 PiB): give the memory to use, "
                                "e.g. 40GiB")

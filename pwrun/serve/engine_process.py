@@ -96,7 +96,10 @@ def _delta(out: RequestOutput, sent: dict[int, int]) -> tuple[Any, ...]:
 
 def _child(build: Builder, threads: int, commands: Connection, events: Connection) -> None:
     """The child's main: build, report ``ready`` (or ``failed``), then apply commands until ``stop``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    # Ctrl-C reaches the whole group, and so does SIGTERM from systemd, `timeout` or `kill -- -PGID`: the parent
+    # decides (it drains, then stops this process; it kills it if it must end first)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         engine = build()
@@ -105,6 +108,18 @@ def _child(build: Builder, threads: int, commands: Connection, events: Connectio
         return
     except PagedWeightError as exc:
         _post(events, ("failed", str(exc), None))
+        return
+    except (MemoryError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        if isinstance(exc, MemoryError) or "alloc" in first.lower() or "out of memory" in first.lower():
+            # the page pool (and the KV of every request it must hold) is larger than the device: the caller's
+            # hint (BudgetTooSmall) names the options that size it
+            _post(events, ("failed", f"not enough memory to build the engine ({type(exc).__name__}: {first}): its "
+                           "page pool is what --gpu-memory gives, or what --max-batch requests of --max-model-len "
+                           "tokens need", 0))
+            return
+        traceback.print_exc()
+        _post(events, ("failed", f"the engine could not be built: {type(exc).__name__}: {exc}", None))
         return
     except BaseException as exc:
         traceback.print_exc()

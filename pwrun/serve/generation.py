@@ -77,10 +77,16 @@ def encode(tokenizer: Any, prompts: list[str] | list[list[int]], limits: ServeLi
             raise ApiError(400, f"this model's maximum context length is {limits.max_model_len} tokens, and the "
                            f"prompt has {len(p)} characters (more than any {limits.max_model_len} tokens make): "
                            "shorten it", param="prompt", code="context_length_exceeded")
+        if isinstance(p, str):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError:  # JSON's \uXXXX escapes can encode a lone surrogate, which no tokenizer takes
+                raise ApiError(400, "the prompt is not valid Unicode: it has a lone surrogate escape (e.g. \\ud800) "
+                               "that no character pairs; fix the text", param="prompt") from None
         try:
             ids = list(p) if isinstance(p, list) else tokenizer(p, add_special_tokens=special_tokens, verbose=False)\
                 .input_ids
-        except (TypeError, ValueError) as exc:  # e.g. an unpaired surrogate escape (\ud800) in the JSON text
+        except (TypeError, ValueError) as exc:
             raise ApiError(400, f"the prompt cannot be tokenized: {str(exc)[:200]}", param="prompt") from None
         bad = [t for t in ids if not 0 <= t < limits.vocab_size]
         if bad:
