@@ -146,26 +146,26 @@ def search_buckets(
             extra = ""
         else:
             band = info["neutral_from_bits"]
-            searched = (f"; {info['candidates_scored']} of {info['search_space_size'] + 1} settings scored in "
-                        f"{info['dtype']} (settings per round {info['candidates_per_round']}); perplexity on held-out "
-                        f"{info['heldout_dataset']} text ({info['heldout_tokens']} tokens past the calibration ones) "
-                        f"at budgets {list(cfg.budgets_bits)} bits: ")
+            lowest = cfg.budgets_bits.index(min(cfg.budgets_bits))
+            lines = [f"searched: {info['candidates_scored']} of {info['search_space_size'] + 1} settings in "
+                     f"{info['dtype']} ({info['candidates_per_round']} per round), scored by perplexity on held-out "
+                     f"{info['heldout_dataset']} text ({info['heldout_tokens']} tokens past the calibration ones) at "
+                     f"budgets {list(cfg.budgets_bits)} bits"]
             if info["best_candidate"] == 0:
                 neutral = [round(p, 2) for p in info["neutral_ppl_per_budget"]]
-                extra = searched + f"the neutral setting scored best ({neutral}), so it is used at every budget"
+                lines.append(f"used: the neutral setting, at every budget (it scored best: {neutral})")
             else:
-                extra = (
-                    searched + f"best {[round(p, 2) for p in info['best_ppl_per_budget']]}"
-                    f" vs neutral {[round(p, 2) for p in info['neutral_ppl_per_budget']]}; on the next "
-                    f"{info['confirm_tokens']} tokens the best changes perplexity by "
-                    f"{[round(-g, 2) for g in info['confirm_gain_pct_per_budget']]}% against neutral (a gain beyond "
-                    f"{info['confirm_z_per_budget']:.2f} standard errors at each, {cfg.gain_z} over all: "
-                    f"{info['confirm_shows_gain_per_budget']}), so the winner ({info['best_setting']}) is used "
-                    + ("at every budget" if band is None else
-                       f"below {band} bits (neutral from there on)" + (
-                           "" if info["confirm_shows_gain_per_budget"][cfg.budgets_bits.index(min(cfg.budgets_bits))]
-                           else "; below the lowest budget searched nothing can be confirmed, so the tuned buckets "
-                           "stay there")))
+                lines.append(f"best {[round(p, 2) for p in info['best_ppl_per_budget']]} vs neutral "
+                             f"{[round(p, 2) for p in info['neutral_ppl_per_budget']]}; on the next "
+                             f"{info['confirm_tokens']} tokens the best changes perplexity by "
+                             f"{[round(-g, 2) for g in info['confirm_gain_pct_per_budget']]}% against neutral "
+                             f"(a gain confirmed, beyond {info['confirm_z_per_budget']:.2f} standard errors at each "
+                             f"budget and {cfg.gain_z} over all: {info['confirm_shows_gain_per_budget']})")
+                where = "at every budget" if band is None else f"below {band} bits, the neutral setting from there on"
+                if band is not None and not info["confirm_shows_gain_per_budget"][lowest]:
+                    where += " (below the lowest budget searched nothing can be confirmed: the tuned buckets stay)"
+                lines.append(f"used: the winner ({info['best_setting']}) {where}")
+            extra = "".join(f"\n  {line}" for line in lines)
         _report("search-buckets", info, extra)
 
 
