@@ -153,7 +153,9 @@ def serve(
         server = Server(build, tok, name, ServeLimits(context, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),
                         host, port, max_batch + max_queue, drain_seconds, log_level)
         try:
-            server.open()
+            # a spinner on a terminal while the engine builds (tens of seconds at real size); nothing in a log
+            with console.status(f"building the engine for {name}: weights, page pool, kernel warm-up"):
+                server.open()
         except BudgetTooSmall as exc:
             raise PagedWeightError(f"{exc} (or lower --max-model-len, now {context}, or --max-batch, now "
                                    f"{max_batch})") from exc
