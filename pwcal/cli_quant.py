@@ -90,9 +90,11 @@ def quantize(
 def eval_uniform(
     model: ModelArg,
     artifacts: Annotated[Path, typer.Option(help="AP artifact directory from `pwcal quantize`.")],
-    dataset: Annotated[list[str] | None, typer.Option(help="Datasets (repeatable): bundled names or files.")] = None,
+    dataset: Annotated[list[str] | None, typer.Option(help="Datasets (repeatable): bundled names or files "
+                                                        "(default: wikitext2 and c4).")] = None,
     seq_len: Annotated[int, typer.Option(help="Perplexity window in tokens.")] = 512,
-    max_windows: Annotated[int | None, typer.Option(help="At most this many windows per dataset.")] = None,
+    max_windows: Annotated[int | None, typer.Option(help="At most this many windows per dataset "
+                                                  "(default: all).")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the table as markdown (+ .json beside it).")] = None,
     bits: Annotated[list[int] | None, typer.Option(help="Only these bitwidths (repeatable; default: all).")] = None,
     device: DeviceOpt = "auto",
