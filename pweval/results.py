@@ -142,5 +142,8 @@ def _read(path: Path, schema: pa.Schema) -> pa.Table:
 
 
 def read_results(path: Path) -> pd.DataFrame:
-    """The results as a DataFrame (nullable columns as floats/NaN)."""
-    return read_table(path).to_pandas()
+    """The results as a DataFrame (nullable columns as floats/NaN); ``attrs["path"]``: ``path`` (error messages
+    name the table to add rows to)."""
+    df = read_table(path).to_pandas()
+    df.attrs["path"] = str(path)
+    return df

@@ -57,16 +57,17 @@ def reference_row(df: pd.DataFrame, suite: str) -> pd.Series:
     """The last completed 16-bit run of ``suite``, the base of every change; ``ValueError`` (naming the command that
     adds it) if the suite has none or its 16-bit run failed."""
     ref = df[(df.suite == suite) & (df.policy == "16-bit")]
+    out = f"--out {df.attrs['path']}" if "path" in df.attrs else "--out TABLE"
     if not ref.empty and ok_rows(ref).empty:
         raise ValueError(f"the {suite} suite's 16-bit run did not complete ({ref.note.iloc[-1]}): run it again with "
-                         f"`pwrun eval run --suite {suite} --policy 16-bit {_workload_flags(ref.iloc[-1])}` into the "
-                         "same --out table")
+                         f"`pwrun eval run --suite {suite} --policy 16-bit {_workload_flags(ref.iloc[-1])} {out}` "
+                         "(the same results table)")
     ref = ok_rows(ref)
     if ref.empty:
         any_row = df[df.suite == suite].iloc[-1]
         raise ValueError(f"the results have no 16-bit row for the {suite} suite: add one with `pwrun eval run "
-                         f"--suite {suite} --policy 16-bit {_workload_flags(any_row)}` (the same workload) into "
-                         "the same --out table")
+                         f"--suite {suite} --policy 16-bit {_workload_flags(any_row)} {out}` (the same workload, "
+                         "into the same results table)")
     return ref.iloc[-1]
 
 

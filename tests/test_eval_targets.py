@@ -155,8 +155,10 @@ def test_a_report_that_cannot_be_made_writes_nothing(tmp_path: Path) -> None:
                                                  pc.equal(table["policy"], "16-bit"))))
     _write(no_long_ref, tmp_path / "r.parquet")
     out = tmp_path / "out"
-    with pytest.raises(ValueError, match="no 16-bit row for the long suite: add one with `pwrun eval run --suite long"):
+    want = "no 16-bit row for the long suite: add one with `pwrun eval run --suite long"
+    with pytest.raises(ValueError, match=want) as info:
         write_report(tmp_path / "r.parquet", out)
+    assert f"--out {tmp_path / 'r.parquet'}`" in str(info.value)  # the command runs as given
     assert not out.exists() or not any(out.iterdir())
     is_text_ref = pc.and_(pc.equal(table["suite"], "text"), pc.equal(table["policy"], "16-bit"))
     notes = pc.if_else(is_text_ref, pa.scalar("killed"), table["note"])
