@@ -194,9 +194,10 @@ def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: Sa
 
 
 def kept_aside(path: Path) -> Path:
-    """Where a stopped run writes an output meant for ``path``: ``path`` itself if it does not exist, else beside it
-    (``out.jsonl`` -> ``out.stopped.jsonl``), so that a stopped run never replaces a complete earlier output."""
-    return path.with_name(f"{path.stem}.stopped{path.suffix}") if path.exists() else path
+    """Where a stopped run writes an output meant for ``path``: beside it if it is an existing file (``out.jsonl`` ->
+    ``out.stopped.jsonl``), so that a stopped run never replaces a complete earlier output; else ``path`` itself (a
+    new file, or a device such as /dev/stdout)."""
+    return path.with_name(f"{path.stem}.stopped{path.suffix}") if path.is_file() else path
 
 
 def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str], tokenizer: Any, cfg: ServeConfig,
