@@ -252,7 +252,7 @@ def warn_missing_tables(art: APArtifact, policies: Iterable[str], model_dir: Pat
     ``pwrun.core.policy.POLICIES``. Raises ``PagedWeightError`` for a damaged artifact (a table its manifest
     records), or for an artifact without the sensitivity and routing tables that a policy but uniform needs (the
     optional tables would not help it)."""
-    if any(POLICIES[p].placement not in ("uniform", "dense") for p in policies) and not has_calibration(art):
+    if any(POLICIES[p].calibrated for p in policies) and not has_calibration(art):
         raise no_calibration(art)
     shown: list[str] = []
     for policy in policies:

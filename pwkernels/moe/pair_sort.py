@@ -106,8 +106,8 @@ def group_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torc
     """(order [P] int32: sorted position -> pair, a stable sort by expert; ends [E] int32: the end of each expert's
     run in it (a cumulative count, the offsets of a grouped GEMM); inv [P] int32: pair -> sorted position) of expert
     ids [P] (1-D, integer, each in [0, num_experts)), without a host sync: one Triton launch and a ``searchsorted``
-    on CUDA or in the interpreter up to ``MAX_PAIRS`` pairs, else ``group_pairs_ref``. Raises ``ValueError`` for
-    ids that are not 1-D integers."""
+    on CUDA or in the interpreter up to ``MAX_PAIRS`` pairs, else ``group_pairs_ref``: the expert grouping of SPEC
+    section 7's prefill path. Raises ``ValueError`` for ids that are not 1-D integers."""
     if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"ids must be 1-D integer expert ids, got {tuple(ids.shape)} {ids.dtype}")
     if not _kernel_runs(ids) or ids.numel() > MAX_PAIRS:

@@ -44,6 +44,12 @@ class Policy:
         return self.placement == "dense"
 
     @property
+    def calibrated(self) -> bool:
+        """Serving ranks the AP blocks by the artifact's sensitivity and routing tables (every placement but uniform
+        and the 16-bit experts)."""
+        return self.placement in ("planner", "static")
+
+    @property
     def dynamic(self) -> bool:
         """The planner moves expert bitwidths while serving."""
         return self.placement == "planner"

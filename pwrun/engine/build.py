@@ -153,7 +153,7 @@ def build_engine(model_dir: Path, artifact_dir: Path, cfg: ServeConfig, params: 
         raise PagedWeightError(f"the weights in {model_dir} differ from those artifact {art.path} was made from "
                                "(the digest of every non-expert tensor, model.weights_served in its manifest): pass "
                                "the checkpoint it was made from with --model, or re-run pwcal quantize for this one")
-    table = block_table(art, model, need_calibration=cfg.policy.placement != "uniform")
+    table = block_table(art, model, need_calibration=cfg.policy.calibrated)
     if cfg.damage is not None:
         table = with_damage(table, cfg.damage)
     heads_df = read_table(art, "residual_heads")

@@ -77,15 +77,19 @@ def missing_tables(art: APArtifact, policy: Policy, model_dir: Path | str = "MOD
     return out
 
 
+def _current(art: APArtifact, name: str) -> bool:
+    """Table ``name`` of ``art`` exists and its stage's record vouches for it."""
+    return (art.path / f"{name}.parquet").is_file() and _stale(art, name) is None
+
+
 def read_table(art: APArtifact, name: str) -> pd.DataFrame | None:
     """Table ``name`` of ``art``, or None if it is missing or stale."""
-    path = art.path / f"{name}.parquet"
-    return art.table(name) if path.is_file() and _stale(art, name) is None else None
+    return art.table(name) if _current(art, name) else None
 
 
 def has_calibration(art: APArtifact) -> bool:
-    """Whether ``art`` has complete, current sensitivity and routing tables (what every policy but uniform needs)."""
-    return all((art.path / f"{n}.parquet").is_file() and _stale(art, n) is None for n in ("sensitivity", "routing"))
+    """Whether ``art`` has current sensitivity and routing tables (what a ``Policy.calibrated`` policy needs)."""
+    return _current(art, "sensitivity") and _current(art, "routing")
 
 
 def no_calibration(art: APArtifact) -> PagedWeightError:
