@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pwkernels.moe.align import align_by_expert, align_by_expert_ref, num_tiles
+from pwkernels.moe.align import _align_kernel, align_by_expert, align_by_expert_ref, num_tiles
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,3 +56,15 @@ def test_one_hot_expert_and_skewed_routing() -> None:
         _check_layout(*got, ids, block_m, 8)
     skew = torch.where(torch.rand(50, 2, generator=torch.Generator().manual_seed(3)) < 0.8, 0, 9).to(DEV)
     _check_layout(*align_by_expert(skew, 10, 16), skew, 16, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels are cached on CUDA only")
+def test_one_compile_serves_every_count() -> None:
+    """Pair and tile counts of every Triton int class (1, multiples of 16, others) launch one compiled kernel:
+    a step's token count never compiles inside a run."""
+    before = sum(len(c[0]) for c in _align_kernel.device_caches.values())
+    for t, k in ((1, 1), (1, 4), (4, 4), (40, 4), (401, 4), (402, 4), (1024, 4)):  # P 1, 4, 16, ..; tiles 1, 4, 17, ..
+        ids = torch.randint(0, 60, (t, k), device="cuda", dtype=torch.int32)
+        _check_layout(*align_by_expert(ids, 60, 16), ids, 16, 60)
+    assert sum(len(c[0]) for c in _align_kernel.device_caches.values()) - before <= 1

@@ -30,7 +30,10 @@ BLOCK_J = 64  # pairs compared per step
 MAX_PAIRS = 8192  # above: the reference (the kernel's comparisons grow as P^2)
 
 
-@triton.jit
+# P and num_tiles change with every step's token count; specialized, each of their Triton int classes (1, multiple
+# of 16, other) would be its own compile, met first inside a run (``pwkernels.warmup`` covers the pair count's
+# class, not the tile count's). One compile serves every count.
+@triton.jit(do_not_specialize=["P", "num_tiles"])
 def _align_kernel(
     ids_ptr,  # [P] expert ids (row-major [T, k])
     sorted_ptr,  # [num_tiles * BLOCK_M] int32 out: pair ids, padded with P
