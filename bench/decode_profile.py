@@ -139,6 +139,13 @@ def profile_steps(e: LLMEngine, steps: int, cuda: bool, batch: int, phase: str =
             **kernel_summary(events, steps)}
 
 
+def _release(dev: str) -> None:
+    """Free the page pool of an engine just dropped (reference cycles hold it until a collection)."""
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config-dir", type=Path, required=True, help="a directory with the model's config.json")
@@ -179,9 +186,7 @@ def main() -> None:
                                    SamplingParams(max_new_tokens=n), reqs, set())
 
         build(3).run_until_done()  # compiles and graph captures out of the profile
-        gc.collect()  # that engine's page pool goes before the profiled one takes its own
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+        _release(dev)  # that engine's page pool goes before the profiled one takes its own
         # new tokens: the prompts' prefill steps (requests decode beside later prompts' chunks), then the warm-up
         # and profiled decode steps of the whole batch
         e = build(-(-b * args.prompt_len // st) + args.steps + 16)
@@ -190,6 +195,7 @@ def main() -> None:
                "prompt_len": args.prompt_len, "step_tokens_max": st,
                **profile_steps(e, args.steps, dev == "cuda", b, args.phase)}
         del e
+        _release(dev)  # and the profiled one's before the next batch size builds
         if experts is not None:
             rec["mean_bits"] = 16.0  # the trace's bit histogram covers AP blocks only
         write_records("decode_profile", [rec], env, args.out)

@@ -11,6 +11,7 @@ the sweep that makes the results table is ``sweep.py``.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -159,7 +160,8 @@ def write_report(results: Path, out_dir: Path) -> list[Path]:
 def memory_split_figure(series: dict[str, dict[str, list[float]]], budget: int, title: str, out: Path) -> None:
     """Stacked expert weights and KV (GiB) in the page pool over a run, one panel per system: ``series[system]``
     has ``t`` (seconds), ``weight_bytes`` and ``kv_bytes`` per step (``bench.headline``); the budget as a line."""
-    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.2), sharey=True, squeeze=False)
+    width = max(7.0, 5.0 * len(series))
+    fig, axes = plt.subplots(1, len(series), figsize=(width, 3.4), sharey=True, squeeze=False)
     for ax, (name, s) in zip(axes[0], series.items(), strict=True):
         w = [b / 2**30 for b in s["weight_bytes"]]
         kv = [b / 2**30 for b in s["kv_bytes"]]
@@ -169,7 +171,7 @@ def memory_split_figure(series: dict[str, dict[str, list[float]]], budget: int, 
         ax.set_xlabel("busy seconds (steps only)")
     axes[0][0].set_ylabel("GiB in the page pool")
     axes[0][0].legend(loc="lower right", fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, width=int(width * 13)), fontsize=10)  # ~13 characters an inch at 10 pt
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
