@@ -57,6 +57,14 @@ def test_gemv_path_equals_reference(t: int, dtype: torch.dtype, activation: str)
     _check(t, 2, 5, dtype, activation, GEMV, seed=t)
 
 
+@pytest.mark.parametrize(("t", "k", "split"), [(1, 1, 1), (1, 2, 3), (3, 2, 2), (2, 3, 1)])
+def test_split_down_gemv_equals_reference(t: int, k: int, split: int) -> None:
+    """The down GEMV split by pair and K chunk (a chunk past I included: 3 chunks of 32 columns for I = 40)."""
+    tile = DenseGemvTile(BLOCK_N=16, BLOCK_K=32, DOWN_SPLIT=split)
+    _check(t, k, 5, torch.bfloat16, "silu", tile, seed=10 * t + split)
+    _check(t, k, 5, torch.float16, "gelu_tanh", tile, seed=10 * t + split + 1)
+
+
 @pytest.mark.parametrize("t", [1, 17, 70])
 @pytest.mark.parametrize(("dtype", "activation"), CASES)
 def test_grouped_gemm_path_equals_reference(t: int, dtype: torch.dtype, activation: str) -> None:
@@ -133,7 +141,8 @@ def test_bad_inputs_and_configs_are_refused() -> None:
         dense_moe(x[:, :10].to(torch.bfloat16), ids, w, ex)
     with pytest.raises(ValueError, match="activation"):
         dense_moe(x.to(torch.bfloat16), ids, w, ex, activation="relu")
-    for bad in (lambda: DenseGemvTile(BLOCK_N=24), lambda: DenseGemmTile(BLOCK_M=8),
-                lambda: DenseMoEConfig(max_gemv_tokens=-1), lambda: DenseMoEConfig(min_large_tokens=1.5)):
+    for bad in (lambda: DenseGemvTile(BLOCK_N=24), lambda: DenseGemvTile(DOWN_SPLIT=-1),
+                lambda: DenseGemmTile(BLOCK_M=8), lambda: DenseMoEConfig(max_gemv_tokens=-1),
+                lambda: DenseMoEConfig(min_large_tokens=1.5)):
         with pytest.raises(ValueError):
             bad()

@@ -106,6 +106,57 @@ def _gemv_down_kernel(
 
 
 @triton.jit
+def _gemv_down_split_kernel(
+    inter_ptr,  # [T*k, I] from _gemv_gate_up_kernel
+    part_ptr,  # [T*k*SPLIT, H] fp32 out: routing weight * this program's share of down(inter) of its pair
+    ids_ptr,  # [T*k] expert ids
+    w_ptr,  # [T*k] fp32 routing weights
+    pool_ptr,  # 16-bit weight pool
+    off_ptr,  # int64 [2E] element offsets
+    num_experts,  # E
+    H: tl.constexpr,  # rows of down
+    I: tl.constexpr,  # noqa: E741 - K of down
+    SPLIT: tl.constexpr,  # K chunks per pair
+    CHUNK: tl.constexpr,  # columns per chunk, a multiple of BLOCK_K
+    BLOCK_N: tl.constexpr,  # output columns per program
+    BLOCK_K: tl.constexpr,  # K step
+):
+    row = tl.program_id(0)  # pair * SPLIT + chunk
+    pair = row // SPLIT
+    k_lo = (row % SPLIT) * CHUNK
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < H
+    rows = tl.minimum(n, H - 1).to(tl.int64)
+    e = tl.minimum(tl.maximum(tl.load(ids_ptr + pair).to(tl.int64), 0), num_experts - 1)
+    base = tl.load(off_ptr + 2 * e + 1)
+    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, CHUNK, BLOCK_K):
+        k = k_lo + k0 + tl.arange(0, BLOCK_K)
+        km = k < I
+        hv = tl.load(inter_ptr + pair * I + k, mask=km, other=0.0).to(tl.float32)
+        wd = tl.load(pool_ptr + base + rows[:, None] * I + k[None, :], mask=km[None, :], other=0.0)
+        part += tl.sum(wd.to(tl.float32) * hv[None, :], axis=1)
+    tl.store(part_ptr + row.to(tl.int64) * H + n, part * tl.load(w_ptr + pair), mask=nmask)
+
+
+@triton.jit
+def _sum_parts_kernel(
+    part_ptr,  # [T * PARTS, H] fp32
+    y_ptr,  # [T, H] out, y's dtype
+    H: tl.constexpr,  # columns
+    PARTS: tl.constexpr,  # rows of part per token, summed in order
+    BLOCK: tl.constexpr,  # columns per program
+):
+    tok = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    nmask = n < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(PARTS):
+        acc += tl.load(part_ptr + (tok * PARTS + r) * H + n, mask=nmask, other=0.0)
+    tl.store(y_ptr + tok * H + n, round_to(acc, y_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
 def _gemm_gate_up_kernel(
     x_ptr,  # [T, H] activations, rows stride_xm apart
     inter_ptr,  # [T*k, I] out: act(gate) * up, x's dtype
@@ -239,6 +290,9 @@ def dense_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
             x, inter, ids, ex.pool, ex.offset, ex.num_experts, x.stride(0), TOPK=k, H=ex.hidden, I=ex.inter,
             BLOCK_N=bn, BLOCK_K=bk, GELU=gelu, num_warps=tile.num_warps)
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if tile.DOWN_SPLIT:
+            _gemv_down_split(inter, y, ids, w, ex, k, tile)
+            return y
         _gemv_down_kernel[(t, triton.cdiv(ex.hidden, bn))](
             inter, y, ids, w, ex.pool, ex.offset, ex.num_experts, TOPK=k, H=ex.hidden, I=ex.inter, BLOCK_N=bn,
             BLOCK_K=bk, num_warps=tile.num_warps)
@@ -258,3 +312,19 @@ def dense_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, exp
         inter, out_pairs, w, sorted_pairs, tile_expert, ex.pool, ex.offset, t * k, ex.num_experts, H=ex.hidden,
         I=ex.inter, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=interp, num_warps=tile.num_warps)
     return out_pairs.view(t, k, ex.hidden).sum(1).to(x.dtype)
+
+
+def _gemv_down_split(inter: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: DenseExperts,
+                     k: int, tile: DenseGemvTile) -> None:
+    """y = sum over each token's k pairs of w * down(inter): one program per (pair, K chunk, BLOCK_N rows) writes
+    fp32 partials, a second launch sums a token's k * DOWN_SPLIT of them in order and rounds once."""
+    t, split = y.shape[0], tile.DOWN_SPLIT
+    bk = min(tile.BLOCK_K, triton.next_power_of_2(ex.inter))
+    chunk = triton.cdiv(triton.cdiv(ex.inter, split), bk) * bk
+    part = torch.empty(t * k * split, ex.hidden, dtype=torch.float32, device=y.device)
+    _gemv_down_split_kernel[(t * k * split, triton.cdiv(ex.hidden, tile.BLOCK_N))](
+        inter, part, ids, w, ex.pool, ex.offset, ex.num_experts, H=ex.hidden, I=ex.inter, SPLIT=split,
+        CHUNK=chunk, BLOCK_N=tile.BLOCK_N, BLOCK_K=bk, num_warps=tile.num_warps)
+    block = min(1024, triton.next_power_of_2(ex.hidden))
+    _sum_parts_kernel[(t, triton.cdiv(ex.hidden, block))](part, y, H=ex.hidden, PARTS=k * split, BLOCK=block,
+                                                          num_warps=4)

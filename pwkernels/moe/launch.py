@@ -122,15 +122,23 @@ def _powers_of_two(owner: object, *names: str) -> None:
 
 @dataclass(frozen=True)
 class DenseGemvTile:
-    """16-bit experts, few tokens: one program per (pair, BLOCK_N rows), K steps of BLOCK_K columns (powers of 2)."""
+    """16-bit experts, few tokens: one program per (pair, BLOCK_N rows), K steps of BLOCK_K columns (powers of 2).
+
+    ``DOWN_SPLIT``: 0, one down program per (token, BLOCK_N rows) sums the token's k pairs itself (one launch; at
+    one token that is H / BLOCK_N programs, each reading k experts in turn); s >= 1, one per (pair, s-th of the K
+    columns, BLOCK_N rows), their fp32 partials summed in a fixed order by a second launch (k * s times the
+    programs, for the GPU's parallelism at one or two tokens)."""
 
     BLOCK_N: int = 32
     BLOCK_K: int = 256
     num_warps: int = 4
+    DOWN_SPLIT: int = 0
 
     def __post_init__(self) -> None:
         _positive(self, "BLOCK_N", "BLOCK_K", "num_warps")
         _powers_of_two(self, "BLOCK_N", "BLOCK_K")
+        if type(self.DOWN_SPLIT) is not int or self.DOWN_SPLIT < 0:
+            raise ValueError(f"DenseGemvTile.DOWN_SPLIT must be an integer >= 0, got {self.DOWN_SPLIT!r}")
 
 
 @dataclass(frozen=True)
