@@ -60,7 +60,10 @@ def _sort_pairs_kernel(
         jm = (j < P)[None, :]
         e_j = tl.load(ids_ptr + j, mask=j < P, other=0)
         less += tl.sum(((e_j[None, :] < e_i[:, None]) & jm).to(tl.int32), axis=1)
-        before += tl.sum(((e_j[None, :] == e_i[:, None]) & (j[None, :] < i[:, None]) & jm).to(tl.int32), axis=1)
+    for j0 in range(0, tl.minimum(P, (tl.program_id(0) + 1) * BLOCK_I), BLOCK_J):  # ties: only j < i counts
+        j = j0 + tl.arange(0, BLOCK_J)
+        e_j = tl.load(ids_ptr + j, mask=j < P, other=-1)
+        before += tl.sum(((e_j[None, :] == e_i[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
     pos = less + before
     tl.store(sorted_ptr + pos, e_i, mask=im)
     tl.store(order_ptr + pos, i, mask=im)
