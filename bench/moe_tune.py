@@ -20,6 +20,7 @@ import argparse
 import copy
 import functools
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from bench.common import environment, graph_ms, write_records
 from bench.moe_kernel import SHAPES, dense_grouped, make_layer, random_layer, routed
 from pwkernels.moe.dispatch import CONFIGS, ap_moe, pick_config
 from pwkernels.moe.ref import ap_moe_ref
+from pwkernels.warmup import default_workers, run_in_workers
 
 CONFIG_FILE = Path(__file__).resolve().parents[1] / "pwkernels" / "configs" / "ap_moe.json"
 
@@ -68,16 +70,55 @@ def _graph(fn: Callable[[], object], reps: int) -> float:
     return graph_ms(lambda _: fn(), 1, reps)
 
 
-def sweep(shape: str, ts: list[int], qs: list[str], reps: int,
-          emit: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
-    """The records, T by T (``emit(rows so far)`` after each T, so that a run cut short keeps what it measured)."""
+def _layers(shape: str, qs: list[str]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """The layer of ``shape`` at each bit setting of ``qs`` (seeded: every process builds the same), and the bf16
+    gate_up and down weights of the dense baseline."""
     s = SHAPES[shape]
-    act = s.get("activation", "silu")
     codes, luts, gate_up, down = random_layer(s)
     g = torch.Generator().manual_seed(0)
     e = s["experts"]
     layers = {qn: make_layer(s, torch.randint(3, 9, (2 * e,), generator=g).tolist() if qn == "mixed"
                              else [int(qn)] * (2 * e), codes, luts) for qn in qs}
+    return layers, gate_up, down
+
+
+_WORKER_LAYERS: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}  # per worker process: built once
+
+
+def _compile_job(job: tuple[str, tuple[str, ...], int, str, str]) -> str:
+    """Worker: one call of config ``name`` (a candidate, or "shipped") at T tokens on the ``q`` layer, so that its
+    kernels land in Triton's on-disk cache before the timed sweep; "" or the error."""
+    shape, qs, t, qn, name = job
+    try:
+        s = SHAPES[shape]
+        if (shape, qs) not in _WORKER_LAYERS:
+            _WORKER_LAYERS[(shape, qs)] = _layers(shape, list(qs))[0]
+        x, ids, w = routed(s, t, t)
+        cfg = pick_config(t, s["hidden"], s["inter"]) if name == "shipped" else CANDIDATES[name]
+        ap_moe(x, ids, w, _WORKER_LAYERS[(shape, qs)][qn], config=cfg, activation=s.get("activation", "silu"))
+        torch.cuda.synchronize()
+        return ""
+    except Exception as err:  # the sweep records this config's error itself
+        return f"{name} T={t} q={qn}: {type(err).__name__}: {str(err)[:160]}"
+
+
+def precompile(shape: str, ts: list[int], qs: list[str], workers: int) -> None:
+    """Compile every (T, q, config) of the sweep in ``workers`` processes first (serially, in the timing process,
+    each candidate's first call compiles for 5-20 s); errors are left to the sweep to record."""
+    jobs = [(shape, tuple(qs), t, qn, name) for t in ts for qn in qs for name in ("shipped", *CANDIDATES)]
+    start = time.perf_counter()
+    print(f"compiling {len(jobs)} (T, q, config) calls on {workers} processes", flush=True)
+    errors = run_in_workers(_compile_job, jobs, workers)
+    print(f"compiled in {time.perf_counter() - start:.0f} s ({len(errors)} calls failed; the sweep records why)",
+          flush=True)
+
+
+def sweep(shape: str, ts: list[int], qs: list[str], reps: int,
+          emit: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """The records, T by T (``emit(rows so far)`` after each T, so that a run cut short keeps what it measured)."""
+    s = SHAPES[shape]
+    act = s.get("activation", "silu")
+    layers, gate_up, down = _layers(shape, qs)
     rows: list[dict[str, Any]] = []
     for t in ts:
         x, ids, w = routed(s, t, t)
@@ -147,6 +188,8 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="write the winners into pwkernels/configs/ap_moe.json")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", type=Path, default=None, help="JSONL (default bench/results/moe_tune.jsonl)")
+    ap.add_argument("--workers", type=int, default=default_workers(),
+                    help="processes that compile every config first (0: each compiles at its first timed call)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.moe_tune times CUDA-graph replays: run it on the GPU machine")
@@ -160,7 +203,10 @@ def main() -> None:
         if args.write:
             print(json.dumps(write_buckets(args.shape, rows)), flush=True)
 
-    sweep(args.shape, [int(t) for t in args.ts.split(",")], args.qs.split(","), args.reps, emit)
+    ts, qs = [int(t) for t in args.ts.split(",")], args.qs.split(",")
+    if args.workers > 0:
+        precompile(args.shape, ts, qs, args.workers)
+    sweep(args.shape, ts, qs, args.reps, emit)
 
 
 if __name__ == "__main__":
