@@ -1,8 +1,9 @@
 """Reading JSON Lines files (prompts, traces, datasets; ``.gz`` ok) with errors that name the file and line.
 
 What it does: ``jsonl_rows`` yields the parsed value of every non-empty line with its line number, and turns a line
-that is not JSON, a file that cannot be read and text that is not UTF-8 into one ``PagedWeightError`` each
-(``not_utf8`` finds the line of the first bad byte and gives the re-encoding command). Callers check the fields.
+that is not JSON (or names a key twice in one object), a file that cannot be read and text that is not UTF-8 into
+one ``PagedWeightError`` each (``not_utf8`` finds the line of the first bad byte and gives the re-encoding
+command). Callers check the fields.
 """
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ def _unicode(value: Any) -> bool:
     return True
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object that names one key twice (``json`` would keep the last value silently)."""
+
+
+def _one_value_per_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return out
+
+
 def jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed JSON) of every non-empty line of ``path``; raises ``PagedWeightError`` naming
     ``path:line`` for a line that is not JSON, or the file for one that cannot be read or is not UTF-8."""
@@ -57,9 +73,12 @@ def jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line, object_pairs_hook=_one_value_per_key)
                 except json.JSONDecodeError as exc:
                     raise PagedWeightError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
+                except _DuplicateKey as exc:
+                    raise PagedWeightError(f"{path}:{lineno} gives the key {exc.args[0]!r} twice in one object: keep "
+                                           "one") from None
                 if "\\u" in line and not _unicode(row):
                     raise PagedWeightError(f"{path}:{lineno} has text that is not valid Unicode (an escape of a lone "
                                            "surrogate, e.g. \\ud800, that no character pairs): fix or delete that "

@@ -148,8 +148,10 @@ def _checksums(where: Path | str, raw: Any) -> dict[str, FileSum] | None:
             raise _bad(where, f"{at}.size", size, "a size in bytes >= 0")
         if len(digest) != 32 or any(c not in "0123456789abcdef" for c in digest):
             raise _bad(where, f"{at}.xxh3_128", digest, "32 lower-case hex digits")
-        out[name] = FileSum(size, digest, _field(where, f"{at}.stage", rec.get("stage"), str),
-                            _field(where, f"{at}.layer", rec.get("layer"), (int, type(None))))
+        stage = _field(where, f"{at}.stage", rec.get("stage"), str)
+        if stage not in STAGES:
+            raise _bad(where, f"{at}.stage", stage, f"one of {', '.join(STAGES)}")
+        out[name] = FileSum(size, digest, stage, _field(where, f"{at}.layer", rec.get("layer"), (int, type(None))))
     return out
 
 

@@ -27,7 +27,7 @@ from pwrun.engine.build_dense import build_dense_engine
 from pwrun.engine.llm_engine import LLMEngine
 from pwrun.engine.report import RunSummary, summarize, write_trace
 from pwrun.model.lean import LeanMoEModel
-from pwrun.model.loader import check_token_ids, load_spec
+from pwrun.model.loader import check_token_ids, load_spec, token_chars
 
 
 @dataclass
@@ -99,9 +99,13 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_context: int, max_new
     """Token ids of each prompt; raises ``PagedWeightError`` if a prompt (plus generation) exceeds the context
     (``max_context`` tokens) or holds a token the model does not embed (an id >= ``vocab_size``)."""
     out = []
+    most = max_context * token_chars(tokenizer)
     for i, p in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)} (its first words: " \
-            f"{' '.join(p.split()[:6])!r})"
+            f"{' '.join(p[:400].split()[:6])!r})"
+        if len(p) > most:  # refused before the tokenizer spends seconds and gigabytes on it
+            raise PagedWeightError(f"{which} has {len(p)} characters, more than any {max_context} tokens make (the "
+                                   "model's context): shorten the prompt")
         ids = tokenizer(p, add_special_tokens=True, verbose=False).input_ids
         if not ids:
             raise PagedWeightError(f"{which} is empty after tokenization: give some text")

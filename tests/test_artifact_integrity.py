@@ -401,3 +401,32 @@ def test_a_directory_for_a_table_and_a_checksum_without_its_layer_are_named(art:
     (art / "routing.parquet").rmdir()
     edit_manifest(art, lambda m: m["checksums"]["layer_000.safetensors"].update(layer=None))
     one_error(serve(art), "field 'checksums.layer_000.safetensors.layer' is None, not 0")
+
+
+def test_a_stage_that_skips_as_complete_checks_its_own_files(art: Path) -> None:
+    """A complete stage rerun with its parameters skips only if the files it vouches for are intact: its own tables
+    (nothing later reads them) and, for quantize, the layer files; else the one-line error that remakes them."""
+    sens = ["sensitivity", str(MODEL), "--artifacts", str(art), "--samples", "2", "--seq-len", "64", "--min-tokens",
+            "1", "--device", "cpu"]
+    r = runner.invoke(pwcal_app, sens)
+    assert r.exit_code == 0 and "nothing to do" in r.stderr, r.stderr
+    flip(art / "sensitivity.parquet", 200)
+    one_error(runner.invoke(pwcal_app, sens), "sensitivity.parquet is corrupt",
+              f"pwcal sensitivity {MODEL} --artifacts {art} --force")
+    quant = ["quantize", str(MODEL), "--out", str(art), *QUANT]
+    path = art / "layer_001.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    one_error(runner.invoke(pwcal_app, quant), "layer_001.safetensors has",
+              f"pwcal quantize {MODEL} --out {art} --force")
+
+
+def test_a_checksum_record_names_a_known_stage(art: Path) -> None:
+    """The stage a checksum record names is pasted into the remake command: anything else is a corrupt manifest."""
+    edit_manifest(art, lambda m: m["checksums"]["layer_000.safetensors"].update(stage="rm -rf ~; echo"))
+    one_error(runner.invoke(pwcal_app, ["verify", str(art)]), "checksums.layer_000.safetensors.stage",
+              "one of quantize, sensitivity, fit-residual, search-buckets")
+
+
+def test_an_artifact_given_as_the_model_is_named(art: Path) -> None:
+    one_error(runner.invoke(pwcal_app, ["inspect", str(art)]), "has no config.json",
+              "it is a PagedWeight artifact: pass it as --artifacts")

@@ -96,6 +96,7 @@ def test_pwcal_inspect(tmp_path: Path) -> None:
     [
         (["generate", "--prompt", "x", "--model", "/nonexistent/model"], "does not exist"),
         (["generate", "--prompt", "word " * 3000], "context of"),
+        (["generate", "--prompt", "hi", "--max-batch", "1000000"], "GiB of step workspace (a lower --max-batch"),
         (["generate"], "exactly one of --prompt"),
         (["ppl", "--dataset", "nonexistent.txt"], "neither a bundled name"),
         (["ppl", "--seq-len", "100000"], "--seq-len 100000"),

@@ -40,8 +40,9 @@ from pwrun.core.request import SamplingParams
 from pwrun.data import default_model_dir, document_prompts, read_text
 from pwrun.engine.build import ServeConfig, dense_server_engine
 from pwrun.generate import eos_ids, generate
-from pwrun.model.loader import load_model, load_spec, load_tokenizer
-from pwrun.serve.generation import ServeLimits, body_limit, token_chars
+from pwrun.model import loader
+from pwrun.model.loader import load_model, load_spec, load_tokenizer, token_chars
+from pwrun.serve.generation import ServeLimits, body_limit
 from pwrun.serve.server import Server, build_serving_engine, free_port
 from pwrun.serve.text import ChoiceText
 
@@ -410,8 +411,6 @@ def test_a_client_gone_while_waiting_for_a_whole_response_is_aborted(big: Server
 
 
 def test_token_chars_is_measured_per_tokenizer_and_forgotten_with_it() -> None:
-    from pwrun.serve import generation
-
     class Vocab:
         def __init__(self, tokens: list[str]) -> None:
             self.tokens = tokens
@@ -427,9 +426,9 @@ def test_token_chars_is_measured_per_tokenizer_and_forgotten_with_it() -> None:
     a, b = Vocab(["ab", "abcdef"]), Vocab(["x"])
     assert token_chars(a) == 6 and token_chars(b) == 1 and token_chars(object()) == 64
     gc.collect()  # other tests' tokenizers that are garbage go now, not between the two counts
-    held = len(generation._TOKEN_CHARS)
+    held = len(loader._TOKEN_CHARS)
     del a
     gc.collect()
     c = Vocab(["abcdefghij"])  # may reuse the freed object's id: it gets its own figure
-    assert len(generation._TOKEN_CHARS) == held - 1
-    assert token_chars(c) == 10 and len(generation._TOKEN_CHARS) == held
+    assert len(loader._TOKEN_CHARS) == held - 1
+    assert token_chars(c) == 10 and len(loader._TOKEN_CHARS) == held

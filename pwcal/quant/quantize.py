@@ -44,7 +44,7 @@ from pwcal.stats.hessian import HessianDiag
 from pwcal.stats.hessian_full import HessianFull, layer_groups
 from pwformat.ap import pack_planes
 from pwformat.atomic import default_mode, fault_point
-from pwformat.checksums import file_sum
+from pwformat.checksums import file_sum, verify_files
 from pwformat.errors import PagedWeightError
 from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS
 from pwformat.manifest import (
@@ -282,6 +282,8 @@ def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConf
                                                                       model_fp["config_sha256"])
     recorded = {**PRE_METHOD, **q.get("config", {})}  # artifacts from before --method were k-means ones
     if q.get("complete") and same_model and _result_keys(recorded) == _result_keys(asdict(cfg)):
+        if m.checksums is not None:  # the skip vouches for the layer files and the quantize tables
+            verify_files(out, m.checksums, m.checked_files("sensitivity"), m.model.path)
         return True
     raise PagedWeightError(f"{out} already holds an artifact of another model or other parameters: pass --force "
                            "to overwrite it or choose another --out")

@@ -97,13 +97,16 @@ def fitted_budget(model: LeanMoEModel, cfg: ServeConfig, sizes: list[int], max_r
     probe = split_budget(model, replace(cfg, gpu_memory=0), sizes, max_request_tokens, ap_experts=False)
     layout, bs, chunk = probe.layout, cfg.engine.block_size, cfg.engine.max_step_tokens
     kv_pages = sum(layout.peak_blocks(n, bs, chunk) for n in probe.sizes if n > 0) * layout.pages_per_block
-    need = probe.fixed + probe.work + dense_expert_bytes(model, probe.page_bytes) + kv_pages * probe.page_bytes
+    experts, kv = dense_expert_bytes(model, probe.page_bytes), kv_pages * probe.page_bytes
+    need = probe.fixed + probe.work + experts + kv
     try:
         check_device_budget(need, model.device)
     except PagedWeightError as exc:
-        raise PagedWeightError(f"the 16-bit model and every request's KV need {format_size(need)}, more than "
-                               f"{model.device} has: give fewer or shorter prompts, or serve an artifact "
-                               "(--artifacts) under --gpu-memory") from exc
+        raise PagedWeightError(
+            f"the 16-bit model and every request's KV need {format_size(need)}, more than {model.device} has: "
+            f"{format_size(probe.fixed + experts)} of weights, {format_size(kv)} of KV (fewer or shorter prompts "
+            f"shrink it) and {format_size(probe.work)} of step workspace (a lower --max-batch or --max-step-tokens "
+            "shrinks it); or serve an artifact (--artifacts) under --gpu-memory") from exc
     return need
 
 

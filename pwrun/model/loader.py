@@ -9,6 +9,7 @@ present, CPU + fp32 otherwise). Every bad input raises ``PagedWeightError`` with
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,10 @@ def read_config(model_dir: Path) -> Any:
                                + missing_bundle_hint(model_dir))
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
-        raise PagedWeightError(f"{model_dir} has no config.json: it is not a Hugging Face checkpoint directory")
+        artifact = (model_dir / "manifest.json").is_file()  # a PagedWeight artifact where a checkpoint belongs
+        raise PagedWeightError(f"{model_dir} has no config.json: it is not a Hugging Face checkpoint directory"
+                               + (" (it is a PagedWeight artifact: pass it as --artifacts, and `pwcal verify` "
+                                  "checks it)" if artifact else ""))
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
@@ -164,6 +168,29 @@ def check_token_ids(ids: list[int], vocab_size: int, tokenizer: Any, what: str) 
         token = tokenizer.convert_ids_to_tokens(bad) if hasattr(tokenizer, "convert_ids_to_tokens") else None
         raise PagedWeightError(f"{what} holds token id {bad} ({token!r}), which the tokenizer adds but the model does "
                                f"not embed (ids 0..{vocab_size - 1}): remove that text from it")
+
+
+# tokenizer -> characters of its longest token (weak keys: a tokenizer's figure goes with it)
+_TOKEN_CHARS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def token_chars(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest token (64 if it cannot say): a text longer than the context times
+    this cannot fit the context, whatever it tokenizes to."""
+    try:
+        return _TOKEN_CHARS[tokenizer]
+    except (KeyError, TypeError):  # not yet measured, or a tokenizer that cannot be weakly referenced
+        pass
+    try:
+        toks = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        n = max(max(len(t or "") for t in toks), 1)
+    except Exception:  # a tokenizer without the vocabulary API
+        n = 64
+    try:
+        _TOKEN_CHARS[tokenizer] = n
+    except TypeError:
+        pass
+    return n
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:

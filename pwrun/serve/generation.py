@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import secrets
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pwrun.core.request import Request, RequestOutput, SamplingParams
+from pwrun.model.loader import token_chars
 from pwrun.serve.engine_loop import EngineStopped, QueueFull
 from pwrun.serve.engine_process import AnyLoop
 from pwrun.serve.protocol import ApiError
@@ -34,29 +34,6 @@ class ServeLimits:
 
     max_model_len: int
     vocab_size: int
-
-
-# tokenizer -> characters of its longest token (weak keys: a tokenizer's figure goes with it)
-_TOKEN_CHARS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-
-
-def token_chars(tokenizer: Any) -> int:
-    """Characters of the tokenizer's longest token (64 if it cannot say): a text longer than the context times
-    this cannot fit the context, whatever it tokenizes to."""
-    try:
-        return _TOKEN_CHARS[tokenizer]
-    except (KeyError, TypeError):  # not yet measured, or a tokenizer that cannot be weakly referenced
-        pass
-    try:
-        toks = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        n = max(max(len(t or "") for t in toks), 1)
-    except Exception:  # a tokenizer without the vocabulary API
-        n = 64
-    try:
-        _TOKEN_CHARS[tokenizer] = n
-    except TypeError:
-        pass
-    return n
 
 
 def body_limit(limits: ServeLimits, max_pending: int, tokenizer: Any) -> int:
