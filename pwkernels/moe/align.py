@@ -28,7 +28,8 @@ import triton.language as tl
 BLOCK = 128  # positions (pairs, padded slots, tiles) per program
 BLOCK_J = 64  # pairs compared per step
 # above: the reference. Every program counts all P pairs per expert (and ranks its own among those before them):
-# its time grows with P, ~50 us at 2,048 pairs by the pair sort's measured rate (pwkernels.moe.pair_sort).
+# its time grows with P: ~50 us at 2,048 pairs by the pair sort's measured rate (pwkernels.moe.pair_sort; not
+# measured for this kernel).
 MAX_PAIRS = 2048
 
 

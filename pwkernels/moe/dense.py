@@ -71,6 +71,24 @@ def _gemv_gate_up_kernel(
 
 
 @triton.jit
+def _down_part(inter_ptr, pool_ptr, ids_ptr, off_ptr, num_experts, pair, rows, k_lo,
+               I: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,  # noqa: E741
+               BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_N]: rows ``rows`` of pair ``pair``'s expert's down block against its intermediate, over the
+    ``COLS`` columns from ``k_lo`` (those past I count 0)."""
+    e = tl.minimum(tl.maximum(tl.load(ids_ptr + pair).to(tl.int64), 0), num_experts - 1)
+    base = tl.load(off_ptr + 2 * e + 1)
+    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, COLS, BLOCK_K):
+        k = k_lo + k0 + tl.arange(0, BLOCK_K)
+        km = k < I
+        hv = tl.load(inter_ptr + pair * I + k, mask=km, other=0.0).to(tl.float32)
+        wd = tl.load(pool_ptr + base + rows[:, None] * I + k[None, :], mask=km[None, :], other=0.0)
+        part += tl.sum(wd.to(tl.float32) * hv[None, :], axis=1)
+    return part
+
+
+@triton.jit
 def _gemv_down_kernel(
     inter_ptr,  # [T*k, I] from _gemv_gate_up_kernel
     y_ptr,  # [T, H] out, x's dtype
@@ -92,15 +110,7 @@ def _gemv_down_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.static_range(TOPK):
         pair = tok * TOPK + j
-        e = tl.minimum(tl.maximum(tl.load(ids_ptr + pair).to(tl.int64), 0), num_experts - 1)
-        base = tl.load(off_ptr + 2 * e + 1)
-        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < I
-            hv = tl.load(inter_ptr + pair * I + k, mask=km, other=0.0).to(tl.float32)
-            wd = tl.load(pool_ptr + base + rows[:, None] * I + k[None, :], mask=km[None, :], other=0.0)
-            part += tl.sum(wd.to(tl.float32) * hv[None, :], axis=1)
+        part = _down_part(inter_ptr, pool_ptr, ids_ptr, off_ptr, num_experts, pair, rows, 0, I, I, BLOCK_N, BLOCK_K)
         acc += part * tl.load(w_ptr + pair)
     tl.store(y_ptr + tok * H + n, round_to(acc, y_ptr.dtype.element_ty), mask=nmask)
 
@@ -127,15 +137,8 @@ def _gemv_down_split_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     rows = tl.minimum(n, H - 1).to(tl.int64)
-    e = tl.minimum(tl.maximum(tl.load(ids_ptr + pair).to(tl.int64), 0), num_experts - 1)
-    base = tl.load(off_ptr + 2 * e + 1)
-    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, CHUNK, BLOCK_K):
-        k = k_lo + k0 + tl.arange(0, BLOCK_K)
-        km = k < I
-        hv = tl.load(inter_ptr + pair * I + k, mask=km, other=0.0).to(tl.float32)
-        wd = tl.load(pool_ptr + base + rows[:, None] * I + k[None, :], mask=km[None, :], other=0.0)
-        part += tl.sum(wd.to(tl.float32) * hv[None, :], axis=1)
+    part = _down_part(inter_ptr, pool_ptr, ids_ptr, off_ptr, num_experts, pair, rows, k_lo, I, CHUNK, BLOCK_N,
+                      BLOCK_K)
     tl.store(part_ptr + row.to(tl.int64) * H + n, part * tl.load(w_ptr + pair), mask=nmask)
 
 

@@ -33,7 +33,7 @@ BLOCK_I = 64  # pairs ranked per program
 BLOCK_J = 64  # pairs compared per step
 # group_pairs above this: the reference. A program's time grows with P (it compares its pairs with all P): 142 us
 # per call at 8,192 pairs on an H100 (bench/results/decode_profile.jsonl, a 2,048-token mixed step), where
-# torch.sort's radix passes took ~50 us; at 2,048 pairs the kernel's share is ~36 us.
+# torch.sort's radix passes took ~50 us (ca40f78's profile); by that rate ~36 us at 2,048 pairs (not measured).
 MAX_PAIRS = 2048
 
 
