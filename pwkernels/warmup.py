@@ -41,7 +41,7 @@ from pwkernels.moe.launch import DecodeConfig, LaunchConfig
 
 J = TypeVar("J")
 
-_done: set[tuple[int, int, int, str, str, int]] = set()  # MoE jobs warmed in this process (the disk cache outlives it)
+_done: set[tuple[int, int, int, str, str, int, int]] = set()  # MoE jobs warmed in this process (disk cache outlives it)
 _done_gemv: set[tuple[int, int, bool, str, int]] = set()  # GEMV jobs warmed in this process
 
 
@@ -58,9 +58,10 @@ class MoEShape:
     shared_inter: int = 0
     dtype: str = "bfloat16"
     activation: str = "silu"
+    num_experts: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.hidden, self.inter, self.topk) < 1 or self.shared_inter < 0:
+        if min(self.hidden, self.inter, self.topk) < 1 or min(self.shared_inter, self.num_experts) < 0:
             raise ValueError(f"expert shapes must be positive (shared_inter >= 0), got {self}")
         check_activation(self.activation)
 
@@ -121,14 +122,14 @@ def covering_counts(max_t: int, keys_of: Callable[[int], set[Any]]) -> list[int]
     return out
 
 
-def _warm(job: tuple[int, int, int, str, str, int]) -> str:
-    """Worker: one decode MoE call of ``t`` tokens on random experts (H, I, top-k; the shared expert is top-1 of
-    one expert) with their gate activation, as ``ap_moe_block`` makes it; "" or the error."""
-    hidden, inter, topk, dt, act, t = job
+def _warm(job: tuple[int, int, int, str, str, int, int]) -> str:
+    """Worker: one decode MoE call of ``t`` tokens on ``num`` random experts (H, I, top-k; the shared expert is top-1
+    of one expert) with their gate activation, as ``ap_moe_block`` makes it; "" or the error."""
+    hidden, inter, topk, dt, act, num, t = job
     start = time.perf_counter()
     try:
         dtype = getattr(torch, dt)
-        experts = random_experts(hidden, inter, topk, dtype=dtype)
+        experts = random_experts(hidden, inter, num, dtype=dtype)
         x = torch.randn(t, hidden, device="cuda", dtype=dtype)
         ids = torch.arange(t * topk, device="cuda").view(t, topk) % topk
         ap_moe(x, ids, torch.rand(t, topk, device="cuda"), experts, check=False, activation=act)
@@ -259,8 +260,8 @@ def precompile_decode(shapes: list[MoEShape], max_batch: int, workers: int | Non
     ``ValueError`` for a negative or non-integer ``workers``."""
     check_workers(workers)
     shapes = [s for s in shapes if s.dtype in ("bfloat16", "float16")]
-    sets = [(s.hidden, s.inter, s.topk, s.dtype, s.activation) for s in shapes]
-    sets += [(s.hidden, s.shared_inter, 1, s.dtype, s.activation) for s in shapes if s.shared_inter]
+    sets = [(s.hidden, s.inter, s.topk, s.dtype, s.activation, max(s.num_experts, s.topk)) for s in shapes]
+    sets += [(s.hidden, s.shared_inter, 1, s.dtype, s.activation, 1) for s in shapes if s.shared_inter]
     jobs = [(*e, t) for e in dict.fromkeys(sets)
             for t in decode_token_counts(step_token_limit(max_batch, max_step_tokens, e[0], e[1]), e[0], e[1],
                                          topk=e[2])]

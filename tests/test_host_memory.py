@@ -95,6 +95,19 @@ def test_the_host_mirror_holds_exactly_the_artifact_bytes(tmp_path: Path) -> Non
         assert torch.equal(pool[o.page * page: o.page * page + raw.numel()], raw) and raw.any()
     assert mirror.bytes_h2d == sum(s.numel() * s.element_size() for s in (mirror.planes[0][0], mirror.planes[last][7],
                                                                          mirror.luts[last][q]))
+    # orders whose bytes follow each other in the mirror and in the pool go as one copy, the others apart
+    n0 = mirror.planes[0][0].numel() * 4
+    pool2 = torch.zeros(64 * n0, dtype=torch.uint8)
+    merged = HostMirror(a, keys, shapes, a.bits, torch.float16, pool2, n0)  # one page per plane of block 0
+    orders = [*(CopyOrder(0, "plane", p, 10 + p) for p in range(4)), CopyOrder(0, "plane", 4, 20),
+              CopyOrder(0, "plane", 5, 30), CopyOrder(0, "plane", 6, 32), CopyOrder(0, "lut", 3, 40)]
+    merged.copy(orders)
+    assert merged.copies == 5  # planes 0-3 | 4 | 5 | 6 | the LUT
+    for o in orders:
+        src = merged.planes[0][o.index] if o.what == "plane" else merged.luts[0][o.index]
+        raw = src.reshape(-1).view(torch.uint8)
+        assert torch.equal(pool2[o.page * n0: o.page * n0 + raw.numel()], raw) and raw.any()
+    assert int(pool2.count_nonzero()) <= merged.bytes_h2d == 7 * n0 + merged.luts[0][3].numel() * 2
 
 
 _REPORT = """

@@ -122,8 +122,26 @@ def test_moe_shapes_of_the_bundled_model() -> None:
     moe = [ls.moe for ls in spec.layers if ls.moe is not None]
     assert len(shapes) == len({(m.expert_intermediate, m.top_k, m.shared_intermediate) for m in moe}) >= 1
     s = shapes[0]
-    assert (s.hidden, s.inter, s.topk, s.shared_inter, s.dtype) == (
-        spec.hidden_size, moe[0].expert_intermediate, moe[0].top_k, moe[0].shared_intermediate, "bfloat16")
+    assert (s.hidden, s.inter, s.topk, s.shared_inter, s.dtype, s.num_experts) == (
+        spec.hidden_size, moe[0].expert_intermediate, moe[0].top_k, moe[0].shared_intermediate, "bfloat16",
+        moe[0].num_experts)
+
+
+def test_the_warm_up_routes_over_the_models_expert_count(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The mid path's expert alignment compiles per expert count (its power of 2 is a constant): warm-up calls run
+    on as many random experts as the layer has (over only top-k of them, a mixed step of a 60-expert model would
+    compile the alignment inside a run), the shared expert on one."""
+    import pwkernels.warmup as wg
+
+    seen: list[tuple] = []
+    monkeypatch.setattr(wg, "compile_in_workers", lambda fn, jobs, done, n, what: seen.extend(jobs) or [])
+    wg.precompile_decode([MoEShape(64, 32, 4, shared_inter=48, num_experts=60), MoEShape(64, 16, 2)], 8, workers=2,
+                         max_step_tokens=512)
+    experts = {(j[1], j[2]): j[5] for j in seen}
+    assert experts == {(32, 4): 60, (48, 1): 1, (16, 2): 2}
+    assert {j[6] for j in seen if j[1] == 32} >= {1, 16, 17}  # decode and mid counts, each on the 60 experts
+    with pytest.raises(ValueError, match="positive"):
+        MoEShape(64, 32, 2, num_experts=-1)
 
 
 def test_precompile_without_cuda_does_nothing() -> None:
@@ -171,13 +189,13 @@ def test_a_warm_cache_starts_no_workers(monkeypatch, tmp_path) -> None:  # type:
     monkeypatch.setattr(wg, "triton_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(wg, "run_in_workers",
                         lambda fn, jobs, n: runs.append(list(jobs)) or (["boom"] if fail[0] else []))
-    jobs = [(64, 32, 2, "bfloat16", "silu", t) for t in (1, 2, 5)]
+    jobs = [(64, 32, 2, "bfloat16", "silu", 8, t) for t in (1, 2, 5)]
     fail[0] = True
     assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == ["boom"]
     fail[0] = False
     assert wg.compile_in_workers(wg._warm, jobs, set(), 2, "x") == []  # the failed run recorded nothing
     assert runs == [jobs, jobs]
-    new = (64, 32, 2, "bfloat16", "silu", 9)
+    new = (64, 32, 2, "bfloat16", "silu", 8, 9)
     assert wg.compile_in_workers(wg._warm, [*jobs, new], set(), 2, "x") == []
     assert runs[-1] == [new]  # only the new job
     assert wg.compile_in_workers(wg._warm_gemv, jobs, set(), 2, "x") == []  # another worker: its own records

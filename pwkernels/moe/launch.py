@@ -163,19 +163,23 @@ class DenseMoEConfig:
     """The 16-bit MoE paths: ``gemv`` up to ``max_gemv_tokens`` tokens, ``gemm`` above, ``gemm_large`` from
     ``min_large_tokens``.
 
-    Defaults from ``python -m bench.dense_moe`` on an H200 (Qwen1.5-MoE, Mixtral-8x7B and Gemma-4 expert shapes,
-    CUDA-graph replay): the GEMV with 16-row programs and 512-column K steps is fastest up to 4 tokens (it re-reads
-    an expert per pair, so it loses from 8), 16-pair tiles up to 64 tokens and 64-pair tiles from 128. Where the
+    Defaults from ``python -m bench.dense_moe`` (Qwen1.5-MoE, Mixtral-8x7B and Gemma-4 expert shapes, CUDA-graph
+    replay): the GEMV with 16-row programs, 1024-column K steps and the down projection split 4 ways along K is
+    fastest up to 4 tokens (H100, Qwen1.5-MoE routed experts: 0.045 / 0.078 / 0.136 ms at 1 / 2 / 4 tokens
+    against 0.087 / 0.118 / 0.200 unsplit with 512-column steps and 0.095 / 0.127 / 0.171 for cuBLAS' grouped
+    GEMM; its shared expert 0.048 / 0.055 / 0.083; Gemma-4 0.067 / 0.121 / 0.218; it re-reads an
+    expert per pair, so it loses from 8), 16-pair tiles up to 64 tokens and 64-pair tiles from 128. Where the
     pool's layout allows it (``DenseExperts.stacked``) cuBLAS' grouped GEMM (``pwkernels.moe.dense_grouped``)
-    takes over from 3 tokens (at 4: 0.18 vs 0.19 ms Qwen1.5-MoE, 0.76 vs 1.27 Mixtral, 0.20 vs 0.23 Gemma-4;
-    the GEMV wins at 1-2 tokens except on Mixtral's 14336-wide experts: 0.36 vs 0.39 ms at 1 token)."""
+    takes over from 5 tokens, and from 1 token on experts as wide as Mixtral's (14336: 0.36 vs 0.39 ms at 1
+    token, 0.76 vs 1.27 at 4 on an H200).
+    """
 
-    gemv: DenseGemvTile = DenseGemvTile(BLOCK_N=16, BLOCK_K=512)
+    gemv: DenseGemvTile = DenseGemvTile(BLOCK_N=16, BLOCK_K=1024, DOWN_SPLIT=4)
     gemm: DenseGemmTile = DenseGemmTile()
     gemm_large: DenseGemmTile = DenseGemmTile(BLOCK_M=64)
     max_gemv_tokens: int = 4
     min_large_tokens: int = 128
-    min_grouped_mm_tokens: int = 3  # cuBLAS' grouped GEMM from here where the experts lie at one stride ...
+    min_grouped_mm_tokens: int = 5  # cuBLAS' grouped GEMM from here where the experts lie at one stride ...
     wide_inter: int = 8192  # ... and from 1 token for experts at least this wide (I), where the GEMV loses
 
     def __post_init__(self) -> None:

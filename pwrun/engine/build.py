@@ -171,7 +171,7 @@ def moe_shapes(model: LeanMoEModel) -> list[MoEShape]:
     spec = model.spec
     return list(dict.fromkeys(
         MoEShape(spec.hidden_size, ls.moe.expert_intermediate, ls.moe.top_k, ls.moe.shared_intermediate,
-                 str(model.dtype).removeprefix("torch."), ls.moe.activation)
+                 str(model.dtype).removeprefix("torch."), ls.moe.activation, ls.moe.num_experts)
         for ls in spec.layers if ls.moe is not None))
 
 
