@@ -123,6 +123,15 @@ def random_layer(s: dict) -> tuple[list, list, torch.Tensor, torch.Tensor]:
     return codes, luts, gate_up, down
 
 
+def layer_floor_ms(ex: Any, ids: torch.Tensor, x: torch.Tensor, hidden: int, inter: int, bw: float) -> float:
+    """The bandwidth floor of one MoE call: plane and LUT bytes of the experts ``ids`` routes to at their committed
+    bits (``ex.bits``, two blocks per expert), plus x read and y written in 16 bits, at ``bw`` bytes/s."""
+    qb = ex.bits.tolist()
+    kbytes = sum(block_bytes(n, kk, qb[2 * u + j], seed=min(qb)) for u in ids.unique().tolist()
+                 for j, (n, kk) in enumerate(((2 * inter, hidden), (hidden, inter))))
+    return (kbytes + x.numel() * 2 * 2) / bw * 1e3
+
+
 def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, reps: int,
               flush: torch.Tensor | None) -> list[dict]:
     e, hdim, inter = s["experts"], s["hidden"], s["inter"]
@@ -154,10 +163,7 @@ def run_shape(family: str, s: dict, ts: list[int], qs: list[str], bw: float, rep
                     if e <= 8 or t <= 64 else float("inf")  # noqa: B023
                 t_hf = event_ms(lambda: hf(x, ids, w.to(torch.bfloat16)), r, flush) \
                     if hf is not None else float("nan")  # noqa: B023
-                qb = ex.bits.tolist()
-                kbytes = sum(block_bytes(n, kk, qb[2 * u + j], seed=min(qb)) for u in ids.unique().tolist()
-                             for j, (n, kk) in enumerate(((2 * inter, hdim), (hdim, inter))))
-                floor_ms = (kbytes + x.numel() * 2 * 2) / bw * 1e3
+                floor_ms = layer_floor_ms(ex, ids, x, hdim, inter, bw)
                 dense = min(t_g, t_l)
                 t_dg = graph_ms(lambda _: dense_grouped(x, ids, w, gate_up, down, act), 1, r, flush) \
                     if decode else float("nan")  # noqa: B023

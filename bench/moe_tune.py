@@ -4,7 +4,8 @@ What it does: for an expert shape of ``bench.moe_kernel.SHAPES`` (random weights
 count T and bitwidth setting (uniform q, or ``mixed``: a random mix of 3..8 per block), checks each candidate
 config of ``CANDIDATES`` against ``ap_moe_ref`` and times it by CUDA-graph replay (GPU ms per layer, median), beside
 the shipped config (``pwkernels/configs/ap_moe.json``) and the bf16 grouped GEMM on the same routing. One record
-per (shape, q, T): the shipped and the best config's ms, every candidate's ms (or its error), in
+per (shape, q, T): the shipped and the best config's ms and share of the floor (plane and LUT bytes of the routed
+experts at the measured copy bandwidth, as ``bench.moe_kernel``), every candidate's ms (or its error), in
 ``bench/results/moe_tune.jsonl`` as each T ends. ``--write`` puts the winners (summed over the q settings) into the
 shape's buckets of ``pwkernels/configs/ap_moe.json`` as each T ends, from the smallest T swept on (the buckets below
 and above the swept range stay); a winner holds from its T to the next swept T.
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-from bench.common import environment, graph_ms, write_records
-from bench.moe_kernel import SHAPES, dense_grouped, make_layer, random_layer, routed
+from bench.common import copy_bandwidth, environment, graph_ms, write_records
+from bench.moe_kernel import SHAPES, dense_grouped, layer_floor_ms, make_layer, random_layer, routed
 from pwkernels.moe.dispatch import CONFIGS, ap_moe, pick_config
 from pwkernels.moe.ref import ap_moe_ref
 from pwkernels.warmup import default_workers, run_in_workers
@@ -113,9 +114,10 @@ def precompile(shape: str, ts: list[int], qs: list[str], workers: int) -> None:
           flush=True)
 
 
-def sweep(shape: str, ts: list[int], qs: list[str], reps: int,
-          emit: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
-    """The records, T by T (``emit(rows so far)`` after each T, so that a run cut short keeps what it measured)."""
+def sweep(shape: str, ts: list[int], qs: list[str], reps: int, emit: Callable[[list[dict[str, Any]]], None],
+          bw: float) -> list[dict[str, Any]]:
+    """The records, T by T (``emit(rows so far)`` after each T, so that a run cut short keeps what it measured);
+    each with the floor of its routing at copy bandwidth ``bw`` (bytes/s) and the shipped and best configs' share."""
     s = SHAPES[shape]
     act = s.get("activation", "silu")
     layers, gate_up, down = _layers(shape, qs)
@@ -140,10 +142,13 @@ def sweep(shape: str, ts: list[int], qs: list[str], reps: int,
             timed = {k: v for k, v in ms.items() if isinstance(v, float)}
             best = min(timed, key=timed.__getitem__) if timed else ""
             bf16 = _graph(functools.partial(dense_grouped, x, ids, w, gate_up, down, act), reps)
+            floor = layer_floor_ms(ex, ids, x, s["hidden"], s["inter"], bw)
+            share = {f"{k}_pct_of_floor": round(100 * floor / timed[v], 1) if v in timed else None
+                     for k, v in (("shipped", "shipped"), ("best", best))}
             rows.append({"shape": shape, "q": qn, "T": t, "shipped_path": shipped.get("path"),
                          "shipped_ms": timed.get("shipped"), "best": best, "best_ms": timed.get(best),
                          "best_config": shipped if best == "shipped" else CANDIDATES.get(best),
-                         "bf16_grouped_ms": round(bf16, 4), "configs_ms": ms,
+                         "bf16_grouped_ms": round(bf16, 4), "configs_ms": ms, "floor_ms": round(floor, 4), **share,
                          "best_x_vs_shipped": round(timed["shipped"] / timed[best], 3) if best and "shipped" in timed
                          else None})
             print(f"{shape} q={qn} T={t}: shipped {ms['shipped']} ms, best {best} {timed.get(best)} ms, bf16 "
@@ -206,7 +211,7 @@ def main() -> None:
     ts, qs = [int(t) for t in args.ts.split(",")], args.qs.split(",")
     if args.workers > 0:
         precompile(args.shape, ts, qs, args.workers)
-    sweep(args.shape, ts, qs, args.reps, emit)
+    sweep(args.shape, ts, qs, args.reps, emit, copy_bandwidth())
 
 
 if __name__ == "__main__":

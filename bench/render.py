@@ -104,7 +104,8 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                  ("shape", "q", "T"),
                  [("shipped path", "shipped_path"), ("shipped ms", "shipped_ms"), ("best", "best"),
                   ("best ms", "best_ms"), ("x vs shipped", "best_x_vs_shipped"),
-                  ("bf16 grouped ms", "bf16_grouped_ms")]),
+                  ("bf16 grouped ms", "bf16_grouped_ms"), ("floor ms", "floor_ms"),
+                  ("shipped % of floor", "shipped_pct_of_floor"), ("best % of floor", "best_pct_of_floor")]),
     "attention": ("Paged decode attention", "Every sequence at `ctx` positions of a paged cache "
                   "(`python -m bench.attention`); floor = K + V bytes / copy bandwidth.",
                   ("shape", "S", "ctx"),
