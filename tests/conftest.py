@@ -61,7 +61,7 @@ GPU_MODULES = {
     "test_cuda", "test_kernel_wiring", "test_moe_decode", "test_moe_mid", "test_moe_prefill", "test_moe_dispatch",
     "test_paged_attention", "test_pooled_attention", "test_warmup", "test_warmup_gemv", "test_dense_gemv",
     "test_fused_ops", "test_pair_sort", "test_varlen_attention", "test_gemma4", "test_moe_gelu", "test_moe_dense",
-    "test_dense_serving", "test_moe_align",
+    "test_dense_serving", "test_moe_align", "test_act_mul",
 }
 
 

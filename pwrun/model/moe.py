@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pwkernels.act_mul import act_mul
 from pwkernels.dense_gemv import linear
 from pwrun.model.inventory import SHARED_EXPERT
 from pwrun.model.ops import act, add_rows, norm
@@ -58,8 +59,11 @@ def route(x: torch.Tensor, router: torch.Tensor, spec: MoESpec, expert_scale: to
 
 def mlp_forward(x: torch.Tensor, w: MLPWeights, activation: str = "silu", fused: bool = False) -> torch.Tensor:
     """Gated MLP: x [T, H] -> [T, H] with gate_up [2I, H], down [H, I] (SwiGLU, or GeGLU for ``gelu_tanh``);
-    ``fused``: the decode GEMV of ``pwkernels.dense_gemv`` for few tokens (CUDA runtime)."""
+    ``fused``: the decode GEMV of ``pwkernels.dense_gemv`` for few tokens and ``pwkernels.act_mul`` (CUDA
+    runtime)."""
     lin = linear if fused else F.linear
+    if fused:  # the activation and the product in one launch (``pwkernels.act_mul``)
+        return lin(act_mul(lin(x, w.gate_up), activation), w.down)
     gate, up = lin(x, w.gate_up).chunk(2, dim=-1)
     return lin(act(gate, activation) * up, w.down)
 
