@@ -38,6 +38,14 @@ SHAPES = {
     "mixtral qkv fused": (6144, 4096, False),
     "mixtral o_proj": (4096, 4096, False),
     "mixtral router": (8, 4096, False),
+    "gemma sliding qkv fused": (8192, 2816, False),  # 16 x 256 + 2 x 8 x 256
+    "gemma global qk fused (v = k)": (9216, 2816, False),  # 16 x 512 + 2 x 512
+    "gemma sliding o_proj": (2816, 4096, False),
+    "gemma global o_proj": (2816, 8192, False),
+    "gemma router": (128, 2816, False),
+    "gemma dense mlp gate_up": (4224, 2816, False),
+    "gemma dense mlp down": (2816, 2112, False),
+    "gemma lm_head": (262144, 2816, False),
 }
 
 
