@@ -320,9 +320,10 @@ def write_manifest(artifact_dir: Path, manifest: Manifest) -> None:
 
 def read_manifest(artifact_dir: Path) -> Manifest:
     """The manifest of ``artifact_dir``; raises ``PagedWeightError`` if missing, unreadable or invalid."""
+    fix = f"re-run `pwcal quantize MODEL --out {artifact_dir} --force` (MODEL: the checkpoint it was made from)"
     p = artifact_dir / MANIFEST
     if (p.exists() or p.is_symlink()) and not p.is_file():
-        raise PagedWeightError(f"{p} is not a regular file (a directory, a device or a broken link): {FIX}")
+        raise PagedWeightError(f"{p} is not a regular file (a directory, a device or a broken link): {fix}")
     if not p.is_file():
         left = [x for x in (".old", ".partial") if (artifact_dir.parent / (artifact_dir.name + x)).is_dir()]
         if left:
@@ -333,16 +334,16 @@ def read_manifest(artifact_dir: Path) -> Manifest:
         raise PagedWeightError(f"{artifact_dir} is not a PagedWeight artifact (no {MANIFEST}): run "
                                "`pwcal run-all MODEL --out DIR` (or its first stage, `pwcal quantize`) first")
     if p.stat().st_size > MAX_MANIFEST_BYTES:
-        raise PagedWeightError(f"{p} is corrupt ({p.stat().st_size} bytes, far more than pwcal writes): {FIX}")
+        raise PagedWeightError(f"{p} is corrupt ({p.stat().st_size} bytes, far more than pwcal writes): {fix}")
     try:
         out = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         why = exc.msg.removesuffix(" at")  # "Invalid control character at"
-        raise PagedWeightError(f"{p} is corrupt ({why} at line {exc.lineno} column {exc.colno}): {FIX}") from exc
+        raise PagedWeightError(f"{p} is corrupt ({why} at line {exc.lineno} column {exc.colno}): {fix}") from exc
     except UnicodeDecodeError as exc:
-        raise PagedWeightError(f"{p} is corrupt (not UTF-8 text): {FIX}") from exc
+        raise PagedWeightError(f"{p} is corrupt (not UTF-8 text): {fix}") from exc
     except (ValueError, RecursionError) as exc:  # e.g. an integer of thousands of digits, or arrays nested too deep
-        raise PagedWeightError(f"{p} is corrupt ({type(exc).__name__}: {str(exc)[:80]}): {FIX}") from exc
+        raise PagedWeightError(f"{p} is corrupt ({type(exc).__name__}: {str(exc)[:80]}): {fix}") from exc
     return Manifest.from_dict(out, p)
 
 

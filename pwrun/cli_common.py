@@ -196,7 +196,8 @@ def check_writable_file(flag: str, path: Path) -> None:
     what = f"cannot write {flag} {path}"
     parent = path.parent
     if path.is_dir():
-        raise PagedWeightError(f"{what}: it is a directory; give a file path, e.g. {flag} {path / 'out.jsonl'}")
+        name = {"--summary-json": "summary.json", "--trace": "trace.parquet"}.get(flag, "out.jsonl")
+        raise PagedWeightError(f"{what}: it is a directory; give a file path, e.g. {flag} {path / name}")
     if not parent.exists():
         raise PagedWeightError(f"{what}: the directory {parent} does not exist; create it (mkdir -p {parent}) or "
                                "give a path in an existing directory")

@@ -296,7 +296,7 @@ def test_verifying_a_large_artifact_shows_progress(art: Path, monkeypatch: pytes
 def test_a_manifest_json_cannot_parse_is_one_line(art: Path, text: str, message: str) -> None:
     (art / "manifest.json").write_text(text)
     one_error(runner.invoke(pwcal_app, ["verify", str(art)]), message)
-    one_error(serve(art), message)
+    one_error(serve(art), message, f"re-run `pwcal quantize MODEL --out {art} --force`")  # the artifact named
 
 
 def test_manifest_that_is_not_a_file_or_of_another_format(art: Path) -> None:

@@ -280,7 +280,8 @@ def test_prompts_file_empty_or_not_utf8_names_file_and_line(tmp_path: Path) -> N
 def test_output_path_errors_say_what_is_wrong(tmp_path: Path) -> None:
     for flag, extra in (("--output", []), ("--summary-json", ["--artifacts", str(tmp_path)])):
         code, _, err = run("generate", "--prompt", "x", flag, str(tmp_path), *extra, *NO_MODEL)
-        assert code == 2 and f"cannot write {flag} {tmp_path}: it is a directory" in err, err
+        eg = f"{flag} {tmp_path / ('out.jsonl' if flag == '--output' else 'summary.json')}"
+        assert code == 2 and f"cannot write {flag} {tmp_path}: it is a directory; give a file path, e.g. {eg}" in err
         missing = tmp_path / "no" / "o.jsonl"
         code, _, err = run("generate", "--prompt", "x", flag, str(missing), *extra, *NO_MODEL)
         assert code == 2 and f"the directory {missing.parent} does not exist; create it" in err, err
