@@ -42,6 +42,7 @@ from pwrun.engine.budget import format_budget
 from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
 from pwrun.model.loader import load_spec, load_tokenizer, resolve_device
+from pwrun.serve.builder import build_serving_engine
 
 console = make_console(stderr=True)
 
@@ -98,7 +99,7 @@ def serve(
     /metrics (Prometheus)."""
     # the HTTP stack (FastAPI, pydantic, uvicorn) loads only here: `pwrun generate` neither needs nor waits for it
     from pwrun.serve.generation import ServeLimits
-    from pwrun.serve.server import LOG_LEVELS, Server, build_serving_engine, check_listen
+    from pwrun.serve.server import LOG_LEVELS, Server, check_listen
 
     with user_errors():
         set_threads(threads)

@@ -31,7 +31,7 @@ from pwrun.model.inventory import expert_blocks, kv_layout
 from pwrun.model.loader import load_model, load_spec
 from pwrun.model.streamed import StreamedExperts
 from pwrun.runner.experts.dense import DenseExpertStore
-from pwrun.serve.server import build_serving_engine
+from pwrun.serve.builder import build_serving_engine
 from tests._tiny_gemma4 import save_tiny_gemma4
 
 DENSE = Policy.named("16-bit")

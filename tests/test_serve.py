@@ -42,8 +42,9 @@ from pwrun.engine.build import ServeConfig, dense_server_engine
 from pwrun.generate import eos_ids, generate
 from pwrun.model import loader
 from pwrun.model.loader import load_model, load_spec, load_tokenizer, token_chars
+from pwrun.serve.builder import build_serving_engine
 from pwrun.serve.generation import ServeLimits, body_limit
-from pwrun.serve.server import Server, build_serving_engine, free_port
+from pwrun.serve.server import Server, free_port
 from pwrun.serve.text import ChoiceText
 
 MODEL = default_model_dir()

@@ -37,9 +37,10 @@ from pwrun.data import default_model_dir
 from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
 from pwrun.model.loader import load_spec, load_tokenizer
+from pwrun.serve.builder import build_serving_engine
 from pwrun.serve.engine_process import EngineProcess, _delta
 from pwrun.serve.generation import ServeLimits
-from pwrun.serve.server import Server, build_serving_engine, free_port
+from pwrun.serve.server import Server, free_port
 
 MODEL = default_model_dir()
 NAME = "tiny"
@@ -243,7 +244,7 @@ def test_the_engine_process_runs_workers_and_ends_with_the_server(calibrated_art
         "from _serve_state import built_after_workers\n"
         "from pwrun.engine.build import ServeConfig\n"
         "from pwrun.serve.engine_process import EngineProcess\n"
-        "from pwrun.serve.server import build_serving_engine\n"
+        "from pwrun.serve.builder import build_serving_engine\n"
         f"build = functools.partial(build_serving_engine, Path({str(MODEL)!r}), Path({str(calibrated_artifacts)!r}),\n"
         f"                          ServeConfig(2**30), {CONTEXT}, 'cpu')\n"
         "if __name__ == '__main__':\n"

@@ -29,8 +29,9 @@ from pwrun.data import default_model_dir
 from pwrun.engine.build import ServeConfig
 from pwrun.generate import eos_ids
 from pwrun.model.loader import load_spec, load_tokenizer
+from pwrun.serve.builder import build_serving_engine
 from pwrun.serve.generation import ServeLimits
-from pwrun.serve.server import Server, build_serving_engine, free_port
+from pwrun.serve.server import Server, free_port
 
 MODEL = default_model_dir()
 NAME = "tiny"

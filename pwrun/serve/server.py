@@ -1,9 +1,7 @@
 """``pwrun serve``: the engine built as ``pwrun generate`` builds it, in its own process or thread, and uvicorn.
 
-What it does: ``build_serving_engine`` makes the engine for requests that arrive later: with an artifact,
-``build_engine`` under the budget, policy and planner of ``pwrun generate`` (the budget provisions ``max_batch``
-requests of ``max_model_len`` tokens), with ``--policy 16-bit`` ``build_dense_engine`` under the same budget,
-without either the 16-bit reference model with a KV pool of that size. ``Server`` joins an engine to the HTTP
+What it does: ``build_serving_engine`` (``pwrun.serve.builder``) makes the engine for requests that arrive later.
+``Server`` joins an engine to the HTTP
 application: given a builder (a picklable callable, e.g. ``functools.partial`` of ``build_serving_engine``) it
 builds and steps the engine in a child process (``EngineProcess``: what ``pwrun serve`` does); given an
 ``LLMEngine`` it steps it on a thread of this process (``EngineLoop``). It runs uvicorn in the foreground
@@ -19,17 +17,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from pwformat.errors import PagedWeightError
-from pwrun.core.request import SamplingParams
-from pwrun.engine.build import ServeConfig, build_engine, dense_server_engine
-from pwrun.engine.build_dense import build_dense_engine
 from pwrun.engine.llm_engine import LLMEngine
-from pwrun.model.loader import load_model
 from pwrun.serve.app import ServerState, create_app
 from pwrun.serve.engine_loop import EngineLoop
 from pwrun.serve.engine_process import Builder, EngineProcess
@@ -38,20 +31,6 @@ from pwrun.serve.metrics import ServerMetrics
 
 LOG_LEVELS = tuple(uvicorn.config.LOG_LEVELS)  # what --log-level accepts
 ABORT_SECONDS = 10  # after the drain time: for the aborted requests' last chunks before uvicorn cancels them
-
-
-def build_serving_engine(model_dir: Path, artifacts: Path | None, cfg: ServeConfig, max_model_len: int,
-                         device: str = "auto", dtype: str = "auto") -> LLMEngine:
-    """The engine, holding no request yet; raises ``PagedWeightError`` on bad input or a budget too small for one
-    request of ``max_model_len`` tokens (with an artifact or the 16-bit policy: ``cfg.gpu_memory``; without
-    either: the 16-bit reference model and ``cfg.engine`` only)."""
-    if cfg.policy.dense:
-        return build_dense_engine(model_dir, cfg, SamplingParams(), [], set(), device, dtype,
-                                  max_request_tokens=max_model_len)
-    if artifacts is not None:
-        return build_engine(model_dir, artifacts, cfg, SamplingParams(), [], set(), device, dtype,
-                            max_request_tokens=max_model_len)
-    return dense_server_engine(load_model(model_dir, device=device, dtype=dtype), cfg.engine, max_model_len)
 
 
 class Server:
