@@ -62,7 +62,7 @@ class MoEShape:
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.inter, self.topk) < 1 or min(self.shared_inter, self.num_experts) < 0:
-            raise ValueError(f"expert shapes must be positive (shared_inter >= 0), got {self}")
+            raise ValueError(f"expert shapes must be positive (shared_inter, num_experts >= 0), got {self}")
         check_activation(self.activation)
 
 
