@@ -34,7 +34,7 @@ from pwkernels.moe.ref import dense_moe_ref
 GEMV_TILES = [DenseGemvTile(bn, bk, w, split) for bn, bk, w, split in (
     (16, 256, 4, 0), (32, 256, 4, 0), (16, 512, 4, 0), (32, 512, 8, 0), (16, 256, 4, 2), (16, 512, 4, 2),
     (16, 512, 4, 4), (16, 512, 8, 4), (32, 512, 4, 4), (8, 512, 4, 4), (8, 1024, 4, 4), (16, 1024, 4, 4),
-    (16, 512, 4, 8), (8, 512, 4, 8))]
+    (16, 512, 4, 8), (8, 512, 4, 8), (16, 2048, 8, 4), (8, 2048, 4, 4), (32, 1024, 8, 4))]
 GEMM_TILES = [DenseGemmTile(bm, bn, bk, w) for bm, bn, bk, w in (
     (16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8), (128, 128, 64, 8), (32, 128, 128, 8))]
 MAX_GEMV_T = 64  # GEMV tiles are timed up to this many tokens (each pair re-reads its expert)
