@@ -64,7 +64,8 @@ BENCH_PLANNER = PlannerConfig(free_threshold=4, reload_threshold=16)
 # bench-only policy names: a policy with engine settings of its own. pagedweight-peak: reloads leave room for every
 # running request up to its last token (the rule before the 32-token reload reserve): less movement, lower bits
 POLICY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "pagedweight-peak": ("pagedweight", {"reload_reserve_tokens": None})}
+    "pagedweight-peak": ("pagedweight", {"reload_reserve_tokens": None}),
+    "pagedweight-cap4.25": ("pagedweight", {"max_mean_bits": 4.25})}
 
 
 def policy_variant(name: str) -> tuple[str, dict[str, Any]]:

@@ -65,7 +65,7 @@ from pwrun.model.lean import LeanMoEModel
 SYSTEMS = {  # name -> (policy, uniform bits); "fp16" is the 16-bit engine; the ratios' bases first
     "fp16": ("16-bit", None), "uniform4": ("uniform", 4), "pagedweight": ("pagedweight", None),
     "uniform3": ("uniform", 3), "uniform8": ("uniform", 8), "static": ("static", None),
-    "pagedweight-peak": ("pagedweight", None)}  # bench.common.POLICY_VARIANTS
+    "pagedweight-peak": ("pagedweight", None), "pagedweight-cap4.25": ("pagedweight", None)}  # POLICY_VARIANTS
 DEFAULT_SYSTEMS = [s for s in SYSTEMS if s not in POLICY_VARIANTS]
 PAPER = {"fp16_throughput_x": 1.94, "uniform_overhead_pct": 4.1, "memory_saving_pct": 72.0}
 
@@ -128,6 +128,7 @@ def run_system(name: str, model: LeanMoEModel, experts: HostExperts | None, src:
             "kv_bytes_mean", "demoted_blocks", "promoted_blocks", "device_peak_bytes", "duration_s",
             "graph_captures_in_run", "warm_up_seconds")
     rec = {"system": name, "policy": policy, "bits": bits, "reload_reserve_tokens": ecfg.reload_reserve_tokens,
+           "max_mean_bits": ecfg.max_mean_bits,
            "startup_s": startup, "seconds": wall,
            "completed": sum(o.finished for o in outs.values()), "generated_tokens": generated,
            "output_tokens_per_second": generated / wall, **{k: s.get(k) for k in keep}}
@@ -165,7 +166,8 @@ def main() -> None:
     ap.add_argument("--arrival-seed", type=int, default=0, help="seed of the arrival times and prompt windows")
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS)
                     + " (pagedweight-peak: PagedWeight whose reloads leave room for every running request up to its "
-                    "last token, not only its next 32 tokens)")
+                    "last token, not only its next 32 tokens; pagedweight-cap4.25: PagedWeight holding at most the "
+                    "expert bytes of 4.25 bits per block, --max-mean-bits)")
     ap.add_argument("--max-batch", type=int, default=GPU_MAX_BATCH, help="running requests at most")
     ap.add_argument("--step-tokens", type=int, default=GPU_STEP_TOKENS, help="tokens per step at most")
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (a shrunken config only)")

@@ -30,6 +30,7 @@ from pwrun.cli_common import (
     DeviceOpt,
     DtypeOpt,
     GpuMemoryOpt,
+    MaxMeanBitsOpt,
     ModelOpt,
     NoVerifyOpt,
     PolicyOpt,
@@ -175,6 +176,7 @@ def generate(
     debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
                                                "every step.")] = False,
     reload_reserve_tokens: ReloadReserveOpt = DEFAULT_RELOAD_RESERVE,
+    max_mean_bits: MaxMeanBitsOpt = None,
     summary_json: Annotated[Path | None, typer.Option(help="Also write the run summary as JSON here.")] = None,
     no_verify: NoVerifyOpt = False,
     threads: ThreadsOpt = None,
@@ -272,7 +274,8 @@ def generate(
             warn_missing_tables(art, [policy], model_dir)
         cfg = ServeConfig(budget, serve_policy,
                           EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
-                                       debug_checks=debug_checks, reload_reserve_tokens=reserve))
+                                       debug_checks=debug_checks, reload_reserve_tokens=reserve,
+                                       max_mean_bits=max_mean_bits))
         with _progress(len(texts), not stream) as on_progress:
             try:
                 results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,

@@ -65,6 +65,12 @@ EvalDeviceOpt = Annotated[str, typer.Option(help="cpu (the default: the evaluati
 
 
 DEFAULT_RELOAD_RESERVE = str(EngineConfig.reload_reserve_tokens)  # the engine's default, as the CLI writes it
+MaxMeanBitsOpt = Annotated[float | None, typer.Option(
+    "--max-mean-bits", min=1.0, max=16.0, metavar="BITS",
+    help="With --policy pagedweight: hold at most the expert bytes of every block at this many bits (e.g. 4.25; "
+         "placement and reloads stay within it). Each decode step reads the experts in force: a cap near the "
+         "uniform bitwidth bounds what the planner's raises cost in throughput; the bits still go where the "
+         "predicted damage is largest. Default: no cap (as many bits as the free pages allow).")]
 ReloadReserveOpt = Annotated[str, typer.Option(
     "--reload-reserve",
     help="With --policy pagedweight: tokens ahead of each running request whose KV blocks reloaded expert planes "

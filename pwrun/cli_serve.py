@@ -21,6 +21,7 @@ from pwrun.cli_common import (
     DeviceOpt,
     DtypeOpt,
     GpuMemoryOpt,
+    MaxMeanBitsOpt,
     ModelOpt,
     NoVerifyOpt,
     PolicyOpt,
@@ -90,6 +91,7 @@ def serve(
     debug_checks: Annotated[bool, typer.Option(help="Assert page conservation and q <= resident planes after "
                                                "every step.")] = False,
     reload_reserve_tokens: ReloadReserveOpt = DEFAULT_RELOAD_RESERVE,
+    max_mean_bits: MaxMeanBitsOpt = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), "
                                            "debug.")] = "info",
     no_verify: NoVerifyOpt = False,
@@ -148,7 +150,7 @@ def serve(
             warn_missing_tables(art, [policy], model_dir)
         cfg = ServeConfig(budget, serve_policy,
                           EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens, debug_checks=debug_checks,
-                                       reload_reserve_tokens=reserve))
+                                       reload_reserve_tokens=reserve, max_mean_bits=max_mean_bits))
         name = served_model_name or Path(model_dir).resolve().name
         build = functools.partial(build_serving_engine, model_dir, artifacts, cfg, context, device, dtype)
         server = Server(build, tok, name, ServeLimits(context, spec.vocab_size), eos_ids(spec.eos_token_ids, tok),

@@ -25,7 +25,11 @@ class EngineConfig:
     use); ``debug_checks``: assert page conservation and q_i <= resident planes after every step;
     ``reload_reserve_tokens``: tokens ahead of each running request whose KV blocks reloads leave free, as many as
     a demotion provisions for (None: up to its last token, so reloads only use pages no running request can ever
-    take: less movement, but under steady load the planes lowered at a KV peak stay low while pages are free)."""
+    take: less movement, but under steady load the planes lowered at a KV peak stay low while pages are free);
+    ``max_mean_bits``: PagedWeight holds at most the expert bytes of every block at this many bits (initial placement
+    and reloads; None: as many as the free pages allow, SPEC section 5). Each decode step reads the experts in force,
+    so a cap near the uniform bitwidth bounds the bandwidth cost of the planner's raises; its bits still go where
+    the predicted damage is largest."""
 
     block_size: int = 16
     max_batch: int = 16
@@ -39,6 +43,7 @@ class EngineConfig:
     use_kernels: bool | None = None
     precompile_workers: int = -1
     reload_reserve_tokens: int | None = 32
+    max_mean_bits: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_batch < 1 or self.max_step_tokens < 1 or self.lookahead_tokens < 0:
@@ -49,6 +54,9 @@ class EngineConfig:
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
             raise ValueError(f"reload_reserve_tokens must be a token count >= 0 or None (up to each request's last "
                              f"token), got {r!r}")
+        m = self.max_mean_bits
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int | float) or not 1 <= m <= 16):
+            raise ValueError(f"max_mean_bits must be a bitwidth between 1 and 16 or None (no cap), got {m!r}")
         if (not isinstance(self.precompile_workers, int) or isinstance(self.precompile_workers, bool)
                 or self.precompile_workers < -1):
             raise ValueError(f"precompile_workers must be -1 (one per core, up to 8), 0 (off) or a process count, "

@@ -52,6 +52,8 @@ class WeightPolicy:
                  alloc: PooledBlockAllocator, tables: BlockTables, scheduler: Scheduler,
                  kv_block_bytes: int) -> None:
         self.wpt, self.pool, self.planner, self.cfg = wpt, pool, planner, cfg
+        # pages the experts may hold at most (EngineConfig.max_mean_bits), or None
+        self.cap_pages = None if cfg.max_mean_bits is None else int(wpt.pages_at_mean_bits(cfg.max_mean_bits))
         self.alloc, self.tables, self.scheduler = alloc, tables, scheduler
         self.kv_block_bytes = kv_block_bytes
         self.overlapped = planner is not None and bool(planner.cfg.overlapped)
@@ -206,6 +208,8 @@ class WeightPolicy:
                                              self._ahead(s, s.computed, reserve))
                     for s in self.scheduler.running)
         allowance = (free - cfgp.reload_threshold - soon) * self.kv_block_bytes
+        if self.cap_pages is not None:
+            allowance = min(allowance, (self.cap_pages - self.wpt.weight_pages()) * self.pool.cfg.page_bytes)
         # the head of the plan (benefit-per-byte order), kept across steps while it holds
         plan = self.planner.next_raises(self.wpt.q, allowance, self.movable(), self.cfg.max_raise_blocks)
         self._planner_time(t0, overlapped)

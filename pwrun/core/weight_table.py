@@ -67,6 +67,19 @@ class WeightPageTable:
         b = np.broadcast_to(np.asarray(b, dtype=np.int64), (self.n,))
         return b * self.plane_pages + self.lut_pages[np.arange(self.n), b]
 
+    def pages_at_mean_bits(self, mean_bits: float) -> float:
+        """Pool pages of every block at ``mean_bits`` (between two stored bitwidths: linear between their totals;
+        below the lowest or above the highest: that one's)."""
+        bits = sorted(int(b) for b in self.bits)
+        if mean_bits <= bits[0]:
+            return float(self.pages_at(bits[0]).sum())
+        if mean_bits >= bits[-1]:
+            return float(self.pages_at(bits[-1]).sum())
+        lo = max(b for b in bits if b <= mean_bits)
+        hi = min(b for b in bits if b >= mean_bits)
+        p_lo, p_hi = float(self.pages_at(lo).sum()), float(self.pages_at(hi).sum())
+        return p_lo if hi == lo else p_lo + (mean_bits - lo) / (hi - lo) * (p_hi - p_lo)
+
     def resident_depth(self) -> np.ndarray:
         """[n] number of leading planes (0, 1, ...) that are on the device."""
         on = self.state == GPU

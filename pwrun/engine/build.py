@@ -340,8 +340,10 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
                                              policy.depth_cap), budget)
         q0 = floor if fit is None else fit
     else:
-        fit = fit_budget(table, policy if (pcfg and pcfg.use_routing) else BucketPolicy.neutral(int(bits[0])),
-                         num_pages * page_bytes - reserve)
+        room = num_pages * page_bytes - reserve
+        if ecfg.max_mean_bits is not None:
+            room = min(room, int(wpt.pages_at_mean_bits(ecfg.max_mean_bits)) * page_bytes)
+        fit = fit_budget(table, policy if (pcfg and pcfg.use_routing) else BucketPolicy.neutral(int(bits[0])), room)
         q0 = floor if fit is None else fit
     planner = None
     if pcfg is not None:
