@@ -274,7 +274,7 @@ def test_workload_policies_are_checked_before_anything_runs(policies: str) -> No
                           timeout=600)
     assert done.returncode == 2 and not done.stdout
     assert f"--workload-policies {policies}: give each of pagedweight," in done.stderr
-    assert "pagedweight-peak at most once" in done.stderr and "Traceback" not in done.stderr
+    assert "pagedweight-peak, pagedweight-cap4.25 at most once" in done.stderr and "Traceback" not in done.stderr
     if policies == "nonsense":
         done = subprocess.run([sys.executable, "-m", "bench.serving", "--device", "cpu", "--skip-table", "--workload",
                                "w9"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
