@@ -38,7 +38,9 @@ def _act_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, GELU: tl.constexpr, BLOCK
 
 def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act_mul_ref`` in one Triton launch for a 16-bit gate_up [T, 2I] with contiguous columns on CUDA (or in
-    Triton's interpreter), else the eager ops. ``activation``: ``silu`` or ``gelu_tanh`` (``ValueError`` else)."""
+    Triton's interpreter), else the eager ops; returns [T, I] in gate_up's dtype. ``activation``: ``silu`` or
+    ``gelu_tanh`` (``ValueError`` else). Not a SPEC equation: the dense MLP of the decode step (the experts' own
+    activation is inside the MoE kernels, SPEC section 7)."""
     gelu = check_activation(activation)
     on_triton = gate_up.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and gate_up.device.type == "cpu")
     if not (on_triton and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1
