@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.paper import paper_table
+
 Record = dict[str, Any]
 # suite -> (title, what it measures, key fields, [(column title, field or function of the rows)])
 Column = tuple[str, str | Callable[[list[Record]], Any]]
@@ -131,11 +133,8 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
     "headline": ("Headline experiment: one budget, KV-heavy traffic over time",
                  "Every system in the same device budget on the same requests and Poisson arrival times: long "
                  "QMSum windows, random weights at the model's real shape (`python -m bench.headline`). FP16 is "
-                 "the checkpoint's 16-bit experts in the page pool (static). The paper (SPEC section 8) reports "
-                 "PagedWeight at 1.94x FP16's throughput and at most 4.1% below uniform APL, FP16-level quality "
-                 "at up to 72% less memory; Qwen1.5-MoE at sequence 2048, tok/s at B=1 / B=4: FP16 67.1 / 258.0, "
-                 "APL 3.25-bit 134.5 / 429.9, PagedWeight (7.63 GB) 130.1 / 419.4. Quality at each memory "
-                 "fraction: [docs/eval/](eval/README.md).",
+                 "the checkpoint's 16-bit experts in the page pool (static). Quality at each memory fraction: "
+                 "[docs/eval/](eval/README.md).",
                  ("model", "gpu", "layers", "gpu_memory_gib", "request_rate", "system"),
                  [("output tok/s", "output_tokens_per_second"), ("x FP16", "x_vs_fp16"),
                   ("x uniform 4", "x_vs_uniform4"), ("TTFT p50 s", "ttft_p50_s"), ("TTFT p99 s", "ttft_p99_s"),
@@ -209,13 +208,14 @@ def latest(records: list[Record], key: tuple[str, ...]) -> list[tuple[tuple[Any,
     return [(k, runs[max(runs)]) for k, runs in groups.items()]
 
 
-def table(suite: str, records: list[Record]) -> str:
-    """The markdown section of ``suite``: title, description, one row per key, then the runs it came from."""
+def table(suite: str, records: list[Record], preface: str = "") -> str:
+    """The markdown section of ``suite``: title, description, ``preface``, one row per key, then the runs it came
+    from."""
     title, what, key, cols = SUITES[suite]
     if suite == "decode_profile":  # records from before --phase / --step-tokens profiled decode steps at 2048
         records = [{"phase": "decode", "step_tokens_max": 2048, **r} for r in records]
     rows = latest(records, key)
-    lines = [f"## {title}", "", what, ""]
+    lines = [f"## {title}", "", what, ""] + ([preface, ""] if preface else [])
     if suite == "serving":  # the user path, real workloads and HTTP records have tables of their own
         lines += [decode_pivot(records), ""] + [t for t in (user_path_table(records), workload_table(records),
                                                             http_table(records)) if t for t in (t, "")]
@@ -393,7 +393,10 @@ def main() -> None:
     if args.compare:
         print(compare(read(args.results / "serving.jsonl"), *args.compare))
         return
-    sections = [table(s, read(args.results / f"{s}.jsonl")) for s in SUITES]
+    long_context = args.out.parent / "eval" / "long_context.md"
+    beside = paper_table(read(args.results / "serving.jsonl"), read(args.results / "headline.jsonl"),
+                         long_context.read_text() if long_context.is_file() else "")
+    sections = [table(s, read(args.results / f"{s}.jsonl"), beside if s == "headline" else "") for s in SUITES]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(HEADER + "\n" + "\n\n".join(sections) + "\n")
     print(f"wrote {args.out}")
