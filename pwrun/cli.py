@@ -38,6 +38,7 @@ from pwrun.cli_common import (
     ReloadReserveOpt,
     ThreadsOpt,
     budget_bytes,
+    check_planner_flags,
     check_writable_file,
     default_model,
     make_console,
@@ -181,9 +182,9 @@ def generate(
     no_verify: NoVerifyOpt = False,
     threads: ThreadsOpt = None,
     request_rate: Annotated[float, typer.Option(help="Requests per second arriving as a Poisson process (the first "
-                                                "at t=0, exponential gaps; seconds count from the end of the "
-                                                "warm-up); inf = every request at t=0. Instead, a prompts file may "
-                                                "give each line an 'arrival_s' (seconds from the start, >= 0).")]
+                                                "at t=0, exponential gaps); inf = every request at t=0. Instead, a "
+                                                "prompts file may give each line an 'arrival_s' (seconds, >= 0). "
+                                                "Either clock starts with the run, after loading and warm-up.")]
     = math.inf,
     arrival_seed: Annotated[int, typer.Option(help="Seed of the Poisson arrival times of --request-rate.")] = 0,
     slo_ttft_ms: Annotated[float | None, typer.Option(help="Goodput counts only requests whose time to first token "
@@ -268,6 +269,7 @@ def generate(
             console.print(f"note: {note}", style="dim", highlight=False, soft_wrap=True)
         stop: GenerationStopped | None = None
         serve_policy = Policy.named("16-bit" if plain else policy, bits)
+        check_planner_flags(serve_policy, max_mean_bits, reload_reserve_tokens)
         if artifacts is not None:
             art = open_artifact(artifacts, model_dir, not no_verify)
             serve_policy.check_bits(art.bits)

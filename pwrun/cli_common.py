@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from pwformat.errors import PagedWeightError
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.config import EngineConfig
-from pwrun.core.policy import POLICIES
+from pwrun.core.policy import POLICIES, Policy
 from pwrun.data import default_model_dir
 from pwrun.engine.budget import parse_size
 from pwrun.engine.tables import has_calibration, missing_tables, no_calibration
@@ -89,6 +89,19 @@ def reload_reserve(value: str) -> int | None:
         raise PagedWeightError(f"--reload-reserve {value!r} is not allowed: give a number of tokens >= 0 (default "
                                f"{DEFAULT_RELOAD_RESERVE}) or 'last' (up to each request's last token)")
     return int(text)
+
+
+def check_planner_flags(policy: Policy, max_mean_bits: float | None, reload_reserve_tokens: str) -> None:
+    """``--max-mean-bits`` and ``--reload-reserve`` steer the planner's bits: refused (``PagedWeightError``) with a
+    policy whose bits do not move, where they would do nothing."""
+    if policy.dynamic:
+        return
+    flag = ("--max-mean-bits" if max_mean_bits is not None
+            else "--reload-reserve" if reload_reserve_tokens.strip().lower() != DEFAULT_RELOAD_RESERVE else None)
+    if flag is not None:
+        held = ("the 16-bit experts (what a run without --artifacts serves) keep their bits" if policy.dense
+                else f"the experts of --policy {policy.name} keep their bits")
+        raise PagedWeightError(f"{flag} only goes with --policy pagedweight or its ablations: {held}")
 
 
 DEFAULT_GPU_MEMORY = "4GiB"

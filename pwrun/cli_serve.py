@@ -28,6 +28,7 @@ from pwrun.cli_common import (
     ReloadReserveOpt,
     ThreadsOpt,
     budget_bytes,
+    check_planner_flags,
     default_model,
     make_console,
     open_artifact,
@@ -144,6 +145,7 @@ def serve(
                 raise PagedWeightError(f"--chat-template {chat_template} does not render one user message "
                                        f"({type(exc).__name__}: {exc}): fix the template") from None
         serve_policy = Policy.named(policy, bits)
+        check_planner_flags(serve_policy, max_mean_bits, reload_reserve_tokens)
         if artifacts is not None:
             art = open_artifact(artifacts, model_dir, not no_verify)
             serve_policy.check_bits(art.bits)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from pwformat.errors import PagedWeightError
 from pwrun.cli import app
 from pwrun.core.config import EngineConfig
 from pwrun.core.request import SamplingParams
@@ -34,6 +35,9 @@ def test_pages_at_mean_bits_interpolates_between_stored_bitwidths() -> None:
     assert t.pages_at_mean_bits(3.5) == pytest.approx((at[3] + at[4]) / 2)
     assert t.pages_at_mean_bits(5.0) == pytest.approx((at[4] + at[6]) / 2)  # 5 bits is not stored: between 4 and 6
     assert t.pages_at_mean_bits(2.0) == at[3] and t.pages_at_mean_bits(12.0) == at[8]
+    for mb in (3.0, 3.25, 4.0, 4.7, 5.0, 7.99, 8.0):  # the inverse
+        assert t.mean_bits_for_pages(t.pages_at_mean_bits(mb)) == pytest.approx(mb)
+    assert t.mean_bits_for_pages(0) == 3 and t.mean_bits_for_pages(at[8] + 1) == 8
 
 
 def test_the_cap_is_validated() -> None:
@@ -43,6 +47,35 @@ def test_the_cap_is_validated() -> None:
             EngineConfig(max_mean_bits=bad)  # type: ignore[arg-type]
     r = CliRunner().invoke(app, ["generate", "--prompt", "x", "--max-mean-bits", "0.5"])
     assert r.exit_code == 2 and "--max-mean-bits" in r.output
+
+
+@pytest.mark.parametrize("args", [["--policy", "uniform", "--bits", "4", "--max-mean-bits", "4"],
+                                  ["--policy", "static", "--max-mean-bits", "4"],
+                                  ["--policy", "static", "--reload-reserve", "last"],
+                                  ["--max-mean-bits", "4"]])  # no artifact: the 16-bit experts
+def test_planner_flags_are_refused_where_the_bits_do_not_move(calibrated_artifacts: Path, args: list[str]) -> None:
+    art = [] if args == ["--max-mean-bits", "4"] else ["--artifacts", str(calibrated_artifacts)]
+    r = CliRunner().invoke(app, ["generate", "--prompt", "x", "--max-new-tokens", "1", *art, *args])
+    flag = "--reload-reserve" if "--reload-reserve" in args else "--max-mean-bits"
+    assert r.exit_code == 2 and f"{flag} only goes with --policy pagedweight" in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_a_cap_below_the_floors_is_refused_with_the_least_that_fits(calibrated_artifacts: Path) -> None:
+    """A cap below the artifact's least bitwidth, or below the blocks' floors, could not be held: it is refused,
+    naming the least cap, which is then accepted and held."""
+    reqs = [[1, 2, 3]]
+    with pytest.raises(PagedWeightError, match=r"--max-mean-bits 2\.5 holds less than the experts at") as e:
+        _engine(calibrated_artifacts, 2.5, reqs)
+    least = float(str(e.value).rsplit(" ", 1)[-1])
+    assert 3.0 <= least < 4.0
+    eng = _engine(calibrated_artifacts, least, reqs)
+    wpt = eng.core.wpt
+    assert wpt is not None and eng.info["initial_weight_pages"] <= int(wpt.pages_at_mean_bits(least))
+    assert int(wpt.pages_at_mean_bits(least)) * eng.core.pool.cfg.page_bytes >= eng.info["floor_expert_bytes"]
+    if least > 3.0:  # floors above 3 bits on some blocks: just below the least cap is refused too
+        with pytest.raises(PagedWeightError, match="at least"):
+            _engine(calibrated_artifacts, least - 0.02, reqs)
 
 
 def _engine(artifacts: Path, cap: float | None, reqs: list[list[int]]) -> LLMEngine:

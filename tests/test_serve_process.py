@@ -218,6 +218,28 @@ def test_a_dead_engine_process_fails_its_requests_instead_of_hanging(calibrated_
         assert time.monotonic() - t0 < 30
 
 
+def test_an_idle_engine_that_dies_is_reported_down(calibrated_artifacts: Path, tok: Any) -> None:
+    """No request in flight: /health and /metrics still say the engine is gone."""
+    build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, ServeConfig(2**30), CONTEXT, "cpu")
+    server = _server(build, tok)
+    server.start()
+    try:
+        assert isinstance(server.loop, EngineProcess) and server.loop._proc is not None
+        up = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
+        assert "pwrun_engine_up 1.0" in up
+        os.kill(server.loop._proc.pid, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while server.loop.error is None and time.monotonic() < end:  # the reader thread has seen the pipe close
+            time.sleep(0.05)
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{server.url}/health", timeout=10)
+        assert health.value.code == 503
+        metrics = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
+        assert "pwrun_engine_up 0.0" in metrics and 'pwrun_requests_finished_total{finish="failed"}' not in metrics
+    finally:
+        server.stop()
+
+
 def test_the_engine_process_stops_when_the_server_process_goes(calibrated_artifacts: Path) -> None:
     """The command pipe closing (the server process killed) ends the child quietly and at once."""
     build = functools.partial(build_serving_engine, MODEL, calibrated_artifacts, ServeConfig(2**30), CONTEXT, "cpu")

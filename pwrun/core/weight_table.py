@@ -80,6 +80,18 @@ class WeightPageTable:
         p_lo, p_hi = float(self.pages_at(lo).sum()), float(self.pages_at(hi).sum())
         return p_lo if hi == lo else p_lo + (mean_bits - lo) / (hi - lo) * (p_hi - p_lo)
 
+    def mean_bits_for_pages(self, pages: float) -> float:
+        """The least mean bits whose ``pages_at_mean_bits`` reaches ``pages`` (its inverse; the lowest or highest
+        stored bitwidth outside their range)."""
+        bits = sorted(int(b) for b in self.bits)
+        totals = [float(self.pages_at(b).sum()) for b in bits]
+        if pages <= totals[0]:
+            return float(bits[0])
+        for b0, p0, b1, p1 in zip(bits, totals, bits[1:], totals[1:], strict=False):
+            if pages <= p1:  # and > p0: so p1 > p0
+                return b0 + (pages - p0) / (p1 - p0) * (b1 - b0)
+        return float(bits[-1])
+
     def resident_depth(self) -> np.ndarray:
         """[n] number of leading planes (0, 1, ...) that are on the device."""
         on = self.state == GPU

@@ -342,7 +342,13 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
     else:
         room = num_pages * page_bytes - reserve
         if ecfg.max_mean_bits is not None:
-            room = min(room, int(wpt.pages_at_mean_bits(ecfg.max_mean_bits)) * page_bytes)
+            cap = int(wpt.pages_at_mean_bits(ecfg.max_mean_bits)) * page_bytes
+            need = max(min(bit_list), math.ceil(wpt.mean_bits_for_pages(floor_bytes / page_bytes) * 100) / 100)
+            if cap < floor_bytes or ecfg.max_mean_bits < need:
+                raise PagedWeightError(f"--max-mean-bits {ecfg.max_mean_bits:g} holds less than the experts at their "
+                                       f"floors ({format_size(floor_bytes)}, every block at the least bits its "
+                                       f"bucket allows): give at least {need:g}")
+            room = min(room, cap)
         fit = fit_budget(table, policy if (pcfg and pcfg.use_routing) else BucketPolicy.neutral(int(bits[0])), room)
         q0 = floor if fit is None else fit
     planner = None

@@ -286,12 +286,13 @@ def format_latency(stats: LatencyStats, rate: float | None, slo: SLO | None = No
                 else f"arrivals at {rate:.3g} requests/s offered{drawn}")
     goals = [f"TTFT <= {slo.ttft_ms:g} ms" if slo.ttft_ms is not None else "",
              f"TPOT <= {slo.tpot_ms:g} ms" if slo.tpot_ms is not None else ""]
-    met = "met " + " and ".join(g for g in goals if g) if any(goals) else "completed"
+    span = f"in the {stats.duration_s:.2f} s from the start to the last finish"
+    met = (f"{stats.requests_met_slo} of {stats.requests_completed} completed requests met "
+           + " and ".join(g for g in goals if g) if any(goals) else f"{stats.requests_completed} requests completed")
     return (f"{arrivals}: TTFT p50 {_num(stats.ttft_p50_s, 's')}, p99 {_num(stats.ttft_p99_s, 's')}; TPOT p50 "
             f"{_num(stats.tpot_p50_ms, 'ms')}, p99 {_num(stats.tpot_p99_ms, 'ms')}; queueing p50 "
             f"{_num(stats.queue_p50_s, 's')}, p99 {_num(stats.queue_p99_s, 's')}\n"
-            f"goodput {stats.goodput_rps:.3g} requests/s: {stats.requests_met_slo} of {stats.requests_completed} "
-            f"requests {met} in {stats.duration_s:.2f} s"
+            f"goodput {stats.goodput_rps:.3g} requests/s: {met} {span}"
             + (f"; {unfinished} more not run to completion (stopped)" if unfinished else ""))
 
 

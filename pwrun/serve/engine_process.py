@@ -341,7 +341,7 @@ class EngineProcess(Admission):
                 f"{why.split(';')[0]}: {n} request{'' if n == 1 else 's'} failed; restart the server")
         with self._lock:
             self.error = self.error or why
-            if self.failure is not None and self._sinks:
+            if self.failure is not None:  # down also when it held no request (an idle engine killed)
                 self._lost = len(self._sinks)
                 if self.metrics is not None:
                     self.metrics.engine_down(self._lost)
