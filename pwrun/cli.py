@@ -71,7 +71,7 @@ console = make_console(stderr=True)
 
 
 @contextmanager
-def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | None]:
+def _progress(total: int, show: bool, eta: bool = True) -> Iterator[Callable[[int, int], None] | None]:
     """While serving: a transient bar on stderr (requests finished / ``total``, generated tokens/s) if ``show``;
     when stderr is not a terminal, a line every few seconds instead (``pwrun.progress``)."""
     if not show:
@@ -87,7 +87,7 @@ def _progress(total: int, show: bool) -> Iterator[Callable[[int, int], None] | N
         def update(done: int, tokens: int) -> None:
             now = time.perf_counter()
             if not first:
-                first.append((bar.add_task("serving requests", total=total, rate=""), now, tokens))
+                first.append((bar.add_task("serving requests", total=total, rate="", eta=eta), now, tokens))
             task, t0, n0 = first[0]
             dt = now - t0
             bar.update(task, completed=done, rate=f"{(tokens - n0) / dt:.1f} generated tokens/s" if dt > 0 else "")
@@ -278,7 +278,8 @@ def generate(
                           EngineConfig(max_batch=max_batch, max_step_tokens=max_step_tokens,
                                        debug_checks=debug_checks, reload_reserve_tokens=reserve,
                                        max_mean_bits=max_mean_bits))
-        with _progress(len(texts), not stream) as on_progress:
+        spread = any(t > 0 for t in arrivals.times)  # the pace is the arrivals': no ETA from the rate so far
+        with _progress(len(texts), not stream, eta=not spread) as on_progress:
             try:
                 results, summary = serve_prompts(model_dir, artifacts, texts, tok, cfg, params, device, dtype,
                                                  on_text=on_text if stream else None, trace=trace,

@@ -34,8 +34,9 @@ class _Task:
 
 class LineProgress:
     """``rich.progress.Progress``'s task calls, printed as ``description: completed/total (elapsed s, ETA s)`` lines
-    (no ETA before a unit has completed and time has passed, without a total, and at completion); fractional
-    amounts to one decimal."""
+    (no ETA before a unit has completed and time has passed, without a total, at completion, and for a task added
+    with ``eta=False``: one whose pace is not its own, e.g. requests arriving over time); fractional amounts to one
+    decimal."""
 
     def __init__(self, console: Console, every: float = LINE_SECONDS) -> None:
         self.console, self.every = console, every
@@ -88,9 +89,10 @@ class LineProgress:
         total = "" if t.total is None else f"/{_num(t.total)}"
         elapsed = t.printed - t.started
         eta = ""
-        if t.total is not None and 0 < t.completed < t.total and elapsed > 0:  # the mean rate since add_task
+        if (t.total is not None and 0 < t.completed < t.total and elapsed > 0  # the mean rate since add_task
+                and t.fields.get("eta", True) is not False):
             eta = f", ETA {elapsed * (t.total - t.completed) / t.completed:.0f} s"
-        extra = " ".join(str(v) for v in t.fields.values() if v not in ("", None))
+        extra = " ".join(str(v) for k, v in t.fields.items() if v not in ("", None) and k != "eta")
         self.console.print(f"{t.description}: {_num(t.completed)}{total} ({elapsed:.0f} s{eta})"
                            + (f" {extra}" if extra else ""), highlight=False, markup=False)
 

@@ -36,6 +36,18 @@ def test_lines_are_throttled_and_the_last_one_is_printed(monkeypatch: pytest.Mon
                      "search: 9/10 (14 s, ETA 2 s) 9 tok/s", "search: 10/10 (15 s) 10 tok/s"]
 
 
+def test_a_task_whose_pace_is_not_its_own_shows_no_eta(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests arriving over time: the rate so far says nothing of the time left."""
+    now = [0.0]
+    monkeypatch.setattr(pp.time, "monotonic", lambda: now[0])
+    console, buf = _console(False)
+    with pp.progress(console, every=1.0) as bar:
+        task = bar.add_task("serving requests", total=2, rate="", eta=False)
+        now[0] = 65.0
+        bar.update(task, completed=1, rate="3.0 tok/s")
+    assert buf.getvalue().splitlines() == ["serving requests: 1/2 (65 s) 3.0 tok/s"]
+
+
 def test_advance_and_an_unfinished_task_report_at_exit(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [0.0]
     monkeypatch.setattr(pp.time, "monotonic", lambda: now[0])
