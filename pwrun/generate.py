@@ -199,9 +199,15 @@ def generate(model: LeanMoEModel, tokenizer: Any, prompts: list[str], params: Sa
 
 def kept_aside(path: Path) -> Path:
     """Where a stopped run writes an output meant for ``path``: beside it if it is an existing file (``out.jsonl`` ->
-    ``out.stopped.jsonl``), so that a stopped run never replaces a complete earlier output; else ``path`` itself (a
-    new file, or a device such as /dev/stdout)."""
-    return path.with_name(f"{path.stem}.stopped{path.suffix}") if path.is_file() else path
+    ``out.stopped.jsonl``, or ``out.stopped.1.jsonl``, ``.2``, ... where an earlier stopped run's is there), so that
+    a stopped run never replaces an earlier output, complete or not; else ``path`` itself (a new file, or a device
+    such as /dev/stdout)."""
+    if not path.is_file():
+        return path
+    n = 0
+    while (aside := path.with_name(f"{path.stem}.stopped{f'.{n}' if n else ''}{path.suffix}")).exists():
+        n += 1
+    return aside
 
 
 def serve_prompts(model_dir: Path, artifact_dir: Path | None, prompts: list[str], tokenizer: Any, cfg: ServeConfig,

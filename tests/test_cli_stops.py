@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from pwrun.cli import app
 from pwrun.data import default_model_dir
+from pwrun.generate import kept_aside
 
 MODEL = default_model_dir()
 runner = CliRunner()
@@ -316,6 +317,17 @@ def test_a_stop_writes_the_finished_requests(tmp_path: Path, sig: str, code: int
         assert s["requests_completed"] == 2 and s["requests_unfinished"] == 1
         assert "; 1 more not run to completion (stopped)" in proc.stderr, proc.stderr
         assert pq.read_table(tmp_path / "t.stopped.parquet").num_rows == s["steps"] > 0
+
+
+def test_a_stopped_run_never_replaces_an_earlier_stopped_runs_output(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    assert kept_aside(out) == out  # nothing there: the path itself
+    out.write_text("complete\n")
+    for want in ("out.stopped.jsonl", "out.stopped.1.jsonl", "out.stopped.2.jsonl"):
+        aside = kept_aside(out)
+        assert aside == tmp_path / want
+        aside.write_text("partial\n")
+    assert kept_aside(Path("/dev/null")) == Path("/dev/null")
 
 
 def test_sigterm_inside_native_code_still_ends_with_143(capsys: pytest.CaptureFixture[str]) -> None:

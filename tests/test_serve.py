@@ -20,6 +20,7 @@ import functools
 import http.client
 import json
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -278,6 +279,30 @@ def test_bad_json_and_a_full_queue(big: Server) -> None:
         err = json.loads(info.value.read())["error"]
         assert info.value.code == status and path in err["message"] and err["type"], err
     assert _metrics(big)['pwrun_requests_refused_total{status="503"}'] >= 1
+
+
+def _declared(server: Server, length: int, sent: bytes, close: bool) -> bytes:
+    """A POST whose headers declare ``length`` body bytes, of which only ``sent`` are sent; the raw answer (none
+    when ``close``: the client closes at once)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {length}\r\n\r\n".encode() + sent)
+        if close:
+            return b""
+        return sock.recv(65536)
+
+
+def test_a_huge_declared_body_is_refused_unread_and_a_client_leaving_mid_body_is_no_error(big: Server) -> None:
+    refused = _metrics(big).get('pwrun_requests_refused_total{status="400"}', 0)
+    answer = _declared(big, 10**12, b'{"model": ', close=False)  # the 413 comes without waiting for a TB
+    assert answer.startswith(b"HTTP/1.1 413") and b"declares 1000000000000 bytes" in answer, answer[:300]
+    _declared(big, 1000, b'{"model": "x", "prompt": "The', close=True)
+    end = time.monotonic() + 30
+    while _metrics(big).get('pwrun_requests_refused_total{status="400"}', 0) == refused and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _metrics(big).get('pwrun_requests_refused_total{status="400"}', 0) == refused + 1  # an answered error
+    assert _metrics(big).get('pwrun_requests_refused_total{status="500"}', 0) == 0
 
 
 def _post_raw(server: Server, data: bytes) -> tuple[int, str]:

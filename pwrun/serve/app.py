@@ -21,12 +21,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pwrun.core.request import SamplingParams
 from pwrun.serve.engine_process import AnyLoop
 from pwrun.serve.generation import Generation, Mailbox, ServeLimits, body_limit, encode
 from pwrun.serve.metrics import ServerMetrics
 from pwrun.serve.protocol import ApiError, ChatBody, CompletionBody, parse
+
+# a body declared past this many times the limit is refused before it is read (below it, read and dropped: a client
+# still sending when the answer comes may not see it)
+EARLY_413_FACTOR = 4
 
 
 @dataclass
@@ -85,13 +90,21 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def _json(request: Request) -> Any:
         """The body as JSON: 413 past ``body_limit`` (the rest of the body is read and dropped, not kept, so that
-        the client gets the answer), 400 if it is not JSON."""
+        the client gets the answer; at once, unread, where its Content-Length is past ``EARLY_413_FACTOR`` times
+        the limit), 400 if it is not JSON or the client left before its end."""
         limit = body_limit(state.limits, state.loop.max_pending, state.tokenizer)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > EARLY_413_FACTOR * limit:
+            raise ApiError(413, f"the request body declares {declared} bytes, more than this server takes ({limit}: "
+                           f"{state.loop.max_pending} prompts of {state.limits.max_model_len} tokens at most)")
         raw, size = bytearray(), 0
-        async for part in request.stream():
-            size += len(part)
-            if size <= limit:
-                raw += part
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size <= limit:
+                    raw += part
+        except ClientDisconnect:  # nobody to answer: the error keeps it out of the server log's tracebacks
+            raise ApiError(400, "the client closed the connection before the request body ended") from None
         if size > limit:
             raise ApiError(413, f"the request body has {size} bytes, more than this server takes ({limit}: "
                            f"{state.loop.max_pending} prompts of {state.limits.max_model_len} tokens at most)")
