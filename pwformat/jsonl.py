@@ -68,7 +68,7 @@ def jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
     ``path:line`` for a line that is not JSON, or the file for one that cannot be read or is not UTF-8."""
     opener = gzip.open if _gz(path) else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:  # a leading byte-order mark (Windows editors) is skipped
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue

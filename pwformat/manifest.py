@@ -331,8 +331,10 @@ def read_manifest(artifact_dir: Path) -> Manifest:
             raise PagedWeightError(f"{artifact_dir} has no {MANIFEST}, but {beside} lie beside it: a pwcal quantize "
                                    f"into it was stopped; run `pwcal quantize MODEL --out {artifact_dir}` again to "
                                    "restore or finish it")
-        raise PagedWeightError(f"{artifact_dir} is not a PagedWeight artifact (no {MANIFEST}): run "
-                               "`pwcal run-all MODEL --out DIR` (or its first stage, `pwcal quantize`) first")
+        what = f"is not a PagedWeight artifact (no {MANIFEST})" if artifact_dir.is_dir() else "does not exist"
+        raise PagedWeightError(f"{artifact_dir} {what}: give the directory `pwcal run-all "
+                               f"MODEL --out DIR` wrote, or make it with that command (or its first stage, `pwcal "
+                               "quantize`)")
     if p.stat().st_size > MAX_MANIFEST_BYTES:
         raise PagedWeightError(f"{p} is corrupt ({p.stat().st_size} bytes, far more than pwcal writes): {fix}")
     try:

@@ -331,10 +331,10 @@ def test_piped_output_is_not_wrapped_at_80_columns() -> None:
 def test_budget_sizes_beyond_any_device_are_refused() -> None:
     from pwformat.errors import PagedWeightError
     from pwrun.engine.budget import parse_size
-
-    assert parse_size("48MiB") == 48 * 2**20 and parse_size("1024TiB") == 2**50
-    with pytest.raises(PagedWeightError, match="larger than any device"):
-        parse_size("99999999999999999999999GiB")
+    assert parse_size("48MiB") == 48 * 2**20 and parse_size("1024TiB") == 2**50 and parse_size("2.0") == 2
+    for text, why in (("99999999999999999999999GiB", "larger than any device"), ("1.5", "a fraction of a byte")):
+        with pytest.raises(PagedWeightError, match=why):
+            parse_size(text)
 
 
 def test_pwcal_out_of_range_options_are_refused_before_work(tmp_path: Path) -> None:

@@ -51,6 +51,12 @@ def test_a_prompts_file_is_parsed_once(tmp_path: Path, monkeypatch: pytest.Monke
         PromptFile.read(f)
 
 
+def test_a_byte_order_mark_at_the_start_is_skipped(tmp_path: Path) -> None:
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "\xef\xbb\xbf b"}\n')  # a BOM mid-text is text
+    assert PromptFile.read(f).prompts == ["a", "\ufeff b"]
+
+
 def test_a_lone_surrogate_escape_is_named_by_file_and_line(tmp_path: Path) -> None:
     """JSON may escape a lone surrogate (\\ud800): valid JSON, but no text a tokenizer or a UTF-8 writer takes."""
     f = tmp_path / "s.jsonl"

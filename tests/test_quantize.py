@@ -186,6 +186,13 @@ def test_out_that_is_not_an_artifact_is_never_overwritten(tmp_path: Path) -> Non
     assert f.read_text() == "{}" and (d / "keep.txt").read_text() == "mine"
 
 
+def test_an_artifact_path_that_is_missing_or_not_an_artifact_is_named_so(tmp_path: Path) -> None:
+    with pytest.raises(PagedWeightError, match=f"{tmp_path / 'gone'} does not exist: give the directory"):
+        APArtifact(tmp_path / "gone")
+    with pytest.raises(PagedWeightError, match=r"is not a PagedWeight artifact \(no manifest.json\)"):
+        APArtifact(tmp_path)
+
+
 def test_a_second_writer_of_the_same_out_is_refused_and_loses_nothing(artifact: Path, tmp_path: Path) -> None:
     """While one run writes OUT (it holds OUT.lock, here taken by the test), another `pwcal quantize` to the same OUT
     stops with a one-line error before touching anything: the first run's OUT.partial/ and the complete artifact

@@ -74,7 +74,8 @@ def test_missing_optional_tables_warn_once_or_error(calibrated_artifacts: Path, 
     code, err = _serve(quantized)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "has no complete calibration tables" in lines[0], err
-    assert f"`pwcal run-all {manifest['model']['path']} --out {quantized}`" in lines[0], err
+    # the stage that makes them, on this artifact (run-all would refuse it: made with other parameters)
+    assert f"`pwcal sensitivity {manifest['model']['path']} --artifacts {quantized}`" in lines[0], err
     assert _serve(quantized, "--policy", "uniform", "--bits", "4")[0] == 0
 
     damaged = tmp_path / "damaged"

@@ -37,6 +37,8 @@ def parse_size(text: str) -> int:
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value <= 0:
         raise PagedWeightError(f"the size {text!r} must be positive: write e.g. 10GiB, 512MiB or 1.5GB")
+    if m.group(2).lower() in ("", "b") and not value.is_integer():
+        raise PagedWeightError(f"the size {text!r} is a fraction of a byte: give a unit, e.g. {m.group(1)}GiB")
     if value > 2**50:
         raise PagedWeightError(f"the size {text!r} is larger than any device (over 1 PiB): give the memory to use, "
                                "e.g. 40GiB")

@@ -93,9 +93,10 @@ def has_calibration(art: APArtifact) -> bool:
 
 
 def no_calibration(art: APArtifact) -> PagedWeightError:
+    model = art.manifest.model.path
     return PagedWeightError(f"{art.path} has no complete calibration tables (sensitivity/routing): run "
-                            f"`pwcal run-all {art.manifest.model.path} --out {art.path}` first, or use --policy "
-                            "uniform --bits B")
+                            f"`pwcal sensitivity {model} --artifacts {art.path}` (then `pwcal search-buckets {model} "
+                            f"--artifacts {art.path}`) first, or use --policy uniform --bits B")
 
 
 def block_table(art: APArtifact, model: LeanMoEModel, need_calibration: bool) -> BlockTable:
