@@ -169,10 +169,28 @@ def test_stopping_without_drain_aborts_the_running_request(calibrated_artifacts:
     first = threading.Event()
     reader = _stream_in_thread(server.url, got, first, 120)
     assert first.wait(60)
+    whole: list[Any] = []  # a request not streamed, running too: its partial text is no answer, a 503 is
+
+    def _whole() -> None:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        try:
+            whole.append(client.completions.create(model=NAME, prompt="The river", max_tokens=120, temperature=0))
+        except openai.APIStatusError as exc:
+            whole.append(exc)
+
+    waiting = threading.Thread(target=_whole)
+    waiting.start()
+    end = time.monotonic() + 30
+    while server.loop.pending < 2 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert server.loop.pending == 2
     server.stop()
     reader.join(30)
+    waiting.join(30)
     assert got[-1].finish_reason == "abort" and not isinstance(got[-1], Exception), got[-1]
-    assert server.loop.finished == {"eos": 0, "length": 0, "stop": 0, "abort": 1, "failed": 0}
+    assert isinstance(whole[0], openai.APIStatusError) and whole[0].status_code == 503, whole
+    assert "stopped before this request finished" in str(whole[0].body)
+    assert server.loop.finished == {"eos": 0, "length": 0, "stop": 0, "abort": 2, "failed": 0}
     assert not server.loop.alive and server.loop.failure is None
     assert engine.core.idle and engine.core.pool.count(KV) == 0
 

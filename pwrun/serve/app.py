@@ -173,6 +173,9 @@ def create_app(state: ServerState) -> FastAPI:
             return Response(status_code=499)
         finally:
             gen.close()
+        if "abort" in finish:  # the server stopped first: a partial text is no answer (a stream ends "abort")
+            raise ApiError(503, "the server stopped before this request finished: send it again (to a running "
+                           "server)", kind="server_unavailable", refused=False)
         if chat:
             choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]}, "logprobs": None,
                         "finish_reason": finish[0]}]

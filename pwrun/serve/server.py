@@ -99,8 +99,9 @@ class Server:
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server that, as its shutdown begins, starts the engine's drain: the running requests finish for up
     to the drain time, then the engine aborts the rest, whose responses end properly (a last chunk with
-    ``finish_reason`` "abort" and ``[DONE]``, or a whole response) within ``ABORT_SECONDS`` after it. A second
-    Ctrl-C (uvicorn's forced exit) ends the drain: ``abort`` stops the running requests at the next step."""
+    ``finish_reason`` "abort" and ``[DONE]``; a request not streamed gets a 503) within ``ABORT_SECONDS`` after it.
+    A second Ctrl-C (uvicorn's forced exit) ends the drain: ``abort`` stops the running requests at the next
+    step."""
 
     def __init__(self, config: uvicorn.Config, drain: Callable[[], None], abort: Callable[[], None]) -> None:
         super().__init__(config)
