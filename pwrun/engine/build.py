@@ -343,8 +343,9 @@ def assemble_engine(model: LeanMoEModel, source: Any, table: BlockTable, policy:
         room = num_pages * page_bytes - reserve
         if ecfg.max_mean_bits is not None:
             cap = int(wpt.pages_at_mean_bits(ecfg.max_mean_bits)) * page_bytes
+            # the least cap (to 0.01 bit) whose pages hold the floors: any cap from it on holds them too
             need = max(min(bit_list), math.ceil(wpt.mean_bits_for_pages(floor_bytes / page_bytes) * 100) / 100)
-            if cap < floor_bytes or ecfg.max_mean_bits < need:
+            if ecfg.max_mean_bits < need:
                 raise PagedWeightError(f"--max-mean-bits {ecfg.max_mean_bits:g} holds less than the experts at their "
                                        f"floors ({format_size(floor_bytes)}, every block at the least bits its "
                                        f"bucket allows): give at least {need:g}")
