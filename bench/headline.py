@@ -17,12 +17,14 @@ Usage (GPU machine, repository root)::
 
     python -m bench.headline --figure docs/figures/headline_qwen.png
     python -m bench.headline --config-dir tests/fixtures/configs/mistralai__Mixtral-8x7B-v0.1 --layers 8
-        --gpu-memory 26GiB --figure docs/figures/headline_mixtral.png    # (one command line)
+        --gpu-memory 30GiB --figure docs/figures/headline_mixtral.png    # (one command line)
     python -m bench.render
 
-A cut model wants a budget of its own: Mixtral's first 8 layers take 23.8 GB at 16 bits and 32 KiB of KV per token,
-so 26 GiB leaves FP16 about the KV room in tokens (~60k) that 40 GiB leaves the whole Qwen1.5-MoE (192 KiB per
-token); at 40 GiB every system would hold the whole workload's KV and nothing would press on the weights.
+A cut model wants a budget of its own: Mixtral's first 8 layers take 21.0 GiB of 16-bit experts, 1.1 GiB of other
+weights and 5.3 GiB of step workspace at 2,048 step tokens (its experts are 14,336 wide), so FP16 needs 27.7 GiB
+before any KV; 30 GiB leaves it ~2.3 GiB, ~75k tokens at 32 KiB per token, about the KV room in tokens that 40 GiB
+leaves the whole Qwen1.5-MoE (192 KiB per token). At 40 GiB every system would hold the whole workload's KV and
+nothing would press on the weights.
 """
 
 from __future__ import annotations

@@ -91,11 +91,18 @@ def _headline_rows(headline: list[Record]) -> list[str]:
         share = (f" (steps with prompt tokens: {100 * fp16['mixed_s'] / fp16['duration_s']:.0f}% of FP16's run, "
                  f"{100 * pw['mixed_s'] / pw['duration_s']:.0f}% of PagedWeight's)")
     below = pw.get("x_vs_uniform4")
+    cap = max((r for r in ok if r.get("system") == "pagedweight-cap4.25" and r.get("label") == pw.get("label")
+               and r.get("request_rate") == pw.get("request_rate")), key=lambda r: str(r.get("date", "")), default=None)
+    cap_below = cap.get("x_vs_uniform4") if cap is not None else None
+    capped = (f"; capped at 4.25 bits (`--max-mean-bits 4.25`): {100 * (1 - cap_below):.1f}% below, "
+              f"{_num(cap.get('x_vs_fp16'), '{:.2f}')}x FP16" if cap is not None and isinstance(cap_below, int | float)
+              else "")
     return [
         f"| PagedWeight throughput x FP16, one budget, KV-heavy traffic | 1.94x (= Table 3's B=1 ratio, "
         f"130.1 / 67.1) | {_num(pw.get('x_vs_fp16'), '{:.2f}')}x whole run{decode_x}{share} | {where} |",
         f"| PagedWeight throughput below uniform APL | at most 4.1% | "
-        f"{_num(100 * (1 - below) if isinstance(below, int | float) else None, '{:.1f}')}% below uniform 4-bit | "
+        f"{_num(100 * (1 - below) if isinstance(below, int | float) else None, '{:.1f}')}% below uniform 4-bit"
+        f"{capped} | "
         f"{where} |"]
 
 

@@ -134,7 +134,8 @@ SUITES: dict[str, tuple[str, str, tuple[str, ...], list[Column]]] = {
                  "Every system in the same device budget on the same requests and Poisson arrival times: long "
                  "QMSum windows, random weights at the model's real shape (`python -m bench.headline`). FP16 is "
                  "the checkpoint's 16-bit experts in the page pool (static). Quality at each memory fraction: "
-                 "[docs/eval/](eval/README.md).",
+                 "[docs/eval/](eval/README.md). The memory split over time, FP16 against PagedWeight on "
+                 "Qwen1.5-MoE (`--figure`): [figures/headline_qwen.png](figures/headline_qwen.png).",
                  ("model", "gpu", "layers", "gpu_memory_gib", "request_rate", "system"),
                  [("output tok/s", "output_tokens_per_second"), ("x FP16", "x_vs_fp16"),
                   ("x uniform 4", "x_vs_uniform4"), ("TTFT p50 s", "ttft_p50_s"), ("TTFT p99 s", "ttft_p99_s"),
