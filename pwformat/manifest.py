@@ -92,15 +92,35 @@ def _sample_sha256(files: list[Path]) -> str:
     return h.hexdigest()
 
 
+VOLATILE_CONFIG_KEYS = ("transformers_version",)  # rewritten by every save_pretrained: not the model
+
+
+def config_sha256(path: Path) -> str:
+    """sha256 of config.json's content: its keys sorted, compact separators, VOLATILE_CONFIG_KEYS left out, so
+    that the same config re-saved (another key order, indentation or transformers version) is the same model.
+    A file that is not a JSON object is hashed by its bytes."""
+    try:
+        obj = json.loads(path.read_bytes())
+    except (ValueError, RecursionError):
+        return _sha256(path)
+    if not isinstance(obj, dict):
+        return _sha256(path)
+    obj = {k: v for k, v in obj.items() if k not in VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def model_fingerprint(model_dir: Path, full: bool = True) -> dict[str, str]:
-    """{config_sha256, weights_quick, weights_sample, weights_sha256 (if ``full``)} of a checkpoint directory.
+    """{config_sha256, config_bytes_sha256, weights_quick, weights_sample, weights_sha256 (if ``full``)} of a
+    checkpoint directory. config_sha256 hashes config.json's content (``config_sha256``); config_bytes_sha256 its
+    bytes, what artifacts made before the content hash recorded.
 
     weights_quick: names and sizes of the safetensors files; weights_sample: also each file's header and a few
     hundred bytes of every tensor (``_sample_sha256``), what the runtime checks; weights_sha256: every byte
     (``pwcal quantize``; the pwcal stages check it too)."""
     files = sorted(model_dir.glob("*.safetensors"))
     quick = hashlib.sha256("".join(f"{f.name}:{f.stat().st_size};" for f in files).encode()).hexdigest()
-    out = {"config_sha256": _sha256(model_dir / "config.json"), "weights_quick": quick,
+    out = {"config_sha256": config_sha256(model_dir / "config.json"),
+           "config_bytes_sha256": _sha256(model_dir / "config.json"), "weights_quick": quick,
            "weights_sample": _sample_sha256(files)}
     if full:
         h = hashlib.sha256()
@@ -359,11 +379,16 @@ def check_same_model(manifest: Manifest, model_dir: Path, artifact_dir: Path, fu
                                "model the artifact was made from")
     want = manifest.model
     fp = model_fingerprint(model_dir, full=full and want.weights_sha256 is not None)
-    same = want.config_sha256 == fp["config_sha256"] and want.weights_quick == fp["weights_quick"]
+    same_config = want.config_sha256 in (fp["config_sha256"], fp["config_bytes_sha256"])
+    same = want.weights_quick == fp["weights_quick"]
     if same and want.weights_sample is not None:  # older artifacts lack the sampled fingerprint
         same = want.weights_sample == fp["weights_sample"]
     if same and "weights_sha256" in fp:
         same = want.weights_sha256 == fp["weights_sha256"]
+    if same and not same_config:
+        raise PagedWeightError(f"artifact {artifact_dir} was made for another model: these weights with another "
+                               "config.json (a value differs; key order and formatting do not count): restore "
+                               f"{model_dir / 'config.json'} as it was, or re-run pwcal quantize for this config")
     if not same:
         raise PagedWeightError(f"artifact {artifact_dir} was made for another model ({want.path}), not "
                                f"{model_dir}: give the checkpoint it was made from, or re-run pwcal quantize for "

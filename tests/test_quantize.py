@@ -5,6 +5,7 @@ One quantization (small calibration) is shared by the module's tests.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from pwcal.cli import app
 from pwformat.ap import unpack_codes
 from pwformat.cost import block_bytes
 from pwformat.errors import PagedWeightError
+from pwformat.manifest import Manifest, check_same_model, read_manifest
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.dense import dense_model
 from pwrun.data import default_model_dir, read_text
@@ -123,8 +125,13 @@ def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Pa
     other = tmp_path / "other"
     shutil.copytree(MODEL, other)
     cfg = json.loads((other / "config.json").read_text())
+    # the same config re-saved (keys reordered, indented, another transformers version) is the same model
+    (other / "config.json").write_text(json.dumps({**dict(reversed(cfg.items())), "transformers_version": "9.9"},
+                                                  indent=4))
+    APArtifact(artifact).check_model(other)
+    check_same_model(read_manifest(artifact), other, artifact, full=True)
     (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
-    with pytest.raises(PagedWeightError, match="made for another model"):
+    with pytest.raises(PagedWeightError, match=r"made for another model: these weights with another config\.json"):
         APArtifact(artifact).check_model(other)
     # a fine-tune: the same config.json, file names and sizes, every float tensor changed a little
     tuned = tmp_path / "tuned"
@@ -150,8 +157,6 @@ def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Pa
         APArtifact(artifact).check_model(one)
     # an artifact from before the sampled fingerprint: the runtime checks names and sizes only; the pwcal stages
     # (full=True) compare every byte's sha256
-    from pwformat.manifest import Manifest, check_same_model
-
     raw = json.loads((artifact / "manifest.json").read_text())
     del raw["model"]["weights_sample"]
     old = Manifest.from_dict(raw, artifact / "manifest.json")
@@ -159,6 +164,10 @@ def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Pa
     with pytest.raises(PagedWeightError, match="made for another model"):
         check_same_model(old, tuned, artifact, full=True)
     check_same_model(old, MODEL, artifact, full=True)
+    # an artifact from before the content hash recorded config.json's bytes: those still match
+    raw["model"]["config_sha256"] = hashlib.sha256((MODEL / "config.json").read_bytes()).hexdigest()
+    check_same_model(Manifest.from_dict(raw, artifact / "manifest.json"), MODEL, artifact, full=True)
+    assert raw["model"]["config_sha256"] != read_manifest(artifact).model.config_sha256
 
 
 def test_nan_in_checkpoint_is_a_clear_error(tmp_path: Path) -> None:

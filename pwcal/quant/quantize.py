@@ -256,7 +256,8 @@ def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[
         bits=cfg.bits,
         lut_dtype="float16",
         packing="planes int32 [8, N, ceil(K/32)], plane p = bit 7-p, column k at word k//32 bit k%32",
-        model=ModelRecord(path=str(Path(model_dir).resolve()), family=family, **model_fp),  # hints work from anywhere
+        model=ModelRecord(path=str(Path(model_dir).resolve()), family=family,  # the path: hints work from anywhere
+                          **{k: v for k, v in model_fp.items() if k != "config_bytes_sha256"}),
         package_version=package_version(),
         files={str(layer): layer_file(layer) for layer in layers},
         run_id=run_id,
@@ -278,8 +279,8 @@ def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConf
         return False
     m = read_manifest(out)
     q = m.stage("quantize")
-    same_model = (m.model.weights_sha256, m.model.config_sha256) == (model_fp["weights_sha256"],
-                                                                      model_fp["config_sha256"])
+    same_model = (m.model.weights_sha256 == model_fp["weights_sha256"]
+                  and m.model.config_sha256 in (model_fp["config_sha256"], model_fp["config_bytes_sha256"]))
     recorded = {**PRE_METHOD, **q.get("config", {})}  # artifacts from before --method were k-means ones
     if q.get("complete") and same_model and _result_keys(recorded) == _result_keys(asdict(cfg)):
         if m.checksums is not None:  # the skip vouches for the layer files and the quantize tables
