@@ -109,6 +109,24 @@ def config_sha256(path: Path) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def damaged_safetensors(files: list[Path]) -> str:
+    """'' if every file's header parses and its tensors' data fits the file, else a sentence naming the first file
+    that is cut short (a copy or download stopped) or has no readable header."""
+    for f in files:
+        size = f.stat().st_size
+        with f.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            try:
+                header = json.loads(fh.read(n)) if 0 < n <= size - 8 else None
+                end = 8 + n + max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                                  default=0)
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+                return f"{f} has no readable safetensors header ({size} bytes): re-copy or re-download it"
+        if size < end:
+            return f"{f} is cut short ({size} bytes of the {end} its header describes): re-copy or re-download it"
+    return ""
+
+
 def model_fingerprint(model_dir: Path, full: bool = True) -> dict[str, str]:
     """{config_sha256, config_bytes_sha256, weights_quick, weights_sample, weights_sha256 (if ``full``)} of a
     checkpoint directory. config_sha256 hashes config.json's content (``config_sha256``); config_bytes_sha256 its
@@ -389,6 +407,8 @@ def check_same_model(manifest: Manifest, model_dir: Path, artifact_dir: Path, fu
         raise PagedWeightError(f"artifact {artifact_dir} was made for another model: these weights with another "
                                "config.json (a value differs; key order and formatting do not count): restore "
                                f"{model_dir / 'config.json'} as it was, or re-run pwcal quantize for this config")
+    if not same and (damaged := damaged_safetensors(sorted(model_dir.glob("*.safetensors")))):
+        raise PagedWeightError(damaged)
     if not same:
         raise PagedWeightError(f"artifact {artifact_dir} was made for another model ({want.path}), not "
                                f"{model_dir}: give the checkpoint it was made from, or re-run pwcal quantize for "

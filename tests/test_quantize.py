@@ -22,6 +22,7 @@ from pwformat.errors import PagedWeightError
 from pwformat.manifest import Manifest, check_same_model, read_manifest
 from pwrun.ap.artifact import APArtifact
 from pwrun.ap.dense import dense_model
+from pwrun.cli import app as pwrun_app
 from pwrun.data import default_model_dir, read_text
 from pwrun.model.inventory import expert_blocks
 from pwrun.model.loader import load_model, load_tokenizer
@@ -168,6 +169,24 @@ def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Pa
     raw["model"]["config_sha256"] = hashlib.sha256((MODEL / "config.json").read_bytes()).hexdigest()
     check_same_model(Manifest.from_dict(raw, artifact / "manifest.json"), MODEL, artifact, full=True)
     assert raw["model"]["config_sha256"] != read_manifest(artifact).model.config_sha256
+
+
+def test_a_damaged_shard_is_named_not_called_another_model(artifact: Path, tmp_path: Path) -> None:
+    """A shard cut short (a stopped copy) or with a garbled header fails the fingerprint like another model would;
+    the error names the file and what is wrong with it instead."""
+    for damage, want in (("cut", "is cut short"), ("header", "no readable safetensors header")):
+        copy = tmp_path / damage
+        shutil.copytree(MODEL, copy)
+        shard = sorted(copy.glob("*.safetensors"))[1]
+        data = shard.read_bytes()
+        shard.write_bytes(data[:-1000] if damage == "cut" else data[:8] + b"{not json" + data[17:])
+        with pytest.raises(PagedWeightError, match=want) as err:
+            APArtifact(artifact).check_model(copy)
+        assert shard.name in str(err.value) and "another model" not in str(err.value)
+        r = CliRunner().invoke(pwrun_app, ["generate", "-m", str(copy), "--artifacts", str(artifact), "--policy",
+                                           "uniform", "--bits", "4", "--prompt", "The", "--max-new-tokens", "2",
+                                           "--device", "cpu"])
+        assert r.exit_code == 2 and want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_nan_in_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
