@@ -118,9 +118,11 @@ def damaged_safetensors(files: list[Path]) -> str:
             n = int.from_bytes(fh.read(8), "little")
             try:
                 header = json.loads(fh.read(n)) if 0 < n <= size - 8 else None
+                if not isinstance(header, dict):
+                    raise ValueError("no header object")
                 end = 8 + n + max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
                                   default=0)
-            except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+            except (ValueError, TypeError, KeyError, IndexError):
                 return f"{f} has no readable safetensors header ({size} bytes): re-copy or re-download it"
         if size < end:
             return f"{f} is cut short ({size} bytes of the {end} its header describes): re-copy or re-download it"
