@@ -65,11 +65,21 @@ EvalDeviceOpt = Annotated[str, typer.Option(help="cpu (the default: the evaluati
 
 
 DEFAULT_RELOAD_RESERVE = str(EngineConfig.reload_reserve_tokens)  # the engine's default, as the CLI writes it
+
+
+def _bits_in_range(value: float | None) -> float | None:
+    """``--max-mean-bits``: 1 to 16 bits; nan and inf are refused with the range (click's own check would say
+    "should be less than or equal to 16" of nan)."""
+    if value is not None and not 1.0 <= value <= 16.0:
+        raise typer.BadParameter(f"{value:g}: give a number of bits from 1 to 16, e.g. 4.25")
+    return value
+
+
 MaxMeanBitsOpt = Annotated[float | None, typer.Option(
-    "--max-mean-bits", min=1.0, max=16.0, metavar="BITS",
-    help="With --policy pagedweight: hold at most the expert bytes of every block at this many bits (e.g. 4.25; "
-         "placement and reloads stay within it). Each decode step reads the experts in force: a cap near the "
-         "uniform bitwidth bounds what the planner's raises cost in throughput; the bits still go where the "
+    "--max-mean-bits", metavar="BITS", callback=_bits_in_range,
+    help="With --policy pagedweight: hold at most the expert bytes of every block at this many bits (1 to 16, "
+         "e.g. 4.25; placement and reloads stay within it). Each decode step reads the experts in force: a cap "
+         "near the uniform bitwidth bounds what the planner's raises cost in throughput; the bits still go where the "
          "predicted damage is largest. Default: no cap (as many bits as the free pages allow).")]
 ReloadReserveOpt = Annotated[str, typer.Option(
     "--reload-reserve",

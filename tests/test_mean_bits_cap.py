@@ -45,8 +45,9 @@ def test_the_cap_is_validated() -> None:
     for bad in (0.5, 17, float("nan"), True, "4"):
         with pytest.raises(ValueError, match="max_mean_bits"):
             EngineConfig(max_mean_bits=bad)  # type: ignore[arg-type]
-    r = CliRunner().invoke(app, ["generate", "--prompt", "x", "--max-mean-bits", "0.5"])
-    assert r.exit_code == 2 and "--max-mean-bits" in r.output
+    for bad_flag in ("0.5", "17", "nan", "inf"):  # nan is out of range too, not "should be <= 16"
+        r = CliRunner().invoke(app, ["generate", "--prompt", "x", "--max-mean-bits", bad_flag])
+        assert r.exit_code == 2 and "--max-mean-bits" in r.output and "from 1 to 16" in r.output, r.output
 
 
 @pytest.mark.parametrize("args", [["--policy", "uniform", "--bits", "4", "--max-mean-bits", "4"],
