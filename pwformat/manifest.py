@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pwformat.atomic import write_atomic
 from pwformat.checksums import FileSum
@@ -65,26 +65,48 @@ def _sha256(path: Path) -> str:
 SAMPLE_BYTES = 256  # per probe; three probes (start, middle, end) per tensor
 
 
+def _header(fh: BinaryIO, size: int) -> tuple[bytes, list[tuple[int, int]]] | None:
+    """A safetensors file's header bytes and its tensors' (start, end) data offsets, sorted; None where the header
+    is not one (a length past the file, not a JSON object, offsets that are not two ordered non-negative ints)."""
+    n = int.from_bytes(fh.read(8), "little")
+    if not 0 < n <= size - 8:
+        return None
+    raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    if not isinstance(header, dict):
+        return None
+    spans = []
+    for key, v in header.items():
+        if key == "__metadata__":
+            continue
+        off = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(off, list) and len(off) == 2 and all(type(x) is int for x in off) and 0 <= off[0] <= off[1]):
+            return None
+        spans.append((off[0], off[1]))
+    return raw, sorted(spans)
+
+
 def _sample_sha256(files: list[Path]) -> str:
     """sha256 of each safetensors file's name, size and header (tensor names, dtypes, shapes, offsets), and of
     SAMPLE_BYTES at the start, middle and end of every tensor's data: a few hundred bytes per tensor, yet a
     fine-tune of any tensor (experts only, routers only) changes it. A file whose header cannot be parsed is
-    hashed by its first 64 KiB (the loader reports it)."""
+    hashed by its first 64 KiB (``checkpoint_problem`` names it)."""
     h = hashlib.sha256()
     for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}:{size};".encode())
         with f.open("rb") as fh:
-            try:
-                n = int.from_bytes(fh.read(8), "little")
-                header = fh.read(n) if 0 < n <= size - 8 else b""
-                spans = sorted(tuple(v["data_offsets"]) for k, v in json.loads(header).items() if k != "__metadata__")
-            except (ValueError, TypeError, KeyError, AttributeError):
+            parsed = _header(fh, size)
+            if parsed is None:
                 fh.seek(0)
                 h.update(fh.read(1 << 16))
                 continue
+            header, spans = parsed
             h.update(header)
-            base = 8 + n
+            base = 8 + len(header)
             for lo, hi in spans:
                 for at in sorted({lo, max(lo, (lo + hi) // 2 - SAMPLE_BYTES // 2), max(lo, hi - SAMPLE_BYTES)}):
                     fh.seek(base + at)
@@ -115,18 +137,35 @@ def damaged_safetensors(files: list[Path]) -> str:
     for f in files:
         size = f.stat().st_size
         with f.open("rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            try:
-                header = json.loads(fh.read(n)) if 0 < n <= size - 8 else None
-                if not isinstance(header, dict):
-                    raise ValueError("no header object")
-                end = 8 + n + max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
-                                  default=0)
-            except (ValueError, TypeError, KeyError, IndexError):
-                return f"{f} has no readable safetensors header ({size} bytes): re-copy or re-download it"
+            parsed = _header(fh, size)
+        if parsed is None:
+            return f"{f} has no readable safetensors header ({size} bytes): re-copy or re-download it"
+        end = 8 + len(parsed[0]) + max((hi for _, hi in parsed[1]), default=0)
         if size < end:
             return f"{f} is cut short ({size} bytes of the {end} its header describes): re-copy or re-download it"
     return ""
+
+
+def checkpoint_problem(model_dir: Path) -> str:
+    """'' or a sentence with the fix for what makes a checkpoint directory unlike the one an artifact was made
+    from without being another model: a shard its index lists that is missing or damaged, or a safetensors file the
+    index does not list."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return damaged_safetensors(files)
+    try:
+        listed = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return f"{index} is corrupt (no valid weight_map): re-download the checkpoint"
+    missing = sorted(str(n) for n in listed if not (model_dir / str(n)).is_file())
+    if missing:
+        return (f"{model_dir}: shard(s) {', '.join(missing)} listed in the index are missing: copy the complete "
+                "checkpoint")
+    extra = [f.name for f in files if f.name not in listed]
+    return damaged_safetensors([f for f in files if f.name in listed]) or (
+        f"{model_dir}: {', '.join(extra)} not listed in {index.name}: move it out of the checkpoint directory"
+        if extra else "")
 
 
 def model_fingerprint(model_dir: Path, full: bool = True) -> dict[str, str]:
@@ -409,8 +448,8 @@ def check_same_model(manifest: Manifest, model_dir: Path, artifact_dir: Path, fu
         raise PagedWeightError(f"artifact {artifact_dir} was made for another model: these weights with another "
                                "config.json (a value differs; key order and formatting do not count): restore "
                                f"{model_dir / 'config.json'} as it was, or re-run pwcal quantize for this config")
-    if not same and (damaged := damaged_safetensors(sorted(model_dir.glob("*.safetensors")))):
-        raise PagedWeightError(damaged)
+    if not same and (problem := checkpoint_problem(model_dir)):
+        raise PagedWeightError(problem)
     if not same:
         raise PagedWeightError(f"artifact {artifact_dir} was made for another model ({want.path}), not "
                                f"{model_dir}: give the checkpoint it was made from, or re-run pwcal quantize for "

@@ -8,7 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -171,22 +173,73 @@ def test_rerun_is_a_noop_and_other_model_is_refused(artifact: Path, tmp_path: Pa
     assert raw["model"]["config_sha256"] != read_manifest(artifact).model.config_sha256
 
 
-def test_a_damaged_shard_is_named_not_called_another_model(artifact: Path, tmp_path: Path) -> None:
-    """A shard cut short (a stopped copy) or with a garbled header fails the fingerprint like another model would;
-    the error names the file and what is wrong with it instead."""
-    for damage, want in (("cut", "is cut short"), ("header", "no readable safetensors header")):
-        copy = tmp_path / damage
-        shutil.copytree(MODEL, copy)
-        shard = sorted(copy.glob("*.safetensors"))[1]
-        data = shard.read_bytes()
-        shard.write_bytes(data[:-1000] if damage == "cut" else data[:8] + b"{not json" + data[17:])
-        with pytest.raises(PagedWeightError, match=want) as err:
-            APArtifact(artifact).check_model(copy)
-        assert shard.name in str(err.value) and "another model" not in str(err.value)
-        r = CliRunner().invoke(pwrun_app, ["generate", "-m", str(copy), "--artifacts", str(artifact), "--policy",
-                                           "uniform", "--bits", "4", "--prompt", "The", "--max-new-tokens", "2",
-                                           "--device", "cpu"])
-        assert r.exit_code == 2 and want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def _rewrite_header(shard: Path, mutate: Callable[[dict[str, Any]], Any]) -> None:
+    """``shard`` with its header replaced by ``mutate(header)`` (JSON, or bytes as they are; the tensor data after
+    it unchanged)."""
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    new = mutate(json.loads(data[8:8 + n]))
+    head = new if isinstance(new, bytes) else json.dumps(new).encode()
+    shard.write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n:])
+
+
+def _first_tensor(h: dict[str, Any], offsets: Any) -> dict[str, Any]:
+    name = next(k for k in h if k != "__metadata__")
+    return {**h, name: {**h[name], "data_offsets": offsets(h[name]["data_offsets"])}}
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {  # name: (what is done to a shard, the error's words)
+    "cut": (lambda f: f.write_bytes(f.read_bytes()[:-1000]), "is cut short"),
+    "garbled": (lambda f: f.write_bytes(f.read_bytes()[:8] + b"{not json" + f.read_bytes()[17:]),
+                "no readable safetensors header"),
+    "nested": (lambda f: _rewrite_header(f, lambda h: b"[" * 3000 + b"]" * 3000), "no readable"),
+    "three offsets": (lambda f: _rewrite_header(f, lambda h: _first_tensor(h, lambda o: [*o, 0])), "no readable"),
+    "negative offset": (lambda f: _rewrite_header(f, lambda h: _first_tensor(h, lambda o: [-8, o[1]])),
+                        "no readable"),
+    "string offsets": (lambda f: _rewrite_header(f, lambda h: _first_tensor(h, lambda o: [str(x) for x in o])),
+                       "no readable"),
+    "missing": (lambda f: f.unlink(), "listed in the index are missing"),
+    "extra": (lambda f: shutil.copy(f, f.with_name("extra.safetensors")), "extra.safetensors not listed in"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_named_not_called_another_model(artifact: Path, tmp_path: Path, damage: str) -> None:
+    """A shard cut short (a stopped copy), with a header that is not one, missing, or a safetensors file the index
+    does not list fails the fingerprint like another model would; the error says what is wrong instead, in one
+    line, and pwcal quantize reading the same copy ends with one line too (no traceback)."""
+    copy = tmp_path / "m"
+    shutil.copytree(MODEL, copy)
+    shard = sorted(copy.glob("*.safetensors"))[1]
+    act, want = DAMAGE[damage]
+    act(shard)
+    with pytest.raises(PagedWeightError, match=want) as err:
+        APArtifact(artifact).check_model(copy)
+    assert "another model" not in str(err.value)
+    assert ("extra.safetensors" if damage == "extra" else shard.name) in str(err.value)
+    r = CliRunner().invoke(pwrun_app, ["generate", "-m", str(copy), "--artifacts", str(artifact), "--policy",
+                                       "uniform", "--bits", "4", "--prompt", "The", "--max-new-tokens", "2",
+                                       "--device", "cpu"])
+    assert r.exit_code == 2 and want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    if damage != "extra":  # quantize reads the files the index lists
+        r = runner.invoke(app, ["quantize", str(copy), "--out", str(tmp_path / "o"), *ARGS])
+        assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "o").exists()
+
+
+def test_a_config_with_nan_is_refused(tmp_path: Path) -> None:
+    """Python's json reads NaN and Infinity; config.json may hold neither (a NaN epsilon serves empty text)."""
+    copy = tmp_path / "m"
+    shutil.copytree(MODEL, copy)
+    text = (copy / "config.json").read_text()
+    cfg = json.loads(text)
+    (copy / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": float("nan")}))
+    r = runner.invoke(app, ["quantize", str(copy), "--out", str(tmp_path / "o"), *ARGS])
+    assert r.exit_code == 2 and "holds NaN, not a number" in r.stderr and "restore config.json" in r.stderr, r.stderr
+    (copy / "config.json").write_text("\ufeff" + text, encoding="utf-8")  # transformers cannot read it
+    r = runner.invoke(app, ["quantize", str(copy), "--out", str(tmp_path / "o"), *ARGS])
+    assert r.exit_code == 2 and "byte-order mark: save it as UTF-8 without one" in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_nan_in_checkpoint_is_a_clear_error(tmp_path: Path) -> None:

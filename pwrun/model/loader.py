@@ -69,6 +69,14 @@ def scoring_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return resolve_dtype(dtype, device)
 
 
+class _NonFinite(Exception):
+    """NaN, Infinity or -Infinity in config.json (Python's json reads them; no config value may be one)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _NonFinite(name)
+
+
 def read_config(model_dir: Path) -> Any:
     """The transformers config of ``model_dir`` (offline)."""
     if model_dir.exists() and not model_dir.is_dir():
@@ -84,10 +92,17 @@ def read_config(model_dir: Path) -> Any:
         raise PagedWeightError(f"{model_dir} has no config.json: it is not a Hugging Face checkpoint directory"
                                + (" (it is a PagedWeight artifact: pass it as --artifacts, and `pwcal verify` "
                                   "checks it)" if artifact else ""))
+    restore = "restore config.json from the original checkpoint"
     try:
-        raw = json.loads(cfg_path.read_text())
+        text = cfg_path.read_text()
+        if text.startswith("\ufeff"):  # some editors write one; transformers' config reader cannot read it
+            raise PagedWeightError(f"{cfg_path} starts with a byte-order mark: save it as UTF-8 without one, or "
+                                   f"{restore}")
+        raw = json.loads(text, parse_constant=_no_constant)
+    except _NonFinite as exc:
+        raise PagedWeightError(f"{cfg_path} holds {exc}, not a number: {restore}") from None
     except json.JSONDecodeError as exc:
-        raise PagedWeightError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+        raise PagedWeightError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno}): {restore}") from exc
     except UnicodeDecodeError:
         raise PagedWeightError(f"{cfg_path} is not UTF-8 text: restore config.json from the original checkpoint"
                                ) from None
@@ -95,7 +110,7 @@ def read_config(model_dir: Path) -> Any:
         raise PagedWeightError(f"{cfg_path} is not a readable config ({type(exc).__name__}): restore config.json "
                                "from the original checkpoint") from None
     if not isinstance(raw, dict):
-        raise PagedWeightError(f"{cfg_path} must hold a JSON object, not {type(raw).__name__}")
+        raise PagedWeightError(f"{cfg_path} must hold a JSON object, not {type(raw).__name__}: {restore}")
     model_type = raw.get("model_type")
 
     if model_type is None:
