@@ -1,8 +1,9 @@
 # ruff: noqa: B023  (the timed closures run inside their loop iteration)
 """Dense GEMV suite: decode GEMVs of the 16-bit linears, cuBLAS (``F.linear``) against ``pwkernels/dense_gemv.py``.
 
-What it does: for the linears a decode step reads once (Qwen1.5-MoE and Mixtral shapes: q, k, v separately and
-fused, o_proj, router + shared gate, LM head), at T = 1 and 4 tokens, times ``F.linear`` and the Triton GEMV over a
+What it does: for the linears a decode step reads once (Qwen1.5-MoE, Mixtral and Gemma-4 shapes: q, k, v separately
+and fused, o_proj, routers, Gemma-4's dense MLP, LM head), after compiling every tile in ``--workers`` processes,
+at T = 1 and 4 tokens, times ``F.linear`` and the Triton GEMV over a
 grid of tiles (GPU time of a CUDA-graph replay of 24 calls cycling over copies of the weight that make 240 MB, so
 each call reads its weight from HBM as in a decode step; median of 5), checks every Triton result against
 ``F.linear`` (max |diff| / max |ref|) and records us per call, % of the copy bandwidth (weight bytes / time, read +
@@ -11,7 +12,7 @@ into F (``pwkernels/configs/dense_gemv.json`` layout). One record per (linear, T
 
 Usage (GPU machine)::
 
-    python -m bench.dense_gemv [--quick] [--ts 1,4] [--shapes router] [--write-configs F]
+    python -m bench.dense_gemv [--quick] [--ts 1,4] [--shapes router] [--write-configs F] [--workers 8]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from bench.common import copy_bandwidth, environment, graph_ms, write_records
 from pwkernels.dense_gemv import gemv, pick_config
+from pwkernels.warmup import default_workers, run_in_workers
 
 # name: (N, K, bias)
 SHAPES = {
@@ -49,6 +52,20 @@ SHAPES = {
 }
 
 
+def _compile_job(job: tuple[int, int, bool, int, dict[str, int]]) -> str:
+    """Worker: one call of ``gemv`` with tile ``cfg`` on an [N, K] weight at T tokens, so that its kernel lands in
+    Triton's on-disk cache before the timed sweep; "" or the error (the sweep reports a tile that fails itself)."""
+    n, k, has_bias, t, cfg = job
+    try:
+        w = torch.zeros(n, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.zeros(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
+        gemv(torch.zeros(t, k, dtype=torch.bfloat16, device="cuda"), w, b, cfg)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as err:
+        return f"{n}x{k} T={t} {cfg}: {type(err).__name__}: {str(err)[:160]}"
+
+
 def graph_us(fn: Callable[[int], object], calls: int = 24) -> float:
     """GPU microseconds per call of ``fn(i)``, i = 0..calls-1 (CUDA-graph replay, median of 5)."""
     return 1e3 * graph_ms(fn, calls, reps=5)
@@ -63,6 +80,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSONL (default bench/results/dense_gemv.jsonl)")
     ap.add_argument("--write-configs", type=Path, help="write the best T = 1 tile per shape into this JSON "
                     "(pwkernels/configs/dense_gemv.json layout, by_shape)")
+    ap.add_argument("--workers", type=int, default=default_workers(),
+                    help="processes that compile every (shape, T, tile) before the timed sweep (0: compile as timed)")
     args = ap.parse_args()
     env = environment(args.label)
     torch.manual_seed(0)
@@ -74,7 +93,15 @@ def main() -> None:
                 dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)]
     rows = []
     shapes = {name: v for name, v in SHAPES.items() if args.shapes in name}
-    for (name, (n, k, has_bias)), t in itertools.product(shapes.items(), [int(v) for v in args.ts.split(",")]):
+    ts = [int(v) for v in args.ts.split(",")]
+    if args.workers > 0:  # serially, each tile's first call compiles for a second or more: minutes over the grid
+        jobs = [(n, k, has_bias, t, cfg) for (n, k, has_bias), t in itertools.product(shapes.values(), ts)
+                for cfg in grid + ([pick_config(n, k)] if args.quick else [])]
+        start = time.perf_counter()
+        errors = run_in_workers(_compile_job, jobs, args.workers)
+        print(f"compiled {len(jobs)} (shape, T, tile) calls in {time.perf_counter() - start:.0f} s on "
+              f"{args.workers} processes ({len(errors)} failed; the sweep reports them)", flush=True)
+    for (name, (n, k, has_bias)), t in itertools.product(shapes.items(), ts):
         # as many copies of the weight as make 240 MB, called in turn: as in a decode step, every call reads its
         # weight from HBM (one copy would stay in the 50 MB L2 across calls)
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
