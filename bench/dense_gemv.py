@@ -87,7 +87,7 @@ def main() -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth()
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw) for bn, bk, nw in
-            itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048), (4, 8))]
+            itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8))]
     if args.quick:
         grid = [dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4), dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),
                 dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)]
