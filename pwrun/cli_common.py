@@ -12,6 +12,7 @@ It does no work of its own.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 import sys
@@ -55,9 +56,9 @@ BitsOpt = Annotated[int | None, typer.Option(help="With --policy uniform: every 
                                              "defaults).")]
 DeviceOpt = Annotated[str, typer.Option(help="auto (cuda if present, else cpu), cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, and on the "
-                                       "CPU for --artifacts with --policy 16-bit; otherwise fp32 on the CPU, so the "
-                                       "checkpoint's own experts without --artifacts are held at 32 bits), float32, "
-                                       "bfloat16 or float16.")]
+                                       "CPU with --policy 16-bit; otherwise fp32 on the CPU, so the checkpoint's own "
+                                       "experts served without --artifacts and without --policy 16-bit are held at "
+                                       "32 bits), float32, bfloat16 or float16.")]
 PplDtypeOpt = Annotated[str, typer.Option(help="Activation and 16-bit weight dtype: auto (bf16 on CUDA, fp32 on the "
                                           "CPU), float32, bfloat16 or float16.")]
 EvalDeviceOpt = Annotated[str, typer.Option(help="cpu (the default: the evaluation's published numbers are CPU "
@@ -67,16 +68,20 @@ EvalDeviceOpt = Annotated[str, typer.Option(help="cpu (the default: the evaluati
 DEFAULT_RELOAD_RESERVE = str(EngineConfig.reload_reserve_tokens)  # the engine's default, as the CLI writes it
 
 
-def _bits_in_range(value: float | None) -> float | None:
-    """``--max-mean-bits``: 1 to 16 bits; nan and inf are refused with the range (click's own check would say
-    "should be less than or equal to 16" of nan)."""
-    if value is not None and not 1.0 <= value <= 16.0:
-        raise typer.BadParameter(f"{value:g}: give a number of bits from 1 to 16, e.g. 4.25")
+def _parse_bits(text: str) -> float:
+    """``--max-mean-bits``: a number of bits from 1 to 16; a word, nan or inf gets the range in its error (click's
+    own checks say "should be a valid number", or "should be less than or equal to 16" of nan)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 1.0 <= value <= 16.0:
+        raise typer.BadParameter(f"{text!r}: give a number of bits from 1 to 16, e.g. 4.25")
     return value
 
 
 MaxMeanBitsOpt = Annotated[float | None, typer.Option(
-    "--max-mean-bits", metavar="BITS", callback=_bits_in_range,
+    "--max-mean-bits", metavar="BITS", parser=_parse_bits,
     help="With --policy pagedweight: hold at most the expert bytes of every block at this many bits (1 to 16, "
          "e.g. 4.25; placement and reloads stay within it). Each decode step reads the experts in force: a cap "
          "near the uniform bitwidth bounds what the planner's raises cost in throughput; the bits still go where the "

@@ -45,7 +45,7 @@ def test_the_cap_is_validated() -> None:
     for bad in (0.5, 17, float("nan"), True, "4"):
         with pytest.raises(ValueError, match="max_mean_bits"):
             EngineConfig(max_mean_bits=bad)  # type: ignore[arg-type]
-    for bad_flag in ("0.5", "17", "nan", "inf"):  # nan is out of range too, not "should be <= 16"
+    for bad_flag in ("0.5", "17", "nan", "inf", "abc"):  # nan is out of range too, not "should be <= 16"
         r = CliRunner().invoke(app, ["generate", "--prompt", "x", "--max-mean-bits", bad_flag])
         assert r.exit_code == 2 and "--max-mean-bits" in r.output and "from 1 to 16" in r.output, r.output
 
