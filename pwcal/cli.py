@@ -12,9 +12,10 @@ from rich.table import Table
 
 from pwcal import cli_calib, cli_quant, cli_verify
 from pwformat.layout import PARENT_BITS
+from pwformat.shards import safetensors_files
 from pwrun.cli_common import ModelArg, make_console, run_cli, user_errors
 from pwrun.engine.budget import format_size
-from pwrun.model.checkpoint import TensorReader, safetensors_files
+from pwrun.model.checkpoint import TensorReader
 from pwrun.model.inventory import expert_blocks, host_memory, parameter_counts
 from pwrun.model.loader import load_spec
 

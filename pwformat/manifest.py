@@ -20,12 +20,13 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from pwformat.atomic import write_atomic
 from pwformat.checksums import FileSum
 from pwformat.errors import PagedWeightError
 from pwformat.layout import FORMAT, FORMAT_VERSION, PARENT_BITS, SUPPORTED_SEEDS
+from pwformat.shards import checkpoint_problem, safetensors_header
 
 MANIFEST = "manifest.json"
 STAGES = ("quantize", "sensitivity", "fit-residual", "search-buckets")  # the pwcal stages, in the order they run
@@ -65,30 +66,6 @@ def _sha256(path: Path) -> str:
 SAMPLE_BYTES = 256  # per probe; three probes (start, middle, end) per tensor
 
 
-def _header(fh: BinaryIO, size: int) -> tuple[bytes, list[tuple[int, int]]] | None:
-    """A safetensors file's header bytes and its tensors' (start, end) data offsets, sorted; None where the header
-    is not one (a length past the file, not a JSON object, offsets that are not two ordered non-negative ints)."""
-    n = int.from_bytes(fh.read(8), "little")
-    if not 0 < n <= size - 8:
-        return None
-    raw = fh.read(n)
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        return None
-    if not isinstance(header, dict):
-        return None
-    spans = []
-    for key, v in header.items():
-        if key == "__metadata__":
-            continue
-        off = v.get("data_offsets") if isinstance(v, dict) else None
-        if not (isinstance(off, list) and len(off) == 2 and all(type(x) is int for x in off) and 0 <= off[0] <= off[1]):
-            return None
-        spans.append((off[0], off[1]))
-    return raw, sorted(spans)
-
-
 def _sample_sha256(files: list[Path]) -> str:
     """sha256 of each safetensors file's name, size and header (tensor names, dtypes, shapes, offsets), and of
     SAMPLE_BYTES at the start, middle and end of every tensor's data: a few hundred bytes per tensor, yet a
@@ -99,7 +76,7 @@ def _sample_sha256(files: list[Path]) -> str:
         size = f.stat().st_size
         h.update(f"{f.name}:{size};".encode())
         with f.open("rb") as fh:
-            parsed = _header(fh, size)
+            parsed = safetensors_header(fh, size)
             if parsed is None:
                 fh.seek(0)
                 h.update(fh.read(1 << 16))
@@ -131,55 +108,22 @@ def config_sha256(path: Path) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def damaged_safetensors(files: list[Path]) -> str:
-    """'' if every file's header parses and its tensors' data fits the file, else a sentence naming the first file
-    that is cut short (a copy or download stopped) or has no readable header."""
-    for f in files:
-        size = f.stat().st_size
-        with f.open("rb") as fh:
-            parsed = _header(fh, size)
-        if parsed is None:
-            return f"{f} has no readable safetensors header ({size} bytes): re-copy or re-download it"
-        end = 8 + len(parsed[0]) + max((hi for _, hi in parsed[1]), default=0)
-        if size < end:
-            return f"{f} is cut short ({size} bytes of the {end} its header describes): re-copy or re-download it"
-    return ""
-
-
-def checkpoint_problem(model_dir: Path) -> str:
-    """'' or a sentence with the fix for what makes a checkpoint directory unlike the one an artifact was made
-    from without being another model: a shard its index lists that is missing or damaged, or a safetensors file the
-    index does not list."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    index = model_dir / "model.safetensors.index.json"
-    if not index.is_file():
-        return damaged_safetensors(files)
-    try:
-        listed = set(json.loads(index.read_text())["weight_map"].values())
-    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
-        return f"{index} is corrupt (no valid weight_map): re-download the checkpoint"
-    missing = sorted(str(n) for n in listed if not (model_dir / str(n)).is_file())
-    if missing:
-        return (f"{model_dir}: shard(s) {', '.join(missing)} listed in the index are missing: copy the complete "
-                "checkpoint")
-    extra = [f.name for f in files if f.name not in listed]
-    return damaged_safetensors([f for f in files if f.name in listed]) or (
-        f"{model_dir}: {', '.join(extra)} not listed in {index.name}: move it out of the checkpoint directory"
-        if extra else "")
+def config_matches(recorded: str, path: Path) -> bool:
+    """Whether ``recorded`` (a manifest's config_sha256) is config.json at ``path``: its content hash
+    (``config_sha256``), or its bytes' sha256, what artifacts made before the content hash recorded."""
+    return recorded in (config_sha256(path), _sha256(path))
 
 
 def model_fingerprint(model_dir: Path, full: bool = True) -> dict[str, str]:
-    """{config_sha256, config_bytes_sha256, weights_quick, weights_sample, weights_sha256 (if ``full``)} of a
-    checkpoint directory. config_sha256 hashes config.json's content (``config_sha256``); config_bytes_sha256 its
-    bytes, what artifacts made before the content hash recorded.
+    """{config_sha256, weights_quick, weights_sample, weights_sha256 (if ``full``)} of a checkpoint directory.
+    config_sha256 hashes config.json's content (``config_sha256``; ``config_matches`` also takes its bytes' hash).
 
     weights_quick: names and sizes of the safetensors files; weights_sample: also each file's header and a few
     hundred bytes of every tensor (``_sample_sha256``), what the runtime checks; weights_sha256: every byte
     (``pwcal quantize``; the pwcal stages check it too)."""
     files = sorted(model_dir.glob("*.safetensors"))
     quick = hashlib.sha256("".join(f"{f.name}:{f.stat().st_size};" for f in files).encode()).hexdigest()
-    out = {"config_sha256": config_sha256(model_dir / "config.json"),
-           "config_bytes_sha256": _sha256(model_dir / "config.json"), "weights_quick": quick,
+    out = {"config_sha256": config_sha256(model_dir / "config.json"), "weights_quick": quick,
            "weights_sample": _sample_sha256(files)}
     if full:
         h = hashlib.sha256()
@@ -438,7 +382,7 @@ def check_same_model(manifest: Manifest, model_dir: Path, artifact_dir: Path, fu
                                "model the artifact was made from")
     want = manifest.model
     fp = model_fingerprint(model_dir, full=full and want.weights_sha256 is not None)
-    same_config = want.config_sha256 in (fp["config_sha256"], fp["config_bytes_sha256"])
+    same_config = config_matches(want.config_sha256, model_dir / "config.json")
     same = want.weights_quick == fp["weights_quick"]
     if same and want.weights_sample is not None:  # older artifacts lack the sampled fingerprint
         same = want.weights_sample == fp["weights_sample"]

@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
 from pwcal.quant.quantize import QuantizeConfig, quantize
 from pwformat.cost import artifact_bytes
+from pwformat.shards import safetensors_files
 from pwrun.ap.artifact import APArtifact
 from pwrun.core.weight_table import CopyOrder
 from pwrun.data import default_model_dir
-from pwrun.model.checkpoint import safetensors_files
 from pwrun.model.inventory import expert_blocks, host_memory
 from pwrun.model.loader import load_model
 from pwrun.model.weights import dense_weight

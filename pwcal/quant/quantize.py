@@ -52,6 +52,7 @@ from pwformat.manifest import (
     FileSum,
     Manifest,
     ModelRecord,
+    config_matches,
     model_fingerprint,
     package_version,
     read_manifest,
@@ -256,8 +257,7 @@ def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[
         bits=cfg.bits,
         lut_dtype="float16",
         packing="planes int32 [8, N, ceil(K/32)], plane p = bit 7-p, column k at word k//32 bit k%32",
-        model=ModelRecord(path=str(Path(model_dir).resolve()), family=family,  # the path: hints work from anywhere
-                          **{k: v for k, v in model_fp.items() if k != "config_bytes_sha256"}),
+        model=ModelRecord(path=str(Path(model_dir).resolve()), family=family, **model_fp),  # hints work from anywhere
         package_version=package_version(),
         files={str(layer): layer_file(layer) for layer in layers},
         run_id=run_id,
@@ -274,13 +274,13 @@ def _manifest(cfg: QuantizeConfig, model_dir: Path, family: str, model_fp: dict[
     )
 
 
-def _existing_is_complete(out: Path, model_fp: dict[str, str], cfg: QuantizeConfig) -> bool:
+def _existing_is_complete(out: Path, model_dir: Path, model_fp: dict[str, str], cfg: QuantizeConfig) -> bool:
     if not (out / MANIFEST).is_file():
         return False
     m = read_manifest(out)
     q = m.stage("quantize")
     same_model = (m.model.weights_sha256 == model_fp["weights_sha256"]
-                  and m.model.config_sha256 in (model_fp["config_sha256"], model_fp["config_bytes_sha256"]))
+                  and config_matches(m.model.config_sha256, model_dir / "config.json"))
     recorded = {**PRE_METHOD, **q.get("config", {})}  # artifacts from before --method were k-means ones
     if q.get("complete") and same_model and _result_keys(recorded) == _result_keys(asdict(cfg)):
         if m.checksums is not None:  # the skip vouches for the layer files and the quantize tables
@@ -328,7 +328,7 @@ def _quantize_locked(model_dir: Path, out: Path, cfg: QuantizeConfig, device: st
                                f"give --seq-len in [2, {context}]")
     model_fp = model_fingerprint(model_dir)
     old = out.with_name(out.name + ".old")  # the previous artifact while the new one is renamed into place
-    if out.exists() and not force and _existing_is_complete(out, model_fp, cfg):
+    if out.exists() and not force and _existing_is_complete(out, Path(model_dir), model_fp, cfg):
         return {**read_manifest(out).to_dict(), "skipped": True}
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, device=device, dtype="float32", experts="stream")  # experts layer by layer

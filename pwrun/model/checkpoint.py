@@ -14,7 +14,6 @@ It does not parse configs (``families.py``) or run anything.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -22,33 +21,11 @@ import xxhash
 from safetensors import safe_open
 
 from pwformat.errors import PagedWeightError
+from pwformat.shards import safetensors_files
 from pwrun.model.checkpoint_gemma4 import load_gemma4
 from pwrun.model.families import CheckpointNames
 from pwrun.model.spec import LayerSpec, ModelSpec
 from pwrun.model.weights import AttentionWeights, LayerWeights, MLPWeights, ModelWeights, MoEWeights
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's safetensors files; raises ``PagedWeightError`` if there are none."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise PagedWeightError(f"{index} is corrupt (no valid weight_map): re-download the checkpoint") from exc
-        files = [model_dir / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise PagedWeightError(f"{model_dir}: shard(s) {', '.join(missing)} listed in the index are missing: "
-                                   "copy the complete checkpoint")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        pickled = list(model_dir.glob("*.bin")) + list(model_dir.glob("*.pt"))
-        hint = " (only pickle *.bin files found: convert them to safetensors)" if pickled else ""
-        raise PagedWeightError(f"no *.safetensors weights in {model_dir}{hint}")
-    return files
-
 
 EXPERT_MODES = ("load", "skip")
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from pwrun.model.checkpoint import TensorReader, experts_of, safetensors_files
+from pwformat.shards import safetensors_files
+from pwrun.model.checkpoint import TensorReader, experts_of
 from pwrun.model.families import CheckpointNames
 from pwrun.model.spec import ModelSpec
 from pwrun.model.weights import MLPWeights, MoEWeights
