@@ -41,11 +41,13 @@ def peak(device: str) -> int:
 
 
 def non_expert_bytes(model: LeanMoEModel) -> int:
-    """Non-expert weight bytes one decode step reads: attention and LM head (not the embedding table, unlike the
-    bytes held, ``pweval.memory.non_expert_bytes``; routers are counted by ``common.decode_step_bytes``)."""
+    """Non-expert weight bytes one decode step reads: attention, a dense MLP beside or instead of the experts
+    (Gemma-4's, 16-bit), and LM head (not the embedding table, unlike the bytes held,
+    ``pweval.memory.non_expert_bytes``; routers are counted by ``common.decode_step_bytes``)."""
     w = model.weights
+    mlps = [t for lw in w.layers if lw.mlp is not None for t in (lw.mlp.gate_up, lw.mlp.down)]
     return sum(t.numel() * t.element_size() for lw in w.layers for t in lw.attn.tensors()) \
-        + w.lm_head.numel() * w.lm_head.element_size()
+        + sum(t.numel() * t.element_size() for t in mlps) + w.lm_head.numel() * w.lm_head.element_size()
 
 
 def bits_read_per_token(spec: Any, steps: list[dict[str, Any]]) -> float:
