@@ -63,8 +63,11 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# TEST_WORKERS pytest-xdist processes of one thread each (a test's interpreted Triton kernels use one core; several
+# threads per worker on shared cores spin against each other).
+TEST_WORKERS ?= 2
 unit: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 test: lint typecheck unit
 

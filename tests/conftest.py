@@ -2,6 +2,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# a pytest-xdist worker runs with COLUMNS=80 in its environment: the CLIs would wrap their piped output there
+# and not in a plain run (tests that want a width pass COLUMNS themselves)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
 
 # Triton kernels run in the interpreter on machines without a GPU (CI); natively on the GPU machine.
 try:
