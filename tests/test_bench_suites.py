@@ -258,10 +258,17 @@ def test_headline_runs_every_system_on_the_same_arrivals(tmp_path: Path) -> None
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["kv_bytes_mean"] > 0
     assert rows["fp16"]["mean_bits"] == 16 and [rows[f"uniform{b}"]["mean_bits"] for b in (8, 4, 3)] == [8, 4, 3]
     assert png.stat().st_size > 10_000
+    # the table keeps runs whole: a later run of FP16 alone adds its row beside this run's seven; an earlier run
+    # whose every system was measured again since is left out
+    later = {**rows["fp16"], "label": "t2", "date": rows["fp16"]["date"] + "9"}
+    earlier = {**rows["uniform8"], "label": "t0", "date": rows["fp16"]["date"][:-1]}
+    with out.open("a") as f:
+        f.write(json.dumps(later) + "\n" + json.dumps(earlier) + "\n")
     md = tmp_path / "performance.md"
     _run("bench.render", "--results", str(tmp_path), "--out", str(md))
     text = md.read_text()
-    assert "## Headline experiment" in text and sum(f"| 0.04 | 20 | {s} |" in text for s in rows) == 7
+    assert "## Headline experiment" in text and sum(f"| 0.04 | 20 | t | {s} |" in text for s in rows) == 7, text
+    assert "| 0.04 | 20 | t2 | fp16 |" in text and "| t0 |" not in text, text
 
 
 @pytest.mark.parametrize("policies", ["nonsense", "pagedweight,,uniform", "pagedweight-peak,pagedweight-peak"])
