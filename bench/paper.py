@@ -25,7 +25,8 @@ def _num(x: Any, fmt: str = "{:.0f}") -> str:
     return fmt.format(x) if isinstance(x, int | float) else ""
 
 
-def _run(r: Record) -> tuple[str, str, str]:
+def run_of(r: Record) -> tuple[str, str, str]:
+    """The run a record came from: (gpu, date, label), as ``bench.common.environment`` stamps them."""
     return str(r.get("gpu", "")), str(r.get("date", "")), str(r.get("label", ""))
 
 
@@ -47,7 +48,7 @@ def _same_run_pair(records: list[Record], system: str, batch: int) -> tuple[Reco
         if r.get("model") != QWEN or r.get("system") != system or r.get("batch") != batch or r.get("baseline"):
             continue
         base = next((b for b in records if b.get("system") == OURS["FP16"] and b.get("batch") == batch
-                     and b.get("model") == QWEN and _run(b) == _run(r)
+                     and b.get("model") == QWEN and run_of(b) == run_of(r)
                      and isinstance(b.get("decode_tps_measured"), int | float)), None)
         if base is not None and isinstance(r.get("decode_tps_measured"), int | float):
             pairs.append((r, base))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.paper import paper_table
+from bench.paper import paper_table, run_of
 
 Record = dict[str, Any]
 # suite -> (title, what it measures, key fields, [(column title, field or function of the rows)])
@@ -209,11 +209,6 @@ def latest(records: list[Record], key: tuple[str, ...]) -> list[tuple[tuple[Any,
     return [(k, runs[max(runs)]) for k, runs in groups.items()]
 
 
-def _run(r: Record) -> tuple[str, str]:
-    """The run a record came from: its (date, label), as ``bench.common.environment`` stamps it."""
-    return str(r.get("date", "")), str(r.get("label", ""))
-
-
 def table(suite: str, records: list[Record], preface: str = "") -> str:
     """The markdown section of ``suite``: title, description, ``preface``, one row per key, then the runs it came
     from."""
@@ -222,9 +217,9 @@ def table(suite: str, records: list[Record], preface: str = "") -> str:
         records = [{"phase": "decode", "step_tokens_max": 2048, **r} for r in records]
     rows = latest(records, key)
     if suite == "headline":  # whole runs: each row's ratios beside the FP16 row of its own run
-        keep = {_run(rs[-1]) for _, rs in rows}
+        keep = {run_of(rs[-1]) for _, rs in rows}
         key = (*key[:-1], "label", key[-1])
-        rows = latest([r for r in records if _run(r) in keep], key)
+        rows = latest([r for r in records if run_of(r) in keep], key)
     lines = [f"## {title}", "", what, ""] + ([preface, ""] if preface else [])
     if suite == "serving":  # the user path, real workloads and HTTP records have tables of their own
         lines += [decode_pivot(records), ""] + [t for t in (user_path_table(records), workload_table(records),
